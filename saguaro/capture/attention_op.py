@@ -1,0 +1,100 @@
+"""The saguaro attention op: one ``torch.library`` custom op per attention layer.
+
+It writes the new keys/values into a KV store that Saguaro owns (preallocated, static shapes,
+GQA aware) and attends over that store under a mask that it builds itself from small integer
+tensors, so no dense float mask is ever rebuilt on the host:
+
+* ``slot_pos[b, s]``    position of the token held in slot ``s`` (-1: empty, padding or rolled back)
+* ``slot_branch[b, s]`` 0 for the committed prefix and glue; ``β > 0`` for tree branch ``β``
+* ``query_pos[b, t]``   position of query ``t``
+* ``query_branch[b, t]`` 0 for ordinary queries, ``β`` for a tree-branch query
+* ``query_limit[b, t]`` last shared (branch 0) position the query may see; ``query_pos`` for
+  ordinary queries, the fork point ``P0 + j`` for a branch forked at glue row ``j``
+* ``window``            sliding-window length (0: none)
+
+Query ``t`` sees slot ``s`` when the slot is valid and either it is shared and not after the
+query's limit, or it lies on the query's own branch and not after the query. A query always sees
+its own slot, so a padding query (whose slot is marked invalid) stays finite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+OP_NAMESPACE = "saguaro"
+
+
+def build_attention_mask(
+    write_slots: torch.Tensor,  # [B, T] long
+    query_pos: torch.Tensor,  # [B, T] long
+    query_branch: torch.Tensor,  # [B, T] long
+    query_limit: torch.Tensor,  # [B, T] long
+    slot_pos: torch.Tensor,  # [B, S] long
+    slot_branch: torch.Tensor,  # [B, S] long
+    window: int,
+) -> torch.Tensor:
+    """Boolean mask ``[B, T, S]``: True where query ``t`` may attend to slot ``s``."""
+    s_pos = slot_pos[:, None, :]  # [B, 1, S]
+    s_branch = slot_branch[:, None, :]  # [B, 1, S]
+    valid = s_pos >= 0
+    shared = (s_branch == 0) & (s_pos <= query_limit[:, :, None])
+    own = (s_branch == query_branch[:, :, None]) & (s_pos <= query_pos[:, :, None])
+    allowed = valid & (shared | own)
+    if window > 0:
+        allowed = allowed & (s_pos > query_pos[:, :, None] - window)
+    slots = torch.arange(slot_pos.shape[1], device=slot_pos.device)  # [S]
+    return allowed | (slots[None, None, :] == write_slots[:, :, None])  # [B, T, S]
+
+
+def attention_reference(
+    query: torch.Tensor,  # [B, H, T, D]
+    k_cache: torch.Tensor,  # [B, Hkv, S, D]
+    v_cache: torch.Tensor,  # [B, Hkv, S, D]
+    mask: torch.Tensor,  # [B, T, S] bool
+    scale: float,
+) -> torch.Tensor:
+    """Masked attention over the whole store, GQA by folding query groups (no KV repeat)."""
+    B, H, T, D = query.shape
+    Hkv = k_cache.shape[1]
+    groups = H // Hkv
+    q = query.reshape(B, Hkv, groups * T, D)  # heads of one group are adjacent in HF's layout
+    m = mask[:, None, None, :, :].expand(B, 1, groups, T, mask.shape[-1])
+    m = m.reshape(B, 1, groups * T, mask.shape[-1])  # [B, 1, G*T, S]
+    out = torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=m, scale=scale)
+    return out.reshape(B, H, T, D)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::attention", mutates_args=("k_cache", "v_cache"))
+def saguaro_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_slots: torch.Tensor,
+    query_pos: torch.Tensor,
+    query_branch: torch.Tensor,
+    query_limit: torch.Tensor,
+    slot_pos: torch.Tensor,
+    slot_branch: torch.Tensor,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """Write ``key``/``value`` ``[B, Hkv, T, D]`` at ``write_slots`` and attend; returns ``[B, H, T, D]``."""
+    B, Hkv, T, D = key.shape
+    index = write_slots[:, None, :, None].expand(B, Hkv, T, D)
+    k_cache.scatter_(2, index, key.to(k_cache.dtype))
+    v_cache.scatter_(2, index, value.to(v_cache.dtype))
+    mask = build_attention_mask(write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window)
+    return attention_reference(query, k_cache, v_cache, mask, scale)
+
+
+@saguaro_attention.register_fake
+def _saguaro_attention_fake(
+    query, key, value, k_cache, v_cache, write_slots, query_pos, query_branch, query_limit, slot_pos,
+    slot_branch, scale, window,
+):
+    return torch.empty_like(query)
+
+
+ATTENTION_OP = torch.ops.saguaro.attention.default

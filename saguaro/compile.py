@@ -1,0 +1,74 @@
+"""``saguaro.compile``: capture → lower → Program, in the direct or the decorator form."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from saguaro.capture import capture, model_spec
+from saguaro.config import SaguaroConfig
+from saguaro.errors import SaguaroError
+from saguaro.lower import lower_model
+from saguaro.runtime.model_runner import ModelRunner
+from saguaro.runtime.program import Program
+
+log = logging.getLogger(__name__)
+
+
+def compile(target=None, draft=None, **config):  # noqa: A001 - mirrors torch.compile
+    """Compile ``target`` (and ``draft``) into a :class:`~saguaro.runtime.program.Program`.
+
+    ``saguaro.compile(target, draft, k=5, mode="sd", backend="eager")`` returns a Program.
+    Without a target, ``saguaro.compile(draft=d, **cfg)`` returns a decorator that takes the target
+    (a module, or a zero-argument function returning one), like ``torch.compile``.
+    Options are the fields of :class:`saguaro.config.SaguaroConfig`.
+    """
+    cfg = SaguaroConfig(**config)
+    if target is None:
+        def decorator(target_or_factory):
+            model = target_or_factory
+            if not isinstance(model, torch.nn.Module) and callable(model):
+                model = model()
+            return compile_program(model, draft, cfg)
+        return decorator
+    return compile_program(target, draft, cfg)
+
+
+def compile_program(target, draft, cfg: SaguaroConfig) -> Program:
+    """Check the pair, capture both models, lower them, and build the Program."""
+    if not isinstance(target, torch.nn.Module):
+        raise SaguaroError(f"target must be a Hugging Face causal LM module, got {type(target).__name__}")
+    if draft is None and cfg.mode != "ar":
+        raise ValueError(f"mode={cfg.mode!r} needs a draft model; pass draft=... or use mode='ar'")
+    if draft is not None and not isinstance(draft, torch.nn.Module):
+        raise SaguaroError(f"draft must be a Hugging Face causal LM module, got {type(draft).__name__}")
+    target_spec = model_spec(target)
+    if draft is not None:
+        check_pair(target_spec, model_spec(draft))
+    runners = {}
+    for name, model in (("target", target), ("draft", draft)):
+        if model is None:
+            continue
+        captured = capture(model)
+        runners[name] = ModelRunner(name, captured, lower_model(captured, cfg.backend, name))
+    gen = getattr(target, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    pad = getattr(gen, "pad_token_id", None) if gen is not None else None
+    if pad is None:
+        pad = eos[0] if isinstance(eos, (list, tuple)) and eos else (eos if isinstance(eos, int) else 0)
+    return Program(cfg, runners["target"], runners.get("draft"), pad_token_id=int(pad), eos_token_id=eos)
+
+
+def check_pair(target_spec, draft_spec) -> None:
+    """Target and draft must share the vocabulary, the device and the dtype."""
+    if target_spec.vocab_size != draft_spec.vocab_size:
+        raise ValueError(
+            f"vocabulary mismatch: target {target_spec.model_class} has {target_spec.vocab_size} tokens, draft "
+            f"{draft_spec.model_class} has {draft_spec.vocab_size}; target and draft must share one vocabulary")
+    if target_spec.device != draft_spec.device:
+        raise ValueError(f"draft is on device {draft_spec.device} but the target is on {target_spec.device}; "
+                         "put both on the same device")
+    if target_spec.dtype != draft_spec.dtype:
+        raise ValueError(f"draft dtype {draft_spec.dtype} differs from the target's {target_spec.dtype}; "
+                         "load both in the same dtype")

@@ -1,0 +1,76 @@
+"""The one validated, frozen configuration of a Saguaro program."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from saguaro.errors import ConfigError
+
+MODES = ("ar", "sd", "ssd")
+BACKENDS = ("eager", "inductor")
+FALLBACKS = ("auto", "neural", "fast")
+MAX_K = 16
+
+
+@dataclass(frozen=True)
+class SaguaroConfig:
+    """Options of :func:`saguaro.compile`. Every field is validated in ``__post_init__``.
+
+    k: speculation length, 1..16.
+    mode: ``"ar"`` (target alone), ``"sd"`` (speculative decoding) or ``"ssd"``.
+    backend: ``"eager"`` (the captured GraphModules) or ``"inductor"`` (``torch.compile``).
+    fallback: on an SSD cache miss, ``"neural"``, ``"fast"`` or ``"auto"``.
+    fan_out: int (uniform), a list of ``k+1`` ints, or ``"geometric"``.
+    fan_out_budget: total branches ``MQ``; default ``3·(k+1)``.
+    saguaro_c: Saguaro sampling down-weighting constant in (0, 1]; 1 disables it.
+    max_seq_len: KV store capacity in tokens per sequence; default the target's maximum positions.
+    """
+
+    k: int = 5
+    mode: str = "sd"
+    backend: str = "eager"
+    fallback: str = "auto"
+    fan_out: object = "geometric"
+    fan_out_budget: int | None = None
+    saguaro_c: float = 1.0
+    max_seq_len: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
+            raise ConfigError(f"k={self.k!r} is not allowed: k must be an int in 1..{MAX_K}")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode={self.mode!r} is not allowed: choose one of {', '.join(MODES)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r} is not allowed: choose one of {', '.join(BACKENDS)}")
+        if self.fallback not in FALLBACKS:
+            raise ConfigError(f"fallback={self.fallback!r} is not allowed: choose one of {', '.join(FALLBACKS)}")
+        if self.fan_out_budget is not None and (not isinstance(self.fan_out_budget, int) or self.fan_out_budget < 1):
+            raise ConfigError(f"fan_out_budget={self.fan_out_budget!r} is not allowed: it must be a positive int")
+        self._check_fan_out()
+        if not isinstance(self.saguaro_c, (int, float)) or not 0.0 < float(self.saguaro_c) <= 1.0:
+            raise ConfigError(f"saguaro_c={self.saguaro_c!r} is not allowed: it must lie in (0, 1]")
+        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
+            raise ConfigError(f"max_seq_len={self.max_seq_len!r} is not allowed: it must be an int >= 2")
+
+    def _check_fan_out(self):
+        f = self.fan_out
+        if f == "geometric":
+            return
+        if isinstance(f, int) and not isinstance(f, bool):
+            if f < 1:
+                raise ConfigError(f"fan_out={f!r} is not allowed: an int fan-out must be >= 1")
+            return
+        if isinstance(f, (list, tuple)):
+            if len(f) != self.k + 1 or not all(isinstance(x, int) and x >= 0 for x in f) or sum(f) < 1:
+                raise ConfigError(
+                    f"fan_out={list(f)!r} is not allowed: a list fan-out needs k+1={self.k + 1} non-negative ints "
+                    "with a positive sum"
+                )
+            return
+        raise ConfigError(f"fan_out={f!r} is not allowed: use an int, a list of k+1 ints, or 'geometric'")
+
+    @property
+    def budget(self) -> int:
+        """Total fan-out ``MQ`` (``fan_out_budget`` or ``3·(k+1)``)."""
+        return self.fan_out_budget if self.fan_out_budget is not None else 3 * (self.k + 1)

@@ -1,0 +1,172 @@
+"""The default model pair shipped with Saguaro, and the held-out evaluation that describes it.
+
+The pair (a small Llama *target* and a much smaller Llama *draft* sharing one byte-level BPE
+tokenizer) is trained by ``examples/train_default_pair.py`` on the Python standard library's own
+source and saved under ``saguaro/assets/default/{target,draft}``. This module loads it and holds
+the helpers both the training script and the tests use to rebuild the corpus split and the fixed
+held-out slice, so the model card's numbers can be recomputed by anyone with the same Python.
+
+This module imports nothing from the rest of ``saguaro`` at import time, so the training script can
+load it on its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sysconfig
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ASSETS_DIR = Path(__file__).parent / "assets" / "default"
+HELDOUT_EVAL_FILE = "heldout_eval.json"
+TRAIN_COMMAND = "python examples/train_default_pair.py"
+
+# Split and corpus rules. The held-out set is a fixed function of each file's relative path.
+HELDOUT_PERCENT = 3
+MAX_FILE_BYTES = 200_000
+SKIP_DIR_NAMES = ("site-packages", "__pycache__")
+
+
+def stdlib_root() -> Path:
+    """The folder holding the running interpreter's standard library source."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def is_heldout(relpath: str, percent: int = HELDOUT_PERCENT) -> bool:
+    """Held-out rule: ``int(sha1(relpath).hexdigest(), 16) % 100 < percent``.
+
+    ``relpath`` is the POSIX path of the file relative to the stdlib folder, e.g. ``json/decoder.py``.
+    """
+    return int(hashlib.sha1(relpath.encode("utf-8")).hexdigest(), 16) % 100 < percent
+
+
+def corpus_files(root: Path | None = None, max_file_bytes: int = MAX_FILE_BYTES) -> list[str]:
+    """Sorted relative POSIX paths of the ``*.py`` files of the corpus.
+
+    Every ``*.py`` under ``root`` (default: the stdlib) except those under ``site-packages`` or
+    ``__pycache__``, and except files larger than ``max_file_bytes`` (generated tables and the like).
+    """
+    root = stdlib_root() if root is None else Path(root)
+    out = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if any(part in SKIP_DIR_NAMES for part in rel.parts):
+            continue
+        if not path.is_file() or path.stat().st_size > max_file_bytes:
+            continue
+        out.append(rel.as_posix())
+    return sorted(out)
+
+
+def read_source(root: Path, relpath: str) -> str | None:
+    """The file's text, or ``None`` when it is not UTF-8 (a handful of stdlib test files)."""
+    try:
+        return (Path(root) / relpath).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def document_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of one file as the models saw it: ``[eos] + ids(text)``; eos separates files."""
+    return [tokenizer.eos_token_id] + tokenizer.encode(text, add_special_tokens=False)
+
+
+def heldout_chunks(
+    tokenizer,
+    n_chunks: int,
+    seq_len: int,
+    root: Path | None = None,
+    heldout_percent: int = HELDOUT_PERCENT,
+    max_file_bytes: int = MAX_FILE_BYTES,
+) -> torch.Tensor:
+    """The fixed held-out slice: ``[n_chunks, seq_len]`` token ids.
+
+    Held-out files (see :func:`is_heldout`) in sorted path order, each as :func:`document_ids`,
+    are concatenated; the first ``n_chunks * seq_len`` tokens are cut into non-overlapping chunks.
+    """
+    root = stdlib_root() if root is None else Path(root)
+    need = n_chunks * seq_len
+    ids: list[int] = []
+    for rel in corpus_files(root, max_file_bytes):
+        if not is_heldout(rel, heldout_percent):
+            continue
+        text = read_source(root, rel)
+        if text is None:
+            continue
+        ids.extend(document_ids(tokenizer, text))
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise ValueError(f"held-out files give {len(ids)} tokens, fewer than n_chunks*seq_len={need}")
+    return torch.tensor(ids[:need], dtype=torch.long).view(n_chunks, seq_len)
+
+
+def slice_digest(chunks: torch.Tensor) -> str:
+    """sha1 of the slice's token ids, to tell whether a rebuilt slice is the one evaluated."""
+    return hashlib.sha1(",".join(map(str, chunks.flatten().tolist())).encode()).hexdigest()
+
+
+@torch.no_grad()
+def perplexity(model, chunks: torch.Tensor, batch_size: int = 8) -> float:
+    """``exp`` of the mean next-token NLL over every chunk position after the first.
+
+    Each chunk is scored on its own (no carried context), in float32 log-softmax.
+    """
+    total, count = 0.0, 0
+    for start in range(0, chunks.shape[0], batch_size):
+        batch = chunks[start : start + batch_size]  # [b, L]
+        logits = model(input_ids=batch).logits.float()  # [b, L, V]
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+        )
+        total += nll.item()
+        count += batch[:, 1:].numel()
+    return float(torch.exp(torch.tensor(total / count)))
+
+
+def flops_per_token(model) -> int:
+    """Forward FLOPs per token, ignoring attention scores: ``2 * (non-embedding params + V * d)``.
+
+    The input embedding is a lookup (free); the LM head is a ``d x V`` matmul whether or not it is
+    tied to the embedding.
+    """
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    skip = {id(embed), id(head)}
+    non_embedding = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    vocab, hidden = head.shape
+    return 2 * (non_embedding + vocab * hidden)
+
+
+def load_default_pair(dtype: torch.dtype | None = None):
+    """Return ``(target, draft, tokenizer)`` from ``saguaro/assets/default``, in eval mode.
+
+    ``dtype`` defaults to ``torch.float32`` (the weights are stored in float16 to keep the package
+    small; CPU matmuls are fastest and exact enough in float32).
+    """
+    from saguaro.errors import SaguaroError
+
+    target_dir, draft_dir = ASSETS_DIR / "target", ASSETS_DIR / "draft"
+    missing = [str(d) for d in (target_dir, draft_dir) if not (d / "config.json").is_file()]
+    if missing:
+        raise SaguaroError(
+            f"the default model pair is not built: missing {', '.join(missing)}. "
+            f"Build it with `{TRAIN_COMMAND}` (see saguaro/assets/default/MODEL_CARD.md)."
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if dtype is None else dtype
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    return target, draft, tokenizer
+
+
+def load_heldout_eval(assets_dir: Path = ASSETS_DIR) -> dict:
+    """The slice definition and expected perplexities written by the training script."""
+    return json.loads((Path(assets_dir) / HELDOUT_EVAL_FILE).read_text())

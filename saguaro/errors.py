@@ -1,0 +1,13 @@
+"""Errors raised by Saguaro. Bad user input raises ``ValueError`` or a ``SaguaroError`` subclass."""
+
+
+class SaguaroError(Exception):
+    """Base class of every error Saguaro raises on purpose."""
+
+
+class CaptureError(SaguaroError):
+    """A model could not be captured into an FX graph; the message names the model class or node."""
+
+
+class ConfigError(SaguaroError, ValueError):
+    """A configuration value is outside what is allowed; the message names the value."""

@@ -1,0 +1,68 @@
+"""Mode ``sd``: ordinary speculative decoding. Draft ``k`` tokens, verify ``k+1`` in one target call."""
+
+from __future__ import annotations
+
+import torch
+
+from saguaro.runtime import verification
+from saguaro.runtime.model_runner import ModelRunner
+from saguaro.runtime.state import DecodeState
+from saguaro.runtime.verification import sample_tokens
+
+
+def draft_speculation(draft: ModelRunner, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft ``k`` tokens after each row's pending token: ``tokens [B, k]`` and ``probs [B, k, V]``.
+
+    The first draft call feeds the last two tokens of each row, so it (re)writes the draft KV of the
+    token before ``r`` — missing when the previous round accepted every draft token — and of ``r``.
+    """
+    seqs, store, k = state.seqs, state.draft_store, state.k
+    index = seqs.tail_index(2)  # [B, 2]
+    store.invalidate_from(index[:, 0])
+    tokens, probs = [], []
+    ids = seqs.gather(index)
+    for step in range(k):
+        logits = draft(store, ids, seqs.positions(index), index)[:, -1]  # [B, V]
+        token, prob = sample_tokens(logits, state.temperature, state.generator)
+        tokens.append(token)
+        probs.append(prob)
+        ids = token[:, None]
+        index = index[:, -1:] + 1
+    stacked_probs = torch.stack(probs, dim=1) if probs[0] is not None else None  # [B, k, V]
+    return torch.stack(tokens, dim=1), stacked_probs  # [B, k]
+
+
+def verify_round(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor,
+                 draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target call over ``[r, x_1..x_k]``, verification, and the append; returns ``(accepted, next)``."""
+    seqs, k = state.seqs, state.k
+    index = seqs.tail_index(1) + torch.arange(k + 1, device=draft_tokens.device)[None, :]  # [B, k+1]
+    ids = torch.cat([seqs.gather(index[:, :1]), draft_tokens], dim=1)  # [B, k+1]
+    state.target_store.invalidate_from(index[:, 0])  # drop the previous round's rejected slots
+    with state.timers.time("verify_s"):
+        logits = target(state.target_store, ids, seqs.positions(index), index)  # [B, k+1, V]
+        accepted, next_token = verification.verify_speculation(
+            logits, draft_tokens, draft_probs, state.temperature, state.generator)
+    commit_outcome(state, draft_tokens, accepted, next_token)
+    return accepted, next_token
+
+
+def commit_outcome(state: DecodeState, draft_tokens: torch.Tensor, accepted: torch.Tensor,
+                   next_token: torch.Tensor) -> None:
+    """Append ``x_1..x_a, r'`` to each active row and record the accepted length."""
+    B, k = draft_tokens.shape
+    slots = torch.arange(k + 1, device=draft_tokens.device)[None, :]  # [1, k+1]
+    padded = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)  # [B, k+1]
+    candidates = torch.where(slots == accepted[:, None], next_token[:, None], padded)
+    active = state.seqs.active.clone()
+    state.seqs.append(candidates, accepted + 1)
+    state.accepted_lengths.extend((accepted[active] + 1).tolist())
+    state.timers.count("rounds")
+
+
+def decode_sd(target: ModelRunner, draft: ModelRunner, state: DecodeState) -> None:
+    """Alternate drafting and verification until every row finishes."""
+    while not state.seqs.all_finished():
+        with state.timers.time("draft_s"):
+            draft_tokens, draft_probs = draft_speculation(draft, state)
+        verify_round(target, state, draft_tokens, draft_probs)

@@ -1,0 +1,127 @@
+"""The Program: runtime of a compiled target/draft pair. Modes ``ar``/``sd`` over the same stages."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from saguaro.config import SaguaroConfig
+from saguaro.runtime.decode_ar import decode_ar
+from saguaro.runtime.decode_sd import decode_sd
+from saguaro.runtime.inputs import check_generate_args
+from saguaro.runtime.model_runner import ModelRunner
+from saguaro.runtime.sequences import SequenceBatch
+from saguaro.runtime.state import DecodeState
+from saguaro.runtime.verification import sample_tokens
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerateOutput:
+    """``sequences [B, T + new]`` and a dict of ``stats``."""
+
+    sequences: torch.Tensor
+    stats: dict
+
+
+class Program:
+    """A compiled pair. ``generate`` decodes in the configured mode; ``mode=`` overrides it per call."""
+
+    def __init__(self, config: SaguaroConfig, target: ModelRunner, draft: ModelRunner | None,
+                 pad_token_id: int, eos_token_id):
+        self.config = config
+        self.target = target
+        self.draft = draft
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        """Longest prompt + new tokens allowed: the KV capacity and the models' maximum positions."""
+        limits = [self.target.spec.max_positions]
+        if self.draft is not None:
+            limits.append(self.draft.spec.max_positions)
+        if self.config.max_seq_len is not None:
+            limits.append(self.config.max_seq_len)
+        return min(limits)
+
+    def _store_capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        # the last round may speculate k tokens past the budget, and r sits one slot after them
+        return prompt_len + max_new_tokens + self.config.k + 2
+
+    @torch.inference_mode()
+    def generate(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id="default",
+                 seed: int | None = None, attention_mask=None, mode: str | None = None) -> GenerateOutput:
+        mode = mode or self.config.mode
+        if mode not in ("ar", "sd"):
+            raise ValueError(f"mode={mode!r} is not available: this build supports 'ar' and 'sd'")
+        if mode != "ar" and self.draft is None:
+            raise ValueError(f"mode={mode!r} needs a draft model; compile with draft=... or use mode='ar'")
+        if eos_token_id == "default":
+            eos_token_id = self.eos_token_id
+        device = self.target.spec.device
+        input_ids, attention_mask, eos_ids = check_generate_args(
+            input_ids, attention_mask, max_new_tokens, temperature, seed, eos_token_id, device)
+        vocab = self.target.spec.vocab_size
+        if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
+            raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")
+        B, T = input_ids.shape
+        if T + max_new_tokens > self.max_length:
+            raise ValueError(
+                f"prompt length {T} + max_new_tokens {max_new_tokens} = {T + max_new_tokens} exceeds the maximum "
+                f"of {self.max_length} tokens (KV capacity / the models' max_position_embeddings)")
+        generator = None
+        if temperature > 0:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seed if seed is not None else int(torch.seed() % (2**63)))
+
+        start = time.perf_counter()
+        capacity = self._store_capacity(T, max_new_tokens)
+        seqs = SequenceBatch(input_ids, attention_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id)
+        state = DecodeState(
+            seqs=seqs,
+            target_store=self.target.new_store(B, capacity),
+            draft_store=self.draft.new_store(B, capacity) if mode != "ar" else None,
+            temperature=float(temperature), generator=generator, k=self.config.k,
+        )
+        self._prefill(state)
+        if mode == "ar":
+            decode_ar(self.target, state)
+        else:
+            decode_sd(self.target, self.draft, state)
+        wall = time.perf_counter() - start
+        sequences = seqs.result()
+        return GenerateOutput(sequences=sequences, stats=self._stats(state, mode, wall))
+
+    def _prefill(self, state: DecodeState) -> None:
+        """Prefill both stores with the prompt and decide the first token from the target."""
+        seqs = state.seqs
+        T = seqs.prompt_len
+        index = torch.arange(T, device=seqs.tokens.device).expand(seqs.batch, T)  # [B, T]
+        ids, pos = seqs.tokens[:, :T], seqs.prompt_positions()
+        with state.timers.time("prefill_s"):
+            logits = self.target(state.target_store, ids, pos, index)[:, -1]  # [B, V]
+            if state.draft_store is not None:
+                self.draft(state.draft_store, ids, pos, index)
+        first, _ = sample_tokens(logits, state.temperature, state.generator)
+        seqs.append(first[:, None], torch.ones_like(first))
+
+    def _stats(self, state: DecodeState, mode: str, wall: float) -> dict:
+        new_tokens = int(state.seqs.generated.sum())
+        rounds = int(state.timers.counts.get("rounds", 0))
+        lengths = state.accepted_lengths
+        return {
+            "mode": mode,
+            "new_tokens": new_tokens,
+            "wall_s": wall,
+            "tokens_per_s": new_tokens / wall if wall > 0 else 0.0,
+            "rounds": rounds,
+            "mean_accepted_len": sum(lengths) / len(lengths) if lengths else 0.0,
+            "prefill_s": state.timers.seconds.get("prefill_s", 0.0),
+            "verify_s": state.timers.seconds.get("verify_s", 0.0),
+            "draft_s": state.timers.seconds.get("draft_s", 0.0),
+        }
