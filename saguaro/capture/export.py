@@ -105,7 +105,7 @@ def example_inputs(spec: ModelSpec, batch: int = 2, tokens: int = 3, slots: int 
 
 
 def _dynamic_shapes(num_layers: int):
-    B = torch.export.Dim("batch", min=1, max=4096)
+    B = torch.export.Dim("batch", min=1, max=1 << 16)
     T = torch.export.Dim("tokens", min=1, max=1 << 16)
     S = torch.export.Dim("slots", min=2, max=1 << 17)
     q = {0: B, 1: T}
