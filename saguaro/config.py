@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from saguaro.errors import ConfigError
 
@@ -24,6 +24,7 @@ class SaguaroConfig:
     fan_out_budget: total branches ``MQ``; default ``3·(k+1)``.
     saguaro_c: Saguaro sampling down-weighting constant in (0, 1]; 1 disables it.
     max_seq_len: KV store capacity in tokens per sequence; default the target's maximum positions.
+    lane_timeout_s: seconds the target waits for the draft lane before finishing without it.
     """
 
     k: int = 5
@@ -34,7 +35,7 @@ class SaguaroConfig:
     fan_out_budget: int | None = None
     saguaro_c: float = 1.0
     max_seq_len: int | None = None
-    extra: dict = field(default_factory=dict, compare=False)
+    lane_timeout_s: float = 60.0
 
     def __post_init__(self):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
@@ -50,6 +51,8 @@ class SaguaroConfig:
         self._check_fan_out()
         if not isinstance(self.saguaro_c, (int, float)) or not 0.0 < float(self.saguaro_c) <= 1.0:
             raise ConfigError(f"saguaro_c={self.saguaro_c!r} is not allowed: it must lie in (0, 1]")
+        if not isinstance(self.lane_timeout_s, (int, float)) or not self.lane_timeout_s > 0:
+            raise ConfigError(f"lane_timeout_s={self.lane_timeout_s!r} is not allowed: it must be > 0 seconds")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
             raise ConfigError(f"max_seq_len={self.max_seq_len!r} is not allowed: it must be an int >= 2")
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 import sysconfig
+import types
 from pathlib import Path
 
 import torch
@@ -170,3 +172,16 @@ def load_default_pair(dtype: torch.dtype | None = None):
 def load_heldout_eval(assets_dir: Path = ASSETS_DIR) -> dict:
     """The slice definition and expected perplexities written by the training script."""
     return json.loads((Path(assets_dir) / HELDOUT_EVAL_FILE).read_text())
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this submodule rebinds the package attribute ``saguaro.default_pair`` (the public
+    function defined in ``saguaro/__init__.py``) to the module; making the module callable keeps
+    ``saguaro.default_pair(dtype=...)`` working either way."""
+
+    def __call__(self, dtype: torch.dtype | None = None):
+        return load_default_pair(dtype=dtype)
+
+
+if __name__ in sys.modules:  # absent when a script loads this file on its own
+    sys.modules[__name__].__class__ = _CallableModule

@@ -7,7 +7,7 @@ import torch
 from saguaro.runtime import verification
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.state import DecodeState
-from saguaro.runtime.verification import sample_tokens
+from saguaro.runtime.draft_decode import draft_decode
 
 
 def draft_speculation(draft: ModelRunner, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -16,20 +16,10 @@ def draft_speculation(draft: ModelRunner, state: DecodeState) -> tuple[torch.Ten
     The first draft call feeds the last two tokens of each row, so it (re)writes the draft KV of the
     token before ``r`` — missing when the previous round accepted every draft token — and of ``r``.
     """
-    seqs, store, k = state.seqs, state.draft_store, state.k
+    seqs = state.seqs
     index = seqs.tail_index(2)  # [B, 2]
-    store.invalidate_from(index[:, 0])
-    tokens, probs = [], []
-    ids = seqs.gather(index)
-    for step in range(k):
-        logits = draft(store, ids, seqs.positions(index), index)[:, -1]  # [B, V]
-        token, prob = sample_tokens(logits, state.temperature, state.generator)
-        tokens.append(token)
-        probs.append(prob)
-        ids = token[:, None]
-        index = index[:, -1:] + 1
-    stacked_probs = torch.stack(probs, dim=1) if probs[0] is not None else None  # [B, k, V]
-    return torch.stack(tokens, dim=1), stacked_probs  # [B, k]
+    return draft_decode(draft, state.draft_store, seqs.gather(index), index, seqs.positions(index), state.k,
+                        state.temperature, state.generator)
 
 
 def verify_round(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor,

@@ -35,3 +35,14 @@ class KVStore:
         beyond = self._slot_index[None, :] >= lengths[:, None]  # [B, S]
         self.slot_pos.masked_fill_(beyond, -1)
         self.slot_branch.masked_fill_(beyond, 0)
+
+    def select_rows(self, rows: torch.Tensor) -> "KVStore":
+        """A copy of the store restricted to ``rows [M]`` (caches and slot metadata)."""
+        sub = KVStore.__new__(KVStore)
+        sub.k_caches = [c.index_select(0, rows) for c in self.k_caches]
+        sub.v_caches = [c.index_select(0, rows) for c in self.v_caches]
+        sub.slot_pos = self.slot_pos.index_select(0, rows)
+        sub.slot_branch = self.slot_branch.index_select(0, rows)
+        sub.capacity = self.capacity
+        sub._slot_index = self._slot_index
+        return sub

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.config import SaguaroConfig
+from saguaro.config import MODES, SaguaroConfig
 from saguaro.runtime.decode_ar import decode_ar
 from saguaro.runtime.decode_sd import decode_sd
+from saguaro.runtime.decode_ssd import decode_ssd
+from saguaro.runtime.lanes import ThreadLane
 from saguaro.runtime.inputs import check_generate_args
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.sequences import SequenceBatch
@@ -49,16 +51,27 @@ class Program:
             limits.append(self.config.max_seq_len)
         return min(limits)
 
-    def _store_capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+    def _store_capacity(self, prompt_len: int, max_new_tokens: int, mode: str) -> int:
         # the last round may speculate k tokens past the budget, and r sits one slot after them
-        return prompt_len + max_new_tokens + self.config.k + 2
+        capacity = prompt_len + max_new_tokens + self.config.k + 2
+        if mode == "ssd":  # tree scratch: k depths of at most MQ branches after the glue
+            capacity += self.config.k * self.max_branches
+        return capacity
+
+    @property
+    def max_branches(self) -> int:
+        """The largest ``MQ`` any round may use."""
+        f = self.config.fan_out
+        if f == "geometric":
+            return self.config.budget
+        return (self.config.k + 1) * f if isinstance(f, int) else sum(f)
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id="default",
                  seed: int | None = None, attention_mask=None, mode: str | None = None) -> GenerateOutput:
         mode = mode or self.config.mode
-        if mode not in ("ar", "sd"):
-            raise ValueError(f"mode={mode!r} is not available: this build supports 'ar' and 'sd'")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not allowed: choose one of {', '.join(MODES)}")
         if mode != "ar" and self.draft is None:
             raise ValueError(f"mode={mode!r} needs a draft model; compile with draft=... or use mode='ar'")
         if eos_token_id == "default":
@@ -74,13 +87,14 @@ class Program:
             raise ValueError(
                 f"prompt length {T} + max_new_tokens {max_new_tokens} = {T + max_new_tokens} exceeds the maximum "
                 f"of {self.max_length} tokens (KV capacity / the models' max_position_embeddings)")
-        generator = None
-        if temperature > 0:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(seed if seed is not None else int(torch.seed() % (2**63)))
+        generator = draft_generator = None
+        if temperature > 0:  # one generator per lane, so threads never share one
+            base = seed if seed is not None else int(torch.seed() % (2**62))
+            generator = torch.Generator(device=device).manual_seed(base)
+            draft_generator = torch.Generator(device=device).manual_seed(base + 1)
 
         start = time.perf_counter()
-        capacity = self._store_capacity(T, max_new_tokens)
+        capacity = self._store_capacity(T, max_new_tokens, mode)
         seqs = SequenceBatch(input_ids, attention_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id)
         state = DecodeState(
             seqs=seqs,
@@ -91,8 +105,11 @@ class Program:
         self._prefill(state)
         if mode == "ar":
             decode_ar(self.target, state)
-        else:
+        elif mode == "sd":
             decode_sd(self.target, self.draft, state)
+        else:
+            with ThreadLane(device, timeout_s=self.config.lane_timeout_s) as lane:
+                decode_ssd(self.target, self.draft, state, self.config, lane, draft_generator)
         wall = time.perf_counter() - start
         sequences = seqs.result()
         return GenerateOutput(sequences=sequences, stats=self._stats(state, mode, wall))
@@ -124,4 +141,35 @@ class Program:
             "prefill_s": state.timers.seconds.get("prefill_s", 0.0),
             "verify_s": state.timers.seconds.get("verify_s", 0.0),
             "draft_s": state.timers.seconds.get("draft_s", 0.0),
+        } | (self._ssd_stats(state, wall) if mode == "ssd" else {})
+
+    def _ssd_stats(self, state: DecodeState, wall: float) -> dict:
+        c, s = state.timers.counts, state.timers.seconds
+        lookups = c.get("lookups", 0)
+        rounds = c.get("rounds", 0)
+        new_tokens = int(state.seqs.generated.sum())
+        lengths = state.accepted_lengths
+        mean_len = sum(lengths) / len(lengths) if lengths else 0.0
+        mean_verify = s.get("verify_s", 0.0) / rounds if rounds else 0.0
+        ideal = mean_len * state.seqs.batch / mean_verify if mean_verify > 0 else 0.0
+        per_source = {}
+        for name in ("hit", "neural", "fast"):
+            n = c.get(f"rounds_after_{name}", 0)
+            per_source[name] = c.get(f"accepted_after_{name}", 0) / n if n else None
+        return {
+            "cache_hit_rate": c.get("hits", 0) / lookups if lookups else 0.0,
+            "hits_by_position": {a: c.get(f"hits_at_{a}", 0) for a in range(self.config.k + 1)},
+            "accepted_len_on_hits": per_source["hit"],
+            "accepted_len_on_misses": _mean_of(c, ("neural", "fast")),
+            "fallbacks": {"neural": c.get("fallback_neural", 0), "fast": c.get("fallback_fast", 0)},
+            "draft_wait_s": s.get("draft_wait_s", 0.0),
+            "fallback_s": s.get("fallback_neural_s", 0.0) + s.get("fallback_fast_s", 0.0),
+            "overlap_efficiency": (new_tokens / wall) / ideal if ideal > 0 else 0.0,
+            "lane_failures": c.get("lane_failures", 0),
         }
+
+
+def _mean_of(counts: dict, names) -> float | None:
+    total = sum(counts.get(f"accepted_after_{n}", 0) for n in names)
+    rounds = sum(counts.get(f"rounds_after_{n}", 0) for n in names)
+    return total / rounds if rounds else None

@@ -1,0 +1,32 @@
+"""The draft's own decoding: ``k`` autoregressive steps (SD drafting and the neural fallback)."""
+
+from __future__ import annotations
+
+import torch
+
+from saguaro.runtime.kv_store import KVStore
+from saguaro.runtime.model_runner import ModelRunner
+from saguaro.runtime.verification import sample_tokens
+
+
+def draft_decode(
+    draft: ModelRunner,
+    store: KVStore,
+    ids: torch.Tensor,  # [B, n]: tokens whose draft KV is missing, the last one being r
+    index: torch.Tensor,  # [B, n]: their slots (token indices)
+    positions: torch.Tensor,  # [B, n]
+    k: int,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode ``k`` tokens after ``ids``: ``tokens [B, k]`` and the distributions drawn from ``[B, k, V]``."""
+    store.invalidate_from(index[:, 0])
+    tokens, probs = [], []
+    for _ in range(k):
+        logits = draft(store, ids, positions, index)[:, -1]  # [B, V]
+        token, prob = sample_tokens(logits, temperature, generator)
+        tokens.append(token)
+        probs.append(prob)
+        ids, index, positions = token[:, None], index[:, -1:] + 1, positions[:, -1:] + 1
+    stacked_probs = torch.stack(probs, dim=1) if probs[0] is not None else None  # [B, k, V]
+    return torch.stack(tokens, dim=1), stacked_probs  # [B, k]

@@ -1,0 +1,49 @@
+"""Fallbacks on a speculation-cache miss: neural (the draft decodes now) or fast (a free proposal)."""
+
+from __future__ import annotations
+
+import torch
+
+from saguaro.runtime.draft_decode import draft_decode
+from saguaro.runtime.kv_store import KVStore
+from saguaro.runtime.model_runner import ModelRunner
+from saguaro.runtime.sequences import SequenceBatch
+from saguaro.runtime.verification import one_hot_proposal
+
+
+def neural_fallback(draft: ModelRunner, store: KVStore, seqs: SequenceBatch, rows: torch.Tensor, k: int,
+                    temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The draft decodes ``k`` tokens from ``r'`` for ``rows [M]`` only.
+
+    Missed rows are copied out of the store; what they write is glue territory that the next glue
+    rewrites, so nothing is copied back.
+    """
+    sub = store if rows.numel() == seqs.batch else store.select_rows(rows)
+    index = seqs.tail_index(1)[rows]  # [M, 1]: r'
+    ids = seqs.tokens[rows].gather(1, index)
+    positions = index - seqs.padding[rows][:, None]
+    return draft_decode(draft, sub, ids, index, positions, k, temperature, generator)
+
+
+def fast_fallback(seqs: SequenceBatch, rows: torch.Tensor, k: int, vocab_size: int,
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An n-gram proposal from each row's own context: what followed the last earlier ``r'``.
+
+    Without a match, ``r'`` repeated. It is deterministic, so verification uses the one-hot
+    proposal ``δ_x`` and stays exact at temperature > 0.
+    """
+    proposals = []
+    for row in rows.tolist():
+        length = int(seqs.lengths[row])
+        context = seqs.tokens[row, :length]
+        last = context[-1]
+        earlier = (context[:-1] == last).nonzero().flatten()
+        if earlier.numel():
+            follow = context[int(earlier[-1]) + 1: int(earlier[-1]) + 1 + k]
+        else:
+            follow = context[:0]
+        pad = last.expand(k - follow.numel())
+        proposals.append(torch.cat([follow, pad]))
+    tokens = torch.stack(proposals) if proposals else torch.zeros(0, k, dtype=torch.long)  # [M, k]
+    probs = one_hot_proposal(tokens, vocab_size) if temperature > 0 else None
+    return tokens, probs

@@ -1,0 +1,116 @@
+"""Fan-out allocation (DESIGN.md §1) and the online estimates of ``α`` and ``ρ`` it uses.
+
+Outcome ``j`` of a round has probability ``P(j) = α^j (1 − α)`` for ``j < K`` and ``α^K`` for
+``j = K``. The miss rate at one position falls as ``c·F^(−ρ)`` in its fan-out ``F``; minimising the
+expected miss rate under ``Σ F_j = MQ`` gives ``F_j ∝ P(j)^(1/(1+ρ))``, capped and rounded to
+integers that keep the budget.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+RANK_BINS = 64
+
+
+def outcome_probabilities(alpha: float, k: int) -> list[float]:
+    """``P(j)`` for ``j = 0..k`` under per-token acceptance rate ``alpha``."""
+    alpha = min(max(alpha, 1e-4), 1 - 1e-4)
+    return [alpha**j * (1 - alpha) for j in range(k)] + [alpha**k]
+
+
+def geometric_fan_out(alpha: float, rho: float, k: int, budget: int, cap: int | None = None) -> list[int]:
+    """Integer fan-outs ``F_0..F_k`` summing to ``budget``, each in ``[1, cap]``, ``∝ P(j)^(1/(1+ρ))``.
+
+    Every position keeps at least one branch while the budget allows (``budget >= k+1``).
+    """
+    cap = cap if cap is not None else max(1, budget)
+    n = k + 1
+    floor = 1 if budget >= n else 0
+    if budget > n * cap:
+        raise ValueError(f"fan_out_budget={budget} exceeds {n} positions x cap {cap}")
+    weights = [p ** (1.0 / (1.0 + max(rho, 1e-3))) for p in outcome_probabilities(alpha, k)]
+    fan = [floor] * n
+    remaining = budget - floor * n
+    # water-filling: hand out the remaining branches proportionally, respecting the cap
+    free = [j for j in range(n) if fan[j] < cap]
+    while remaining > 0 and free:
+        total = sum(weights[j] for j in free)
+        shares = {j: remaining * weights[j] / total for j in free}
+        granted = 0
+        for j in free:
+            add = min(int(math.floor(shares[j])), cap - fan[j])
+            fan[j] += add
+            granted += add
+        remaining -= granted
+        if granted == 0:  # largest remainders, ties to the lower position
+            order = sorted(free, key=lambda j: (-(shares[j] - math.floor(shares[j])), -weights[j], j))
+            for j in order[:remaining]:
+                fan[j] += 1
+            remaining = budget - sum(fan)
+        free = [j for j in range(n) if fan[j] < cap]
+    return fan
+
+
+class OutcomeEstimator:
+    """Online ``α`` (from accepted counts) and ``ρ`` (from the rank of the outcome token ``r'``).
+
+    ``α`` is the maximum-likelihood estimate of a geometric truncated at ``K``:
+    accepted tokens ÷ (accepted tokens + rejections). ``ρ`` comes from the empirical miss curve:
+    a fan-out ``F`` misses exactly when the rank of ``r'`` among the draft's candidates is ``≥ F``,
+    so every observed rank updates ``miss(F)`` for all ``F`` at once; ``ρ`` is the least-squares
+    slope of ``−log miss(F)`` on ``log F``.
+    """
+
+    def __init__(self, k: int, alpha_prior: float = 0.7, rho_prior: float = 1.0, prior_weight: float = 4.0):
+        self.k = k
+        self.accepted = alpha_prior * prior_weight
+        self.rejected = (1 - alpha_prior) * prior_weight
+        self.rho_prior = rho_prior
+        self.rank_counts = torch.zeros(RANK_BINS + 1, dtype=torch.float64)  # last bin: rank >= RANK_BINS
+
+    def observe(self, accepted: torch.Tensor, ranks: torch.Tensor | None = None) -> None:
+        """Record outcomes: ``accepted [N]`` in ``0..K`` and the ranks of ``r'`` ``[N]`` (0 = top)."""
+        self.accepted += float(accepted.sum())
+        self.rejected += float((accepted < self.k).sum())
+        if ranks is not None and ranks.numel():
+            self.rank_counts += torch.bincount(ranks.clamp(0, RANK_BINS).long().cpu(), minlength=RANK_BINS + 1)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / max(self.accepted + self.rejected, 1e-9)
+
+    def miss_curve(self) -> torch.Tensor:
+        """``miss(F) = P(rank >= F)`` for ``F = 1..RANK_BINS``."""
+        total = self.rank_counts.sum()
+        if total == 0:
+            return torch.zeros(0, dtype=torch.float64)
+        tail = self.rank_counts.flip(0).cumsum(0).flip(0) / total  # tail[i] = P(rank >= i)
+        return tail[1:RANK_BINS + 1]
+
+    @property
+    def rho(self) -> float:
+        miss = self.miss_curve()
+        if miss.numel() == 0 or self.rank_counts.sum() < 16:
+            return self.rho_prior
+        f = torch.arange(1, miss.numel() + 1, dtype=torch.float64)
+        keep = miss > 0
+        if int(keep.sum()) < 2:
+            return self.rho_prior
+        x, y = torch.log(f[keep]), torch.log(miss[keep])
+        x_c = x - x.mean()
+        slope = float((x_c * (y - y.mean())).sum() / (x_c * x_c).sum().clamp_min(1e-12))
+        return min(max(-slope, 0.05), 10.0)
+
+
+def resolve_fan_out(fan_out, k: int, budget: int, estimator: OutcomeEstimator | None, cap: int) -> list[int]:
+    """The fan-out list for this round from the configured ``fan_out`` (int, list, or "geometric")."""
+    if fan_out == "geometric":
+        alpha = estimator.alpha if estimator is not None else 0.7
+        rho = estimator.rho if estimator is not None else 1.0
+        return geometric_fan_out(alpha, rho, k, min(budget, (k + 1) * cap), cap)
+    if isinstance(fan_out, int):
+        return [min(fan_out, cap)] * (k + 1)
+    return [min(int(f), cap) for f in fan_out]
