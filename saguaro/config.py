@@ -20,7 +20,7 @@ class SaguaroConfig:
     mode: ``"ar"`` (target alone), ``"sd"`` (speculative decoding) or ``"ssd"``.
     backend: ``"eager"`` (the captured GraphModules) or ``"inductor"`` (``torch.compile``).
     fallback: on an SSD cache miss, ``"neural"``, ``"fast"`` or ``"auto"``.
-    fan_out: int (uniform), a list of ``k+1`` ints, or ``"geometric"``.
+    fan_out: int (uniform; 0 disables the tree), a list of ``k+1`` ints, or ``"geometric"``.
     fan_out_budget: total branches ``MQ``; default ``3·(k+1)``.
     saguaro_c: Saguaro sampling down-weighting constant in (0, 1]; 1 disables it.
     max_seq_len: KV store capacity in tokens per sequence; default the target's maximum positions.
@@ -61,15 +61,13 @@ class SaguaroConfig:
         if f == "geometric":
             return
         if isinstance(f, int) and not isinstance(f, bool):
-            if f < 1:
-                raise ConfigError(f"fan_out={f!r} is not allowed: an int fan-out must be >= 1")
+            if f < 0:
+                raise ConfigError(f"fan_out={f!r} is not allowed: an int fan-out must be >= 0 (0: no tree)")
             return
         if isinstance(f, (list, tuple)):
-            if len(f) != self.k + 1 or not all(isinstance(x, int) and x >= 0 for x in f) or sum(f) < 1:
+            if len(f) != self.k + 1 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in f):
                 raise ConfigError(
-                    f"fan_out={list(f)!r} is not allowed: a list fan-out needs k+1={self.k + 1} non-negative ints "
-                    "with a positive sum"
-                )
+                    f"fan_out={list(f)!r} is not allowed: a list fan-out needs k+1={self.k + 1} non-negative ints")
             return
         raise ConfigError(f"fan_out={f!r} is not allowed: use an int, a list of k+1 ints, or 'geometric'")
 

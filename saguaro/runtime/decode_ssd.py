@@ -63,7 +63,7 @@ def decode_ssd(target: ModelRunner, draft: ModelRunner, state: DecodeState, conf
     V = target.spec.vocab_size
     estimator = OutcomeEstimator(k)
     policy = FallbackPolicy(config.fallback, seqs.batch)
-    cap = max(1, V - 1)
+    cap = V  # row K has no excluded token, so it can hold every token
     all_rows = torch.arange(seqs.batch, device=seqs.tokens.device)
     with timers.time("draft_s"):  # the first speculation has no cache to come from
         spec_tokens, spec_probs = neural_fallback(draft, state.draft_store, seqs, all_rows, k, state.temperature,

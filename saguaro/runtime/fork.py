@@ -27,7 +27,9 @@ def fork_candidates(
     K = rows - 1
     masked = glue_logits.float().clone()
     masked[:, :K].scatter_(2, draft_tokens[:, :, None], float("-inf"))
-    width = int(branch_ranks.max()) + 1 if branch_ranks.numel() else 1
+    if branch_rows.numel() == 0:
+        return draft_tokens.new_zeros(B, 0)
+    width = int(branch_ranks.max()) + 1
     top = masked.topk(min(width, V), dim=-1).indices  # [B, K+1, width]
     return top[:, branch_rows, branch_ranks]  # [B, MQ]
 

@@ -25,12 +25,17 @@ class SpeculationCache:
 
     def match(self, accepted: torch.Tensor, outcome_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For outcomes ``(a [B], r' [B])``: ``hit [B]`` bool and the matching branch ``[B]``."""
+        if self.candidates.shape[1] == 0:  # no tree this round
+            return torch.zeros_like(accepted, dtype=torch.bool), torch.zeros_like(accepted)
         same = (self.branch_rows[None, :] == accepted[:, None]) & (self.candidates == outcome_tokens[:, None])
         return same.any(dim=1), same.long().argmax(dim=1)
 
     def speculation(self, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The cached ``tokens [B, K]`` and ``probs [B, K, V]`` of branch ``branch [B]`` of each row."""
-        B, _, K = self.tokens.shape
+        B, MQ, K = self.tokens.shape
+        if MQ == 0:
+            return self.tokens.new_zeros(B, K), None if self.probs is None else self.probs.new_zeros(B, K,
+                                                                                                   self.probs.shape[-1])
         tokens = self.tokens.gather(1, branch[:, None, None].expand(B, 1, K)).squeeze(1)
         if self.probs is None:
             return tokens, None

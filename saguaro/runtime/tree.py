@@ -49,6 +49,10 @@ def build_speculations(draft: ModelRunner, store: KVStore, req: GlueRequest,
     rows, ranks = branch_layout(req.fan_out, device)  # [MQ], [MQ]
     candidates = fork_candidates(glue_logits, req.draft_tokens, rows, ranks)  # [B, MQ]
     MQ = rows.numel()
+    if MQ == 0:  # fan-out 0: glue only; every lookup misses
+        empty = glue_logits.new_zeros(B, 0, K, glue_logits.shape[-1])
+        return SpeculationCache(branch_rows=rows, candidates=candidates, tokens=candidates.new_zeros(B, 0, K),
+                                probs=empty, glue_logits=glue_logits)
     branch = (torch.arange(MQ, device=device) + 1).expand(B, MQ)  # [B, MQ]
     fork_pos = req.positions[:, :1] + rows[None, :]  # [B, MQ]: position of x_j, the last shared token
     first_scratch = req.index[:, -1:] + 1  # [B, 1]

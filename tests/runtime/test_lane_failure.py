@@ -1,0 +1,48 @@
+"""A draft-lane failure mid-generation still yields the exact greedy output, with a warning."""
+
+import time
+
+import pytest
+import torch
+
+import saguaro
+from saguaro.runtime import tree
+from tests.conftest import tiny_pair
+from tests.models import prompts, reference_greedy
+
+
+def failing_after(calls, exc=None, sleep_s=None):
+    real = tree.build_speculations
+    count = {"n": 0}
+
+    def build(*args):
+        count["n"] += 1
+        if count["n"] > calls:
+            if sleep_s:
+                time.sleep(sleep_s)
+            else:
+                raise exc
+        return real(*args)
+
+    return build
+
+
+def test_exception_on_draft_lane_finishes_with_sd(monkeypatch):
+    target, draft, _ = tiny_pair("llama")
+    program = saguaro.compile(target, draft, k=3, mode="ssd")
+    monkeypatch.setattr(tree, "build_speculations", failing_after(2, RuntimeError("draft device lost")))
+    ids, mask = prompts(3, 8, seed=5, pad_rows={0: 2})
+    with pytest.warns(RuntimeWarning, match="draft device lost.*SD"):
+        out = program.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
+    assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 20))
+    assert out.stats["lane_failures"] == 1
+
+
+def test_timeout_on_draft_lane_finishes_with_ar(monkeypatch):
+    target, draft, _ = tiny_pair("llama")
+    program = saguaro.compile(target, draft, k=3, mode="ssd", lane_timeout_s=0.2)
+    monkeypatch.setattr(tree, "build_speculations", failing_after(1, sleep_s=1.0))
+    ids, mask = prompts(1, 8, seed=6)
+    with pytest.warns(RuntimeWarning, match="no answer within.*AR"):
+        out = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
+    assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 16))

@@ -1,0 +1,56 @@
+"""Greedy ``ssd`` equals the target's own ``generate`` for every architecture and fallback kind."""
+
+import functools
+
+import pytest
+import torch
+
+import saguaro
+from tests.conftest import tiny_pair
+from tests.models import prompts, reference_greedy
+
+
+@functools.lru_cache(maxsize=None)
+def ssd_program(arch: str, fallback: str):
+    target, draft, _ = tiny_pair(arch)
+    return saguaro.compile(target, draft, k=4, mode="ssd", fallback=fallback, fan_out="geometric")
+
+
+@pytest.mark.parametrize("fallback", ["neural", "fast", "auto"])
+@pytest.mark.parametrize("batch, pad_rows", [(1, None), (3, {1: 4, 2: 1})])
+def test_ssd_greedy_equals_target_generate(arch_pair, fallback, batch, pad_rows):
+    target, _, _ = arch_pair
+    arch = target.config.model_type
+    program = ssd_program(arch, fallback)
+    ids, mask = prompts(batch, 9, seed=batch, pad_rows=pad_rows)
+    expected = reference_greedy(target, ids, mask, max_new_tokens=24)
+    out = program.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None)
+    assert torch.equal(out.sequences, expected)
+    stats = out.stats
+    assert stats["mode"] == "ssd" and 0.0 <= stats["cache_hit_rate"] <= 1.0
+    assert sum(stats["hits_by_position"].values()) > 0, "the speculation cache never hit"
+    if fallback != "auto":
+        other = "fast" if fallback == "neural" else "neural"
+        assert stats["fallbacks"][other] == 0
+
+
+@pytest.mark.parametrize("fallback", ["neural", "fast"])
+def test_ssd_eos_stops_one_sequence_early(arch_pair, fallback):
+    target, _, _ = arch_pair
+    program = ssd_program(target.config.model_type, fallback)
+    ids, mask = prompts(3, 7, seed=11, pad_rows={2: 3})
+    free_run = reference_greedy(target, ids, mask, max_new_tokens=16)
+    eos = int(free_run[0, 7 + 3])
+    expected = reference_greedy(target, ids, mask, max_new_tokens=16, eos_token_id=eos)
+    out = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=eos)
+    assert torch.equal(out.sequences, expected)
+
+
+def test_ssd_misses_only_with_fan_out_zero():
+    """Fan-out 0 builds no tree: every lookup misses and the fallback carries the whole generation."""
+    target, draft, _ = tiny_pair("llama")
+    program = saguaro.compile(target, draft, k=3, mode="ssd", fan_out=0, fallback="neural")
+    ids, mask = prompts(2, 6, seed=4)
+    out = program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
+    assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 12))
+    assert out.stats["cache_hit_rate"] == 0.0 and out.stats["fallbacks"]["neural"] > 0
