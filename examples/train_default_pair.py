@@ -25,12 +25,13 @@ import math
 import os
 import platform
 import shlex
-import sys
 import time
 from pathlib import Path
 
+import tokenizers
 import torch
 import torch.nn.functional as F
+import transformers
 
 REPO = Path(__file__).resolve().parents[1]
 log = logging.getLogger("train_default_pair")
@@ -48,7 +49,7 @@ def _load_helpers():
 dp = _load_helpers()
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("run")
     g.add_argument("--out", default=str(REPO / "saguaro" / "assets" / "default"),
@@ -62,7 +63,7 @@ def parse_args(argv=None):
     g.add_argument("--max-steps", type=int, default=None,
                    help="cap on the steps of each training phase (quick runs; overrides --*-steps)")
     g.add_argument("--log-every", type=int, default=50, help="steps between progress lines")
-    g.add_argument("--eval-every", type=int, default=500, help="steps between held-out evaluations")
+    g.add_argument("--eval-every", type=int, default=400, help="steps between held-out evaluations")
     g.add_argument("--ckpt-every", type=int, default=500, help="steps between checkpoints")
     g.add_argument("--autocast", choices=["bf16", "none"], default="bf16",
                    help="CPU autocast for target training and teacher forwards (bf16 uses AMX/AVX512)")
@@ -82,16 +83,16 @@ def parse_args(argv=None):
     g.add_argument("--target-hidden", type=int, default=384, help="target hidden size")
     g.add_argument("--target-heads", type=int, default=6, help="target attention heads")
     g.add_argument("--target-intermediate", type=int, default=1024, help="target MLP size")
-    g.add_argument("--target-steps", type=int, default=2000, help="target optimizer steps")
+    g.add_argument("--target-steps", type=int, default=1100, help="target optimizer steps")
     g.add_argument("--target-batch", type=int, default=16, help="target sequences per step")
-    g.add_argument("--target-lr", type=float, default=2e-3, help="target peak learning rate")
+    g.add_argument("--target-lr", type=float, default=1.5e-3, help="target peak learning rate")
 
     g = p.add_argument_group("draft model and distillation")
     g.add_argument("--draft-layers", type=int, default=4, help="draft decoder layers")
     g.add_argument("--draft-hidden", type=int, default=128, help="draft hidden size")
     g.add_argument("--draft-heads", type=int, default=4, help="draft attention heads")
     g.add_argument("--draft-intermediate", type=int, default=384, help="draft MLP size")
-    g.add_argument("--draft-steps", type=int, default=3000, help="draft optimizer steps")
+    g.add_argument("--draft-steps", type=int, default=1400, help="draft optimizer steps")
     g.add_argument("--draft-batch", type=int, default=16, help="draft sequences per step")
     g.add_argument("--draft-lr", type=float, default=3e-3, help="draft peak learning rate")
     g.add_argument("--kd-alpha", type=float, default=1.0,
@@ -114,7 +115,25 @@ def parse_args(argv=None):
     g.add_argument("--accept-prompt-len", type=int, default=64, help="tokens per acceptance prompt")
     g.add_argument("--accept-new-tokens", type=int, default=128, help="tokens generated per prompt")
     g.add_argument("--sample-new-tokens", type=int, default=64, help="tokens per sample completion")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
+
+
+def canonical_command(args) -> str:
+    """The command that reproduces this run: the options that differ from their defaults
+    (``--resume`` excluded: resuming does not change the result)."""
+    parts = ["nice -n 19 python examples/train_default_pair.py"]
+    for action in build_parser()._actions:
+        if not action.option_strings or action.dest in ("help", "resume"):
+            continue
+        value = getattr(args, action.dest)
+        if value != action.default:
+            flag = action.option_strings[0]
+            parts.append(flag if isinstance(value, bool) else f"{flag} {shlex.quote(str(value))}")
+    return " ".join(parts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -355,6 +374,106 @@ def complete(model, tokenizer, prompt, new_tokens):
     return tokenizer.decode(ids[0], skip_special_tokens=True)
 
 
+def write_model_card(out: Path, r: dict) -> None:
+    """Render ``MODEL_CARD.md`` from the run's results (every number below comes from ``r``)."""
+    a = r["args"]
+    acc = r["acceptance"]
+    tt = r["train_time_s"]
+    hist = ", ".join(f"{i}: {n}" for i, n in enumerate(acc["accepted_hist"]))
+    samples = "\n\n".join(f"Prompt `{p!r}`:\n\n```python\n{s}\n```" for p, s in r["samples"].items())
+    text = f"""# Saguaro default model pair
+
+A small Llama **target** and a much smaller Llama **draft** sharing one tokenizer, trained from
+scratch by the project on the Python standard library's own source, so that Saguaro has a real,
+license-clean model pair to test and benchmark speculative decoding with, offline. They complete
+Python-looking code; they are not useful code assistants.
+
+Load with `target, draft, tokenizer = saguaro.default_pair()` (float32 by default; the weights are
+stored in float16).
+
+## Corpus and split
+
+- Every `*.py` file under `sysconfig.get_paths()["stdlib"]` of CPython {r["python_version"]}
+  (tests included), except those under `site-packages` or `__pycache__`, files larger than
+  {a["max_file_bytes"]} bytes, and files that are not UTF-8: {r["train_files"]} training files and
+  {r["heldout_files"]} held-out files.
+- **Held-out rule**: a file is held out iff `int(sha1(relpath).hexdigest(), 16) % 100 < {a["heldout_percent"]}`,
+  `relpath` being its POSIX path relative to the stdlib folder (`saguaro.default_pair.is_heldout`).
+- Each file is tokenized as `[eos] + ids(text)`; the training files are concatenated into one
+  stream of {r["train_tokens"]:,} tokens, and batches are random windows of it.
+
+## Tokenizer
+
+Byte-level BPE (`tokenizers`, GPT-2 pre-tokenization, no prefix space) with {r["vocab_size"]} tokens,
+trained on the training files. `<|endoftext|>` (id {r["eos_id"]}) is bos, eos and the file separator;
+`<|pad|>` (id {r["pad_id"]}) pads. `tokenizer(text)` prepends `<|endoftext|>`, meaning "start of a file".
+As with every byte-level BPE, a space is fused to the word after it, so a prompt ending in a
+space (`"def "`) is tokenized unlike anything seen in training; drop the trailing space or heal it
+(the samples below restrict the first generated token to tokens starting with the dropped spaces).
+
+## Models
+
+| | layers | hidden | heads | MLP | context | parameters | FLOPs/token |
+|---|---|---|---|---|---|---|---|
+| target | {a["target_layers"]} | {a["target_hidden"]} | {a["target_heads"]} | {a["target_intermediate"]} | {a["seq_len"]} | {r["target_params"]:,} | {r["target_flops_per_token"]:,} |
+| draft | {a["draft_layers"]} | {a["draft_hidden"]} | {a["draft_heads"]} | {a["draft_intermediate"]} | {a["seq_len"]} | {r["draft_params"]:,} | {r["draft_flops_per_token"]:,} |
+
+`LlamaForCausalLM`, tied input/output embeddings, RoPE, trained at context {a["seq_len"]}
+(`max_position_embeddings`; longer sequences run but are out of distribution). FLOPs/token is
+`2 * (non-embedding parameters + V * d)` (`saguaro.default_pair.flops_per_token`; attention
+scores excluded): the draft costs **{r["flops_ratio"]:.4f}** of the target (limit 1/8 = 0.125).
+
+## Training
+
+- Target: {r["steps"]["target"]} AdamW steps of {a["target_batch"]} x {a["seq_len"]} tokens, next-token
+  cross-entropy, peak lr {a["target_lr"]}, {a["warmup"]} warmup steps then cosine to
+  {a["min_lr_ratio"]} x peak, weight decay {a["weight_decay"]}, grad clip {a["grad_clip"]},
+  CPU autocast {a["autocast"]}.
+- Draft: {r["steps"]["draft"]} steps of {a["draft_batch"]} x {a["seq_len"]} tokens, peak lr {a["draft_lr"]},
+  same schedule, float32, distilled from the target's logits: loss = {a["kd_alpha"]} x
+  KL(target || draft) at temperature {a["kd_temperature"]} + {1 - a["kd_alpha"]:.2g} x CE.
+- Seed {a["seed"]}, {a["threads"]} torch threads on {r["hardware"]}, torch {r["torch_version"]},
+  transformers {r["transformers_version"]}, tokenizers {r["tokenizers_version"]}.
+- Wall-clock: target {tt.get("target", float("nan")) / 60:.1f} min, draft {tt.get("draft", float("nan")) / 60:.1f} min
+  (machine shared with other work, at `nice 19`).
+- Exact command (from the repository root; checkpoints go to `runs/default_pair/`, `--resume` continues):
+
+```
+{r["command"]}
+```
+
+## Held-out evaluation
+
+All numbers are for the exported float16 weights loaded in float32.
+
+- **Slice**: held-out files in sorted `relpath` order, each as `[eos] + ids(text)`, concatenated;
+  the first {a["eval_chunks"]} x {a["eval_len"]} tokens cut into {a["eval_chunks"]} non-overlapping chunks of
+  {a["eval_len"]} tokens, each scored on its own; perplexity = exp(mean NLL over every position but
+  the first of each chunk) (`saguaro.default_pair.heldout_chunks` / `perplexity`; definition,
+  token-id sha1 and expected values in `heldout_eval.json`, checked by `tests/test_default_pair.py`).
+- **Perplexity**: target **{r["target_ppl"]:.3f}**, draft **{r["draft_ppl"]:.3f}**.
+- Teacher-forced greedy agreement on the slice (draft argmax = target argmax): {r["teacher_forced_agreement"]:.4f}.
+- **Greedy speculative decoding, k = {a["k"]}**: mean accepted length **{acc["mean_accepted_len"]:.3f}** tokens
+  per target call (bonus included), per-token agreement {acc["token_agreement"]:.4f}, over
+  {a["accept_prompts"]} held-out prompts of {a["accept_prompt_len"]} tokens (random windows of the
+  held-out stream, seeded) each continued by {r["accept_new_tokens"]} tokens ({acc["rounds"]} rounds;
+  rounds accepting 0..k drafts: {hist}). Measured exactly as greedy SD behaves: the target's greedy
+  continuation is generated, then a round starting at position p accepts the longest run (at most
+  k) of positions where the draft's argmax given that prefix equals the target's token, and emits
+  one more token.
+
+## Samples (target, greedy, {a["sample_new_tokens"]} new tokens at most)
+
+{samples}
+
+## Files
+
+`target/` and `draft/`: `config.json`, `generation_config.json` (eos {r["eos_id"]}, pad {r["pad_id"]}),
+`model.safetensors` (float16), tokenizer files (identical in both): {r["asset_bytes"] / 1e6:.1f} MB for the two folders.
+"""
+    (out / "MODEL_CARD.md").write_text(text)
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -445,7 +564,7 @@ def main(argv=None):
     for p, s in samples.items():
         log.info("sample %r -> %r", p, s)
 
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    size = sum(f.stat().st_size for d in ("target", "draft") for f in (out / d).rglob("*") if f.is_file())
     heldout_eval = {
         "python_version": platform.python_version(),
         "heldout_percent": args.heldout_percent, "max_file_bytes": args.max_file_bytes,
@@ -456,11 +575,17 @@ def main(argv=None):
     }
     (out / dp.HELDOUT_EVAL_FILE).write_text(json.dumps(heldout_eval, indent=2) + "\n")
     results = dict(heldout_eval, target_params=n_t, draft_params=n_d, teacher_forced_agreement=agree,
-                   acceptance=acc, accept_new_tokens=new, samples=samples, train_time_s=times,
+                   acceptance=acc, accept_new_tokens=new,
+                   steps={"target": cap(args.target_steps), "draft": cap(args.draft_steps)}, samples=samples, train_time_s=times,
                    eval_time_s=time.time() - t_eval, total_time_s=time.time() - t_start,
                    train_tokens=stream.numel(), train_files=len(train_files),
                    heldout_files=len(heldout_files), asset_bytes=size,
-                   command="python " + " ".join(shlex.quote(a) for a in sys.argv), args=vars(args))
+                   command=canonical_command(args), args=vars(args), vocab_size=len(tokenizer),
+                   eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                   hardware=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+                   torch_version=torch.__version__, transformers_version=transformers.__version__,
+                   tokenizers_version=tokenizers.__version__)
+    write_model_card(out, results)
     (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     log.info("wrote %s (%.1f MB) and %s", out, size / 1e6, work / "results.json")
     return results

@@ -158,6 +158,7 @@ def run_rows(target, draft, prompts, modes, k, max_new_tokens, temperature, batc
             else:
                 produced, stats = _hf_generate(target, draft if mode == "hf-assisted" else None, ids, mask,
                                                max_new_tokens, temperature, k, pad_id, seed), {}
+            _synchronize(target)
             elapsed = time.perf_counter() - start
             if i == 0:
                 continue  # warm-up
@@ -183,6 +184,13 @@ def run_rows(target, draft, prompts, modes, k, max_new_tokens, temperature, batc
     return rows
 
 
+def _synchronize(model) -> None:
+    """Wait for queued GPU work, so a row's wall time covers all of it."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _pad_id(model) -> int:
     gen = getattr(model, "generation_config", None)
     for value in (getattr(gen, "pad_token_id", None), getattr(gen, "eos_token_id", None)):
@@ -195,6 +203,8 @@ def _pad_id(model) -> int:
 
 @torch.inference_mode()
 def _hf_generate(target, assistant, ids, mask, max_new_tokens, temperature, k, pad_id, seed) -> int:
+    device = next(target.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
     kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                   pad_token_id=pad_id, eos_token_id=None)
     if temperature > 0:
@@ -229,7 +239,7 @@ def format_table(rows) -> str:
 def cmd_bench(args) -> int:
     import sys
 
-    from saguaro.models_io import load_pair
+    from saguaro.models_io import DTYPES, load_pair
 
     explicit = args.modes is not None
     modes = list(args.modes) if explicit else list(ALL_MODES)
@@ -243,7 +253,8 @@ def cmd_bench(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     need_draft = any(m in DRAFT_MODES for m in modes)
-    target, draft, tokenizer = load_pair(args.target, args.draft, need_draft=need_draft)
+    target, draft, tokenizer = load_pair(args.target, args.draft, need_draft=need_draft, dtype=DTYPES[args.dtype],
+                                         device=args.device)
     if not need_draft:
         draft = None
     prompts = bench_prompts(tokenizer, args.prompts, target.config.vocab_size, args.seed)
@@ -259,6 +270,7 @@ def cmd_bench(args) -> int:
         report = {
             "config": {"k": args.k, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                        "prompts": args.prompts, "batch": args.batch, "backend": args.backend,
+                       "device": args.device, "dtype": args.dtype,
                        "target": args.target or "default", "draft": args.draft or "default"},
             "machine": {"platform": platform.platform(), "torch": torch.__version__,
                         "threads": torch.get_num_threads()},

@@ -14,7 +14,7 @@ import sys
 
 from contextlib import contextmanager
 
-from saguaro.config import MAX_K
+from saguaro.config import MAX_K, MODES
 from saguaro.errors import SaguaroError
 
 
@@ -53,6 +53,10 @@ def _add_model_args(parser):
     parser.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 for greedy (default 0)")
     parser.add_argument("--backend", default="eager", choices=["eager", "inductor"],
                         help="lowering backend (default eager)")
+    parser.add_argument("--device", default="cpu", help="where both models run: cpu, cuda, cuda:1, ... "
+                        "(default cpu)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights dtype of both models (default float32)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,10 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete a prompt and print the completion and a stats line")
     gen.add_argument("--prompt", required=True, help="text to complete")
-    gen.add_argument("--mode", default="sd", choices=["ar", "sd"], help="decoding mode (default sd)")
+    gen.add_argument("--mode", default="sd", choices=list(MODES),
+                     help="ar: target alone; sd: speculative decoding; ssd: speculative speculative decoding "
+                          "(default sd)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     _add_model_args(gen)
-    bench = sub.add_parser("bench", help="AR vs SD vs transformers (assisted) generation: a table and JSON")
+    bench = sub.add_parser("bench", help="AR, SD, SSD and transformers (assisted) generation over the same prompts: "
+                                               "a table and JSON")
     from saguaro.bench import add_bench_args
 
     add_bench_args(bench)
@@ -76,9 +83,10 @@ def cmd_generate(args) -> int:
     if not args.prompt:
         raise ValueError("--prompt is empty: give some text to complete")
     from saguaro.compile import compile as saguaro_compile
-    from saguaro.models_io import load_pair
+    from saguaro.models_io import DTYPES, load_pair
 
-    target, draft, tokenizer = load_pair(args.target, args.draft, need_draft=args.mode != "ar")
+    target, draft, tokenizer = load_pair(args.target, args.draft, need_draft=args.mode != "ar",
+                                         dtype=DTYPES[args.dtype], device=args.device)
     if tokenizer is None:
         raise SaguaroError(f"no tokenizer beside the target in {args.target!r}; generate needs one to read --prompt")
     if args.mode == "ar":
@@ -89,9 +97,10 @@ def cmd_generate(args) -> int:
     completion = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
     s = out.stats
     sys.stdout.write(args.prompt + completion + "\n")
+    hits = f", cache hit rate {s['cache_hit_rate']:.2f}" if "cache_hit_rate" in s else ""
     sys.stdout.write(
         f"[{s['mode']}] {s['new_tokens']} tokens in {s['wall_s']:.2f}s: {s['tokens_per_s']:.1f} tokens/s, "
-        f"mean accepted length {s['mean_accepted_len']:.2f}, {s['rounds']} rounds\n")
+        f"mean accepted length {s['mean_accepted_len']:.2f}, {s['rounds']} rounds{hits}\n")
     return 0
 
 

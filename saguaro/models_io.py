@@ -12,12 +12,22 @@ from saguaro.errors import SaguaroError
 log = logging.getLogger(__name__)
 
 
-def load_pair(target_dir: str | None, draft_dir: str | None, need_draft: bool = True, dtype=torch.float32):
-    """Return ``(target, draft, tokenizer_or_None)``; with no folders, ``saguaro.default_pair()``."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_pair(target_dir: str | None, draft_dir: str | None, need_draft: bool = True, dtype=torch.float32,
+              device: str | None = None):
+    """Return ``(target, draft, tokenizer_or_None)``, in eval mode, in ``dtype``, on ``device``.
+
+    With no folders, the default pair (``saguaro.default_pair()``). ``draft`` is ``None`` when
+    ``draft_dir`` is (allowed only with ``need_draft=False``).
+    """
+    device = check_device(device)
     if target_dir is None and draft_dir is None:
         from saguaro.default_pair import load_default_pair
 
-        return load_default_pair(dtype=dtype)
+        target, draft, tokenizer = load_default_pair(dtype=dtype)
+        return _to(target, device), _to(draft, device), tokenizer
     if target_dir is None:
         raise ValueError(f"--draft {draft_dir!r} was given without --target: give both --target DIR and "
                          "--draft DIR, or neither to use the default pair")
@@ -40,7 +50,24 @@ def load_pair(target_dir: str | None, draft_dir: str | None, need_draft: bool = 
             models.append(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval())
         except Exception as exc:
             raise SaguaroError(f"could not load the {role} from {folder!r}: {exc}") from exc
-    return models[0], models[1], load_tokenizer(target_dir)
+    return _to(models[0], device), _to(models[1], device), load_tokenizer(target_dir)
+
+
+def check_device(device: str | None) -> torch.device | None:
+    """``device`` as a ``torch.device``; a ``ValueError`` naming it when torch cannot use it here."""
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1): {exc}") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r} is not available: this torch build sees no CUDA device")
+    return parsed
+
+
+def _to(model, device):
+    return model if model is None or device is None else model.to(device)
 
 
 def load_tokenizer(folder: str):

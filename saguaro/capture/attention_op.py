@@ -1,8 +1,9 @@
 """The saguaro attention op: one ``torch.library`` custom op per attention layer.
 
 It writes the new keys/values into a KV store that Saguaro owns (preallocated, static shapes,
-GQA aware) and attends over that store under a mask that it builds itself from small integer
-tensors, so no dense float mask is ever rebuilt on the host:
+GQA aware) and attends over that store. The mask is built inside the captured graph, once per
+forward and shared by every layer, from small integer tensors (never a dense mask rebuilt on the
+host):
 
 * ``slot_pos[b, s]``    position of the token held in slot ``s`` (-1: empty, padding or rolled back)
 * ``slot_branch[b, s]`` 0 for the committed prefix and glue; ``β > 0`` for tree branch ``β``
@@ -46,21 +47,25 @@ def build_attention_mask(
     return allowed | (slots[None, None, :] == write_slots[:, :, None])  # [B, T, S]
 
 
+def additive_mask(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, T, S]`` bool → ``[B, 1, G*T, S]`` additive float mask for query groups folded into rows."""
+    B, T, S = mask.shape
+    bias = torch.zeros(B, T, S, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias[:, None, None].expand(B, 1, groups, T, S).reshape(B, 1, groups * T, S)
+
+
 def attention_reference(
     query: torch.Tensor,  # [B, H, T, D]
     k_cache: torch.Tensor,  # [B, Hkv, S, D]
     v_cache: torch.Tensor,  # [B, Hkv, S, D]
-    mask: torch.Tensor,  # [B, T, S] bool
+    bias: torch.Tensor,  # [B, 1, G*T, S] additive mask from `additive_mask`
     scale: float,
 ) -> torch.Tensor:
     """Masked attention over the whole store, GQA by folding query groups (no KV repeat)."""
     B, H, T, D = query.shape
     Hkv = k_cache.shape[1]
-    groups = H // Hkv
-    q = query.reshape(B, Hkv, groups * T, D)  # heads of one group are adjacent in HF's layout
-    m = mask[:, None, None, :, :].expand(B, 1, groups, T, mask.shape[-1])
-    m = m.reshape(B, 1, groups * T, mask.shape[-1])  # [B, 1, G*T, S]
-    out = torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=m, scale=scale)
+    q = query.reshape(B, Hkv, (H // Hkv) * T, D)  # heads of one group are adjacent in HF's layout
+    out = torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias, scale=scale)
     return out.reshape(B, H, T, D)
 
 
@@ -72,28 +77,20 @@ def saguaro_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     write_slots: torch.Tensor,
-    query_pos: torch.Tensor,
-    query_branch: torch.Tensor,
-    query_limit: torch.Tensor,
-    slot_pos: torch.Tensor,
-    slot_branch: torch.Tensor,
+    bias: torch.Tensor,
     scale: float,
-    window: int,
 ) -> torch.Tensor:
-    """Write ``key``/``value`` ``[B, Hkv, T, D]`` at ``write_slots`` and attend; returns ``[B, H, T, D]``."""
+    """Write ``key``/``value`` ``[B, Hkv, T, D]`` at ``write_slots [B, T]`` and attend under the additive
+    mask ``bias [B, 1, G*T, S]``; returns ``[B, H, T, D]``."""
     B, Hkv, T, D = key.shape
     index = write_slots[:, None, :, None].expand(B, Hkv, T, D)
     k_cache.scatter_(2, index, key.to(k_cache.dtype))
     v_cache.scatter_(2, index, value.to(v_cache.dtype))
-    mask = build_attention_mask(write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window)
-    return attention_reference(query, k_cache, v_cache, mask, scale)
+    return attention_reference(query, k_cache, v_cache, bias, scale)
 
 
 @saguaro_attention.register_fake
-def _saguaro_attention_fake(
-    query, key, value, k_cache, v_cache, write_slots, query_pos, query_branch, query_limit, slot_pos,
-    slot_branch, scale, window,
-):
+def _saguaro_attention_fake(query, key, value, k_cache, v_cache, write_slots, bias, scale):
     return torch.empty_like(query)
 
 

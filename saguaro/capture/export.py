@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.capture.attention_op import ATTENTION_OP
+from saguaro.capture.attention_op import ATTENTION_OP, additive_mask, build_attention_mask
 from saguaro.capture.hf_hook import ACTIVE_CONTEXT, ATTN_IMPLEMENTATION, AttentionContext, register_attention
 from saguaro.errors import CaptureError
 
@@ -28,25 +28,31 @@ class ModelSpec:
 
     model_class: str
     num_layers: int
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
     max_positions: int
     dtype: torch.dtype
     device: torch.device
+    sliding_window: int = 0
 
 
 class _StageForward(torch.nn.Module):
     """Wraps an HF model so its forward has the captured graph's signature."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, spec: "ModelSpec"):
         super().__init__()
         self.model = model
+        self.groups = spec.num_heads // spec.num_kv_heads
+        self.window = spec.sliding_window
 
     def forward(self, input_ids, positions, write_slots, query_branch, query_limit, slot_pos, slot_branch,
                 k_caches, v_caches):
-        ctx = AttentionContext(list(k_caches), list(v_caches), write_slots, positions, query_branch, query_limit,
-                               slot_pos, slot_branch)
+        mask = build_attention_mask(write_slots, positions, query_branch, query_limit, slot_pos, slot_branch,
+                                    self.window)  # [B, T, S]
+        bias = additive_mask(mask, self.groups, k_caches[0].dtype)  # [B, 1, G*T, S]
+        ctx = AttentionContext(list(k_caches), list(v_caches), write_slots, bias)
         token = ACTIVE_CONTEXT.set(ctx)
         try:
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False)
@@ -81,13 +87,26 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
     return ModelSpec(
         model_class=name,
         num_layers=text_config.num_hidden_layers,
+        num_heads=heads,
         num_kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         vocab_size=model.get_output_embeddings().weight.shape[0],
         max_positions=getattr(text_config, "max_position_embeddings", 1 << 20),
         dtype=param.dtype,
         device=param.device,
+        sliding_window=_sliding_window(text_config),
     )
+
+
+def _sliding_window(config) -> int:
+    """The window every layer uses (0: none); mixed full/sliding layers are refused."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return 0
+    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+    if kinds != {"sliding_attention"}:
+        raise CaptureError(f"{type(config).__name__}: layers mix {sorted(kinds)}; saguaro supports one kind")
+    return int(window)
 
 
 def example_inputs(spec: ModelSpec, batch: int = 2, tokens: int = 3, slots: int = 8):
@@ -141,7 +160,7 @@ def capture(model: torch.nn.Module) -> CapturedModel:
     try:
         with torch.no_grad():
             program = torch.export.export(
-                _StageForward(model), example_inputs(spec), dynamic_shapes=_dynamic_shapes(spec.num_layers),
+                _StageForward(model, spec), example_inputs(spec), dynamic_shapes=_dynamic_shapes(spec.num_layers),
                 strict=False,
             )
     except CaptureError:

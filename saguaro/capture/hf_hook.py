@@ -27,11 +27,7 @@ class AttentionContext:
     k_caches: list  # per layer [B, Hkv, S, D]
     v_caches: list
     write_slots: torch.Tensor  # [B, T]
-    query_pos: torch.Tensor  # [B, T]
-    query_branch: torch.Tensor  # [B, T]
-    query_limit: torch.Tensor  # [B, T]
-    slot_pos: torch.Tensor  # [B, S]
-    slot_branch: torch.Tensor  # [B, S]
+    bias: torch.Tensor  # [B, 1, G*T, S] additive mask, built once per forward
 
 
 ACTIVE_CONTEXT: contextvars.ContextVar[AttentionContext] = contextvars.ContextVar("saguaro_attention_context")
@@ -52,12 +48,10 @@ def saguaro_attention_forward(module, query, key, value, attention_mask, dropout
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise CaptureError(f"{type(module).__name__} has no layer_idx; saguaro cannot map it to a KV store layer")
-    window = kwargs.get("sliding_window") or 0
+    # a sliding window is part of the mask, built once per forward from the model's config
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = saguaro_attention(
-        query, key, value, ctx.k_caches[layer], ctx.v_caches[layer], ctx.write_slots, ctx.query_pos,
-        ctx.query_branch, ctx.query_limit, ctx.slot_pos, ctx.slot_branch, scale, int(window),
-    )  # [B, H, T, D]
+    out = saguaro_attention(query, key, value, ctx.k_caches[layer], ctx.v_caches[layer], ctx.write_slots, ctx.bias,
+                            scale)  # [B, H, T, D]
     return out.transpose(1, 2), None  # HF expects [B, T, H, D]
 
 

@@ -1,0 +1,199 @@
+"""``saguaro generate`` and ``saguaro bench`` through ``saguaro.cli.main``, and the console script once.
+
+A tiny target/draft pair and a character tokenizer are saved to a temporary folder. Tests check
+structure and losslessness, never wall-clock time.
+"""
+
+import importlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from saguaro.cli import main
+from saguaro.errors import SaguaroError
+from tests.models import EOS, reference_greedy, tiny_target, truncated_draft
+from tests.tiny_tokenizer import tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "def f(x):"
+STATS_LINE = re.compile(r"^\[(ar|sd|ssd)\] (\d+) tokens in [\d.]+s: [\d.]+ tokens/s, mean accepted length [\d.]+, "
+                        r"\d+ rounds(, cache hit rate [\d.]+)?$")
+
+
+@pytest.fixture(scope="module")
+def saved_pair(tmp_path_factory):
+    """``(target_dir, draft_dir)``: a tiny Llama pair, the tokenizer saved beside the target."""
+    root = tmp_path_factory.mktemp("pair")
+    target = tiny_target("llama", logit_scale=4.0)
+    draft = truncated_draft(target)
+    target.save_pretrained(root / "target")
+    draft.save_pretrained(root / "draft")
+    tiny_tokenizer().save_pretrained(root / "target")
+    return str(root / "target"), str(root / "draft")
+
+
+def run_cli(argv, capsys):
+    """``(exit status, stdout, stderr)`` of ``saguaro argv``; argparse errors exit through SystemExit."""
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_generate_prints_the_targets_greedy_completion_and_stats(saved_pair, mode, capsys):
+    target_dir, draft_dir = saved_pair
+    rc, out, err = run_cli(["generate", "--prompt", PROMPT, "--target", target_dir, "--draft", draft_dir,
+                            "--mode", mode, "--k", "3", "--max-new-tokens", "12"], capsys)
+    assert rc == 0, err
+    lines = out.splitlines()
+    stats = STATS_LINE.match(lines[-1])
+    assert stats and stats.group(1) == mode, out
+    assert (stats.group(3) is not None) == (mode == "ssd")  # the cache hit rate is an SSD statistic
+    # greedy SD is lossless: the printed text is the target's own greedy completion
+    tok = tiny_tokenizer()
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    expected = reference_greedy(target, ids, torch.ones_like(ids), 12, eos_token_id=EOS)
+    completion = tok.decode(expected[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "\n".join(lines[:-1]) == PROMPT + completion
+    assert 1 <= int(stats.group(2)) <= 12
+
+
+def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
+    target_dir, draft_dir = saved_pair
+    path = tmp_path / "out" / "bench.json"
+    rc, out, err = run_cli(["bench", "--target", target_dir, "--draft", draft_dir, "--json", str(path),
+                            "--prompts", "2", "--max-new-tokens", "8", "--k", "3"], capsys)
+    assert rc == 0, err
+    table_modes = [line.split()[0] for line in out.splitlines()[2:] if line and not line.startswith(("wrote",
+                                                                                                    "skipped"))]
+    assert {"ar", "sd", "hf-assisted", "hf"} <= set(table_modes)
+    assert f"wrote {path}" in out
+    report = json.loads(path.read_text())
+    assert report["config"]["k"] == 3 and report["config"]["prompts"] == 2
+    rows = {row["mode"]: row for row in report["rows"]}
+    assert list(rows) == table_modes
+    for mode, row in rows.items():
+        assert {"tokens_per_s", "mean_accepted_len", "speedup_vs_ar", "new_tokens", "wall_s"} <= set(row)
+        assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0, row
+        assert math.isfinite(row["speedup_vs_ar"]) and row["speedup_vs_ar"] > 0, row
+        assert row["new_tokens"] == 2 * 8, row  # eos is ignored: every row makes the same tokens
+        if mode in ("ar", "sd", "ssd"):
+            assert 1.0 <= row["mean_accepted_len"] <= 3 + 1, row
+        else:
+            assert row["mean_accepted_len"] is None  # transformers does not report it
+    assert rows["ar"]["speedup_vs_ar"] == 1.0 and rows["ar"]["mean_accepted_len"] == 1.0
+
+
+def test_bench_rows_without_a_draft(saved_pair, capsys):
+    target_dir, _ = saved_pair
+    rc, out, err = run_cli(["bench", "--target", target_dir, "--modes", "ar,hf", "--prompts", "1",
+                            "--max-new-tokens", "4"], capsys)
+    assert rc == 0, err
+    assert [line.split()[0] for line in out.splitlines()[2:]] == ["ar", "hf"]
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["bench", "--modes", "foo"], "'foo'"),
+    (["bench", "--modes", "ar,beam"], "'beam'"),
+    (["generate", "--prompt", "x", "--k", "0"], "k=0"),
+    (["bench", "--k", "17"], "k=17"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens=0"),
+    (["bench", "--temperature", "-1"], "temperature=-1"),
+    (["bench", "--temperature", "nan"], "temperature=nan"),
+    (["bench", "--prompts", "0"], "prompts=0"),
+    (["bench", "--batch", "two"], "'two'"),
+    (["generate", "--prompt", "x", "--mode", "beam"], "'beam'"),
+    (["bench", "--dtype", "int8"], "'int8'"),
+    (["generate", "--prompt", "x", "--device", "warp-drive"], "'warp-drive'"),
+])
+def test_bad_values_exit_2_naming_the_value(argv, named, capsys):
+    rc, _, err = run_cli(argv, capsys)
+    assert rc == 2
+    assert named in err
+
+
+def test_bad_model_folders_exit_2_naming_them(saved_pair, capsys, tmp_path):
+    target_dir, draft_dir = saved_pair
+    missing = str(tmp_path / "no-such-model")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    a_file = tmp_path / "weights.bin"
+    a_file.write_text("")
+    cases = [
+        (["generate", "--prompt", "x", "--target", missing, "--draft", draft_dir], [missing, "does not exist"]),
+        (["bench", "--target", target_dir, "--draft", missing], [missing, "--draft"]),
+        (["generate", "--prompt", "x", "--target", target_dir], [target_dir, "without --draft"]),
+        (["bench", "--draft", draft_dir], [draft_dir, "without --target"]),
+        (["bench", "--target", str(a_file), "--draft", draft_dir], [str(a_file), "not a folder"]),
+        (["bench", "--target", str(empty), "--draft", draft_dir], [str(empty), "could not load the target"]),
+        (["generate", "--prompt", "", "--target", target_dir, "--draft", draft_dir], ["--prompt is empty"]),
+        (["generate", "--prompt", "x", "--target", draft_dir, "--draft", draft_dir], ["no tokenizer", draft_dir]),
+        (["bench", "--target", target_dir, "--draft", draft_dir, "--batch", "2", "--modes", "sd,hf-assisted"],
+         ["hf-assisted", "--batch 2"]),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["generate", "--prompt", "x", "--target", target_dir, "--draft", draft_dir, "--device", "cuda"],
+                      ["--device 'cuda'", "no CUDA"]))
+    for argv, named in cases:
+        rc, _, err = run_cli(argv, capsys)
+        assert rc == 2, (argv, err)
+        for text in named:
+            assert text in err, (argv, err)
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "def"], ["bench", "--prompts", "1"]])
+def test_missing_default_pair_exits_with_a_clear_message(command, monkeypatch, capsys):
+    default_pair = importlib.import_module("saguaro.default_pair")
+    message = "the default model pair is not built: build it with `python examples/train_default_pair.py`"
+
+    def absent(*args, **kwargs):
+        raise SaguaroError(message)
+
+    monkeypatch.setattr(default_pair, "load_default_pair", absent)
+    rc, out, err = run_cli(command, capsys)
+    assert rc != 0
+    assert message in err and "Traceback" not in err
+    assert out == ""
+
+
+def test_console_script_end_to_end(saved_pair):
+    """The installed ``saguaro`` script, AR mode with only a target (AR needs no draft)."""
+    script = Path(sys.executable).parent / "saguaro"
+    if not script.exists():
+        pytest.skip(f"console script not installed beside {sys.executable}")
+    target_dir, _ = saved_pair
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([str(script), "generate", "--prompt", PROMPT, "--target", target_dir, "--mode", "ar",
+                           "--max-new-tokens", "6"], capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(PROMPT)
+    stats = STATS_LINE.match(lines[-1])
+    assert stats and stats.group(1) == "ar", proc.stdout
+    assert "Loading weights" not in proc.stderr  # progress bars only with -v
+
+
+def test_benchmark_script_forwards_to_bench(capsys, monkeypatch):
+    """``benchmarks/bench.py`` is ``saguaro bench``: same options, same errors."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["benchmarks/bench.py", "--modes", "nope"])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(REPO / "benchmarks" / "bench.py"), run_name="__main__")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "saguaro bench" in err and "'nope'" in err
