@@ -10,6 +10,7 @@ from saguaro.capture import capture, model_spec
 from saguaro.config import SaguaroConfig
 from saguaro.errors import SaguaroError
 from saguaro.lower import lower_model
+from saguaro.passes import run_pipeline
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.program import Program
 
@@ -51,6 +52,7 @@ def compile_program(target, draft, cfg: SaguaroConfig) -> Program:
         if model is None:
             continue
         captured = capture(model)
+        captured.graph_module = run_pipeline(captured.graph_module)
         runners[name] = ModelRunner(name, captured, lower_model(captured, cfg.backend, name))
     gen = getattr(target, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None

@@ -1,0 +1,47 @@
+"""Pass: remove export's runtime metadata assertions and dtype conversions that convert nothing.
+
+Requires: a GraphModule from :func:`saguaro.capture.capture` (export's training IR), whose
+``aten._assert_tensor_metadata`` nodes re-check dtypes the capture already fixed and whose
+``aten.to.dtype`` nodes often convert a tensor to the dtype it already has (HF's RMSNorm upcasts).
+Guarantees: the same outputs, bit for bit; every removed ``to`` had an input of the target dtype
+(read from the node's ``val`` metadata), and its users now read that input directly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ASSERT_OPS = {torch.ops.aten._assert_tensor_metadata.default}
+TO_DTYPE = torch.ops.aten.to.dtype
+
+
+def _is_noop_conversion(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or node.target is not TO_DTYPE:
+        return False
+    source = node.args[0]
+    want = node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
+    value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if value is None or want is None or set(node.kwargs) - {"dtype"} or len(node.args) > 2:
+        return False
+    return value.dtype == want
+
+
+def strip_runtime_checks(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    removed_asserts = removed_conversions = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in ASSERT_OPS and not node.users:
+            gm.graph.erase_node(node)
+            removed_asserts += 1
+        elif _is_noop_conversion(node):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            removed_conversions += 1
+    gm.graph.lint()
+    gm.recompile()
+    log.info("strip_runtime_checks: removed %d metadata assertions and %d no-op conversions", removed_asserts,
+             removed_conversions)
+    return gm
