@@ -1,7 +1,7 @@
-"""Benchmark: Saguaro's modes (AR, SD, and SSD once a build has it) against ``transformers``, in one run.
+"""Benchmark: Saguaro's modes (AR, SD, SSD) against ``transformers``, in one run.
 
-Rows: ``ar`` (Saguaro, target alone), ``sd`` (Saguaro speculative decoding), ``ssd`` (only where
-the program supports it), ``hf-assisted`` (``transformers`` assisted generation with the same draft
+Rows: ``ar`` (Saguaro, target alone), ``sd`` (Saguaro speculative decoding), ``ssd`` (geometric
+fan-out), ``ssd-uniform`` (the same budget spread evenly over the ``k+1`` positions), ``hf-assisted`` (``transformers`` assisted generation with the same draft
 and ``k``) and ``hf`` (``transformers`` greedy/sampled generate, target alone). Prints a table
 (tokens/s, mean accepted length, speed-up over AR) and writes JSON. Speed is only ever compared as
 ratios within one run on one machine.
@@ -20,10 +20,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SAGUARO_MODES = ("ar", "sd", "ssd")
+SAGUARO_MODES = ("ar", "sd", "ssd", "ssd-uniform")
 HF_MODES = ("hf-assisted", "hf")
 ALL_MODES = SAGUARO_MODES + HF_MODES
-DRAFT_MODES = ("sd", "ssd", "hf-assisted")  # rows that run the draft
+DRAFT_MODES = ("sd", "ssd", "ssd-uniform", "hf-assisted")  # rows that run the draft
 # Code prompts without a trailing space: byte-level BPE fuses a space to the next word, so a prompt
 # ending in one ("def ") is tokenized unlike any training text and hurts every row alike.
 DEFAULT_PROMPTS = (
@@ -55,7 +55,7 @@ def add_bench_args(parser) -> None:
                         help="prompts per generate call (default 1)")
     parser.add_argument("--modes", type=modes_arg, default=None,
                         help=f"comma-separated rows, from {', '.join(ALL_MODES)} (default: every row that applies: "
-                             "ssd where this build has it, hf-assisted with --batch 1)")
+                             "hf-assisted only with --batch 1)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the results here as JSON")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling and for random prompts")
     parser.add_argument("--threads", type=int_at_least(1, "threads"), default=None,
@@ -95,65 +95,48 @@ def _batches(prompts, batch, pad_id):
         yield ids, mask
 
 
-def compile_for(target, draft, k: int, backend: str = "eager", want_ssd: bool = True):
-    """One Program serving every Saguaro row: compiled for ``ssd`` when wanted (falling back to ``sd``
-    where this build refuses it), ``sd`` with a draft, ``ar`` without one."""
+def compile_for(target, draft, k: int, backend: str = "eager"):
+    """One Program serving every Saguaro row (``ssd`` with a draft, ``ar`` without one)."""
     from saguaro.compile import compile as saguaro_compile
 
     start = time.perf_counter()
-    program = None
-    if draft is not None and want_ssd:
-        try:
-            program = saguaro_compile(target, draft, k=k, mode="ssd", backend=backend)
-        except (ValueError, NotImplementedError) as exc:
-            log.info("ssd does not compile in this build (%s); compiling for sd", exc)
-    if program is None:
-        program = saguaro_compile(target, draft, k=k, mode="sd" if draft is not None else "ar", backend=backend)
+    program = saguaro_compile(target, draft, k=k, mode="ssd" if draft is not None else "ar", backend=backend)
     log.info("compiled in %.1fs", time.perf_counter() - start)
     return program
 
 
-def mode_available(program, mode: str, ids: torch.Tensor) -> bool:
-    """Whether ``program.generate(..., mode=mode)`` runs in this build: a one-token probe from ``ids``."""
-    if mode == "ar":
-        return True
-    if program.draft is None:
-        return False
-    try:
-        program.generate(ids, max_new_tokens=1, mode=mode, eos_token_id=None)
-    except (ValueError, NotImplementedError) as exc:
-        log.info("mode %s is not available: %s", mode, exc)
-        return False
-    return True
+def row_program(program, mode: str):
+    """The program and the ``generate`` mode of a Saguaro row."""
+    if mode == "ssd-uniform":
+        per_position = max(1, program.config.budget // (program.config.k + 1))
+        return program.reconfigure(fan_out=per_position), "ssd"
+    if mode == "ssd":
+        return program.reconfigure(fan_out="geometric"), "ssd"
+    return program, mode
 
 
 def run_rows(target, draft, prompts, modes, k, max_new_tokens, temperature, batch, seed, backend="eager",
-             program=None, skip_unavailable=False):
+             program=None):
     """Run every requested row over the same prompts; return a list of result dicts.
 
-    ``program`` reuses an already compiled Program (its ``k`` and backend win). A Saguaro mode this
-    build does not run (``ssd`` today) raises ``ValueError``, or is left out of the rows with
-    ``skip_unavailable=True``.
+    ``program`` reuses an already compiled Program (its ``k`` and backend win).
     """
     if program is None and any(m in SAGUARO_MODES for m in modes):
-        program = compile_for(target, draft, k, backend, want_ssd="ssd" in modes)
+        program = compile_for(target, draft, k, backend)
     pad_id = program.pad_token_id if program is not None else _pad_id(target)
     warm = next(_batches(prompts, batch, pad_id))
     rows = []
     for mode in modes:
-        if mode in SAGUARO_MODES and not mode_available(program, mode, warm[0][:1, -4:]):
-            if skip_unavailable:
-                log.info("skipping %s: not available in this build", mode)
-                continue
-            raise ValueError(f"mode {mode!r} is not available in this build of saguaro; "
-                             f"choose rows from {', '.join(m for m in ALL_MODES if m != mode)}")
+        if mode in DRAFT_MODES and mode in SAGUARO_MODES and (program is None or program.draft is None):
+            raise ValueError(f"row {mode!r} needs a draft model")
         log.info("running %s", mode)
-        new_tokens, wall, accepted, rounds, hits = 0, 0.0, 0.0, 0, []
+        new_tokens, wall, accepted, rounds, ssd = 0, 0.0, 0.0, 0, []
         for i, (ids, mask) in enumerate([warm] + list(_batches(prompts, batch, pad_id))):
             start = time.perf_counter()
             if mode in SAGUARO_MODES:
-                out = program.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                       temperature=temperature, seed=seed, mode=mode, eos_token_id=None)
+                row_prog, row_mode = row_program(program, mode)
+                out = row_prog.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                        temperature=temperature, seed=seed, mode=row_mode, eos_token_id=None)
                 produced, stats = int(out.stats["new_tokens"]), out.stats
             else:
                 produced, stats = _hf_generate(target, draft if mode == "hf-assisted" else None, ids, mask,
@@ -169,19 +152,42 @@ def run_rows(target, draft, prompts, modes, k, max_new_tokens, temperature, batc
                 accepted += stats["mean_accepted_len"] * stats["rounds"]
                 rounds += stats["rounds"]
             if stats.get("cache_hit_rate") is not None:
-                hits.append(stats["cache_hit_rate"])
+                ssd.append(stats)
         row = {
             "mode": mode, "tokens_per_s": new_tokens / wall if wall else 0.0, "new_tokens": new_tokens,
             "wall_s": wall, "mean_accepted_len": accepted / rounds if rounds else None,
             "rounds": rounds if rounds else None,
         }
-        if hits:
-            row["cache_hit_rate"] = sum(hits) / len(hits)
+        if ssd:
+            row.update(_ssd_summary(ssd, rounds))
         rows.append(row)
     ar = next((r["tokens_per_s"] for r in rows if r["mode"] == "ar"), None)
     for row in rows:
         row["speedup_vs_ar"] = row["tokens_per_s"] / ar if ar else None
     return rows
+
+
+def _ssd_summary(calls: list[dict], rounds: int) -> dict:
+    """SSD columns over all measured calls: hit rate, draft wait per round, overlap efficiency."""
+    lookups = sum(c["rounds"] for c in calls)
+    mean = lambda key: sum(c[key] * c["rounds"] for c in calls) / lookups if lookups else 0.0  # noqa: E731
+    return {
+        "cache_hit_rate": mean("cache_hit_rate"),
+        "draft_wait_ms_per_round": 1000 * sum(c["draft_wait_s"] for c in calls) / max(rounds, 1),
+        "verify_ms_per_round": 1000 * sum(c["verify_s"] for c in calls) / max(rounds, 1),
+        "fallback_ms_per_round": 1000 * sum(c["fallback_s"] for c in calls) / max(rounds, 1),
+        "overlap_efficiency": mean("overlap_efficiency"),
+        "fallbacks": {kind: sum(c["fallbacks"][kind] for c in calls) for kind in ("neural", "fast")},
+        "hits_by_position": {a: sum(c["hits_by_position"][a] for c in calls) for a in calls[0]["hits_by_position"]},
+        "accepted_len_on_hits": _weighted(calls, "accepted_len_on_hits"),
+        "accepted_len_on_misses": _weighted(calls, "accepted_len_on_misses"),
+    }
+
+
+def _weighted(calls, key):
+    values = [(c[key], c["rounds"]) for c in calls if c.get(key) is not None]
+    total = sum(w for _, w in values)
+    return sum(v * w for v, w in values) / total if total else None
 
 
 def _synchronize(model) -> None:
@@ -219,19 +225,23 @@ def _hf_generate(target, assistant, ids, mask, max_new_tokens, temperature, k, p
 
 
 def format_table(rows) -> str:
-    """The rows as a text table: tokens/s, mean accepted length, speed-up over AR (and SSD's hit rate)."""
+    """The rows as a text table: tokens/s, mean accepted length, speed-up over AR, and for SSD rows the
+    cache hit rate, the draft wait per round and the overlap efficiency."""
     with_hits = any(r.get("cache_hit_rate") is not None for r in rows)
     header = f"{'mode':<14}{'tokens/s':>10}{'accepted len':>14}{'speed-up vs AR':>16}"
     if with_hits:
-        header += f"{'cache hits':>12}"
+        header += f"{'cache hits':>12}{'wait ms/rd':>12}{'overlap eff':>13}"
     lines = [header, "-" * len(header)]
     for r in rows:
         acc = f"{r['mean_accepted_len']:.2f}" if r["mean_accepted_len"] is not None else "-"
         sp = f"{r['speedup_vs_ar']:.2f}x" if r.get("speedup_vs_ar") is not None else "-"
         line = f"{r['mode']:<14}{r['tokens_per_s']:>10.1f}{acc:>14}{sp:>16}"
         if with_hits:
-            hit = r.get("cache_hit_rate")
-            line += f"{hit:>12.2f}" if hit is not None else f"{'-':>12}"
+            if r.get("cache_hit_rate") is not None:
+                line += (f"{r['cache_hit_rate']:>12.2f}{r['draft_wait_ms_per_round']:>12.2f}"
+                         f"{r['overlap_efficiency']:>13.2f}")
+            else:
+                line += f"{'-':>12}{'-':>12}{'-':>13}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -259,10 +269,7 @@ def cmd_bench(args) -> int:
         draft = None
     prompts = bench_prompts(tokenizer, args.prompts, target.config.vocab_size, args.seed)
     rows = run_rows(target, draft, prompts, modes, args.k, args.max_new_tokens, args.temperature, args.batch,
-                    args.seed, backend=args.backend, skip_unavailable=not explicit)
-    for mode in modes:
-        if mode not in skipped and not any(r["mode"] == mode for r in rows):
-            skipped[mode] = "not available in this build"
+                    args.seed, backend=args.backend)
     sys.stdout.write(format_table(rows) + "\n")
     for mode, reason in skipped.items():
         sys.stdout.write(f"skipped {mode}: {reason}\n")

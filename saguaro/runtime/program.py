@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,6 +40,18 @@ class Program:
         self.draft = draft
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
+
+    def reconfigure(self, **changes) -> "Program":
+        """A Program over the same captured and lowered stages with some options changed.
+
+        Only runtime options may change (mode, fallback, fan-out, saguaro_c, lane timeout); ``k``
+        and ``backend`` shape what was compiled.
+        """
+        fixed = {"k", "backend"} & set(changes)
+        if fixed:
+            raise ValueError(f"{sorted(fixed)} cannot change after compile; call saguaro.compile again")
+        return Program(replace(self.config, **changes), self.target, self.draft, self.pad_token_id,
+                       self.eos_token_id)
 
     @property
     def max_length(self) -> int:
