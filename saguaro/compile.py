@@ -59,7 +59,8 @@ def compile_program(target, draft, cfg: SaguaroConfig) -> Program:
     pad = getattr(gen, "pad_token_id", None) if gen is not None else None
     if pad is None:
         pad = eos[0] if isinstance(eos, (list, tuple)) and eos else (eos if isinstance(eos, int) else 0)
-    return Program(cfg, runners["target"], runners.get("draft"), pad_token_id=int(pad), eos_token_id=eos)
+    return Program(cfg, runners["target"], runners.get("draft"), pad_token_id=int(pad), eos_token_id=eos,
+                   draft_model=draft)
 
 
 def check_pair(target_spec, draft_spec) -> None:

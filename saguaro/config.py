@@ -9,6 +9,7 @@ from saguaro.errors import ConfigError
 MODES = ("ar", "sd", "ssd")
 BACKENDS = ("eager", "inductor")
 FALLBACKS = ("auto", "neural", "fast")
+LANES = ("thread", "process")
 MAX_K = 16
 
 
@@ -24,6 +25,8 @@ class SaguaroConfig:
     fan_out_budget: total branches ``MQ``; default ``3·(k+1)``.
     saguaro_c: Saguaro sampling down-weighting constant in (0, 1]; 1 disables it.
     max_seq_len: KV store capacity in tokens per sequence; default the target's maximum positions.
+    lane: where SSD's draft side runs: ``"thread"`` (a worker thread) or ``"process"`` (another
+        process over ``torch.distributed`` gloo).
     lane_timeout_s: seconds the target waits for the draft lane before finishing without it.
     """
 
@@ -35,6 +38,7 @@ class SaguaroConfig:
     fan_out_budget: int | None = None
     saguaro_c: float = 1.0
     max_seq_len: int | None = None
+    lane: str = "thread"
     lane_timeout_s: float = 60.0
 
     def __post_init__(self):
@@ -51,6 +55,8 @@ class SaguaroConfig:
         self._check_fan_out()
         if not isinstance(self.saguaro_c, (int, float)) or not 0.0 < float(self.saguaro_c) <= 1.0:
             raise ConfigError(f"saguaro_c={self.saguaro_c!r} is not allowed: it must lie in (0, 1]")
+        if self.lane not in LANES:
+            raise ConfigError(f"lane={self.lane!r} is not allowed: choose one of {', '.join(LANES)}")
         if not isinstance(self.lane_timeout_s, (int, float)) or not self.lane_timeout_s > 0:
             raise ConfigError(f"lane_timeout_s={self.lane_timeout_s!r} is not allowed: it must be > 0 seconds")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):

@@ -1,50 +1,62 @@
-"""Lanes: where a model's stages run. The draft lane works while the target verifies.
+"""Lanes: where the draft side of SSD runs while the target verifies on the caller's thread.
 
-``ThreadLane`` runs draft work on one worker thread. On CPU both lanes get one intra-op thread
-each for the duration of ``generate`` (two lanes on two cores), restored afterwards; with CUDA the
-worker issues its work on its own stream.
+Both lanes drive a :class:`~saguaro.runtime.draft_server.SpeculationServer` through the same four
+calls (``open``, ``begin``, ``finish``, ``close``):
+
+* :class:`ThreadLane`: a worker thread in this process (a CUDA stream of its own on GPU).
+* :class:`saguaro.runtime.process_lane.ProcessLane`: another process, reached through
+  ``torch.distributed`` (gloo), for when the draft has its own device or the GIL gets in the way.
+
+On CPU each lane gets one intra-op thread for the duration of an SSD ``generate`` (two lanes on two
+cores); the caller's setting is restored afterwards.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
+from contextlib import contextmanager
 
 import torch
 
 from saguaro.errors import SaguaroError
+from saguaro.runtime.draft_server import GenerateSpec, Resolution, SpeculationServer
 
 log = logging.getLogger(__name__)
 
 
 class DraftLaneError(SaguaroError):
-    """The draft lane failed (an exception, or no answer within the timeout)."""
+    """The draft lane failed (an exception, a dead process, or no answer within the timeout)."""
+
+
+@contextmanager
+def one_thread_per_lane(device: torch.device):
+    """Give the caller's lane one intra-op thread on CPU; restore the setting afterwards."""
+    if device.type != "cpu":
+        yield
+        return
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 class ThreadLane:
-    """One worker thread; ``submit`` returns a handle whose ``result`` raises ``DraftLaneError``."""
+    """The draft server on one worker thread; ``build`` overlaps the caller's verification."""
 
-    def __init__(self, device: torch.device, timeout_s: float = 60.0, threads_per_lane: int | None = 1):
-        self.device = device
+    kind = "thread"
+
+    def __init__(self, server: SpeculationServer, device: torch.device, timeout_s: float):
+        self.server = server
         self.timeout_s = timeout_s
-        self.threads_per_lane = threads_per_lane
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="saguaro-draft")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._saved_threads = None
+        self._pending = None
 
-    def __enter__(self):
-        if self.device.type == "cpu" and self.threads_per_lane is not None:
-            self._saved_threads = torch.get_num_threads()
-            torch.set_num_threads(self.threads_per_lane)
-        return self
-
-    def __exit__(self, *exc):
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._saved_threads is not None:
-            torch.set_num_threads(self._saved_threads)
-        return False
-
-    def _run(self, fn, args):
+    def _on_worker(self, fn, *args):
         with torch.inference_mode():
             if self._stream is None:
                 return fn(*args)
@@ -53,13 +65,33 @@ class ThreadLane:
             self._stream.synchronize()
             return out
 
-    def submit(self, fn, *args) -> concurrent.futures.Future:
-        return self._pool.submit(self._run, fn, args)
-
-    def result(self, future: concurrent.futures.Future):
+    def _wait(self, future):
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError as exc:
             raise DraftLaneError(f"draft lane gave no answer within {self.timeout_s:.1f}s") from exc
         except Exception as exc:
             raise DraftLaneError(f"draft lane failed: {type(exc).__name__}: {exc}") from exc
+
+    def open(self, spec: GenerateSpec, first_tokens: torch.Tensor) -> Resolution:
+        if self._pending is not None:  # a build the last generation no longer needed
+            concurrent.futures.wait([self._pending], timeout=self.timeout_s)
+            self._pending = None
+        self.server.open(spec)
+        return self.server.start(first_tokens)
+
+    def begin(self) -> None:
+        self._pending = self._pool.submit(self._on_worker, self.server.build)
+
+    def finish(self, accepted: torch.Tensor, outcome: torch.Tensor, verify_s: float) -> tuple[Resolution, float]:
+        """Wait for the cache, then resolve the outcome; returns the resolution and the wait in seconds."""
+        started = time.perf_counter()
+        self._wait(self._pending)
+        waited = time.perf_counter() - started
+        try:
+            return self.server.resolve(accepted, outcome, verify_s), waited
+        except Exception as exc:
+            raise DraftLaneError(f"draft lane failed: {type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

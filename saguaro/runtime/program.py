@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -12,7 +13,8 @@ from saguaro.config import MODES, SaguaroConfig
 from saguaro.runtime.decode_ar import decode_ar
 from saguaro.runtime.decode_sd import decode_sd
 from saguaro.runtime.decode_ssd import decode_ssd
-from saguaro.runtime.lanes import ThreadLane
+from saguaro.runtime.draft_server import GenerateSpec, SpeculationServer
+from saguaro.runtime.lanes import ThreadLane, one_thread_per_lane
 from saguaro.runtime.inputs import check_generate_args
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.sequences import SequenceBatch
@@ -34,13 +36,34 @@ class Program:
     """A compiled pair. ``generate`` decodes in the configured mode; ``mode=`` overrides it per call."""
 
     def __init__(self, config: SaguaroConfig, target: ModelRunner, draft: ModelRunner | None,
-                 pad_token_id: int, eos_token_id):
+                 pad_token_id: int, eos_token_id, draft_model: torch.nn.Module | None = None):
         self.config = config
         self.target = target
         self.draft = draft
+        self.draft_model = draft_model  # what a process lane captures again on its side
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
+        self._lane = None
 
+    def _draft_lane(self):
+        """The SSD draft lane of this program, started on first use and kept."""
+        if self._lane is None:
+            if self.config.lane == "process":
+                from saguaro.runtime.process_lane import ProcessLane
+
+                self._lane = ProcessLane(self.draft_model, self.config, self.draft.spec.vocab_size,
+                                         self.config.lane_timeout_s)
+            else:
+                self._lane = ThreadLane(SpeculationServer(self.draft, self.config), self.target.spec.device,
+                                        self.config.lane_timeout_s)
+            self._finalizer = weakref.finalize(self, self._lane.close)
+        return self._lane
+
+    def close(self) -> None:
+        """Stop the draft lane (thread or process). The program starts a new one if used again."""
+        if self._lane is not None:
+            self._finalizer()
+            self._lane = None
     def reconfigure(self, **changes) -> "Program":
         """A Program over the same captured and lowered stages with some options changed.
 
@@ -51,7 +74,7 @@ class Program:
         if fixed:
             raise ValueError(f"{sorted(fixed)} cannot change after compile; call saguaro.compile again")
         return Program(replace(self.config, **changes), self.target, self.draft, self.pad_token_id,
-                       self.eos_token_id)
+                       self.eos_token_id, self.draft_model)
 
     @property
     def max_length(self) -> int:
@@ -99,11 +122,10 @@ class Program:
             raise ValueError(
                 f"prompt length {T} + max_new_tokens {max_new_tokens} = {T + max_new_tokens} exceeds the maximum "
                 f"of {self.max_length} tokens (KV capacity / the models' max_position_embeddings)")
-        generator = draft_generator = None
-        if temperature > 0:  # one generator per lane, so threads never share one
+        generator, base = None, None
+        if temperature > 0:  # one generator per lane (the draft lane's is seeded base + 1)
             base = seed if seed is not None else int(torch.seed() % (2**62))
             generator = torch.Generator(device=device).manual_seed(base)
-            draft_generator = torch.Generator(device=device).manual_seed(base + 1)
 
         start = time.perf_counter()
         capacity = self._store_capacity(T, max_new_tokens, mode)
@@ -111,22 +133,28 @@ class Program:
         state = DecodeState(
             seqs=seqs,
             target_store=self.target.new_store(B, capacity),
-            draft_store=self.draft.new_store(B, capacity) if mode != "ar" else None,
+            draft_store=self.draft.new_store(B, capacity) if mode == "sd" else None,
             temperature=float(temperature), generator=generator, k=self.config.k,
         )
-        self._prefill(state)
-        if mode == "ar":
-            decode_ar(self.target, state)
-        elif mode == "sd":
-            decode_sd(self.target, self.draft, state)
+        if mode == "ssd":
+            lane = self._draft_lane()
+            with one_thread_per_lane(device):
+                first = self._prefill(state)
+                draft_spec = GenerateSpec(input_ids, attention_mask, max_new_tokens, capacity, eos_ids,
+                                          self.pad_token_id, float(temperature), None if base is None else base + 1)
+                if not decode_ssd(self.target, self.draft, state, lane, draft_spec, first):
+                    self.close()  # a failed lane is not reused
         else:
-            with ThreadLane(device, timeout_s=self.config.lane_timeout_s) as lane:
-                decode_ssd(self.target, self.draft, state, self.config, lane, draft_generator)
+            self._prefill(state)
+            if mode == "ar":
+                decode_ar(self.target, state)
+            else:
+                decode_sd(self.target, self.draft, state)
         wall = time.perf_counter() - start
         sequences = seqs.result()
         return GenerateOutput(sequences=sequences, stats=self._stats(state, mode, wall))
 
-    def _prefill(self, state: DecodeState) -> None:
+    def _prefill(self, state: DecodeState) -> torch.Tensor:
         """Prefill both stores with the prompt and decide the first token from the target."""
         seqs = state.seqs
         T = seqs.prompt_len
@@ -138,6 +166,7 @@ class Program:
                 self.draft(state.draft_store, ids, pos, index)
         first, _ = sample_tokens(logits, state.temperature, state.generator)
         seqs.append(first[:, None], torch.ones_like(first))
+        return first
 
     def _stats(self, state: DecodeState, mode: str, wall: float) -> dict:
         new_tokens = int(state.seqs.generated.sum())
@@ -178,6 +207,7 @@ class Program:
             "fallback_s": s.get("fallback_neural_s", 0.0) + s.get("fallback_fast_s", 0.0),
             "overlap_efficiency": (new_tokens / wall) / ideal if ideal > 0 else 0.0,
             "lane_failures": c.get("lane_failures", 0),
+            "lane": self.config.lane,
         }
 
 

@@ -38,11 +38,33 @@ def test_exception_on_draft_lane_finishes_with_sd(monkeypatch):
     assert out.stats["lane_failures"] == 1
 
 
-def test_timeout_on_draft_lane_finishes_with_ar(monkeypatch):
+def test_timeout_on_draft_lane_finishes_with_sd_on_a_fresh_store(monkeypatch):
     target, draft, _ = tiny_pair("llama")
     program = saguaro.compile(target, draft, k=3, mode="ssd", lane_timeout_s=0.2)
     monkeypatch.setattr(tree, "build_speculations", failing_after(1, sleep_s=1.0))
     ids, mask = prompts(1, 8, seed=6)
-    with pytest.warns(RuntimeWarning, match="no answer within.*AR"):
+    with pytest.warns(RuntimeWarning, match="no answer within.*SD"):
         out = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
     assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 16))
+    assert out.stats["lane_failures"] == 1
+    # the failed lane was dropped; the next generation gets a fresh one and runs SSD again
+    monkeypatch.undo()
+    again = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
+    assert torch.equal(again.sequences, out.sequences) and again.stats["lane_failures"] == 0
+
+
+def test_dead_draft_process_finishes_with_sd():
+    target, draft, _ = tiny_pair("llama")
+    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="process", lane_timeout_s=30)
+    ids, mask = prompts(2, 8, seed=7, pad_rows={1: 3})
+    expected = reference_greedy(target, ids, mask, 16)
+    try:
+        first = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
+        assert torch.equal(first.sequences, expected) and first.stats["lane"] == "process"
+        program._draft_lane().process.kill()
+        program._draft_lane().process.join()
+        with pytest.warns(RuntimeWarning, match="dead.*SD"):
+            out = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
+        assert torch.equal(out.sequences, expected) and out.stats["lane_failures"] == 1
+    finally:
+        program.close()

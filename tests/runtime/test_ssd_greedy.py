@@ -54,3 +54,23 @@ def test_ssd_misses_only_with_fan_out_zero():
     out = program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
     assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 12))
     assert out.stats["cache_hit_rate"] == 0.0 and out.stats["fallbacks"]["neural"] > 0
+
+
+def test_process_lane_is_exact_and_samples_like_the_thread_lane():
+    """The draft side in another process (gloo): greedy equals generate; sampling equals the thread lane's."""
+    target, draft, _ = tiny_pair("qwen2")
+    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="process")
+    try:
+        ids, mask = prompts(3, 8, seed=9, pad_rows={0: 3})
+        out = program.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
+        assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 20))
+        assert out.stats["lane"] == "process" and out.stats["cache_hit_rate"] > 0
+        sampled = program.generate(ids, attention_mask=mask, max_new_tokens=12, temperature=1.0, seed=3,
+                                   eos_token_id=None)
+        threaded = program.reconfigure(lane="thread")
+        same_seed = threaded.generate(ids, attention_mask=mask, max_new_tokens=12, temperature=1.0, seed=3,
+                                      eos_token_id=None)
+        threaded.close()
+        assert torch.equal(sampled.sequences, same_seed.sequences)
+    finally:
+        program.close()
