@@ -9,7 +9,6 @@ import torch
 from saguaro.capture import capture, model_spec
 from saguaro.config import SaguaroConfig
 from saguaro.errors import SaguaroError
-from saguaro.lower import lower_model
 from saguaro.passes import run_pipeline
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.program import Program
@@ -47,13 +46,8 @@ def compile_program(target, draft, cfg: SaguaroConfig) -> Program:
     target_spec = model_spec(target)
     if draft is not None:
         check_pair(target_spec, model_spec(draft))
-    runners = {}
-    for name, model in (("target", target), ("draft", draft)):
-        if model is None:
-            continue
-        captured = capture(model)
-        captured.graph_module = run_pipeline(captured.graph_module)
-        runners[name] = ModelRunner(name, captured, lower_model(captured, cfg.backend, name))
+    runners = {name: build_runner(name, model, cfg.backend)
+               for name, model in (("target", target), ("draft", draft)) if model is not None}
     gen = getattr(target, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     pad = getattr(gen, "pad_token_id", None) if gen is not None else None
@@ -61,6 +55,13 @@ def compile_program(target, draft, cfg: SaguaroConfig) -> Program:
         pad = eos[0] if isinstance(eos, (list, tuple)) and eos else (eos if isinstance(eos, int) else 0)
     return Program(cfg, runners["target"], runners.get("draft"), pad_token_id=int(pad), eos_token_id=eos,
                    draft_model=draft)
+
+
+def build_runner(name: str, model: torch.nn.Module, backend: str) -> ModelRunner:
+    """Capture ``model``, run the base pass pipeline, and wrap it for stage building and lowering."""
+    captured = capture(model)
+    captured.graph_module = run_pipeline(captured.graph_module)
+    return ModelRunner(name, captured, backend)
 
 
 def check_pair(target_spec, draft_spec) -> None:

@@ -1,4 +1,4 @@
-"""Lowering: a captured GraphModule → a callable on a backend (eager or inductor)."""
+"""Lowering: a stage GraphModule → a callable on a backend (eager or inductor)."""
 
 from __future__ import annotations
 
@@ -6,17 +6,17 @@ import logging
 
 import torch
 
-from saguaro.capture.export import CapturedModel
-
 log = logging.getLogger(__name__)
 
+BACKENDS = ("eager", "inductor")
 
-def lower_model(captured: CapturedModel, backend: str, name: str):
-    """``eager`` runs the GraphModule itself; ``inductor`` wraps it in ``torch.compile(fullgraph=True)``."""
-    gm = captured.graph_module
+
+def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str):
+    """``eager`` runs the GraphModule itself; ``inductor`` compiles it with ``torch.compile``
+    (``fullgraph=True``: a graph break is an error), once per static shape."""
     if backend == "eager":
         return gm
     if backend == "inductor":
-        log.info("lowering %s with inductor (compiled on first call per shape)", name)
+        log.info("lowering %s with inductor (compiled on its first call per shape)", name)
         return torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
-    raise ValueError(f"backend={backend!r} is not allowed: choose 'eager' or 'inductor'")
+    raise ValueError(f"backend={backend!r} is not allowed: choose one of {', '.join(BACKENDS)}")

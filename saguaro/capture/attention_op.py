@@ -47,10 +47,49 @@ def build_attention_mask(
     return allowed | (slots[None, None, :] == write_slots[:, :, None])  # [B, T, S]
 
 
+def causal_bias(
+    write_slots: torch.Tensor,  # [B, T]
+    query_pos: torch.Tensor,  # [B, T]
+    slot_pos: torch.Tensor,  # [B, S]
+    slot_branch: torch.Tensor,  # [B, S]
+    window: int,
+    groups: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The mask of prefill / verify / glue / step: shared slots up to the query's own position.
+
+    Needs neither query branches nor limits: every query of these stages is on the shared branch.
+    """
+    s_pos = slot_pos[:, None, :]  # [B, 1, S]
+    allowed = (s_pos >= 0) & (slot_branch[:, None, :] == 0) & (s_pos <= query_pos[:, :, None])
+    if window > 0:
+        allowed = allowed & (s_pos > query_pos[:, :, None] - window)
+    slots = torch.arange(slot_pos.shape[1], device=slot_pos.device)  # [S]
+    allowed = allowed | (slots[None, None, :] == write_slots[:, :, None])  # [B, T, S]
+    return additive_mask(allowed, groups, dtype)
+
+
+def tree_bias(
+    write_slots: torch.Tensor,  # [B, MQ]
+    query_pos: torch.Tensor,  # [B, MQ]
+    query_branch: torch.Tensor,  # [B, MQ]: branch β of each query (1-based)
+    query_limit: torch.Tensor,  # [B, MQ]: fork point P0 + j of its branch
+    slot_pos: torch.Tensor,  # [B, S]
+    slot_branch: torch.Tensor,  # [B, S]
+    window: int,
+    groups: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The tree mask: the committed prefix and glue up to the fork point, then the branch's own
+    earlier tree tokens (block diagonal over branches), built from the fork points and branch ids."""
+    mask = build_attention_mask(write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window)
+    return additive_mask(mask, groups, dtype)
+
+
 def additive_mask(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
     """``[B, T, S]`` bool → ``[B, 1, G*T, S]`` additive float mask for query groups folded into rows."""
     B, T, S = mask.shape
-    bias = torch.zeros(B, T, S, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    bias = torch.zeros_like(mask, dtype=dtype).masked_fill_(~mask, float("-inf"))
     return bias[:, None, None].expand(B, 1, groups, T, S).reshape(B, 1, groups * T, S)
 
 
@@ -67,6 +106,31 @@ def attention_reference(
     q = query.reshape(B, Hkv, (H // Hkv) * T, D)  # heads of one group are adjacent in HF's layout
     out = torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias, scale=scale)
     return out.reshape(B, H, T, D)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::attention_mask", mutates_args=())
+def saguaro_attention_mask(
+    write_slots: torch.Tensor,
+    query_pos: torch.Tensor,
+    query_branch: torch.Tensor,
+    query_limit: torch.Tensor,
+    slot_pos: torch.Tensor,
+    slot_branch: torch.Tensor,
+    window: int,
+    groups: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The generic mask of every stage as one node, ``[B, 1, G*T, S]`` additive; the
+    ``specialize_attention`` pass replaces it with the stage's own construction."""
+    mask = build_attention_mask(write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window)
+    return additive_mask(mask, groups, dtype)
+
+
+@saguaro_attention_mask.register_fake
+def _saguaro_attention_mask_fake(write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window,
+                                 groups, dtype):
+    B, T = write_slots.shape
+    return slot_pos.new_empty((B, 1, groups * T, slot_pos.shape[1]), dtype=dtype)
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::attention", mutates_args=("k_cache", "v_cache"))
@@ -95,3 +159,4 @@ def _saguaro_attention_fake(query, key, value, k_cache, v_cache, write_slots, bi
 
 
 ATTENTION_OP = torch.ops.saguaro.attention.default
+MASK_OP = torch.ops.saguaro.attention_mask.default

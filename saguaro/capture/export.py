@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.capture.attention_op import ATTENTION_OP, additive_mask, build_attention_mask
+from saguaro.capture.attention_op import ATTENTION_OP, saguaro_attention_mask
 from saguaro.capture.hf_hook import ACTIVE_CONTEXT, ATTN_IMPLEMENTATION, AttentionContext, register_attention
 from saguaro.errors import CaptureError
 
@@ -49,9 +49,8 @@ class _StageForward(torch.nn.Module):
 
     def forward(self, input_ids, positions, write_slots, query_branch, query_limit, slot_pos, slot_branch,
                 k_caches, v_caches):
-        mask = build_attention_mask(write_slots, positions, query_branch, query_limit, slot_pos, slot_branch,
-                                    self.window)  # [B, T, S]
-        bias = additive_mask(mask, self.groups, k_caches[0].dtype)  # [B, 1, G*T, S]
+        bias = saguaro_attention_mask(write_slots, positions, query_branch, query_limit, slot_pos, slot_branch,
+                                      self.window, self.groups, k_caches[0].dtype)  # [B, 1, G*T, S]
         ctx = AttentionContext(list(k_caches), list(v_caches), write_slots, bias)
         token = ACTIVE_CONTEXT.set(ctx)
         try:

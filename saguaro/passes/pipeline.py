@@ -1,14 +1,28 @@
-"""The ordered pass pipeline every captured graph goes through before lowering."""
+"""The ordered pass pipelines: the base pipeline every captured graph goes through once, and the
+stage pipeline that derives each stage's graph from it."""
 
 from __future__ import annotations
 
+import copy
+import logging
+from dataclasses import dataclass
+
 import torch
 
+from saguaro.passes.flatten_signature import flatten_signature
+from saguaro.passes.fuse_fork import fuse_fork
+from saguaro.passes.fuse_sampling import fuse_sampling
+from saguaro.passes.fuse_verification import fuse_verification
+from saguaro.passes.specialize_attention import specialize_attention
 from saguaro.passes.strip_runtime_checks import strip_runtime_checks
 
-# Order matters: later passes match on the cleaned graph, so cleanup runs first.
+log = logging.getLogger(__name__)
+
+# Order matters: cleanup first (it removes nodes that would sit between pattern nodes), then a flat
+# signature (the stage passes append inputs and outputs).
 PIPELINE = (
-    strip_runtime_checks,  # first: removes nodes that would otherwise sit between pattern nodes
+    strip_runtime_checks,
+    flatten_signature,
 )
 
 
@@ -16,4 +30,46 @@ def run_pipeline(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Apply every pass of :data:`PIPELINE` in order."""
     for graph_pass in PIPELINE:
         gm = graph_pass(gm)
+    return gm
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage: its mask kind and the epilogue spliced after the logits."""
+
+    name: str
+    mask: str  # "causal" | "tree"
+    epilogue: str  # "last", "step_greedy", ..., "verify_greedy", "verify_sampled", "fork"
+    extra_inputs: tuple = ()
+
+
+STAGES = {
+    spec.name: spec for spec in (
+        StageSpec("prefill", "causal", "last"),
+        StageSpec("step", "causal", "last"),
+        StageSpec("verify_greedy", "causal", "verify_greedy", ("draft_tokens",)),
+        StageSpec("verify_sampled", "causal", "verify_sampled",
+                  ("draft_tokens", "draft_probs", "inv_temperature", "accept_u", "resample_u")),
+        StageSpec("step_greedy", "causal", "step_greedy"),
+        StageSpec("step_sampled", "causal", "step_sampled", ("inv_temperature", "u")),
+        StageSpec("glue", "causal", "fork", ("draft_tokens", "branch_rows", "branch_ranks")),
+        StageSpec("tree_greedy", "tree", "tree_greedy"),
+        StageSpec("tree_sampled", "tree", "tree_sampled", ("inv_temperature", "top", "saguaro_c", "u")),
+    )
+}
+
+
+def build_stage(base: torch.fx.GraphModule, stage: str, width: int) -> torch.fx.GraphModule:
+    """The stage's graph: a copy of the base graph, attention specialised (before the epilogue, which
+    must see the final logits node), then its epilogue spliced."""
+    spec = STAGES[stage]
+    gm = torch.fx.GraphModule(base, copy.deepcopy(base.graph))  # shares parameters, owns its graph
+    gm = specialize_attention(gm, spec.mask)
+    if spec.epilogue.startswith("verify_"):
+        gm = fuse_verification(gm, sampled=spec.epilogue == "verify_sampled")
+    elif spec.epilogue == "fork":
+        gm = fuse_fork(gm, width)
+    else:
+        gm = fuse_sampling(gm, spec.epilogue, width)
+    log.info("stage %s: %d nodes", stage, len(gm.graph.nodes))
     return gm

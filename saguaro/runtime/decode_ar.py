@@ -15,8 +15,9 @@ def decode_ar(target: ModelRunner, state: DecodeState) -> None:
     while not seqs.all_finished():
         index = seqs.tail_index(1)  # [B, 1]: the pending token
         with state.timers.time("verify_s"):
-            logits = target(state.target_store, seqs.gather(index), seqs.positions(index), index)  # [B, 1, V]
-        token, _ = sample_tokens(logits[:, -1], state.temperature, state.generator)
+            (logits,) = target.run("step", state.target_store, seqs.gather(index), seqs.positions(index),
+                                   index)  # [B, V]
+        token, _ = sample_tokens(logits, state.temperature, state.generator)
         active = seqs.active.clone()
         seqs.append(token[:, None], torch.ones_like(token))
         state.accepted_lengths.extend([1] * int(active.sum()))

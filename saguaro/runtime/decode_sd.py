@@ -29,10 +29,16 @@ def verify_round(target: ModelRunner, state: DecodeState, draft_tokens: torch.Te
     index = seqs.tail_index(1) + torch.arange(k + 1, device=draft_tokens.device)[None, :]  # [B, k+1]
     ids = torch.cat([seqs.gather(index[:, :1]), draft_tokens], dim=1)  # [B, k+1]
     state.target_store.invalidate_from(index[:, 0])  # drop the previous round's rejected slots
+    positions = seqs.positions(index)
     with state.timers.time("verify_s"):
-        logits = target(state.target_store, ids, seqs.positions(index), index)  # [B, k+1, V]
-        accepted, next_token = verification.verify_speculation(
-            logits, draft_tokens, draft_probs, state.temperature, state.generator)
+        if state.temperature == 0.0:  # the fused stages return (accepted [B], next_token [B])
+            accepted, next_token = target.run("verify_greedy", state.target_store, ids, positions, index,
+                                              draft_tokens)
+        else:
+            accept_u, resample_u = verification.verification_uniforms(seqs.batch, k, state.generator, ids.device)
+            inv_t = torch.tensor(1.0 / state.temperature, device=ids.device)
+            accepted, next_token = target.run("verify_sampled", state.target_store, ids, positions, index,
+                                              draft_tokens, draft_probs, inv_t, accept_u, resample_u)
     commit_outcome(state, draft_tokens, accepted, next_token)
     return accepted, next_token
 

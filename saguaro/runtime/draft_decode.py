@@ -6,7 +6,6 @@ import torch
 
 from saguaro.runtime.kv_store import KVStore
 from saguaro.runtime.model_runner import ModelRunner
-from saguaro.runtime.verification import sample_tokens
 
 
 def draft_decode(
@@ -22,9 +21,14 @@ def draft_decode(
     """Decode ``k`` tokens after ``ids``: ``tokens [B, k]`` and the distributions drawn from ``[B, k, V]``."""
     store.invalidate_from(index[:, 0])
     tokens, probs = [], []
+    inv_t = torch.tensor(1.0 / temperature, device=ids.device) if temperature > 0 else None
     for _ in range(k):
-        logits = draft(store, ids, positions, index)[:, -1]  # [B, V]
-        token, prob = sample_tokens(logits, temperature, generator)
+        if inv_t is None:
+            (token,) = draft.run("step_greedy", store, ids, positions, index)  # [B]
+            prob = None
+        else:
+            u = torch.rand(ids.shape[0], generator=generator, device=ids.device)
+            token, prob = draft.run("step_sampled", store, ids, positions, index, inv_t, u)  # [B], [B, V]
         tokens.append(token)
         probs.append(prob)
         ids, index, positions = token[:, None], index[:, -1:] + 1, positions[:, -1:] + 1

@@ -17,7 +17,7 @@ import torch
 from saguaro.config import SaguaroConfig
 from saguaro.runtime.fallback import fast_fallback, neural_fallback
 from saguaro.runtime.fan_out import OutcomeEstimator, resolve_fan_out
-from saguaro.runtime.fork import candidate_ranks
+from saguaro.runtime.fork import ranks_from_ranked
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.sequences import SequenceBatch
 from saguaro.runtime import tree
@@ -117,7 +117,7 @@ class SpeculationServer:
     def build(self) -> None:
         """Glue, fork and tree decode for the speculation under verification (overlaps the target)."""
         seqs, k = self.seqs, self.k
-        self.fan_out = resolve_fan_out(self.config.fan_out, k, self.config.budget, self.estimator, self.vocab)
+        self.fan_out = resolve_fan_out(self.config.fan_out, k, self.config.budget, self.estimator, self.draft.width)
         index = seqs.tail_index(1) + torch.arange(k + 1, device=seqs.tokens.device)[None, :]  # [B, k+1]
         request = tree.GlueRequest(
             ids=torch.cat([seqs.gather(index[:, :1]), self.spec_tokens], dim=1), index=index,
@@ -168,7 +168,7 @@ class SpeculationServer:
 
     def _learn(self, accepted, outcome, active, verify_s) -> None:
         """Online α, ρ and the fallback policy's accepted lengths by source."""
-        ranks = candidate_ranks(self.cache.glue_logits, self.spec_tokens, accepted, outcome)
+        ranks = ranks_from_ranked(self.cache.ranked, accepted, outcome)
         self.estimator.observe(accepted[active], ranks[active])
         self.policy.verify_s.append(verify_s)
         for code, name in enumerate(SOURCES):

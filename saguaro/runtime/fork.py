@@ -13,43 +13,42 @@ def branch_layout(fan_out: list[int], device=None) -> tuple[torch.Tensor, torch.
             torch.tensor(ranks, dtype=torch.long, device=device))  # [MQ]
 
 
-def fork_candidates(
-    glue_logits: torch.Tensor,  # [B, K+1, V]: row j is the draft's distribution after x_j
-    draft_tokens: torch.Tensor,  # [B, K]: x_1..x_K of the speculation being verified
-    branch_rows: torch.Tensor,  # [MQ]
-    branch_ranks: torch.Tensor,  # [MQ]
-) -> torch.Tensor:
-    """Candidate outcome tokens ``[B, MQ]``: the top-``F_j`` of row ``j``, excluding ``x_{j+1}``.
-
-    A rejected token is never the recovery token, so ``x_{j+1}`` is removed from row ``j < K``.
-    """
-    B, rows, V = glue_logits.shape
-    K = rows - 1
-    masked = glue_logits.float().clone()
-    masked[:, :K].scatter_(2, draft_tokens[:, :, None], float("-inf"))
-    if branch_rows.numel() == 0:
-        return draft_tokens.new_zeros(B, 0)
-    width = int(branch_ranks.max()) + 1
-    top = masked.topk(min(width, V), dim=-1).indices  # [B, K+1, width]
-    return top[:, branch_rows, branch_ranks]  # [B, MQ]
+RANK_WIDTH = 64  # ranks beyond this are "not close"; fan-out per position is capped here too
 
 
-def candidate_ranks(
+def fork_with_ranks(
     glue_logits: torch.Tensor,  # [B, K+1, V]
     draft_tokens: torch.Tensor,  # [B, K]
-    accepted: torch.Tensor,  # [B]
-    outcome_tokens: torch.Tensor,  # [B]
-) -> torch.Tensor:
-    """Rank of ``r'`` among row ``a``'s candidates (0 = the top candidate), ``[B]``."""
-    B, rows, V = glue_logits.shape
-    row = glue_logits.float().gather(1, accepted[:, None, None].expand(B, 1, V)).squeeze(1)  # [B, V]
-    K = rows - 1
-    excluded = torch.where(accepted < K, draft_tokens.gather(1, accepted.clamp_max(K - 1)[:, None]).squeeze(1),
-                           torch.full_like(accepted, -1))
-    value = row.gather(1, outcome_tokens[:, None])  # [B, 1]
-    above = row > value
-    above.scatter_(1, excluded.clamp_min(0)[:, None], False)  # the excluded token holds no rank
-    return above.sum(dim=1)
+    branch_rows: torch.Tensor,  # [MQ]
+    branch_ranks: torch.Tensor,  # [MQ], each < width
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fork fused into ``draft.glue``: ``candidates [B, MQ]`` and each row's top ``width``
+    tokens ``ranked [B, K+1, width]`` (speculated token excluded), from which the rank of the outcome
+    token is read later. Only these small tensors leave the graph."""
+    # functional on purpose: the traced copy spliced into draft.glue must not rely on in-place views
+    speculated = torch.nn.functional.one_hot(draft_tokens, glue_logits.shape[-1]).bool()  # [B, K, V]
+    excluded = torch.cat([speculated, torch.zeros_like(speculated[:, :1])], dim=1)  # [B, K+1, V]; row K: none
+    masked = glue_logits.float().masked_fill(excluded, float("-inf"))
+    ranked = masked.topk(width, dim=-1).indices  # [B, K+1, width]
+    return ranked[:, branch_rows, branch_ranks], ranked
+
+
+def ranks_from_ranked(ranked: torch.Tensor, accepted: torch.Tensor, outcome_tokens: torch.Tensor) -> torch.Tensor:
+    """Rank of ``r'`` in row ``a`` of ``ranked [B, K+1, W]`` (``W`` when not among the top ``W``)."""
+    B, _, W = ranked.shape
+    row = ranked.gather(1, accepted[:, None, None].expand(B, 1, W)).squeeze(1)  # [B, W]
+    found = row == outcome_tokens[:, None]
+    return torch.where(found.any(dim=1), found.long().argmax(dim=1), torch.full_like(accepted, W))
+
+
+def saguaro_scaled(probs: torch.Tensor, top: torch.Tensor, c: torch.Tensor, width: int) -> torch.Tensor:
+    """:func:`saguaro_distribution` with ``top`` and ``c`` as tensors (``top <= width``), for graphs."""
+    idx = probs.topk(width, dim=-1).indices  # [..., width]
+    keep = torch.arange(width, device=probs.device) < top  # [width]
+    factor = torch.where(keep, c, torch.ones_like(c)).to(probs.dtype).expand(idx.shape)
+    scaled = probs * torch.ones_like(probs).scatter(-1, idx, factor)
+    return scaled / scaled.sum(dim=-1, keepdim=True)
 
 
 def saguaro_distribution(probs: torch.Tensor, top: int, c: float) -> torch.Tensor:

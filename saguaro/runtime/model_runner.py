@@ -1,38 +1,84 @@
-"""Run one captured (and lowered) model over its KV store."""
+"""Run one captured model's stages over its KV store.
+
+Each stage graph (``prefill``, ``verify_greedy``, ``glue``, ``tree_sampled``, ...) is derived from
+the captured graph by the stage pipeline and lowered on first use, so a program only builds (and,
+with inductor, compiles) the stages its modes call.
+"""
 
 from __future__ import annotations
+
+import logging
+import threading
+import time
 
 import torch
 
 from saguaro.capture.export import CapturedModel
+from saguaro.runtime.fork import RANK_WIDTH
 from saguaro.runtime.kv_store import KVStore
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """A lowered model forward plus the bookkeeping every stage call shares."""
+    """A captured model, its lowered stages, and the bookkeeping every stage call shares."""
 
-    def __init__(self, name: str, captured: CapturedModel, forward):
+    def __init__(self, name: str, captured: CapturedModel, backend: str):
         self.name = name
         self.captured = captured
         self.spec = captured.spec
-        self.forward = forward
+        self.backend = backend
+        self.width = min(self.spec.vocab_size, RANK_WIDTH)  # fork / rank / Saguaro-sampling width
+        self._stages: dict = {}
+        self._lock = threading.Lock()  # two lanes may ask for stages of one model at once
+        self.stage_build_s: dict = {}
 
     def new_store(self, batch: int, capacity: int) -> KVStore:
         return KVStore(self.spec, batch, capacity)
 
-    def __call__(
+    def stage(self, stage: str):
+        """The lowered callable of ``stage``, built on first use."""
+        fn = self._stages.get(stage)
+        if fn is None:
+            with self._lock:
+                fn = self._stages.get(stage)
+                if fn is None:
+                    from saguaro.lower import lower_graph
+                    from saguaro.passes.pipeline import build_stage
+
+                    started = time.perf_counter()
+                    graph = build_stage(self.captured.graph_module, stage, self.width)
+                    fn = lower_graph(graph, self.backend, f"{self.name}.{stage}")
+                    self._stages[stage] = fn
+                    self.stage_build_s[stage] = time.perf_counter() - started
+        return fn
+
+    def run(
         self,
+        stage: str,
         store: KVStore,
         input_ids: torch.Tensor,  # [B, T]
         positions: torch.Tensor,  # [B, T]
         write_slots: torch.Tensor,  # [B, T]
+        *extra,
         branch: torch.Tensor | None = None,  # [B, T]; None: shared (0)
         limit: torch.Tensor | None = None,  # [B, T]; None: the query's own position
-    ) -> torch.Tensor:
+    ):
+        """Call ``stage`` on the store; returns the stage's outputs (a tuple)."""
         if branch is None:
             branch = torch.zeros_like(positions)
         if limit is None:
             limit = positions
         store.claim(write_slots, positions, branch)
-        return self.forward(input_ids, positions, write_slots, branch, limit, store.slot_pos, store.slot_branch,
-                            store.k_caches, store.v_caches)  # [B, T, V]
+        return self.stage(stage)(input_ids, positions, write_slots, branch, limit, store.slot_pos, store.slot_branch,
+                                 *store.k_caches, *store.v_caches, *extra)
+
+    def __call__(self, store: KVStore, input_ids, positions, write_slots, branch=None, limit=None) -> torch.Tensor:
+        """The captured graph itself: logits ``[B, T, V]`` (tests and recovery use it)."""
+        if branch is None:
+            branch = torch.zeros_like(positions)
+        if limit is None:
+            limit = positions
+        store.claim(write_slots, positions, branch)
+        return self.captured.graph_module(input_ids, positions, write_slots, branch, limit, store.slot_pos,
+                                          store.slot_branch, *store.k_caches, *store.v_caches)[0]

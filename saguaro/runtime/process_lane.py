@@ -62,17 +62,12 @@ def _recv_resolution(pg, B, K, V, sampled, timeout) -> Resolution:
 
 def serve(port: int, draft_model: torch.nn.Module, config: SaguaroConfig, timeout_s: float) -> None:
     """The draft process: capture the draft, then answer OPEN / OUTCOME until CLOSE."""
-    from saguaro.capture import capture
-    from saguaro.lower import lower_model
-    from saguaro.passes import run_pipeline
-    from saguaro.runtime.model_runner import ModelRunner
+    from saguaro.compile import build_runner
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=timeout_s))
     pg = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(days=1))  # idle between generations
-    captured = capture(draft_model)
-    captured.graph_module = run_pipeline(captured.graph_module)
-    server = SpeculationServer(ModelRunner("draft", captured, lower_model(captured, config.backend, "draft")), config)
+    server = SpeculationServer(build_runner("draft", draft_model, config.backend), config)
     with torch.inference_mode():
         while True:
             header = _recv(pg, (HEADER,), torch.long)

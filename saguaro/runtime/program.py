@@ -127,6 +127,7 @@ class Program:
             base = seed if seed is not None else int(torch.seed() % (2**62))
             generator = torch.Generator(device=device).manual_seed(base)
 
+        self.prepare(mode, temperature)
         start = time.perf_counter()
         capacity = self._store_capacity(T, max_new_tokens, mode)
         seqs = SequenceBatch(input_ids, attention_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id)
@@ -154,6 +155,22 @@ class Program:
         sequences = seqs.result()
         return GenerateOutput(sequences=sequences, stats=self._stats(state, mode, wall))
 
+    def stages_for(self, mode: str, temperature: float) -> dict:
+        """The stages a generation in ``mode`` calls, per model."""
+        kind = "greedy" if temperature == 0 else "sampled"
+        target = ["prefill", "step"] if mode == "ar" else ["prefill", f"verify_{kind}"]
+        draft = {"ar": [], "sd": ["prefill", f"step_{kind}"],
+                 "ssd": ["prefill", f"step_{kind}", "glue", f"tree_{kind}"]}[mode]
+        return {"target": target, "draft": draft}
+
+    def prepare(self, mode: str, temperature: float) -> None:
+        """Build (and lower) every stage ``mode`` needs now, on the caller's thread: stage building
+        traces with ``torch.fx``, which must not overlap a lane running graphs."""
+        for role, names in self.stages_for(mode, temperature).items():
+            runner = self.target if role == "target" else self.draft
+            for name in names:
+                runner.stage(name)
+
     def _prefill(self, state: DecodeState) -> torch.Tensor:
         """Prefill both stores with the prompt and decide the first token from the target."""
         seqs = state.seqs
@@ -161,9 +178,9 @@ class Program:
         index = torch.arange(T, device=seqs.tokens.device).expand(seqs.batch, T)  # [B, T]
         ids, pos = seqs.tokens[:, :T], seqs.prompt_positions()
         with state.timers.time("prefill_s"):
-            logits = self.target(state.target_store, ids, pos, index)[:, -1]  # [B, V]
+            (logits,) = self.target.run("prefill", state.target_store, ids, pos, index)  # [B, V]
             if state.draft_store is not None:
-                self.draft(state.draft_store, ids, pos, index)
+                self.draft.run("prefill", state.draft_store, ids, pos, index)
         first, _ = sample_tokens(logits, state.temperature, state.generator)
         seqs.append(first[:, None], torch.ones_like(first))
         return first

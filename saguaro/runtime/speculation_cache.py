@@ -13,15 +13,15 @@ class SpeculationCache:
 
     ``branch_rows [MQ]`` is the outcome position ``j`` of each branch, ``candidates [B, MQ]`` its
     outcome token ``c``; ``tokens [B, MQ, K]`` the speculation that follows ``c`` and
-    ``probs [B, MQ, K, V]`` the distributions those tokens were drawn from. ``glue_logits`` feed the
-    online ``ρ`` estimate.
+    ``probs [B, MQ, K, V]`` the distributions those tokens were drawn from. ``ranked`` (each glue
+    row's top tokens, speculated token excluded) feeds the online ``ρ`` estimate.
     """
 
     branch_rows: torch.Tensor  # [MQ]
     candidates: torch.Tensor  # [B, MQ]
     tokens: torch.Tensor  # [B, MQ, K]
     probs: torch.Tensor | None  # [B, MQ, K, V]
-    glue_logits: torch.Tensor  # [B, K+1, V]
+    ranked: torch.Tensor  # [B, K+1, W]
 
     def match(self, accepted: torch.Tensor, outcome_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For outcomes ``(a [B], r' [B])``: ``hit [B]`` bool and the matching branch ``[B]``."""

@@ -6,11 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.runtime.fork import branch_layout, fork_candidates, saguaro_distribution
+from saguaro.runtime.fork import branch_layout
 from saguaro.runtime.kv_store import KVStore
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.speculation_cache import SpeculationCache
-from saguaro.runtime.verification import probabilities
 
 
 @dataclass
@@ -45,33 +44,37 @@ def build_speculations(draft: ModelRunner, store: KVStore, req: GlueRequest,
     K = K1 - 1
     device = req.ids.device
     store.invalidate_from(req.index[:, 0])  # drop last round's glue tail and tree scratch
-    glue_logits = draft(store, req.ids, req.positions, req.index)  # [B, K+1, V]
     rows, ranks = branch_layout(req.fan_out, device)  # [MQ], [MQ]
-    candidates = fork_candidates(glue_logits, req.draft_tokens, rows, ranks)  # [B, MQ]
+    # the glue stage returns the fork's candidates [B, MQ] and each row's ranked tokens [B, K+1, W]
+    candidates, ranked = draft.run("glue", store, req.ids, req.positions, req.index, req.draft_tokens, rows, ranks)
     MQ = rows.numel()
     if MQ == 0:  # fan-out 0: glue only; every lookup misses
-        empty = glue_logits.new_zeros(B, 0, K, glue_logits.shape[-1])
+        V = draft.spec.vocab_size
         return SpeculationCache(branch_rows=rows, candidates=candidates, tokens=candidates.new_zeros(B, 0, K),
-                                probs=empty, glue_logits=glue_logits)
+                                probs=torch.zeros(B, 0, K, V, device=device), ranked=ranked)
     branch = (torch.arange(MQ, device=device) + 1).expand(B, MQ)  # [B, MQ]
     fork_pos = req.positions[:, :1] + rows[None, :]  # [B, MQ]: position of x_j, the last shared token
     first_scratch = req.index[:, -1:] + 1  # [B, 1]
     ids = candidates
     tokens, probs = [], []
+    if req.temperature > 0:
+        inv_t = torch.tensor(1.0 / req.temperature, device=device)
+        c = torch.tensor(float(req.saguaro_c), device=device)
     for depth in range(K):
         slots = first_scratch + depth * MQ + torch.arange(MQ, device=device)[None, :]  # [B, MQ]
-        logits = draft(store, ids, fork_pos + 1 + depth, slots, branch=branch, limit=fork_pos)  # [B, MQ, V]
+        position = fork_pos + 1 + depth
         if req.temperature == 0.0:
-            token = logits.argmax(dim=-1)  # [B, MQ]
-            prob = torch.softmax(logits.float(), dim=-1)
+            token, prob = draft.run("tree_greedy", store, ids, position, slots, branch=branch, limit=fork_pos)
         else:
             # Saguaro sampling: this token is x_{depth+1} of the next speculation, whose recovery would
             # be looked up among the top-F_depth candidates of the next glue's row `depth`
-            prob = saguaro_distribution(probabilities(logits, req.temperature), req.fan_out[depth], req.saguaro_c)
-            token = torch.multinomial(prob.reshape(B * MQ, -1), 1, generator=generator).reshape(B, MQ)
-        tokens.append(token)
-        probs.append(prob)
+            top = torch.tensor(req.fan_out[depth], device=device)
+            u = torch.rand(B, MQ, generator=generator, device=device)
+            token, prob = draft.run("tree_sampled", store, ids, position, slots, inv_t, top, c, u, branch=branch,
+                                    limit=fork_pos)
+        tokens.append(token)  # [B, MQ]
+        probs.append(prob)  # [B, MQ, V]
         ids = token
     return SpeculationCache(
         branch_rows=rows, candidates=candidates, tokens=torch.stack(tokens, dim=2),  # [B, MQ, K]
-        probs=torch.stack(probs, dim=2), glue_logits=glue_logits)  # [B, MQ, K, V]
+        probs=torch.stack(probs, dim=2), ranked=ranked)  # [B, MQ, K, V]

@@ -33,40 +33,76 @@ def sample_tokens(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs
 
 
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw from ``probs [..., V]`` with uniforms ``u [...]`` in [0, 1): the first index whose CDF
+    exceeds ``u · total``. That index always has positive probability."""
+    cdf = probs.cumsum(dim=-1)  # [..., V]
+    threshold = u[..., None] * cdf[..., -1:]
+    return (cdf <= threshold).sum(dim=-1).clamp_max(probs.shape[-1] - 1)
+
+
 def one_hot_proposal(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The proposal distribution of deterministic tokens ``[B, K]``: ``δ_x`` as ``[B, K, V]``."""
     return torch.nn.functional.one_hot(tokens, vocab_size).float()
 
 
-def verify_speculation(
+def verify_greedy(
     target_logits: torch.Tensor,  # [B, K+1, V]: row i is the target's distribution after x_i (x_0 = r)
     draft_tokens: torch.Tensor,  # [B, K]
-    draft_probs: torch.Tensor | None,  # [B, K, V]: what x_i was drawn from; unused when greedy
-    temperature: float,
-    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``accepted [B]`` (in ``0..K``) and ``next_token [B]`` (recovery or bonus)."""
-    B, K = draft_tokens.shape
-    if temperature == 0.0:
-        choice = target_logits.argmax(dim=-1)  # [B, K+1]
-        matches = (choice[:, :K] == draft_tokens).long()  # [B, K]
-        accepted = matches.cumprod(dim=1).sum(dim=1)  # [B]
-        return accepted, choice.gather(1, accepted[:, None]).squeeze(1)
-    if draft_probs is None:
-        raise ValueError("draft_probs is required at temperature > 0: verification needs the proposal distribution")
-    p = probabilities(target_logits, temperature)  # [B, K+1, V]
+    """Greedy verification: ``accepted [B]`` in ``0..K`` and ``next_token [B]`` (recovery or bonus)."""
+    K = draft_tokens.shape[1]
+    choice = target_logits.argmax(dim=-1)  # [B, K+1]
+    matches = (choice[:, :K] == draft_tokens).long()  # [B, K]
+    accepted = matches.cumprod(dim=1).sum(dim=1)  # [B]
+    return accepted, choice.gather(1, accepted[:, None]).squeeze(1)
+
+
+def verify_sampled(
+    target_logits: torch.Tensor,  # [B, K+1, V]
+    draft_tokens: torch.Tensor,  # [B, K]
+    draft_probs: torch.Tensor,  # [B, K, V]: what x_i was drawn from (one-hot for a fixed proposal)
+    inv_temperature: torch.Tensor,  # [] float
+    accept_u: torch.Tensor,  # [B, K] uniforms of the ratio tests
+    resample_u: torch.Tensor,  # [B] uniform of the residual (or bonus) draw
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled verification with explicit uniforms, so it can live inside a graph."""
+    K = draft_tokens.shape[1]
+    p = torch.softmax(target_logits.float() * inv_temperature, dim=-1)  # [B, K+1, V]
     q = draft_probs.float()
     p_x = p[:, :K].gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
     q_x = q.gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
-    u = torch.rand(B, K, generator=generator, device=p.device)  # [B, K]
-    accept = (u * q_x < p_x).long()  # u < p/q without dividing by q
+    accept = (accept_u * q_x < p_x).long()  # u < p/q without dividing by q
     accepted = accept.cumprod(dim=1).sum(dim=1)  # [B]
     q_ext = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # [B, K+1, V]; row K: bonus, residual = p
-    row = accepted[:, None, None].expand(B, 1, p.shape[-1])
+    row = accepted[:, None, None].expand(-1, 1, p.shape[-1])
     p_row = p.gather(1, row).squeeze(1)  # [B, V]
     residual = (p_row - q_ext.gather(1, row).squeeze(1)).clamp_min(0.0)  # [B, V]
     mass = residual.sum(dim=-1, keepdim=True)  # [B, 1]
     # p == q on a rejected row has probability zero; keep sampling well defined anyway
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_row)
-    next_token = torch.multinomial(residual, 1, generator=generator).squeeze(1)
-    return accepted, next_token
+    residual = torch.where(mass > 0, residual, p_row)
+    return accepted, sample_inverse_cdf(residual, resample_u)
+
+
+def verification_uniforms(batch: int, k: int, generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The uniforms one sampled verification consumes: ``accept_u [B, K]`` and ``resample_u [B]``."""
+    u = torch.rand(batch, k + 1, generator=generator, device=device)
+    return u[:, :k], u[:, k]
+
+
+def verify_speculation(
+    target_logits: torch.Tensor,  # [B, K+1, V]
+    draft_tokens: torch.Tensor,  # [B, K]
+    draft_probs: torch.Tensor | None,  # [B, K, V]; unused when greedy
+    temperature: float,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager verification (the oracle of the fused ``target.verify`` stages)."""
+    if temperature == 0.0:
+        return verify_greedy(target_logits, draft_tokens)
+    if draft_probs is None:
+        raise ValueError("draft_probs is required at temperature > 0: verification needs the proposal distribution")
+    B, K = draft_tokens.shape
+    accept_u, resample_u = verification_uniforms(B, K, generator, target_logits.device)
+    inv_t = torch.tensor(1.0 / temperature, device=target_logits.device)
+    return verify_sampled(target_logits, draft_tokens, draft_probs, inv_t, accept_u, resample_u)

@@ -53,19 +53,21 @@ def test_sd_sampling_uses_the_draft():
     assert 1.0 < out.stats["mean_accepted_len"] < 3.0
 
 
-def greedy_comparison_verifier(target_logits, draft_tokens, draft_probs, temperature, generator=None):
+def greedy_comparison_verifier(target_logits, draft_tokens, draft_probs, inv_temperature, accept_u, resample_u):
     """The biased rule: accept a draft token iff it is the target's argmax, resample from p otherwise."""
-    B, K = draft_tokens.shape
+    K = draft_tokens.shape[1]
     choice = target_logits.argmax(-1)  # [B, K+1]
     accepted = (choice[:, :K] == draft_tokens).long().cumprod(1).sum(1)
-    p = verification.probabilities(target_logits, temperature)
-    row = p.gather(1, accepted[:, None, None].expand(B, 1, p.shape[-1])).squeeze(1)
-    return accepted, torch.multinomial(row, 1, generator=generator).squeeze(1)
+    p = torch.softmax(target_logits.float() * inv_temperature, dim=-1)
+    row = p.gather(1, accepted[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(1)
+    return accepted, verification.sample_inverse_cdf(row, resample_u)
 
 
 def test_chi_square_rejects_a_biased_verifier(monkeypatch):
-    target, _, program = sampling_setup()
-    monkeypatch.setattr(verification, "verify_speculation", greedy_comparison_verifier)
+    target, draft, _ = sampling_setup()
+    # the fuse_verification pass splices whatever verify_sampled is when the stage is built
+    monkeypatch.setattr(verification, "verify_sampled", greedy_comparison_verifier)
+    program = saguaro.compile(target, draft, k=2, mode="sd")
     counts = sampled_joint(program)
     assert chi_square_pvalue(counts, exact_joint(target)) < 1e-6
 

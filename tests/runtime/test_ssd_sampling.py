@@ -78,6 +78,6 @@ def test_ssd_sampling_matches_target_distribution(path):
 
 def test_biased_fast_fallback_verification_is_caught(monkeypatch):
     """Accepting fast-fallback tokens by greedy comparison (the reference implementation) is biased."""
-    monkeypatch.setattr(verification, "verify_speculation", greedy_comparison_verifier)
+    monkeypatch.setattr(verification, "verify_sampled", greedy_comparison_verifier)
     counts, _ = sampled_late_joint(**PATHS["fast_misses"])
     assert chi_square_pvalue(counts, exact_late_joint()) < 1e-6

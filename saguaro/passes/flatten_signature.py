@@ -1,0 +1,34 @@
+"""Pass: give the captured graph a flat positional signature.
+
+Requires: a GraphModule from ``ExportedProgram.module()`` (pytree in/out specs).
+Guarantees: the same nodes; called as ``gm(input_ids, positions, write_slots, query_branch,
+query_limit, slot_pos, slot_branch, *k_caches, *v_caches)`` and returning a tuple. Later passes can
+then append inputs and outputs, and calls skip pytree flattening.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx
+
+log = logging.getLogger(__name__)
+
+
+def flatten_signature(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    if type(gm.graph._codegen) is torch.fx.graph.CodeGen:
+        return gm
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    gm._forward_pre_hooks.clear()  # export's pre-hooks check inputs against the pytree spec
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if not isinstance(out.args[0], (tuple, list)):
+        out.args = ((out.args[0],),)
+    guards = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]
+    for node in guards:  # export's input guards check the pytree signature this pass removes
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    log.info("flatten_signature: %d placeholders, %d guard calls removed",
+             sum(n.op == "placeholder" for n in gm.graph.nodes), len(guards))
+    return gm

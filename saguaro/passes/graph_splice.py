@@ -1,0 +1,72 @@
+"""Helpers the passes share: trace a plain tensor function with ``torch.fx`` and inline it."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.fx
+
+
+def add_inputs(gm: torch.fx.GraphModule, names: list[str]) -> list[torch.fx.Node]:
+    """Append graph inputs after the existing ones (the signature must be flat)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    nodes = []
+    anchor = placeholders[-1]
+    for name in names:
+        with gm.graph.inserting_after(anchor):
+            anchor = gm.graph.placeholder(name)
+        nodes.append(anchor)
+    return nodes
+
+
+def inline_function(gm: torch.fx.GraphModule, fn, args: list, before: torch.fx.Node, **constants):
+    """Trace ``fn(*args, **constants)`` and copy its nodes into ``gm`` before ``before``.
+
+    ``args`` are graph nodes bound to ``fn``'s leading parameters; ``constants`` are baked in.
+    Returns the node (or tuple of nodes) ``fn`` returns.
+    """
+    bound = functools.partial(fn, **constants) if constants else fn
+    params = list(inspect.signature(fn).parameters)[: len(args)]
+
+    # the tracer makes one placeholder per named parameter, so the entry point needs real names
+    namespace = {"bound": bound}
+    exec(f"def entry({', '.join(params)}):\n    return bound({', '.join(params)})\n", namespace)  # noqa: S102
+    sub = torch.fx.symbolic_trace(namespace["entry"])
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    val_map = dict(zip(placeholders, args))
+    with gm.graph.inserting_before(before):
+        out = gm.graph.graph_copy(sub.graph, val_map)
+    return out
+
+
+def output_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def replace_outputs(gm: torch.fx.GraphModule, values) -> torch.fx.GraphModule:
+    """Make ``values`` (a node or tuple of nodes) the graph's outputs; drop what became dead."""
+    out = output_node(gm)
+    out.args = (tuple(values) if isinstance(values, (tuple, list)) else (values,),)
+    gm.graph.eliminate_dead_code(is_impure_node=_keeps_mutations)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _keeps_mutations(node: torch.fx.Node) -> bool:
+    """The KV writes of the attention op are side effects: never dead."""
+    if node.op == "placeholder":
+        return True
+    return node.is_impure() or (node.op == "call_function" and getattr(node.target, "_schema", None) is not None
+                                and node.target._schema.is_mutable)
+
+
+def logits_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
+    """The captured graph's single output: the logits ``[B, T, V]``."""
+    values = output_node(gm).args[0]
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    if len(values) != 1:
+        raise ValueError(f"expected the captured graph to return logits only, found {len(values)} outputs")
+    return values[0]

@@ -1,0 +1,44 @@
+"""Pass: turn the generic attention mask node into the stage's own mask construction.
+
+Requires: a flat-signature graph (``flatten_signature``) with one ``saguaro::attention_mask`` node
+shared by every layer's ``saguaro::attention`` node.
+Guarantees: the mask node is replaced by the stage kind's construction, inlined as plain tensor
+ops: ``causal`` (prefill, verify, glue, step: shared slots up to the query, no branch inputs read)
+or ``tree`` (fork point and branch ids: prefix + glue up to ``P0 + j``, then the branch's own
+tokens). Outputs equal the generic mask's on inputs the stage receives. On CPU the attention op
+stays the reference implementation.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from saguaro.capture.attention_op import MASK_OP, causal_bias, tree_bias
+from saguaro.passes.graph_splice import inline_function
+
+log = logging.getLogger(__name__)
+
+KINDS = ("causal", "tree")
+
+
+def specialize_attention(gm: torch.fx.GraphModule, kind: str) -> torch.fx.GraphModule:
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not allowed: choose one of {', '.join(KINDS)}")
+    masks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is MASK_OP]
+    for node in masks:
+        write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window, groups, dtype = node.args
+        constants = dict(window=window, groups=groups, dtype=dtype)
+        if kind == "causal":
+            new = inline_function(gm, causal_bias, [write_slots, query_pos, slot_pos, slot_branch], node,
+                                  **constants)
+        else:
+            new = inline_function(gm, tree_bias, [write_slots, query_pos, query_branch, query_limit, slot_pos,
+                                                  slot_branch], node, **constants)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    log.info("specialize_attention(%s): rewrote %d mask node(s)", kind, len(masks))
+    return gm

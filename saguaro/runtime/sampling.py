@@ -1,0 +1,40 @@
+"""Sampling epilogues of the draft stages (``draft.step`` and ``draft.tree``): plain tensor
+functions that the ``fuse_sampling`` pass splices into the graphs, so a stage returns tokens and the
+distributions verification needs instead of logits."""
+
+from __future__ import annotations
+
+import torch
+
+from saguaro.runtime.fork import saguaro_scaled
+from saguaro.runtime.verification import sample_inverse_cdf
+
+
+def last_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Prefill and AR step: only the last position's logits ``[B, V]`` leave the graph."""
+    return logits[:, -1]
+
+
+def step_greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``draft.step`` at temperature 0: the next token ``[B]``."""
+    return logits[:, -1].argmax(dim=-1)
+
+
+def step_sampled(logits: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Tensor):
+    """``draft.step`` at temperature > 0: a token ``[B]`` drawn with ``u [B]`` and its ``q [B, V]``."""
+    probs = torch.softmax(logits[:, -1].float() * inv_temperature, dim=-1)
+    return sample_inverse_cdf(probs, u), probs
+
+
+def tree_greedy(logits: torch.Tensor):
+    """``draft.tree`` at temperature 0: tokens ``[B, MQ]`` and the draft's ``q [B, MQ, V]`` (cached)."""
+    return logits.argmax(dim=-1), torch.softmax(logits.float(), dim=-1)
+
+
+def tree_sampled(logits: torch.Tensor, inv_temperature: torch.Tensor, top: torch.Tensor, c: torch.Tensor,
+                 u: torch.Tensor, width: int):
+    """``draft.tree`` at temperature > 0 with Saguaro sampling: tokens drawn from ``q'`` (the top-``top``
+    probabilities times ``c``, renormalised) with ``u [B, MQ]``, and ``q' [B, MQ, V]`` itself."""
+    probs = torch.softmax(logits.float() * inv_temperature, dim=-1)
+    scaled = saguaro_scaled(probs, top, c, width)
+    return sample_inverse_cdf(scaled, u), scaled
