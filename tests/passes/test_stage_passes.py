@@ -1,0 +1,150 @@
+"""Stage passes: which nodes each rewrote, node counts, and results equal to the graph before it
+followed by the runtime's own (eager) math."""
+
+import copy
+
+import pytest
+import torch
+
+from saguaro.capture.attention_op import ATTENTION_OP, MASK_OP
+from saguaro.passes.fuse_fork import fuse_fork
+from saguaro.passes.fuse_sampling import fuse_sampling
+from saguaro.passes.fuse_verification import fuse_verification
+from saguaro.passes.pipeline import STAGES, build_stage
+from saguaro.passes.specialize_attention import specialize_attention
+from saguaro.runtime import sampling, verification
+from saguaro.runtime.fork import branch_layout, fork_with_ranks
+from tests.passes.stage_helpers import base_graph, call, count, prefilled_store
+
+PROMPT = torch.tensor([[5, 9, 17, 33, 41], [7, 7, 3, 90, 12]])
+SPEC = torch.tensor([[12, 77, 3, 64], [8, 8, 100, 5]])  # r, x_1..x_3 per row
+
+
+def fresh(gm):
+    return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+
+def spec_index():
+    return torch.arange(5, 9).expand(2, 4).contiguous()
+
+
+def test_flat_signature_and_one_attention_node_per_layer():
+    _, captured = base_graph()
+    gm = captured.graph_module
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    assert names[:7] == ["input_ids", "positions", "write_slots", "query_branch", "query_limit", "slot_pos",
+                         "slot_branch"]
+    assert count(gm, ATTENTION_OP) == 2 and count(gm, MASK_OP) == 1
+
+
+@pytest.mark.parametrize("kind", ["causal", "tree"])
+def test_specialize_attention_rewrites_the_mask_node_and_keeps_results(kind):
+    model, captured = base_graph()
+    before = fresh(captured.graph_module)
+    after = specialize_attention(fresh(captured.graph_module), kind)
+    assert count(before, MASK_OP) == 1 and count(after, MASK_OP) == 0
+    assert count(after, ATTENTION_OP) == 2
+    used = {n.name for n in after.graph.nodes if n.op == "placeholder" and n.users}
+    if kind == "causal":  # causal stages never read query branches or limits
+        assert "query_branch" not in used and "query_limit" not in used
+    else:
+        assert {"query_branch", "query_limit"} <= used
+    for graph in (before, after):
+        store = prefilled_store(captured.spec, PROMPT)
+        logits = call(graph, store, SPEC, spec_index())[0]
+        if graph is before:
+            expected = logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
+def test_tree_mask_matches_generic_mask_on_branches():
+    """Two branches forked at glue rows 0 and 2: each sees the prefix up to its fork point and itself."""
+    _, captured = base_graph()
+    generic = fresh(captured.graph_module)
+    tree = build_stage(captured.graph_module, "tree_greedy", 8)
+    outs = []
+    for graph in (generic, tree):
+        store = prefilled_store(captured.spec, PROMPT)
+        call(generic, store, SPEC, spec_index())  # the glue: r, x_1..x_3 in slots 5..8
+        ids = torch.tensor([[40, 41], [50, 51]])
+        fork = torch.tensor([[5, 7], [5, 7]])  # positions of x_0 = r and x_2
+        slots = torch.tensor([[9, 10], [9, 10]])
+        out = call(graph, store, ids, fork + 1, branch=torch.tensor([[1, 2], [1, 2]]), limit=fork)
+        store.claim(slots, fork + 1, torch.tensor([[1, 2], [1, 2]]))
+        outs.append(out)
+    expected_tokens = outs[0][0].argmax(-1)
+    tokens, probs = outs[1]
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(probs, torch.softmax(outs[0][0], -1))
+
+
+def test_fuse_verification_outputs_accepted_and_next_only():
+    model, captured = base_graph()
+    gm = fuse_verification(specialize_attention(fresh(captured.graph_module), "causal"), sampled=False)
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    assert len(out_node.args[0]) == 2
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"][-1] == "draft_tokens"
+    store = prefilled_store(captured.spec, PROMPT)
+    accepted, nxt = call(gm, store, SPEC, spec_index(), SPEC[:, 1:])
+    with torch.no_grad():
+        logits = model(torch.cat([PROMPT, SPEC], 1)).logits[:, 5:]
+    exp_acc, exp_next = verification.verify_greedy(logits, SPEC[:, 1:])
+    assert torch.equal(accepted, exp_acc) and torch.equal(nxt, exp_next)
+
+
+def test_fuse_verification_sampled_equals_eager_function():
+    model, captured = base_graph()
+    gm = build_stage(captured.graph_module, "verify_sampled", 8)
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(2, 3, 128, generator=gen), -1)
+    accept_u, resample_u = verification.verification_uniforms(2, 3, gen, "cpu")
+    inv_t = torch.tensor(1.0)
+    store = prefilled_store(captured.spec, PROMPT)
+    got = call(gm, store, SPEC, spec_index(), SPEC[:, 1:], probs, inv_t, accept_u, resample_u)
+    with torch.no_grad():
+        logits = model(torch.cat([PROMPT, SPEC], 1)).logits[:, 5:]
+    expected = verification.verify_sampled(logits, SPEC[:, 1:], probs, inv_t, accept_u, resample_u)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_fuse_fork_returns_candidates_and_ranked_rows():
+    model, captured = base_graph()
+    gm = fuse_fork(specialize_attention(fresh(captured.graph_module), "causal"), 8)
+    rows, ranks = branch_layout([2, 1, 0, 3])
+    store = prefilled_store(captured.spec, PROMPT)
+    candidates, ranked = call(gm, store, SPEC, spec_index(), SPEC[:, 1:], rows, ranks)
+    assert candidates.shape == (2, 6) and ranked.shape == (2, 4, 8)
+    with torch.no_grad():
+        logits = model(torch.cat([PROMPT, SPEC], 1)).logits[:, 5:]
+    exp_c, exp_r = fork_with_ranks(logits, SPEC[:, 1:], rows, ranks, 8)
+    assert torch.equal(candidates, exp_c) and torch.equal(ranked, exp_r)
+    for b in range(2):  # the speculated token x_{j+1} is never a candidate of row j
+        for i, j in enumerate(rows.tolist()):
+            if j < 3:
+                assert int(candidates[b, i]) != int(SPEC[b, j + 1])
+
+
+@pytest.mark.parametrize("epilogue", ["last", "step_greedy", "step_sampled"])
+def test_fuse_sampling_epilogues_equal_eager_functions(epilogue):
+    model, captured = base_graph()
+    gm = fuse_sampling(specialize_attention(fresh(captured.graph_module), "causal"), epilogue)
+    store = prefilled_store(captured.spec, PROMPT)
+    extra = (torch.tensor(1.25), torch.tensor([0.3, 0.9])) if epilogue == "step_sampled" else ()
+    got = call(gm, store, SPEC, spec_index(), *extra)
+    with torch.no_grad():
+        logits = model(torch.cat([PROMPT, SPEC], 1)).logits[:, 5:]
+    fn = {"last": sampling.last_logits, "step_greedy": sampling.step_greedy,
+          "step_sampled": sampling.step_sampled}[epilogue]
+    expected = fn(logits, *extra)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_every_stage_builds_and_keeps_its_kv_writes():
+    _, captured = base_graph()
+    for name in STAGES:
+        gm = build_stage(captured.graph_module, name, 8)
+        assert count(gm, ATTENTION_OP) == 2, f"{name} lost an attention node (its KV writes)"
+        assert count(gm, MASK_OP) == 0
