@@ -21,6 +21,7 @@ from saguaro.runtime.fork import ranks_from_ranked
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.sequences import SequenceBatch
 from saguaro.runtime import tree
+from saguaro.schedule import lane_order, round_schedule
 
 AUTO_NEURAL_MAX_BATCH = 8  # the paper: neural fallback pays at small batch, fast at large
 SOURCES = ("neural", "fast", "hit")  # codes 0, 1, 2 of where a row's speculation came from
@@ -97,6 +98,8 @@ class SpeculationServer:
         if spec.temperature > 0:
             self.generator = torch.Generator(device=spec.input_ids.device).manual_seed(spec.seed)
         self.estimator = OutcomeEstimator(self.k)
+        schedule = round_schedule("ssd", self.k, sampled=spec.temperature > 0)
+        self.build_steps = [n for n in lane_order(schedule, "draft") if n != "fallback"]
         self.policy = FallbackPolicy(self.config.fallback, self.seqs.batch)
         self.cache = None
         T = self.seqs.prompt_len
@@ -123,7 +126,7 @@ class SpeculationServer:
             ids=torch.cat([seqs.gather(index[:, :1]), self.spec_tokens], dim=1), index=index,
             positions=seqs.positions(index), fan_out=self.fan_out, temperature=self.temperature,
             saguaro_c=float(self.config.saguaro_c))
-        self.cache = tree.build_speculations(self.draft, self.store, request, self.generator)
+        self.cache = tree.build_speculations(self.draft, self.store, request, self.generator, self.build_steps)
 
     def resolve(self, accepted: torch.Tensor, outcome: torch.Tensor, verify_s: float) -> Resolution:
         """Commit the outcome ``(a [B], r' [B])``, look it up, fall back for the missed rows."""

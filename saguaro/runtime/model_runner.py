@@ -32,6 +32,7 @@ class ModelRunner:
         self._stages: dict = {}
         self._lock = threading.Lock()  # two lanes may ask for stages of one model at once
         self.stage_build_s: dict = {}
+        self.stage_cost_s: dict = {}  # running mean seconds per call, the schedule's node costs
 
     def new_store(self, batch: int, capacity: int) -> KVStore:
         return KVStore(self.spec, batch, capacity)
@@ -70,8 +71,15 @@ class ModelRunner:
         if limit is None:
             limit = positions
         store.claim(write_slots, positions, branch)
-        return self.stage(stage)(input_ids, positions, write_slots, branch, limit, store.slot_pos, store.slot_branch,
-                                 *store.k_caches, *store.v_caches, *extra)
+        fn = self.stage(stage)
+        started = time.perf_counter()
+        out = fn(input_ids, positions, write_slots, branch, limit, store.slot_pos, store.slot_branch,
+                 *store.k_caches, *store.v_caches, *extra)
+        elapsed = time.perf_counter() - started
+        key = f"{self.name}.{stage}"
+        previous = self.stage_cost_s.get(key)
+        self.stage_cost_s[key] = elapsed if previous is None else 0.9 * previous + 0.1 * elapsed
+        return out
 
     def __call__(self, store: KVStore, input_ids, positions, write_slots, branch=None, limit=None) -> torch.Tensor:
         """The captured graph itself: logits ``[B, T, V]`` (tests and recovery use it)."""

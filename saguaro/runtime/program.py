@@ -20,6 +20,7 @@ from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.sequences import SequenceBatch
 from saguaro.runtime.state import DecodeState
 from saguaro.runtime.verification import sample_tokens
+from saguaro.schedule import critical_path, expected_overlap, round_schedule
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,17 @@ class Program:
         sequences = seqs.result()
         return GenerateOutput(sequences=sequences, stats=self._stats(state, mode, wall))
 
+    @property
+    def schedule(self):
+        """The round DAG of the configured mode (``networkx.DiGraph``), costed with measured stage times."""
+        return self.round_schedule(self.config.mode, sampled=False)
+
+    def round_schedule(self, mode: str, sampled: bool):
+        costs = dict(self.target.stage_cost_s)
+        if self.draft is not None:
+            costs.update(self.draft.stage_cost_s)
+        return round_schedule(mode, self.config.k, sampled=sampled, costs=costs)
+
     def stages_for(self, mode: str, temperature: float) -> dict:
         """The stages a generation in ``mode`` calls, per model."""
         kind = "greedy" if temperature == 0 else "sampled"
@@ -225,7 +237,16 @@ class Program:
             "overlap_efficiency": (new_tokens / wall) / ideal if ideal > 0 else 0.0,
             "lane_failures": c.get("lane_failures", 0),
             "lane": self.config.lane,
+            **self._schedule_stats(state.temperature > 0),
         }
+
+
+    def _schedule_stats(self, sampled: bool) -> dict:
+        """Critical path and expected overlap of the SSD round DAG, costed with this program's measured
+        stage times (valid when the draft process lane measured nothing here: then default costs)."""
+        g = self.round_schedule("ssd", sampled)
+        path, length = critical_path(g)
+        return {"critical_path": path, "critical_path_ms": 1000 * length, "expected_overlap": expected_overlap(g)}
 
 
 def _mean_of(counts: dict, names) -> float | None:

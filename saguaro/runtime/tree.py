@@ -33,48 +33,81 @@ def tree_scratch_slots(k: int, fan_out: list) -> int:
     return k * sum(fan_out)
 
 
-def build_speculations(draft: ModelRunner, store: KVStore, req: GlueRequest,
-                       generator: torch.Generator | None) -> SpeculationCache:
+def build_speculations(draft: ModelRunner, store: KVStore, req: GlueRequest, generator: torch.Generator | None,
+                       steps: list[str] | None = None) -> SpeculationCache:
     """Glue over ``[r, x_1..x_K]``, fork top-``F_j`` candidates, and decode every branch ``K`` deep.
 
-    Each depth is one batched draft forward over all ``MQ`` branches of all sequences. Branch ``β``
-    (1-based) forked at glue row ``j`` sees shared slots up to position ``P0 + j`` and its own slots.
+    ``steps`` are the draft lane's schedule nodes in topological order (``draft.glue``,
+    ``draft.tree.1`` .. ``draft.tree.K``); each tree depth is one batched draft forward over all
+    ``MQ`` branches of all sequences. Branch ``β`` (1-based) forked at glue row ``j`` sees shared slots
+    up to position ``P0 + j`` and its own slots.
     """
-    B, K1 = req.ids.shape
-    K = K1 - 1
-    device = req.ids.device
-    store.invalidate_from(req.index[:, 0])  # drop last round's glue tail and tree scratch
-    rows, ranks = branch_layout(req.fan_out, device)  # [MQ], [MQ]
-    # the glue stage returns the fork's candidates [B, MQ] and each row's ranked tokens [B, K+1, W]
-    candidates, ranked = draft.run("glue", store, req.ids, req.positions, req.index, req.draft_tokens, rows, ranks)
-    MQ = rows.numel()
-    if MQ == 0:  # fan-out 0: glue only; every lookup misses
-        V = draft.spec.vocab_size
-        return SpeculationCache(branch_rows=rows, candidates=candidates, tokens=candidates.new_zeros(B, 0, K),
-                                probs=torch.zeros(B, 0, K, V, device=device), ranked=ranked)
-    branch = (torch.arange(MQ, device=device) + 1).expand(B, MQ)  # [B, MQ]
-    fork_pos = req.positions[:, :1] + rows[None, :]  # [B, MQ]: position of x_j, the last shared token
-    first_scratch = req.index[:, -1:] + 1  # [B, 1]
-    ids = candidates
-    tokens, probs = [], []
-    if req.temperature > 0:
-        inv_t = torch.tensor(1.0 / req.temperature, device=device)
-        c = torch.tensor(float(req.saguaro_c), device=device)
-    for depth in range(K):
-        slots = first_scratch + depth * MQ + torch.arange(MQ, device=device)[None, :]  # [B, MQ]
-        position = fork_pos + 1 + depth
-        if req.temperature == 0.0:
-            token, prob = draft.run("tree_greedy", store, ids, position, slots, branch=branch, limit=fork_pos)
+    K = req.ids.shape[1] - 1
+    tree = TreeBuild(draft, store, req, generator)
+    for step in steps or ["draft.glue"] + [f"draft.tree.{d}" for d in range(1, K + 1)]:
+        if step == "draft.glue":
+            tree.glue()
+        elif step.startswith("draft.tree."):
+            tree.depth(int(step.rsplit(".", 1)[1]))
         else:
-            # Saguaro sampling: this token is x_{depth+1} of the next speculation, whose recovery would
-            # be looked up among the top-F_depth candidates of the next glue's row `depth`
-            top = torch.tensor(req.fan_out[depth], device=device)
-            u = torch.rand(B, MQ, generator=generator, device=device)
-            token, prob = draft.run("tree_sampled", store, ids, position, slots, inv_t, top, c, u, branch=branch,
-                                    limit=fork_pos)
-        tokens.append(token)  # [B, MQ]
-        probs.append(prob)  # [B, MQ, V]
-        ids = token
-    return SpeculationCache(
-        branch_rows=rows, candidates=candidates, tokens=torch.stack(tokens, dim=2),  # [B, MQ, K]
-        probs=torch.stack(probs, dim=2), ranked=ranked)  # [B, MQ, K, V]
+            raise ValueError(f"schedule node {step!r} is not a draft-lane build step")
+    return tree.cache()
+
+
+class TreeBuild:
+    """One round's glue and tree decode, one schedule node at a time."""
+
+    def __init__(self, draft: ModelRunner, store: KVStore, req: GlueRequest, generator):
+        self.draft, self.store, self.req, self.generator = draft, store, req, generator
+        self.B = req.ids.shape[0]
+        self.device = req.ids.device
+        self.tokens, self.probs = [], []
+
+    def glue(self) -> None:
+        req, device = self.req, self.device
+        self.store.invalidate_from(req.index[:, 0])  # drop last round's glue tail and tree scratch
+        self.rows, ranks = branch_layout(req.fan_out, device)  # [MQ], [MQ]
+        # the glue stage returns the fork's candidates [B, MQ] and each row's ranked tokens [B, K+1, W]
+        self.candidates, self.ranked = self.draft.run("glue", self.store, req.ids, req.positions, req.index,
+                                                      req.draft_tokens, self.rows, ranks)
+        MQ = self.rows.numel()
+        self.branch = (torch.arange(MQ, device=device) + 1).expand(self.B, MQ)  # [B, MQ]
+        self.fork_pos = req.positions[:, :1] + self.rows[None, :]  # [B, MQ]: position of x_j, the last shared
+        self.first_scratch = req.index[:, -1:] + 1  # [B, 1]
+        self.ids = self.candidates
+        if req.temperature > 0:
+            self.inv_t = torch.tensor(1.0 / req.temperature, device=device)
+            self.c = torch.tensor(float(req.saguaro_c), device=device)
+
+    def depth(self, depth: int) -> None:
+        """Tree depth ``depth`` (1-based): one draft forward over every branch."""
+        MQ = self.rows.numel()
+        if MQ == 0:  # fan-out 0: glue only; every lookup misses
+            return
+        req, device, d = self.req, self.device, depth - 1
+        slots = self.first_scratch + d * MQ + torch.arange(MQ, device=device)[None, :]  # [B, MQ]
+        position = self.fork_pos + 1 + d
+        if req.temperature == 0.0:
+            token, prob = self.draft.run("tree_greedy", self.store, self.ids, position, slots, branch=self.branch,
+                                         limit=self.fork_pos)
+        else:
+            # Saguaro sampling: this token is x_{d+1} of the next speculation, whose recovery would be
+            # looked up among the top-F_d candidates of the next glue's row d
+            top = torch.tensor(req.fan_out[d], device=device)
+            u = torch.rand(self.B, MQ, generator=self.generator, device=device)
+            token, prob = self.draft.run("tree_sampled", self.store, self.ids, position, slots, self.inv_t, top,
+                                         self.c, u, branch=self.branch, limit=self.fork_pos)
+        self.tokens.append(token)  # [B, MQ]
+        self.probs.append(prob)  # [B, MQ, V]
+        self.ids = token
+
+    def cache(self) -> SpeculationCache:
+        K = self.req.ids.shape[1] - 1
+        if self.rows.numel() == 0:
+            V = self.draft.spec.vocab_size
+            return SpeculationCache(branch_rows=self.rows, candidates=self.candidates,
+                                    tokens=self.candidates.new_zeros(self.B, 0, K),
+                                    probs=torch.zeros(self.B, 0, K, V, device=self.device), ranked=self.ranked)
+        return SpeculationCache(
+            branch_rows=self.rows, candidates=self.candidates, tokens=torch.stack(self.tokens, dim=2),  # [B, MQ, K]
+            probs=torch.stack(self.probs, dim=2), ranked=self.ranked)  # [B, MQ, K, V]

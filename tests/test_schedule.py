@@ -1,0 +1,55 @@
+"""The round schedule: DAG structure, critical path, expected overlap, and that it drives the draft lane."""
+
+import networkx as nx
+import pytest
+import torch
+
+import saguaro
+from saguaro.runtime import tree
+from saguaro.schedule import critical_path, expected_overlap, lane_order, round_schedule
+from tests.conftest import tiny_pair
+from tests.models import prompts
+
+
+def test_ssd_round_structure():
+    g = round_schedule("ssd", 3)
+    assert nx.is_directed_acyclic_graph(g)
+    assert lane_order(g, "draft") == ["draft.glue", "draft.tree.1", "draft.tree.2", "draft.tree.3", "fallback"]
+    assert lane_order(g, "target") == ["target.verify"]
+    assert set(g.predecessors("match")) == {"target.verify", "draft.tree.3"}
+    assert g.nodes["draft.glue"]["stage"] == "draft.glue" and g.nodes["draft.tree.2"]["stage"] == "draft.tree_greedy"
+    assert "a" in g.nodes["target.verify"]["outputs"]
+
+
+def test_sd_round_is_a_chain_into_verify():
+    g = round_schedule("sd", 4, sampled=True)
+    assert list(nx.topological_sort(g)) == [f"draft.step.{i}" for i in range(1, 5)] + ["target.verify"]
+    assert g.nodes["target.verify"]["stage"] == "target.verify_sampled"
+
+
+def test_critical_path_and_overlap_follow_costs():
+    costs = {"target.verify_greedy": 10e-3, "draft.glue": 1e-3, "draft.tree_greedy": 1e-3, "match": 0.1e-3}
+    g = round_schedule("ssd", 5, costs=costs)
+    path, length = critical_path(g)
+    assert path == ["target.verify", "match"] and length == pytest.approx(10.1e-3)
+    assert expected_overlap(g) == pytest.approx(1.0)  # 6 ms of draft work hides behind 10 ms of verify
+    slow = dict(costs, **{"draft.tree_greedy": 3e-3})  # 16 ms of draft work: the draft lane is critical
+    path, length = critical_path(round_schedule("ssd", 5, costs=slow))
+    assert path[0] == "draft.glue" and path[-1] == "match" and length == pytest.approx(16.1e-3)
+    assert expected_overlap(round_schedule("ssd", 5, costs=slow)) == pytest.approx((26.1 - 16.1) / 16)
+
+
+def test_runtime_builds_in_schedule_order(monkeypatch):
+    target, draft, _ = tiny_pair("llama")
+    program = saguaro.compile(target, draft, k=3, mode="ssd")
+    seen = []
+    real_glue, real_depth = tree.TreeBuild.glue, tree.TreeBuild.depth
+    monkeypatch.setattr(tree.TreeBuild, "glue", lambda self: (seen.append("draft.glue"), real_glue(self))[1])
+    monkeypatch.setattr(tree.TreeBuild, "depth",
+                        lambda self, d: (seen.append(f"draft.tree.{d}"), real_depth(self, d))[1])
+    ids, mask = prompts(1, 6, seed=1)
+    out = program.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    assert seen[:4] == ["draft.glue", "draft.tree.1", "draft.tree.2", "draft.tree.3"]
+    assert out.stats["critical_path"][-1] == "match" and out.stats["critical_path_ms"] > 0
+    assert 0.0 <= out.stats["expected_overlap"] <= 1.0
+    assert isinstance(program.schedule, nx.DiGraph)
