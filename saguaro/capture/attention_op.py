@@ -105,7 +105,7 @@ def attention_reference(
     Hkv = k_cache.shape[1]
     q = query.reshape(B, Hkv, (H // Hkv) * T, D)  # heads of one group are adjacent in HF's layout
     out = torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias, scale=scale)
-    return out.reshape(B, H, T, D)
+    return out.reshape(B, H, T, D).contiguous()  # the fake kernel promises a contiguous result
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::attention_mask", mutates_args=())
@@ -155,7 +155,7 @@ def saguaro_attention(
 
 @saguaro_attention.register_fake
 def _saguaro_attention_fake(query, key, value, k_cache, v_cache, write_slots, bias, scale):
-    return torch.empty_like(query)
+    return query.new_empty(query.shape)  # contiguous [B, H, T, D], like the real output
 
 
 ATTENTION_OP = torch.ops.saguaro.attention.default
