@@ -109,9 +109,9 @@ def row_program(program, mode: str):
     """The program and the ``generate`` mode of a Saguaro row."""
     if mode == "ssd-uniform":
         per_position = max(1, program.config.budget // (program.config.k + 1))
-        return program.reconfigure(fan_out=per_position), "ssd"
+        return program.variant(fan_out=per_position), "ssd"
     if mode == "ssd":
-        return program.reconfigure(fan_out="geometric"), "ssd"
+        return program.variant(fan_out="geometric"), "ssd"
     return program, mode
 
 
@@ -246,6 +246,22 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
+def compile_and_warm(target, draft, prompts, modes, args, backend):
+    """Compile for ``backend`` and run every mode on two prompt lengths, so that capture, stage building
+    and (inductor) compilation, static and dynamic, all happen before any timed row. Returns
+    ``(program, seconds)``."""
+    started = time.perf_counter()
+    program = compile_for(target, draft if any(m in DRAFT_MODES for m in modes) else None, args.k, backend)
+    warm = list(_batches(prompts[:2], 1, program.pad_token_id))
+    warm += list(_batches(prompts[:args.batch], args.batch, program.pad_token_id))
+    for mode in modes:
+        row_prog, row_mode = row_program(program, mode)
+        for ids, mask in warm:
+            row_prog.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, seed=args.seed, mode=row_mode, eos_token_id=None)
+    return program, time.perf_counter() - started
+
+
 def cmd_bench(args) -> int:
     import sys
 
@@ -268,8 +284,28 @@ def cmd_bench(args) -> int:
     if not need_draft:
         draft = None
     prompts = bench_prompts(tokenizer, args.prompts, target.config.vocab_size, args.seed)
-    rows = run_rows(target, draft, prompts, modes, args.k, args.max_new_tokens, args.temperature, args.batch,
-                    args.seed, backend=args.backend)
+    backends = ["eager", "inductor"] if args.backend == "both" else [args.backend]
+    rows, compile_s = [], {}
+    for backend in backends:
+        saguaro_modes = [m for m in modes if m in SAGUARO_MODES]
+        hf_modes = [m for m in modes if m in HF_MODES] if backend == backends[0] else []
+        program = None
+        if saguaro_modes:
+            program, compile_s[backend] = compile_and_warm(target, draft, prompts, saguaro_modes, args, backend)
+            sys.stdout.write(f"{backend}: capture + compile + warm-up of every stage took {compile_s[backend]:.1f}s\n")
+        part = run_rows(target, draft, prompts, saguaro_modes + hf_modes, args.k, args.max_new_tokens,
+                        args.temperature, args.batch, args.seed, backend=backend, program=program)
+        for row in part:
+            if row["mode"] in SAGUARO_MODES:
+                row["backend"] = backend
+                if len(backends) > 1:
+                    row["mode"] = f"{row['mode']}[{backend}]"
+        rows.extend(part)
+        if program is not None:
+            program.close()
+    base = next((r["tokens_per_s"] for r in rows if r["mode"] in ("ar", "ar[eager]")), None)
+    for row in rows:
+        row["speedup_vs_ar"] = row["tokens_per_s"] / base if base else None
     sys.stdout.write(format_table(rows) + "\n")
     for mode, reason in skipped.items():
         sys.stdout.write(f"skipped {mode}: {reason}\n")
@@ -282,6 +318,7 @@ def cmd_bench(args) -> int:
             "machine": {"platform": platform.platform(), "torch": torch.__version__,
                         "threads": torch.get_num_threads()},
             "rows": rows,
+            "compile_s": compile_s,
             "skipped": skipped,
         }
         path = Path(args.json)

@@ -43,7 +43,7 @@ def temperature_arg(text: str) -> float:
     return value
 
 
-def _add_model_args(parser):
+def _add_model_args(parser, backends=("eager", "inductor")):
     parser.add_argument("--target", metavar="DIR", help="saved target model folder (default: the default pair)")
     parser.add_argument("--draft", metavar="DIR", help="saved draft model folder (default: the default pair)")
     parser.add_argument("--k", type=int_at_least(1, "k", MAX_K), default=5,
@@ -51,8 +51,9 @@ def _add_model_args(parser):
     parser.add_argument("--max-new-tokens", type=int_at_least(1, "max_new_tokens"), default=64,
                         help="tokens to generate per prompt (default 64)")
     parser.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 for greedy (default 0)")
-    parser.add_argument("--backend", default="eager", choices=["eager", "inductor"],
-                        help="lowering backend (default eager)")
+    parser.add_argument("--backend", default="eager", choices=list(backends),
+                        help="lowering backend (default eager)" + ("; both: eager and inductor rows in one run"
+                                                                   if "both" in backends else ""))
     parser.add_argument("--device", default="cpu", help="where both models run: cpu, cuda, cuda:1, ... "
                         "(default cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     from saguaro.bench import add_bench_args
 
     add_bench_args(bench)
-    _add_model_args(bench)
+    _add_model_args(bench, backends=("eager", "inductor", "both"))
     return parser
 
 

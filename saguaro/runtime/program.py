@@ -45,6 +45,7 @@ class Program:
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self._lane = None
+        self._variants: dict = {}
 
     def _draft_lane(self):
         """The SSD draft lane of this program, started on first use and kept."""
@@ -60,8 +61,18 @@ class Program:
             self._finalizer = weakref.finalize(self, self._lane.close)
         return self._lane
 
+    def variant(self, **changes) -> "Program":
+        """Like :meth:`reconfigure`, but kept: the same changes give the same Program (and draft lane)."""
+        key = tuple(sorted((k, repr(v)) for k, v in changes.items()))
+        if key not in self._variants:
+            self._variants[key] = self.reconfigure(**changes)
+        return self._variants[key]
+
     def close(self) -> None:
-        """Stop the draft lane (thread or process). The program starts a new one if used again."""
+        """Stop the draft lane (thread or process) of this program and of its variants. A program
+        starts a new lane if used again."""
+        for variant in self._variants.values():
+            variant.close()
         if self._lane is not None:
             self._finalizer()
             self._lane = None
