@@ -71,14 +71,21 @@ def test_generate_prints_the_targets_greedy_completion_and_stats(saved_pair, mod
     assert 1 <= int(stats.group(2)) <= 12
 
 
+def table_rows(out: str) -> list[str]:
+    """The first column of the bench table's rows (between the header rule and the notes after it)."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("mode")) + 2
+    return [line.split()[0] for line in lines[start:] if line and not line.startswith(("wrote", "skipped"))]
+
+
 def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
     target_dir, draft_dir = saved_pair
     path = tmp_path / "out" / "bench.json"
     rc, out, err = run_cli(["bench", "--target", target_dir, "--draft", draft_dir, "--json", str(path),
                             "--prompts", "2", "--max-new-tokens", "8", "--k", "3"], capsys)
     assert rc == 0, err
-    table_modes = [line.split()[0] for line in out.splitlines()[2:] if line and not line.startswith(("wrote",
-                                                                                                    "skipped"))]
+    table_modes = table_rows(out)
+    assert re.search(r"^eager: capture \+ compile \+ warm-up of every stage took [0-9.]+s$", out, re.M)
     assert {"ar", "sd", "ssd", "ssd-uniform", "hf-assisted", "hf"} <= set(table_modes)
     assert f"wrote {path}" in out
     report = json.loads(path.read_text())
@@ -105,7 +112,7 @@ def test_bench_rows_without_a_draft(saved_pair, capsys):
     rc, out, err = run_cli(["bench", "--target", target_dir, "--modes", "ar,hf", "--prompts", "1",
                             "--max-new-tokens", "4"], capsys)
     assert rc == 0, err
-    assert [line.split()[0] for line in out.splitlines()[2:]] == ["ar", "hf"]
+    assert table_rows(out) == ["ar", "hf"]
 
 
 @pytest.mark.parametrize("argv, named", [
