@@ -1,7 +1,8 @@
 """Benchmark: Saguaro's modes (AR, SD, SSD) against ``transformers``, in one run.
 
 Rows: ``ar`` (Saguaro, target alone), ``sd`` (Saguaro speculative decoding), ``ssd`` (geometric
-fan-out), ``ssd-uniform`` (the same budget spread evenly over the ``k+1`` positions), ``hf-assisted`` (``transformers`` assisted generation with the same draft
+fan-out, draft on a worker thread), ``ssd-uniform`` (the same budget spread evenly over the ``k+1``
+positions), ``ssd-process`` (geometric, draft in another process over gloo), ``hf-assisted`` (``transformers`` assisted generation with the same draft
 and ``k``) and ``hf`` (``transformers`` greedy/sampled generate, target alone). Prints a table
 (tokens/s, mean accepted length, speed-up over AR) and writes JSON. Speed is only ever compared as
 ratios within one run on one machine.
@@ -20,10 +21,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SAGUARO_MODES = ("ar", "sd", "ssd", "ssd-uniform")
+SAGUARO_MODES = ("ar", "sd", "ssd", "ssd-uniform", "ssd-process")
 HF_MODES = ("hf-assisted", "hf")
 ALL_MODES = SAGUARO_MODES + HF_MODES
-DRAFT_MODES = ("sd", "ssd", "ssd-uniform", "hf-assisted")  # rows that run the draft
+DRAFT_MODES = ("sd", "ssd", "ssd-uniform", "ssd-process", "hf-assisted")  # rows that run the draft
 # Code prompts without a trailing space: byte-level BPE fuses a space to the next word, so a prompt
 # ending in one ("def ") is tokenized unlike any training text and hurts every row alike.
 DEFAULT_PROMPTS = (
@@ -111,7 +112,9 @@ def row_program(program, mode: str):
         per_position = max(1, program.config.budget // (program.config.k + 1))
         return program.variant(fan_out=per_position), "ssd"
     if mode == "ssd":
-        return program.variant(fan_out="geometric"), "ssd"
+        return program.variant(fan_out="geometric", lane="thread"), "ssd"
+    if mode == "ssd-process":
+        return program.variant(fan_out="geometric", lane="process"), "ssd"
     return program, mode
 
 

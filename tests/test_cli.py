@@ -86,7 +86,7 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
     assert rc == 0, err
     table_modes = table_rows(out)
     assert re.search(r"^eager: capture \+ compile \+ warm-up of every stage took [0-9.]+s$", out, re.M)
-    assert {"ar", "sd", "ssd", "ssd-uniform", "hf-assisted", "hf"} <= set(table_modes)
+    assert {"ar", "sd", "ssd", "ssd-uniform", "ssd-process", "hf-assisted", "hf"} <= set(table_modes)
     assert f"wrote {path}" in out
     report = json.loads(path.read_text())
     assert report["config"]["k"] == 3 and report["config"]["prompts"] == 2
@@ -97,7 +97,7 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
         assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0, row
         assert math.isfinite(row["speedup_vs_ar"]) and row["speedup_vs_ar"] > 0, row
         assert row["new_tokens"] == 2 * 8, row  # eos is ignored: every row makes the same tokens
-        if mode in ("ar", "sd", "ssd", "ssd-uniform"):
+        if mode in ("ar", "sd", "ssd", "ssd-uniform", "ssd-process"):
             assert 1.0 <= row["mean_accepted_len"] <= 3 + 1, row
             if mode.startswith("ssd"):
                 assert 0.0 <= row["cache_hit_rate"] <= 1.0 and row["draft_wait_ms_per_round"] >= 0, row
