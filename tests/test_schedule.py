@@ -2,7 +2,6 @@
 
 import networkx as nx
 import pytest
-import torch
 
 import saguaro
 from saguaro.runtime import tree

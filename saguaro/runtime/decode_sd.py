@@ -46,12 +46,8 @@ def verify_round(target: ModelRunner, state: DecodeState, draft_tokens: torch.Te
 def commit_outcome(state: DecodeState, draft_tokens: torch.Tensor, accepted: torch.Tensor,
                    next_token: torch.Tensor) -> None:
     """Append ``x_1..x_a, r'`` to each active row and record the accepted length."""
-    B, k = draft_tokens.shape
-    slots = torch.arange(k + 1, device=draft_tokens.device)[None, :]  # [1, k+1]
-    padded = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)  # [B, k+1]
-    candidates = torch.where(slots == accepted[:, None], next_token[:, None], padded)
     active = state.seqs.active.clone()
-    state.seqs.append(candidates, accepted + 1)
+    state.seqs.append(verification.outcome_tokens(draft_tokens, accepted, next_token), accepted + 1)
     state.accepted_lengths.extend((accepted[active] + 1).tolist())
     state.timers.count("rounds")
 

@@ -20,6 +20,7 @@ from saguaro.runtime.fan_out import OutcomeEstimator, resolve_fan_out
 from saguaro.runtime.fork import ranks_from_ranked
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.sequences import SequenceBatch
+from saguaro.runtime.verification import outcome_tokens
 from saguaro.runtime import tree
 from saguaro.schedule import lane_order, round_schedule
 
@@ -133,9 +134,7 @@ class SpeculationServer:
         seqs, k, cache = self.seqs, self.k, self.cache
         active = seqs.active.clone()
         self._learn(accepted, outcome, active, verify_s)
-        slots = torch.arange(k + 1, device=accepted.device)[None, :]
-        padded = torch.cat([self.spec_tokens, self.spec_tokens[:, :1]], dim=1)  # [B, k+1]
-        seqs.append(torch.where(slots == accepted[:, None], outcome[:, None], padded), accepted + 1)
+        seqs.append(outcome_tokens(self.spec_tokens, accepted, outcome), accepted + 1)
         self.store.invalidate_from(seqs.lengths - 1)  # keep r .. x_a of the glue, drop the rest
         hit, branch = cache.match(accepted, outcome)
         hit &= seqs.active

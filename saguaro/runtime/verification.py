@@ -84,6 +84,14 @@ def verify_sampled(
     return accepted, sample_inverse_cdf(residual, resample_u)
 
 
+def outcome_tokens(draft_tokens: torch.Tensor, accepted: torch.Tensor, next_token: torch.Tensor) -> torch.Tensor:
+    """The tokens a round decides, ``[B, K+1]``: ``x_1..x_a`` then ``r'`` at index ``a`` (the rest is
+    filler that ``accepted + 1`` counts exclude)."""
+    slots = torch.arange(draft_tokens.shape[1] + 1, device=draft_tokens.device)[None, :]  # [1, K+1]
+    padded = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)  # [B, K+1]
+    return torch.where(slots == accepted[:, None], next_token[:, None], padded)
+
+
 def verification_uniforms(batch: int, k: int, generator, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The uniforms one sampled verification consumes: ``accept_u [B, K]`` and ``resample_u [B]``."""
     u = torch.rand(batch, k + 1, generator=generator, device=device)
