@@ -3,7 +3,7 @@
 Requires: a flat-signature graph whose only output is the logits ``[B, T, V]``.
 Guarantees: the graph returns what the runtime needs and nothing bigger: ``last`` → last-row logits
 ``[B, V]``; ``step_greedy`` → tokens ``[B]``; ``step_sampled`` → tokens and ``q [B, V]``;
-``tree_greedy`` → tokens ``[B, MQ]`` and ``q``; ``tree_sampled`` → tokens drawn from Saguaro's
+``tree_greedy`` → tokens ``[B, MQ]``; ``tree_sampled`` → tokens drawn from Saguaro's
 ``q'`` and ``q'`` itself. The spliced functions are those of :mod:`saguaro.runtime.sampling`.
 """
 

@@ -26,9 +26,9 @@ def step_sampled(logits: torch.Tensor, inv_temperature: torch.Tensor, u: torch.T
     return sample_inverse_cdf(probs, u), probs
 
 
-def tree_greedy(logits: torch.Tensor):
-    """``draft.tree`` at temperature 0: tokens ``[B, MQ]`` and the draft's ``q [B, MQ, V]`` (cached)."""
-    return logits.argmax(dim=-1), torch.softmax(logits.float(), dim=-1)
+def tree_greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``draft.tree`` at temperature 0: tokens ``[B, MQ]`` (greedy verification needs no distribution)."""
+    return logits.argmax(dim=-1)
 
 
 def tree_sampled(logits: torch.Tensor, inv_temperature: torch.Tensor, top: torch.Tensor, c: torch.Tensor,

@@ -13,7 +13,7 @@ class SpeculationCache:
 
     ``branch_rows [MQ]`` is the outcome position ``j`` of each branch, ``candidates [B, MQ]`` its
     outcome token ``c``; ``tokens [B, MQ, K]`` the speculation that follows ``c`` and
-    ``probs [B, MQ, K, V]`` the distributions those tokens were drawn from. ``ranked`` (each glue
+    ``probs [B, MQ, K, V]`` the distributions those tokens were drawn from (``None`` when greedy). ``ranked`` (each glue
     row's top tokens, speculated token excluded) feeds the online ``ρ`` estimate.
     """
 

@@ -88,8 +88,9 @@ class TreeBuild:
         slots = self.first_scratch + d * MQ + torch.arange(MQ, device=device)[None, :]  # [B, MQ]
         position = self.fork_pos + 1 + d
         if req.temperature == 0.0:
-            token, prob = self.draft.run("tree_greedy", self.store, self.ids, position, slots, branch=self.branch,
-                                         limit=self.fork_pos)
+            (token,) = self.draft.run("tree_greedy", self.store, self.ids, position, slots, branch=self.branch,
+                                      limit=self.fork_pos)
+            prob = None
         else:
             # Saguaro sampling: this token is x_{d+1} of the next speculation, whose recovery would be
             # looked up among the top-F_d candidates of the next glue's row d
@@ -105,9 +106,11 @@ class TreeBuild:
         K = self.req.ids.shape[1] - 1
         if self.rows.numel() == 0:
             V = self.draft.spec.vocab_size
+            probs = torch.zeros(self.B, 0, K, V, device=self.device) if self.req.temperature > 0 else None
             return SpeculationCache(branch_rows=self.rows, candidates=self.candidates,
-                                    tokens=self.candidates.new_zeros(self.B, 0, K),
-                                    probs=torch.zeros(self.B, 0, K, V, device=self.device), ranked=self.ranked)
+                                    tokens=self.candidates.new_zeros(self.B, 0, K), probs=probs,
+                                    ranked=self.ranked)
+        probs = torch.stack(self.probs, dim=2) if self.probs[0] is not None else None  # [B, MQ, K, V]
         return SpeculationCache(
             branch_rows=self.rows, candidates=self.candidates, tokens=torch.stack(self.tokens, dim=2),  # [B, MQ, K]
-            probs=torch.stack(self.probs, dim=2), ranked=self.ranked)  # [B, MQ, K, V]
+            probs=probs, ranked=self.ranked)

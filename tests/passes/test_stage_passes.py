@@ -72,10 +72,8 @@ def test_tree_mask_matches_generic_mask_on_branches():
         out = call(graph, store, ids, fork + 1, branch=torch.tensor([[1, 2], [1, 2]]), limit=fork)
         store.claim(slots, fork + 1, torch.tensor([[1, 2], [1, 2]]))
         outs.append(out)
-    expected_tokens = outs[0][0].argmax(-1)
-    tokens, probs = outs[1]
-    assert torch.equal(tokens, expected_tokens)
-    torch.testing.assert_close(probs, torch.softmax(outs[0][0], -1))
+    (tokens,) = outs[1]
+    assert torch.equal(tokens, outs[0][0].argmax(-1))
 
 
 def test_fuse_verification_outputs_accepted_and_next_only():

@@ -46,8 +46,7 @@ def test_cached_branches_equal_fresh_greedy_decode(arch):
             nxt = fresh_distributions(draft_model, tokens[None], 0.0)[-1].argmax()
             tokens = torch.cat([tokens, nxt[None]])
         assert torch.equal(cache.tokens[0, b], tokens[prefix.numel():]), f"branch {b} (j={j}) differs"
-        probs = fresh_distributions(draft_model, tokens[None], 0.0)[prefix.numel() - 1: -1]  # [k, V]
-        torch.testing.assert_close(cache.probs[0, b], probs, rtol=1e-4, atol=1e-5)
+    assert cache.probs is None  # greedy verification needs no distributions; sampled ones are tested below
 
 
 def test_fork_excludes_the_speculated_token_and_ranks_by_draft_probability():
