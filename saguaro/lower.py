@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import logging
+import re
+import time
+import traceback
 
 import torch
+
+from saguaro.errors import SaguaroError
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("eager", "inductor")
+
+
+class LoweringError(SaguaroError):
+    """A stage graph could not be compiled; the message names the stage and the FX node."""
 
 
 def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str):
@@ -23,5 +32,49 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str):
         log.info("lowering %s with inductor (compiled on its first call per shape)", name)
         # compile the generated forward itself: GraphModule.__call__'s error wrapper walks tracebacks
         # with a generator, which hides the real error of a failed compile under "trace generator"
-        return torch.compile(gm.forward, backend="inductor", fullgraph=True)
+        return CompiledStage(gm, torch.compile(gm.forward, backend="inductor", fullgraph=True), name)
     raise ValueError(f"backend={backend!r} is not allowed: choose one of {', '.join(BACKENDS)}")
+
+
+class CompiledStage:
+    """A compiled stage: logs each compilation and turns compiler failures into ``LoweringError``."""
+
+    def __init__(self, gm: torch.fx.GraphModule, compiled, name: str):
+        self.gm, self.compiled, self.name = gm, compiled, name
+        self.calls = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        started = time.perf_counter()
+        try:
+            out = self.compiled(*args)
+        except Exception as exc:
+            from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError, Unsupported
+
+            if isinstance(exc, (BackendCompilerFailed, TorchRuntimeError, Unsupported)):
+                node = responsible_node(self.gm, exc)
+                where = f" at FX node {node!r}" if node else ""
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise LoweringError(f"inductor could not compile stage {self.name}{where}: {first}") from exc
+            raise
+        if self.calls <= 2:  # the static compile, then (for a new shape) the dynamic one
+            log.info("stage %s: call %d (compile included) took %.1fs", self.name, self.calls,
+                     time.perf_counter() - started)
+        return out
+
+
+def responsible_node(gm: torch.fx.GraphModule, exc: BaseException) -> str | None:
+    """The FX node whose generated line the failure passed through last, if any."""
+    lines = gm.code.splitlines()
+    names = {n.name for n in gm.graph.nodes}
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if frame.filename.startswith("<eval_with_key>") and 0 < frame.lineno <= len(lines):
+            match = re.match(r"\s*(\w+)\s*=", lines[frame.lineno - 1])
+            if match and match.group(1) in names:
+                found = match.group(1)
+    text = str(exc)
+    for name in sorted(names, key=len, reverse=True):  # dynamo quotes the user code line it stopped at
+        if found is None and re.search(rf"\b{re.escape(name)} = ", text):
+            found = name
+    return found
