@@ -8,6 +8,12 @@ import inspect
 import torch
 import torch.fx
 
+from saguaro.errors import SaguaroError
+
+
+class PassError(SaguaroError):
+    """A pass found a graph it cannot rewrite; the message names the pass and the FX node."""
+
 
 def add_inputs(gm: torch.fx.GraphModule, names: list[str]) -> list[torch.fx.Node]:
     """Append graph inputs after the existing ones (the signature must be flat)."""
@@ -65,8 +71,10 @@ def _keeps_mutations(node: torch.fx.Node) -> bool:
 
 def logits_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
     """The captured graph's single output: the logits ``[B, T, V]``."""
-    values = output_node(gm).args[0]
+    out = output_node(gm)
+    values = out.args[0]
     values = values if isinstance(values, (tuple, list)) else (values,)
-    if len(values) != 1:
-        raise ValueError(f"expected the captured graph to return logits only, found {len(values)} outputs")
+    if len(values) != 1 or not isinstance(values[0], torch.fx.Node):
+        raise PassError(f"FX node {out.name!r}: expected the graph to return only the logits, found {len(values)} "
+                        "outputs (was an epilogue already spliced?)")
     return values[0]

@@ -16,7 +16,7 @@ import logging
 import torch
 
 from saguaro.capture.attention_op import MASK_OP, causal_bias, tree_bias
-from saguaro.passes.graph_splice import inline_function
+from saguaro.passes.graph_splice import PassError, inline_function
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,11 @@ def specialize_attention(gm: torch.fx.GraphModule, kind: str) -> torch.fx.GraphM
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is not allowed: choose one of {', '.join(KINDS)}")
     masks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is MASK_OP]
+    if not masks:
+        raise PassError("specialize_attention: no saguaro::attention_mask node in the graph (already specialised?)")
     for node in masks:
+        if len(node.args) != 9:
+            raise PassError(f"specialize_attention: FX node {node.name!r} has {len(node.args)} arguments, expected 9")
         write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window, groups, dtype = node.args
         constants = dict(window=window, groups=groups, dtype=dtype)
         if kind == "causal":

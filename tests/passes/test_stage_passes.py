@@ -146,3 +146,14 @@ def test_every_stage_builds_and_keeps_its_kv_writes():
         gm = build_stage(captured.graph_module, name, 8)
         assert count(gm, ATTENTION_OP) == 2, f"{name} lost an attention node (its KV writes)"
         assert count(gm, MASK_OP) == 0
+
+
+def test_pass_failures_name_the_fx_node():
+    from saguaro.passes.graph_splice import PassError
+
+    _, captured = base_graph()
+    gm = build_stage(captured.graph_module, "verify_greedy", 8)
+    with pytest.raises(PassError, match="FX node 'output'.*only the logits"):
+        fuse_verification(gm, sampled=False)  # its epilogue is already spliced
+    with pytest.raises(PassError, match="no saguaro::attention_mask node"):
+        specialize_attention(gm, "causal")
