@@ -169,9 +169,10 @@ def load_default_pair(dtype: torch.dtype | None = None):
     return target, draft, tokenizer
 
 
-def load_heldout_eval(assets_dir: Path = ASSETS_DIR) -> dict:
+def load_heldout_eval(assets_dir: Path | None = None) -> dict:
     """The slice definition and expected perplexities written by the training script."""
-    return json.loads((Path(assets_dir) / HELDOUT_EVAL_FILE).read_text())
+    assets_dir = ASSETS_DIR if assets_dir is None else Path(assets_dir)
+    return json.loads((assets_dir / HELDOUT_EVAL_FILE).read_text())
 
 
 class _CallableModule(types.ModuleType):
