@@ -141,7 +141,14 @@ def canonical_command(args) -> str:
 
 
 def build_tokenizer(texts, vocab_size, model_max_length):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     eos, pad = "<|endoftext|>", "<|pad|>"

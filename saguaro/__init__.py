@@ -6,6 +6,10 @@ from saguaro.errors import CaptureError, ConfigError, SaguaroError
 # attribute ``saguaro.compile`` from the submodule to the function, like ``torch.compile``.
 from saguaro.compile import compile  # noqa: E402,A001
 
+# Likewise the submodule ``saguaro.default_pair`` is imported first, so that the function below, not
+# the module, is what ``saguaro.default_pair`` names (a later import of the submodule rebinds nothing).
+from saguaro import default_pair as _default_pair_module  # noqa: E402
+
 __version__ = "0.1.0"
 
 __all__ = ["compile", "default_pair", "SaguaroError", "CaptureError", "ConfigError", "__version__"]
@@ -13,6 +17,4 @@ __all__ = ["compile", "default_pair", "SaguaroError", "CaptureError", "ConfigErr
 
 def default_pair(dtype=None):
     """Return ``(target, draft, tokenizer)``: the pair trained by the project and shipped with it."""
-    from saguaro.default_pair import load_default_pair
-
-    return load_default_pair(dtype=dtype)
+    return _default_pair_module.load_default_pair(dtype=dtype)

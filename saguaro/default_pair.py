@@ -15,9 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sys
 import sysconfig
-import types
 from pathlib import Path
 
 import torch
@@ -173,16 +171,3 @@ def load_heldout_eval(assets_dir: Path | None = None) -> dict:
     """The slice definition and expected perplexities written by the training script."""
     assets_dir = ASSETS_DIR if assets_dir is None else Path(assets_dir)
     return json.loads((assets_dir / HELDOUT_EVAL_FILE).read_text())
-
-
-class _CallableModule(types.ModuleType):
-    """Importing this submodule rebinds the package attribute ``saguaro.default_pair`` (the public
-    function defined in ``saguaro/__init__.py``) to the module; making the module callable keeps
-    ``saguaro.default_pair(dtype=...)`` working either way."""
-
-    def __call__(self, dtype: torch.dtype | None = None):
-        return load_default_pair(dtype=dtype)
-
-
-if __name__ in sys.modules:  # absent when a script loads this file on its own
-    sys.modules[__name__].__class__ = _CallableModule

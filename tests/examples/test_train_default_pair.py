@@ -24,7 +24,7 @@ TINY = [
 
 
 def _run(*args, timeout=240):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, str(SCRIPT), *args], check=False, cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
 
 
