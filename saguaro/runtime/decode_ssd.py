@@ -47,6 +47,8 @@ def decode_ssd(target: ModelRunner, draft: ModelRunner, state: DecodeState, lane
     except DraftLaneError as exc:
         _finish_with_sd(target, draft, state, exc)
         return False
+    finally:
+        lane.settle()  # the last round's build, which no outcome needs, ends before generate returns
     return True
 
 

@@ -93,5 +93,13 @@ class ThreadLane:
         except Exception as exc:
             raise DraftLaneError(f"draft lane failed: {type(exc).__name__}: {exc}") from exc
 
+    def settle(self) -> None:
+        """Wait for a build the generation no longer needs. Nothing may run on the worker once
+        ``generate`` returns: changing torch's thread count while another thread computes crashes."""
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending], timeout=self.timeout_s)
+            self._pending = None
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.settle()
+        self._pool.shutdown(wait=True, cancel_futures=True)

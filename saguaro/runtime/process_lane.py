@@ -66,6 +66,7 @@ def serve(port: int, draft_model: torch.nn.Module, config: SaguaroConfig, timeou
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=timeout_s))
+    store.set("draft_up", "1")  # before the group: the caller waits for this, checking we are alive
     pg = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(days=1))  # idle between generations
     server = SpeculationServer(build_runner("draft", draft_model, config.backend), config)
     with torch.inference_mode():
@@ -110,10 +111,24 @@ class ProcessLane:
             target=serve, args=(self.store.port, draft_model, config, timeout_s), daemon=True,
             name="saguaro-draft-lane")
         self.process.start()
+        self._wait_for_child(started)
         self.pg = dist.ProcessGroupGloo(self.store, 0, 2, datetime.timedelta(seconds=timeout_s))
         log.info("draft process lane up in %.1fs (pid %d)", time.perf_counter() - started, self.process.pid)
         self.batch = None
         self.sampled = False
+
+    def _wait_for_child(self, started: float) -> None:
+        """Wait for the draft process to reach the store, noticing at once if it dies on the way (for
+        example a script without ``if __name__ == "__main__":``, which ``spawn`` needs)."""
+        while not self.store.check(["draft_up"]):
+            if not self.process.is_alive():
+                raise DraftLaneError(
+                    f"draft process exited during start-up (exit code {self.process.exitcode}); a script "
+                    "that uses lane='process' needs `if __name__ == \"__main__\":`")
+            if time.perf_counter() - started > self.timeout_s:
+                self.process.kill()
+                raise DraftLaneError(f"draft process did not start within {self.timeout_s:.0f}s")
+            time.sleep(0.05)
 
     def _guard(self, fn, *args):
         if not self.process.is_alive():
@@ -150,6 +165,9 @@ class ProcessLane:
 
     def begin(self) -> None:
         """Nothing to send: the draft process started building when it sent the speculation."""
+
+    def settle(self) -> None:
+        """Nothing to wait for here: the draft process's unneeded build ends on its own."""
 
     def finish(self, accepted, outcome, verify_s) -> tuple[Resolution, float]:
         def run():

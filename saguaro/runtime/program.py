@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, replace
 
@@ -14,7 +15,7 @@ from saguaro.runtime.decode_ar import decode_ar
 from saguaro.runtime.decode_sd import decode_sd
 from saguaro.runtime.decode_ssd import decode_ssd
 from saguaro.runtime.draft_server import GenerateSpec, SpeculationServer
-from saguaro.runtime.lanes import ThreadLane, one_thread_per_lane
+from saguaro.runtime.lanes import DraftLaneError, ThreadLane, one_thread_per_lane
 from saguaro.runtime.inputs import check_generate_args
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.sequences import SequenceBatch
@@ -50,7 +51,7 @@ class Program:
     def _draft_lane(self):
         """The SSD draft lane of this program, started on first use and kept."""
         if self._lane is None:
-            if self.config.lane == "process":
+            if self.lane_kind == "process":
                 from saguaro.runtime.process_lane import ProcessLane
 
                 self._lane = ProcessLane(self.draft_model, self.config, self.draft.spec.vocab_size,
@@ -67,6 +68,13 @@ class Program:
         if key not in self._variants:
             self._variants[key] = self.reconfigure(**changes)
         return self._variants[key]
+
+    @property
+    def lane_kind(self) -> str:
+        """The lane SSD uses: the configured one, or for ``"auto"`` process on CPU, thread on GPU."""
+        if self.config.lane != "auto":
+            return self.config.lane
+        return "thread" if self.target.spec.device.type == "cuda" else "process"
 
     def close(self) -> None:
         """Stop the draft lane (thread or process) of this program and of its variants. A program
@@ -150,7 +158,13 @@ class Program:
             temperature=float(temperature), generator=generator, k=self.config.k,
         )
         if mode == "ssd":
-            lane = self._draft_lane()
+            try:
+                lane = self._draft_lane()
+            except DraftLaneError as exc:  # no lane could start: SD gives the same tokens
+                warnings.warn(f"saguaro: {exc}; generating with SD instead (output stays exact)", RuntimeWarning,
+                              stacklevel=2)
+                return self.generate(input_ids, max_new_tokens, temperature, eos_token_id=eos_ids, seed=seed,
+                                     attention_mask=attention_mask, mode="sd")
             with one_thread_per_lane(device):
                 first = self._prefill(state)
                 draft_spec = GenerateSpec(input_ids, attention_mask, max_new_tokens, capacity, eos_ids,
@@ -247,7 +261,7 @@ class Program:
             "fallback_s": s.get("fallback_neural_s", 0.0) + s.get("fallback_fast_s", 0.0),
             "overlap_efficiency": (new_tokens / wall) / ideal if ideal > 0 else 0.0,
             "lane_failures": c.get("lane_failures", 0),
-            "lane": self.config.lane,
+            "lane": self.lane_kind,
             **self._schedule_stats(state.temperature > 0),
         }
 

@@ -29,7 +29,7 @@ def failing_after(calls, exc=None, sleep_s=None):
 
 def test_exception_on_draft_lane_finishes_with_sd(monkeypatch):
     target, draft, _ = tiny_pair("llama")
-    program = saguaro.compile(target, draft, k=3, mode="ssd")
+    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread")
     monkeypatch.setattr(tree, "build_speculations", failing_after(2, RuntimeError("draft device lost")))
     ids, mask = prompts(3, 8, seed=5, pad_rows={0: 2})
     with pytest.warns(RuntimeWarning, match="draft device lost.*SD"):
@@ -40,7 +40,7 @@ def test_exception_on_draft_lane_finishes_with_sd(monkeypatch):
 
 def test_timeout_on_draft_lane_finishes_with_sd_on_a_fresh_store(monkeypatch):
     target, draft, _ = tiny_pair("llama")
-    program = saguaro.compile(target, draft, k=3, mode="ssd", lane_timeout_s=0.2)
+    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", lane_timeout_s=0.2)
     monkeypatch.setattr(tree, "build_speculations", failing_after(1, sleep_s=1.0))
     ids, mask = prompts(1, 8, seed=6)
     with pytest.warns(RuntimeWarning, match="no answer within.*SD"):
@@ -68,3 +68,25 @@ def test_dead_draft_process_finishes_with_sd():
         assert torch.equal(out.sequences, expected) and out.stats["lane_failures"] == 1
     finally:
         program.close()
+
+
+def test_auto_lane_is_the_process_lane_on_cpu():
+    target, draft, _ = tiny_pair("llama")
+    assert saguaro.compile(target, draft, mode="ssd").lane_kind == "process"
+    assert saguaro.compile(target, draft, mode="ssd", lane="thread").lane_kind == "thread"
+
+
+def test_a_lane_that_cannot_start_falls_back_to_sd(monkeypatch):
+    from saguaro.runtime import lanes, program as program_module
+
+    target, draft, _ = tiny_pair("llama")
+    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread")
+
+    def broken(*args, **kwargs):
+        raise lanes.DraftLaneError("draft process exited during start-up (exit code 1)")
+
+    monkeypatch.setattr(program_module, "ThreadLane", broken)
+    ids, mask = prompts(1, 6, seed=8)
+    with pytest.warns(RuntimeWarning, match="start-up.*generating with SD"):
+        out = program.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None)
+    assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 10)) and out.stats["mode"] == "sd"

@@ -13,7 +13,7 @@ from tests.models import prompts, reference_greedy
 @functools.lru_cache(maxsize=None)
 def ssd_program(arch: str, fallback: str):
     target, draft, _ = tiny_pair(arch)
-    return saguaro.compile(target, draft, k=4, mode="ssd", fallback=fallback, fan_out="geometric")
+    return saguaro.compile(target, draft, k=4, mode="ssd", fallback=fallback, fan_out="geometric", lane="thread")
 
 
 @pytest.mark.parametrize("fallback", ["neural", "fast", "auto"])
@@ -49,7 +49,7 @@ def test_ssd_eos_stops_one_sequence_early(arch_pair, fallback):
 def test_ssd_misses_only_with_fan_out_zero():
     """Fan-out 0 builds no tree: every lookup misses and the fallback carries the whole generation."""
     target, draft, _ = tiny_pair("llama")
-    program = saguaro.compile(target, draft, k=3, mode="ssd", fan_out=0, fallback="neural")
+    program = saguaro.compile(target, draft, k=3, mode="ssd", fan_out=0, fallback="neural", lane="thread")
     ids, mask = prompts(2, 6, seed=4)
     out = program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
     assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 12))
