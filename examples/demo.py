@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     modes = ["ar", "sd", "ssd"]
 
     # greedy decoding is lossless: every mode prints this same text, the target's own greedy completion
+    program.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0.0, mode=modes[-1])  # starts the draft lane
     out = program.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0.0, mode=modes[-1])
     completion = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
     s = out.stats
