@@ -28,11 +28,6 @@ class GlueRequest:
         return self.ids[:, 1:]  # [B, K]
 
 
-def tree_scratch_slots(k: int, fan_out: list) -> int:
-    """Slots the tree needs after the glue: ``k`` depths of ``MQ`` branches."""
-    return k * sum(fan_out)
-
-
 def build_speculations(draft: ModelRunner, store: KVStore, req: GlueRequest, generator: torch.Generator | None,
                        steps: list[str] | None = None) -> SpeculationCache:
     """Glue over ``[r, x_1..x_K]``, fork top-``F_j`` candidates, and decode every branch ``K`` deep.
