@@ -66,15 +66,10 @@ class ModelRunner:
         limit: torch.Tensor | None = None,  # [B, T]; None: the query's own position
     ):
         """Call ``stage`` on the store; returns the stage's outputs (a tuple)."""
-        if branch is None:
-            branch = torch.zeros_like(positions)
-        if limit is None:
-            limit = positions
-        store.claim(write_slots, positions, branch)
+        args = self._graph_args(store, input_ids, positions, write_slots, branch, limit)
         fn = self.stage(stage)
         started = time.perf_counter()
-        out = fn(input_ids, positions, write_slots, branch, limit, store.slot_pos, store.slot_branch,
-                 *store.k_caches, *store.v_caches, *extra)
+        out = fn(*args, *extra)
         elapsed = time.perf_counter() - started
         key = f"{self.name}.{stage}"
         previous = self.stage_cost_s.get(key)
@@ -83,10 +78,16 @@ class ModelRunner:
 
     def __call__(self, store: KVStore, input_ids, positions, write_slots, branch=None, limit=None) -> torch.Tensor:
         """The captured graph itself: logits ``[B, T, V]`` (tests and recovery use it)."""
+        return self.captured.graph_module(*self._graph_args(store, input_ids, positions, write_slots, branch,
+                                                            limit))[0]
+
+    @staticmethod
+    def _graph_args(store: KVStore, input_ids, positions, write_slots, branch, limit) -> tuple:
+        """Claim the written slots and return the flat inputs every graph of a model shares."""
         if branch is None:
-            branch = torch.zeros_like(positions)
+            branch = torch.zeros_like(positions)  # shared
         if limit is None:
-            limit = positions
+            limit = positions  # the query's own position
         store.claim(write_slots, positions, branch)
-        return self.captured.graph_module(input_ids, positions, write_slots, branch, limit, store.slot_pos,
-                                          store.slot_branch, *store.k_caches, *store.v_caches)[0]
+        return (input_ids, positions, write_slots, branch, limit, store.slot_pos, store.slot_branch,
+                *store.k_caches, *store.v_caches)
