@@ -26,9 +26,11 @@ class SaguaroConfig:
     saguaro_c: Saguaro sampling down-weighting constant in (0, 1]; 1 disables it.
     max_seq_len: KV store capacity in tokens per sequence; default the target's maximum positions.
     lane: where SSD's draft side runs: ``"thread"`` (a worker thread), ``"process"`` (another
-        process over ``torch.distributed`` gloo) or ``"auto"``: the process lane on CPU, where the
-        GIL makes a thread lane slow the target's verification (measured on the default pair, 2-core
-        CPU: 180 vs 143 tokens/s), and the thread lane with its own CUDA stream on GPU.
+        process over ``torch.distributed`` gloo) or ``"auto"``: the thread lane (its own CUDA stream on
+        GPU) except for the eager backend on CPU, where the GIL, held while FX graphs are interpreted,
+        makes a thread lane slow the target's verification, so the process lane wins (measured on the
+        default pair, 2-core CPU, eager: 187 vs 148 tokens/s; inductor, whose C++ wrapper runs the
+        kernels without the GIL: thread 321 vs process 269 tokens/s).
     lane_timeout_s: seconds the target waits for the draft lane before finishing without it.
     """
 

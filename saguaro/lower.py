@@ -15,24 +15,41 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("eager", "inductor")
 
+# Inductor options per device type (per compile, never set globally). On CPU the C++ wrapper calls the
+# generated kernels without a Python wrapper in between: the stages of a small draft are bound by
+# per-call overhead, not FLOPs.
+INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True}, "cuda": {}}
+COMPILE_LOG_S = 1.0  # a stage call this slow compiled (a new batch size, say): log it
+
+
+def attention_implementation(backend: str) -> str:
+    """How the ``lower_attention`` pass lowers the attention nodes for ``backend``: the eager backend
+    runs the custom op; inductor compiles the op's math inline (see ``passes/lower_attention.py``)."""
+    return "inline" if backend == "inductor" else "op"
+
 
 class LoweringError(SaguaroError):
     """A stage graph could not be compiled; the message names the stage and the FX node."""
 
 
-def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str):
+def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: str = "cpu"):
     """``eager`` runs the GraphModule itself; ``inductor`` compiles it with ``torch.compile``
-    (``fullgraph=True``: a graph break is an error). A stage compiles for the static shapes of its
-    first call; a second shape of the same stage (another prompt length, batch or KV capacity)
-    recompiles it once with those dimensions dynamic (dynamo's automatic dynamic shapes). Inductor's
-    FX graph cache (on by default) serves repeated compiles of the same graph."""
+    (``fullgraph=True``: a graph break is an error) with dynamic shapes from the first call, so a new
+    prompt length or KV capacity reuses the compiled stage (only a dimension that changes between 1 and
+    more, such as the batch, compiles once more). Inductor's FX graph cache (on by default) serves
+    repeated compiles of the same graph, in this process and the next. ``device_type`` picks the
+    per-device Inductor options (:data:`INDUCTOR_OPTIONS`)."""
     if backend == "eager":
         return gm
     if backend == "inductor":
         log.info("lowering %s with inductor (compiled on its first call per shape)", name)
         # compile the generated forward itself: GraphModule.__call__'s error wrapper walks tracebacks
         # with a generator, which hides the real error of a failed compile under "trace generator"
-        return CompiledStage(gm, torch.compile(gm.forward, backend="inductor", fullgraph=True), name)
+        options = dict(INDUCTOR_OPTIONS.get(device_type, {}))
+        # the stage's weights are the captured model's and never change shape: no guards on them
+        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        compiled = torch.compile(gm.forward, backend="inductor", fullgraph=True, dynamic=True, options=options)
+        return CompiledStage(gm, compiled, name)
     raise ValueError(f"backend={backend!r} is not allowed: choose one of {', '.join(BACKENDS)}")
 
 
@@ -57,9 +74,9 @@ class CompiledStage:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise LoweringError(f"inductor could not compile stage {self.name}{where}: {first}") from exc
             raise
-        if self.calls <= 2:  # the static compile, then (for a new shape) the dynamic one
-            log.info("stage %s: call %d (compile included) took %.1fs", self.name, self.calls,
-                     time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        if self.calls == 1 or elapsed > COMPILE_LOG_S:  # the first compile, and any later recompile
+            log.info("stage %s: call %d (compile included) took %.1fs", self.name, self.calls, elapsed)
         return out
 
 

@@ -13,6 +13,7 @@ from saguaro.passes.flatten_signature import flatten_signature
 from saguaro.passes.fuse_fork import fuse_fork
 from saguaro.passes.fuse_sampling import fuse_sampling
 from saguaro.passes.fuse_verification import fuse_verification
+from saguaro.passes.lower_attention import lower_attention
 from saguaro.passes.specialize_attention import specialize_attention
 from saguaro.passes.strip_runtime_checks import strip_runtime_checks
 
@@ -59,9 +60,11 @@ STAGES = {
 }
 
 
-def build_stage(base: torch.fx.GraphModule, stage: str, width: int) -> torch.fx.GraphModule:
+def build_stage(base: torch.fx.GraphModule, stage: str, width: int, attention: str = "op") -> torch.fx.GraphModule:
     """The stage's graph: a copy of the base graph, attention specialised (before the epilogue, which
-    must see the final logits node), then its epilogue spliced."""
+    must see the final logits node), then its epilogue spliced, then the attention nodes lowered for
+    the backend (``attention``: ``"op"`` or ``"inline"``; last, because the epilogue passes drop dead
+    code and the inlined KV writes have no users)."""
     spec = STAGES[stage]
     gm = torch.fx.GraphModule(base, copy.deepcopy(base.graph))  # shares parameters, owns its graph
     gm = specialize_attention(gm, spec.mask)
@@ -71,5 +74,6 @@ def build_stage(base: torch.fx.GraphModule, stage: str, width: int) -> torch.fx.
         gm = fuse_fork(gm, width)
     else:
         gm = fuse_sampling(gm, spec.epilogue, width)
+    gm = lower_attention(gm, attention)
     log.info("stage %s: %d nodes", stage, len(gm.graph.nodes))
     return gm

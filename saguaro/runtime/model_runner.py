@@ -44,12 +44,13 @@ class ModelRunner:
             with self._lock:
                 fn = self._stages.get(stage)
                 if fn is None:
-                    from saguaro.lower import lower_graph
+                    from saguaro.lower import attention_implementation, lower_graph
                     from saguaro.passes.pipeline import build_stage
 
                     started = time.perf_counter()
-                    graph = build_stage(self.captured.graph_module, stage, self.width)
-                    fn = lower_graph(graph, self.backend, f"{self.name}.{stage}")
+                    graph = build_stage(self.captured.graph_module, stage, self.width,
+                                        attention=attention_implementation(self.backend))
+                    fn = lower_graph(graph, self.backend, f"{self.name}.{stage}", self.spec.device.type)
                     self._stages[stage] = fn
                     self.stage_build_s[stage] = time.perf_counter() - started
         return fn

@@ -71,10 +71,12 @@ class Program:
 
     @property
     def lane_kind(self) -> str:
-        """The lane SSD uses: the configured one, or for ``"auto"`` process on CPU, thread on GPU."""
+        """The lane SSD uses: the configured one, or for ``"auto"`` the process lane for the eager backend
+        on CPU and the thread lane otherwise (see :class:`~saguaro.config.SaguaroConfig`)."""
         if self.config.lane != "auto":
             return self.config.lane
-        return "thread" if self.target.spec.device.type == "cuda" else "process"
+        eager_on_cpu = self.target.spec.device.type == "cpu" and self.config.backend == "eager"
+        return "process" if eager_on_cpu else "thread"
 
     def close(self) -> None:
         """Stop the draft lane (thread or process) of this program and of its variants. A program

@@ -70,9 +70,10 @@ def test_dead_draft_process_finishes_with_sd():
         program.close()
 
 
-def test_auto_lane_is_the_process_lane_on_cpu():
+def test_auto_lane_is_the_process_lane_for_eager_on_cpu_and_the_thread_lane_for_inductor():
     target, draft, _ = tiny_pair("llama")
     assert saguaro.compile(target, draft, mode="ssd").lane_kind == "process"
+    assert saguaro.compile(target, draft, mode="ssd", backend="inductor").lane_kind == "thread"
     assert saguaro.compile(target, draft, mode="ssd", lane="thread").lane_kind == "thread"
 
 
