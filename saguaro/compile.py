@@ -46,7 +46,7 @@ def compile_program(target, draft, cfg: SaguaroConfig) -> Program:
     target_spec = model_spec(target)
     if draft is not None:
         check_pair(target_spec, model_spec(draft))
-    runners = {name: build_runner(name, model, cfg.backend)
+    runners = {name: build_runner(name, model, cfg.backend, cfg.attention)
                for name, model in (("target", target), ("draft", draft)) if model is not None}
     gen = getattr(target, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
@@ -57,11 +57,11 @@ def compile_program(target, draft, cfg: SaguaroConfig) -> Program:
                    draft_model=draft)
 
 
-def build_runner(name: str, model: torch.nn.Module, backend: str) -> ModelRunner:
+def build_runner(name: str, model: torch.nn.Module, backend: str, attention: str = "auto") -> ModelRunner:
     """Capture ``model``, run the base pass pipeline, and wrap it for stage building and lowering."""
     captured = capture(model)
     captured.graph_module = run_pipeline(captured.graph_module)
-    return ModelRunner(name, captured, backend)
+    return ModelRunner(name, captured, backend, attention)
 
 
 def check_pair(target_spec, draft_spec) -> None:

@@ -10,6 +10,7 @@ MODES = ("ar", "sd", "ssd")
 BACKENDS = ("eager", "inductor")
 FALLBACKS = ("auto", "neural", "fast")
 LANES = ("auto", "thread", "process")
+ATTENTIONS = ("auto", "op", "inline", "flex")
 MAX_K = 16
 
 
@@ -31,6 +32,11 @@ class SaguaroConfig:
         makes a thread lane slow the target's verification, so the process lane wins (measured on the
         default pair, 2-core CPU, eager: 187 vs 148 tokens/s; inductor, whose C++ wrapper runs the
         kernels without the GIL: thread 321 vs process 269 tokens/s).
+    attention: how the stages run attention (the ``lower_attention`` pass): ``"op"`` (the
+        ``saguaro::attention`` custom op), ``"inline"`` (its math inline, so Inductor fuses the KV
+        write), ``"flex"`` (FlexAttention under a block mask built in the graph; opt-in, see
+        :func:`saguaro.lower.attention_implementation`) or ``"auto"``: op for the eager backend,
+        inline for Inductor.
     lane_timeout_s: seconds the target waits for the draft lane before finishing without it.
     """
 
@@ -44,6 +50,7 @@ class SaguaroConfig:
     max_seq_len: int | None = None
     lane: str = "auto"
     lane_timeout_s: float = 60.0
+    attention: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
@@ -63,6 +70,8 @@ class SaguaroConfig:
             raise ConfigError(f"lane={self.lane!r} is not allowed: choose one of {', '.join(LANES)}")
         if not isinstance(self.lane_timeout_s, (int, float)) or not self.lane_timeout_s > 0:
             raise ConfigError(f"lane_timeout_s={self.lane_timeout_s!r} is not allowed: it must be > 0 seconds")
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(f"attention={self.attention!r} is not allowed: choose one of {', '.join(ATTENTIONS)}")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
             raise ConfigError(f"max_seq_len={self.max_seq_len!r} is not allowed: it must be an int >= 2")
 

@@ -22,9 +22,16 @@ INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True}, "cuda": {}}
 COMPILE_LOG_S = 1.0  # a stage call this slow compiled (a new batch size, say): log it
 
 
-def attention_implementation(backend: str) -> str:
-    """How the ``lower_attention`` pass lowers the attention nodes for ``backend``: the eager backend
-    runs the custom op; inductor compiles the op's math inline (see ``passes/lower_attention.py``)."""
+def attention_implementation(backend: str, requested: str = "auto") -> str:
+    """How the ``lower_attention`` pass lowers the attention nodes: ``requested`` unless ``"auto"``; then
+    the custom op for the eager backend and the op's math inline for Inductor (it fuses the KV write;
+    the attention is one SDPA call per layer over the store, all ``MQ`` tree queries of a KV head in
+    one call, so each tile of the shared prefix is read once for all branches). ``"flex"``
+    (FlexAttention under an in-graph block mask) is opt-in: with torch 2.13 Inductor compiles it for
+    prefill and verify on CPU but fails on the draft's step stage, and it awaits a check on CUDA
+    (``benchmarks/gpu_check.sh``). See ``passes/lower_attention.py``."""
+    if requested != "auto":
+        return requested
     return "inline" if backend == "inductor" else "op"
 
 

@@ -30,6 +30,7 @@ def test_k_outside_range(pair, k):
 @pytest.mark.parametrize("option, value, allowed", [
     ("mode", "beam", "ar, sd, ssd"), ("backend", "tvm", "eager, inductor"), ("fallback", "x", "auto, neural, fast"),
     ("saguaro_c", 0.0, r"\(0, 1\]"), ("fan_out", [1, 2], "k\\+1"),
+    ("attention", "flash", "auto, op, inline, flex"),
 ])
 def test_other_config_values(pair, option, value, allowed):
     target, draft, _ = pair

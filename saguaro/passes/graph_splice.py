@@ -55,13 +55,13 @@ def replace_outputs(gm: torch.fx.GraphModule, values) -> torch.fx.GraphModule:
     """Make ``values`` (a node or tuple of nodes) the graph's outputs; drop what became dead."""
     out = output_node(gm)
     out.args = (tuple(values) if isinstance(values, (tuple, list)) else (values,),)
-    gm.graph.eliminate_dead_code(is_impure_node=_keeps_mutations)
+    gm.graph.eliminate_dead_code(is_impure_node=keeps_mutations)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _keeps_mutations(node: torch.fx.Node) -> bool:
+def keeps_mutations(node: torch.fx.Node) -> bool:
     """The KV writes of the attention op are side effects: never dead."""
     if node.op == "placeholder":
         return True

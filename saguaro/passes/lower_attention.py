@@ -12,6 +12,13 @@ Guarantees, by ``implementation``:
   fuses the KV write and the cast into its kernels, writes the caches in place (its re-inplacing of
   ``index_put``), and drops the Python custom-op dispatch that costs more per layer than the
   attention itself on a small model. Outputs and cache contents equal the op's.
+* ``"flex"`` (opt-in, meant for Inductor on CUDA): the KV write as for ``"inline"``, then FlexAttention over the store
+  under a block mask built once per forward, inside the graph, from the stage's integer inputs (slot
+  positions and branches, query positions, branches and fork points) with the same rule as the
+  additive mask. All ``MQ`` branch queries of a row sit in one query block, so each block of the
+  shared prefix is read once for every branch, and blocks no query may see (other rows' scratch,
+  unused capacity) are skipped. The additive-mask construction becomes dead and is removed. Outputs
+  equal the op's up to float rounding (a different summation order); cache contents are equal.
 """
 
 from __future__ import annotations
@@ -21,11 +28,28 @@ import logging
 import torch
 
 from saguaro.capture.attention_op import ATTENTION_OP, attention_reference
-from saguaro.passes.graph_splice import PassError
+from saguaro.passes.graph_splice import PassError, keeps_mutations
 
 log = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("op", "inline")
+IMPLEMENTATIONS = ("op", "inline", "flex")
+MASK_INPUTS = ("write_slots", "positions", "query_branch", "query_limit", "slot_pos", "slot_branch")
+
+
+def write_kv(
+    key: torch.Tensor,  # [B, Hkv, T, D]
+    value: torch.Tensor,  # [B, Hkv, T, D]
+    k_cache: torch.Tensor,  # [B, Hkv, S, D], written in place
+    v_cache: torch.Tensor,  # [B, Hkv, S, D], written in place
+    write_slots: torch.Tensor,  # [B, T]
+) -> None:
+    """The op's KV write as an ``index_put_`` (a compiler re-inplaces it into the store)."""
+    B, Hkv = key.shape[0], key.shape[1]
+    rows = torch.arange(B, device=key.device)[:, None, None]  # [B, 1, 1]
+    heads = torch.arange(Hkv, device=key.device)[None, :, None]  # [1, Hkv, 1]
+    index = (rows, heads, write_slots[:, None, :])  # broadcast to [B, Hkv, T]
+    k_cache.index_put_(index, key.to(k_cache.dtype))
+    v_cache.index_put_(index, value.to(v_cache.dtype))
 
 
 def attention_inline(
@@ -39,16 +63,60 @@ def attention_inline(
     scale: float,
 ) -> torch.Tensor:
     """The ``saguaro::attention`` op as traceable tensor code; returns ``[B, H, T, D]``."""
-    B, Hkv = key.shape[0], key.shape[1]
-    rows = torch.arange(B, device=key.device)[:, None, None]  # [B, 1, 1]
-    heads = torch.arange(Hkv, device=key.device)[None, :, None]  # [1, Hkv, 1]
-    index = (rows, heads, write_slots[:, None, :])  # broadcast to [B, Hkv, T]
-    k_cache.index_put_(index, key.to(k_cache.dtype))
-    v_cache.index_put_(index, value.to(v_cache.dtype))
+    write_kv(key, value, k_cache, v_cache, write_slots)
     return attention_reference(query, k_cache, v_cache, bias, scale)
 
 
-def lower_attention(gm: torch.fx.GraphModule, implementation: str) -> torch.fx.GraphModule:
+def flex_block_mask(
+    write_slots: torch.Tensor,  # [B, T]
+    query_pos: torch.Tensor,  # [B, T]
+    query_branch: torch.Tensor,  # [B, T]
+    query_limit: torch.Tensor,  # [B, T]
+    slot_pos: torch.Tensor,  # [B, S]
+    slot_branch: torch.Tensor,  # [B, S]
+    window: int,
+):
+    """The FlexAttention ``BlockMask`` of the additive mask's rule
+    (:func:`~saguaro.capture.attention_op.build_attention_mask`), shared by every head."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = write_slots.shape
+    S = slot_pos.shape[1]
+
+    def visible(b, h, q, kv):
+        # kernels may evaluate the rule on the padding of the last query / key block: stay in bounds
+        q, kv = q.clamp(max=T - 1), kv.clamp(max=S - 1)
+        s_pos, s_branch, q_pos = slot_pos[b, kv], slot_branch[b, kv], query_pos[b, q]
+        shared = (s_branch == 0) & (s_pos <= query_limit[b, q])
+        own = (s_branch == query_branch[b, q]) & (s_pos <= q_pos)
+        allowed = (s_pos >= 0) & (shared | own)
+        if window > 0:
+            allowed = allowed & (s_pos > q_pos - window)
+        return allowed | (kv == write_slots[b, q])  # a query always sees its own slot
+
+    return create_block_mask(visible, B, None, T, S, device=slot_pos.device)
+
+
+def attention_flex(
+    query: torch.Tensor,  # [B, H, T, D]
+    key: torch.Tensor,  # [B, Hkv, T, D]
+    value: torch.Tensor,  # [B, Hkv, T, D]
+    k_cache: torch.Tensor,  # [B, Hkv, S, D], written in place
+    v_cache: torch.Tensor,  # [B, Hkv, S, D], written in place
+    write_slots: torch.Tensor,  # [B, T]
+    block_mask,  # from flex_block_mask
+    scale: float,
+) -> torch.Tensor:
+    """The op with FlexAttention over the store; returns ``[B, H, T, D]``."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    write_kv(key, value, k_cache, v_cache, write_slots)
+    out = flex_attention(query, k_cache, v_cache, block_mask=block_mask, scale=scale,
+                         enable_gqa=query.shape[1] != k_cache.shape[1])
+    return out.contiguous()
+
+
+def lower_attention(gm: torch.fx.GraphModule, implementation: str, window: int = 0) -> torch.fx.GraphModule:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} is not allowed: choose one of "
                          f"{', '.join(IMPLEMENTATIONS)}")
@@ -62,8 +130,22 @@ def lower_attention(gm: torch.fx.GraphModule, implementation: str) -> torch.fx.G
         if len(node.args) != 8 or node.kwargs:
             raise PassError(f"lower_attention: FX node {node.name!r} has {len(node.args)} positional and "
                             f"{len(node.kwargs)} keyword arguments, expected 8 and 0")
-        node.target = attention_inline  # same arguments, same result, same cache writes
+    if implementation == "inline":
+        for node in nodes:
+            node.target = attention_inline  # same arguments, same result, same cache writes
+    else:
+        inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+        missing = [name for name in MASK_INPUTS if name not in inputs]
+        if missing:
+            raise PassError(f"lower_attention(flex): the graph has no input(s) {missing} to build the block mask "
+                            "from (run flatten_signature first)")
+        with gm.graph.inserting_before(nodes[0]):  # one block mask per forward, shared by every layer
+            block_mask = gm.graph.call_function(flex_block_mask, (*(inputs[n] for n in MASK_INPUTS), window))
+        for node in nodes:
+            node.target = attention_flex
+            node.args = (*node.args[:6], block_mask, node.args[7])
+        gm.graph.eliminate_dead_code(is_impure_node=keeps_mutations)  # the additive mask is unused now
     gm.graph.lint()
     gm.recompile()
-    log.info("lower_attention(inline): rewrote %d attention node(s)", len(nodes))
+    log.info("lower_attention(%s): rewrote %d attention node(s)", implementation, len(nodes))
     return gm

@@ -63,8 +63,8 @@ STAGES = {
 def build_stage(base: torch.fx.GraphModule, stage: str, width: int, attention: str = "op") -> torch.fx.GraphModule:
     """The stage's graph: a copy of the base graph, attention specialised (before the epilogue, which
     must see the final logits node), then its epilogue spliced, then the attention nodes lowered for
-    the backend (``attention``: ``"op"`` or ``"inline"``; last, because the epilogue passes drop dead
-    code and the inlined KV writes have no users)."""
+    the backend (``attention``: ``"op"``, ``"inline"`` or ``"flex"``; last, so that it sees the final
+    graph, whose attention nodes all read one mask)."""
     spec = STAGES[stage]
     gm = torch.fx.GraphModule(base, copy.deepcopy(base.graph))  # shares parameters, owns its graph
     gm = specialize_attention(gm, spec.mask)
@@ -74,6 +74,14 @@ def build_stage(base: torch.fx.GraphModule, stage: str, width: int, attention: s
         gm = fuse_fork(gm, width)
     else:
         gm = fuse_sampling(gm, spec.epilogue, width)
-    gm = lower_attention(gm, attention)
+    gm = lower_attention(gm, attention, window=_sliding_window(base))
     log.info("stage %s: %d nodes", stage, len(gm.graph.nodes))
     return gm
+
+
+def _sliding_window(base: torch.fx.GraphModule) -> int:
+    """The window the captured model's generic mask node was built with (0: none)."""
+    from saguaro.capture.attention_op import MASK_OP
+
+    node = next((n for n in base.graph.nodes if n.op == "call_function" and n.target is MASK_OP), None)
+    return int(node.args[6]) if node is not None else 0

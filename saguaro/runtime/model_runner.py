@@ -23,11 +23,12 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     """A captured model, its lowered stages, and the bookkeeping every stage call shares."""
 
-    def __init__(self, name: str, captured: CapturedModel, backend: str):
+    def __init__(self, name: str, captured: CapturedModel, backend: str, attention: str = "auto"):
         self.name = name
         self.captured = captured
         self.spec = captured.spec
         self.backend = backend
+        self.attention = attention  # the config's choice; "auto" resolves per backend and device
         self.width = min(self.spec.vocab_size, RANK_WIDTH)  # fork / rank / Saguaro-sampling width
         self._stages: dict = {}
         self._lock = threading.Lock()  # two lanes may ask for stages of one model at once
@@ -49,7 +50,7 @@ class ModelRunner:
 
                     started = time.perf_counter()
                     graph = build_stage(self.captured.graph_module, stage, self.width,
-                                        attention=attention_implementation(self.backend))
+                                        attention=attention_implementation(self.backend, self.attention))
                     fn = lower_graph(graph, self.backend, f"{self.name}.{stage}", self.spec.device.type)
                     self._stages[stage] = fn
                     self.stage_build_s[stage] = time.perf_counter() - started

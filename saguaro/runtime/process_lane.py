@@ -68,7 +68,7 @@ def serve(port: int, draft_model: torch.nn.Module, config: SaguaroConfig, timeou
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=timeout_s))
     store.set("draft_up", "1")  # before the group: the caller waits for this, checking we are alive
     pg = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(days=1))  # idle between generations
-    server = SpeculationServer(build_runner("draft", draft_model, config.backend), config)
+    server = SpeculationServer(build_runner("draft", draft_model, config.backend, config.attention), config)
     with torch.inference_mode():
         while True:
             header = _recv(pg, (HEADER,), torch.long)

@@ -89,10 +89,10 @@ class Program:
     def reconfigure(self, **changes) -> "Program":
         """A Program over the same captured and lowered stages with some options changed.
 
-        Only runtime options may change (mode, fallback, fan-out, saguaro_c, lane timeout); ``k``
-        and ``backend`` shape what was compiled.
+        Only runtime options may change (mode, fallback, fan-out, saguaro_c, lane timeout); ``k``,
+        ``backend`` and ``attention`` shape what was compiled.
         """
-        fixed = {"k", "backend"} & set(changes)
+        fixed = {"k", "backend", "attention"} & set(changes)
         if fixed:
             raise ValueError(f"{sorted(fixed)} cannot change after compile; call saguaro.compile again")
         return Program(replace(self.config, **changes), self.target, self.draft, self.pad_token_id,

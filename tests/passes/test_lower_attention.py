@@ -7,7 +7,7 @@ import torch
 
 from saguaro.capture.attention_op import ATTENTION_OP
 from saguaro.passes.graph_splice import PassError
-from saguaro.passes.lower_attention import attention_inline, lower_attention
+from saguaro.passes.lower_attention import attention_flex, attention_inline, flex_block_mask, lower_attention
 from saguaro.passes.pipeline import STAGES, build_stage
 from tests.passes.stage_helpers import base_graph, call, count, prefilled_store
 
@@ -28,32 +28,57 @@ def test_inline_rewrites_every_attention_node_and_op_keeps_them():
     assert len(inlined.graph.nodes) == len(kept.graph.nodes)  # a one-for-one rewrite
 
 
-@pytest.mark.parametrize("stage", ["verify_greedy", "glue", "tree_greedy", "step_greedy"])
-def test_inline_gives_the_same_outputs_and_kv_writes_as_the_op(stage):
+def test_flex_builds_one_block_mask_and_drops_the_additive_mask():
+    _, captured = base_graph()
+    for stage in ("verify_greedy", "tree_greedy"):
+        kept = build_stage(captured.graph_module, stage, 8, attention="op")
+        flex = build_stage(captured.graph_module, stage, 8, attention="flex")
+        assert count(flex, ATTENTION_OP) == 0 and count(flex, attention_flex) == 2
+        assert count(flex, flex_block_mask) == 1  # one per forward, read by every layer
+        fills = lambda gm: sum(1 for n in gm.graph.nodes if "masked_fill" in str(n.target))  # noqa: E731
+        assert fills(kept) >= 1 and fills(flex) == 0, "the dense additive mask is still built"
+        assert len(flex.graph.nodes) < len(kept.graph.nodes)
+
+
+@torch.no_grad()  # as the runtime calls stages (FlexAttention has no CPU backward)
+def stage_results(stage, implementation):
+    """Outputs of ``stage`` on a prefilled store, and the KV caches it left."""
     _, captured = base_graph()
     spec = STAGES[stage]
-    results = []
-    for implementation in ("op", "inline"):
-        gm = build_stage(captured.graph_module, stage, 8, attention=implementation)
-        store = prefilled_store(captured.spec, PROMPT)
-        if spec.mask == "tree":  # two branches forked after the prompt, one token deep
-            ids, index = SPEC[:, :2], torch.tensor([[5, 6], [5, 6]])
-            out = call(gm, store, ids, index, branch=torch.tensor([[1, 2], [1, 2]]),
-                       limit=torch.tensor([[4, 4], [4, 4]]))
-        elif stage == "glue":
-            extra = (SPEC[:, 1:], torch.tensor([0, 1, 3]), torch.tensor([0, 0, 0]))
-            out = call(gm, store, SPEC, spec_index(), *extra)
-        elif stage == "verify_greedy":
-            out = call(gm, store, SPEC, spec_index(), SPEC[:, 1:])
+    gm = build_stage(captured.graph_module, stage, 8, attention=implementation)
+    store = prefilled_store(captured.spec, PROMPT)
+    if spec.mask == "tree":  # two branches forked after the prompt, one token deep
+        ids, index = SPEC[:, :2], torch.tensor([[5, 6], [5, 6]])
+        out = call(gm, store, ids, index, branch=torch.tensor([[1, 2], [1, 2]]),
+                   limit=torch.tensor([[4, 4], [4, 4]]))
+    elif stage == "glue":
+        extra = (SPEC[:, 1:], torch.tensor([0, 1, 3]), torch.tensor([0, 0, 0]))
+        out = call(gm, store, SPEC, spec_index(), *extra)
+    elif stage == "verify_greedy":
+        out = call(gm, store, SPEC, spec_index(), SPEC[:, 1:])
+    else:
+        out = call(gm, store, SPEC[:, :1], spec_index()[:, :1])
+    return out, [c.clone() for c in store.k_caches + store.v_caches]
+
+
+@pytest.mark.parametrize("implementation", ["inline", "flex"])
+@pytest.mark.parametrize("stage", ["verify_greedy", "glue", "tree_greedy", "step_greedy"])
+def test_lowered_attention_gives_the_op_outputs_and_kv_writes(stage, implementation):
+    op_out, op_caches = stage_results(stage, "op")
+    out, caches = stage_results(stage, implementation)
+    exact = implementation == "inline"  # flex sums in another order: equal up to float rounding
+    for a, b in zip(op_out, out):
+        if exact or a.dtype == torch.long:
+            assert torch.equal(a, b), f"{implementation} changed a {stage} output"
         else:
-            out = call(gm, store, SPEC[:, :1], spec_index()[:, :1])
-        results.append((out, [c.clone() for c in store.k_caches + store.v_caches]))
-    (op_out, op_caches), (inline_out, inline_caches) = results
-    for a, b in zip(op_out, inline_out):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for a, b in zip(op_caches, inline_caches):
-        assert torch.equal(a, b), "the inlined attention wrote the KV store differently"
-    assert any(bool(c[:, :, 5].abs().sum() > 0) for c in inline_caches), "nothing was written at slot 5"
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    layers = len(op_caches) // 2
+    for i, (a, b) in enumerate(zip(op_caches, caches)):
+        if exact or i % layers == 0:  # the first layer's K/V come from the embeddings alone
+            assert torch.equal(a, b), f"{implementation} wrote the KV store differently"
+        else:  # later layers' K/V carry the earlier layers' rounding
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert any(bool(c[:, :, 5].abs().sum() > 0) for c in caches), "nothing was written at slot 5"
 
 
 def test_lower_attention_rejects_unknown_implementations_and_lowered_graphs():
@@ -63,3 +88,21 @@ def test_lower_attention_rejects_unknown_implementations_and_lowered_graphs():
         lower_attention(copy.deepcopy(gm), "flash")
     with pytest.raises(PassError, match="no saguaro::attention node"):
         lower_attention(gm, "inline")
+
+
+@pytest.mark.parametrize("attention", ["inline", "flex"])
+def test_programs_with_lowered_attention_give_the_reference_tokens(attention):
+    import saguaro
+    from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
+
+    target = tiny_target("llama", seed=3)
+    draft = truncated_draft(target)
+    ids, mask = prompts(2, 7, seed=2, pad_rows={1: 2})
+    expected = reference_greedy(target, ids, mask, 10)
+    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", attention=attention)
+    try:
+        for mode in ("ar", "sd", "ssd"):
+            out = program.generate(ids, attention_mask=mask, max_new_tokens=10, mode=mode, eos_token_id=None)
+            assert torch.equal(out.sequences, expected), f"{attention} attention changed {mode}'s tokens"
+    finally:
+        program.close()
