@@ -1,7 +1,7 @@
 """Pass: choose how each ``saguaro::attention`` node runs on the stage's backend.
 
-Requires: a stage graph (attention mask already specialised, epilogue spliced: no dead-code
-elimination runs after this pass, which matters because the inlined KV writes have no users).
+Requires: a stage graph (mask specialised, epilogue spliced) with the flat signature of
+``flatten_signature`` (``"flex"`` reads the mask inputs by name).
 Guarantees, by ``implementation``:
 
 * ``"op"``: the nodes stay the ``saguaro::attention`` custom op (the eager backend: one opaque,
@@ -12,13 +12,14 @@ Guarantees, by ``implementation``:
   fuses the KV write and the cast into its kernels, writes the caches in place (its re-inplacing of
   ``index_put``), and drops the Python custom-op dispatch that costs more per layer than the
   attention itself on a small model. Outputs and cache contents equal the op's.
-* ``"flex"`` (opt-in, meant for Inductor on CUDA): the KV write as for ``"inline"``, then FlexAttention over the store
-  under a block mask built once per forward, inside the graph, from the stage's integer inputs (slot
-  positions and branches, query positions, branches and fork points) with the same rule as the
-  additive mask. All ``MQ`` branch queries of a row sit in one query block, so each block of the
-  shared prefix is read once for every branch, and blocks no query may see (other rows' scratch,
-  unused capacity) are skipped. The additive-mask construction becomes dead and is removed. Outputs
-  equal the op's up to float rounding (a different summation order); cache contents are equal.
+* ``"flex"`` (opt-in, meant for Inductor on CUDA): the KV write as for ``"inline"``, then
+  FlexAttention over the store under a block mask built once per forward, inside the graph, from
+  the stage's integer inputs (slot positions and branches, query positions, branches and fork
+  points) with the same rule as the additive mask. All ``MQ`` branch queries of a row sit in one
+  query block, so each block of the shared prefix is read once for every branch, and blocks no
+  query may see (other rows' scratch, unused capacity) are skipped. The additive-mask construction
+  becomes dead and is removed. Outputs equal the op's up to float rounding (another summation
+  order); the first layer's cache writes are equal, later layers' carry that rounding.
 """
 
 from __future__ import annotations

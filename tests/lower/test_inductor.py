@@ -4,13 +4,17 @@ The one test of the suite that compiles (C++ on CPU); it is slow by nature, so i
 modes on one tiny pair in one go.
 """
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
 import saguaro
+from saguaro.capture.attention_op import ATTENTION_OP
+from saguaro.passes.lower_attention import attention_inline
 from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
 
 
+@pytest.mark.timeout(600)  # about 160 s with an empty Inductor cache on a 2-core CPU (C++ compiles)
 def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
     target = tiny_target("llama", seed=3)
     draft = truncated_draft(target)
@@ -26,4 +30,7 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
         assert torch.equal(got.sequences, want.sequences), f"inductor {mode} differs from eager"
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] >= 6  # the stages really went through dynamo
+    verify = compiled.target.stage("verify_greedy").gm  # inductor compiles the attention math inline
+    targets = [n.target for n in verify.graph.nodes if n.op == "call_function"]
+    assert attention_inline in targets and ATTENTION_OP not in targets
     compiled.close()
