@@ -61,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per timed generation (default 64)")
     p.add_argument("--repeats", type=int, default=20, help="timed repeats per stage call (default 20)")
+    p.add_argument("--target-layers", type=int, default=None,
+                   help="override the target's layer count (default: the shape's; fewer compile faster)")
+    p.add_argument("--draft-layers", type=int, default=None, help="override the draft's layer count")
     p.add_argument("--json", metavar="PATH", default="gpu_check.json", help="where to write the report")
     p.add_argument("--kernel-dir", metavar="DIR", default=None,
                    help="Inductor's cache folder, read for the generated kernels (default: a fresh one)")
@@ -169,16 +172,22 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
+    shapes = {role: dict(shape) for role, shape in SHAPES[args.scale].items()}
+    for role, layers in (("target", args.target_layers), ("draft", args.draft_layers)):
+        if layers is not None:
+            if layers < 1:
+                raise SystemExit(f"--{role}-layers {layers} is not allowed: it must be >= 1")
+            shapes[role]["num_hidden_layers"] = layers
     report = {
         "config": vars(args) | {"kernel_dir": str(kernel_dir)},
         "machine": {"torch": torch.__version__, "device": torch.cuda.get_device_name(device)
                     if device.type == "cuda" else "cpu"},
-        "shapes": SHAPES[args.scale],
+        "shapes": shapes,
     }
     phase = time.perf_counter()
     max_positions = args.prompt_len + args.max_new_tokens + 64
-    target = build_model(SHAPES[args.scale]["target"], dtype, device, 0, max_positions)
-    draft = build_model(SHAPES[args.scale]["draft"], dtype, device, 1, max_positions)
+    target = build_model(shapes["target"], dtype, device, 0, max_positions)
+    draft = build_model(shapes["draft"], dtype, device, 1, max_positions)
     report["build_s"] = time.perf_counter() - phase
     log.info("built target and draft in %.1fs", report["build_s"])
     write_report(path, report)
@@ -186,7 +195,7 @@ def main(argv=None) -> int:
     phase = time.perf_counter()
     program = saguaro.compile(target, draft, k=args.k, mode="ssd", backend=args.backend, lane="thread",
                               attention=args.attention)
-    vocab = SHAPES[args.scale]["target"]["vocab_size"]
+    vocab = shapes["target"]["vocab_size"]
     prompt = torch.randint(3, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     recorder = StageRecorder()
     rounds = {}

@@ -23,7 +23,7 @@ def _run(*args, tmp_path):
 def test_tiny_cpu_run_reports_every_figure(tmp_path):
     report_path = tmp_path / "check.json"
     done = _run("--scale", "tiny", "--device", "cpu", "--backend", "eager", "--k", "3", "--prompt-len", "12",
-                "--max-new-tokens", "12", "--repeats", "2", "--json", str(report_path), tmp_path=tmp_path)
+                "--max-new-tokens", "12", "--repeats", "2", "--target-layers", "3", "--json", str(report_path), tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(report_path.read_text())
     for key in ("verify_ms", "glue_ms", "draft_step_ms", "sd_round_ms", "ssd_round_ms", "compile_s"):
@@ -31,7 +31,7 @@ def test_tiny_cpu_run_reports_every_figure(tmp_path):
     assert len(report["tree_ms_per_depth"]) == 3 and all(ms > 0 for ms in report["tree_ms_per_depth"])
     assert report["rounds"]["ssd"]["rounds"] >= 1 and 0 <= report["rounds"]["ssd"]["cache_hit_rate"] <= 1
     assert report["kernels"]["triton_count"] == 0  # the eager backend generates none
-    assert report["shapes"]["target"]["num_hidden_layers"] == 2
+    assert report["shapes"]["target"]["num_hidden_layers"] == 3  # --target-layers overrides the shape's 2
     assert "verify_ms" in done.stdout and str(report_path) in done.stdout
 
 
