@@ -16,4 +16,5 @@ for batch in 1 4; do
   done
 done
 echo "== eager vs inductor, batch 1, greedy =="
-"$saguaro" bench --backend both --modes ar,sd,ssd,ssd-process --max-new-tokens 128 --prompts 8 --json "$out/backends.json"
+"$saguaro" bench --backend both --modes ar,sd,ssd,ssd-process --max-new-tokens 128 --prompts 8 --threads 1 \
+  --json "$out/backends.json"
