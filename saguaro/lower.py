@@ -19,7 +19,17 @@ BACKENDS = ("eager", "inductor")
 # generated kernels without a Python wrapper in between: the stages of a small draft are bound by
 # per-call overhead, not FLOPs.
 INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True}, "cuda": {}}
-COMPILE_LOG_S = 1.0  # a stage call this slow compiled (a new batch size, say): log it
+COMPILE_LOG_S = 1.0  # a stage call this slow compiled (a new shape bucket, say): log it
+# Shape buckets of the inductor backend: the runtime left-pads prompts to a multiple of PROMPT_BUCKET
+# columns and rounds KV capacities up to a multiple of CAPACITY_BUCKET slots, so requests of nearby
+# sizes run one static-shape compilation of each stage.
+PROMPT_BUCKET = 16
+CAPACITY_BUCKET = 64
+
+
+def bucketed(n: int, step: int) -> int:
+    """``n`` rounded up to a multiple of ``step``."""
+    return -(-n // step) * step
 
 
 def attention_implementation(backend: str, requested: str = "auto") -> str:
@@ -41,11 +51,13 @@ class LoweringError(SaguaroError):
 
 def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: str = "cpu"):
     """``eager`` runs the GraphModule itself; ``inductor`` compiles it with ``torch.compile``
-    (``fullgraph=True``: a graph break is an error) with dynamic shapes from the first call, so a new
-    prompt length or KV capacity reuses the compiled stage (only a dimension that changes between 1 and
-    more, such as the batch, compiles once more). Inductor's FX graph cache (on by default) serves
-    repeated compiles of the same graph, in this process and the next. ``device_type`` picks the
-    per-device Inductor options (:data:`INDUCTOR_OPTIONS`)."""
+    (``fullgraph=True``: a graph break is an error). The first shape bucket a stage sees (the runtime
+    pads prompts and KV capacities to :data:`PROMPT_BUCKET` / :data:`CAPACITY_BUCKET` multiples)
+    compiles with static shapes; a second one recompiles the stage once with those dimensions dynamic
+    (dynamo's automatic dynamic shapes), which then serves every later bucket, so a stage compiles at
+    most twice per batch size and never hits dynamo's recompile limit. Inductor's FX graph cache (on by default) serves repeated compiles of
+    the same graph, in this process and the next. ``device_type`` picks the per-device Inductor
+    options (:data:`INDUCTOR_OPTIONS`)."""
     if backend == "eager":
         return gm
     if backend == "inductor":
@@ -55,7 +67,7 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
         options = dict(INDUCTOR_OPTIONS.get(device_type, {}))
         # the stage's weights are the captured model's and never change shape: no guards on them
         options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        compiled = torch.compile(gm.forward, backend="inductor", fullgraph=True, dynamic=True, options=options)
+        compiled = torch.compile(gm.forward, backend="inductor", fullgraph=True, dynamic=None, options=options)
         return CompiledStage(gm, compiled, name)
     raise ValueError(f"backend={backend!r} is not allowed: choose one of {', '.join(BACKENDS)}")
 

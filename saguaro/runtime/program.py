@@ -21,6 +21,7 @@ from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.sequences import SequenceBatch
 from saguaro.runtime.state import DecodeState
 from saguaro.runtime.verification import sample_tokens
+from saguaro.lower import CAPACITY_BUCKET, PROMPT_BUCKET, bucketed
 from saguaro.schedule import critical_path, expected_overlap, round_schedule
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,20 @@ class Program:
         capacity = prompt_len + max_new_tokens + self.config.k + 2
         if mode == "ssd":  # tree scratch: k depths of at most MQ branches after the glue
             capacity += self.config.k * self.max_branches
+        if self.config.backend == "inductor":  # one static shape per bucket, not per request
+            capacity = bucketed(capacity, CAPACITY_BUCKET)
         return capacity
+
+    def _pad_to_bucket(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """For inductor, left-pad the prompt to a multiple of :data:`~saguaro.lower.PROMPT_BUCKET` columns
+        (masked, so the tokens are unchanged; the columns are dropped from the result): prompts of
+        nearby lengths then share the prefill's static shapes."""
+        T = input_ids.shape[1]
+        if self.config.backend != "inductor" or T % PROMPT_BUCKET == 0:
+            return input_ids, attention_mask
+        extra = bucketed(T, PROMPT_BUCKET) - T
+        pad = input_ids.new_full((input_ids.shape[0], extra), self.pad_token_id)
+        return torch.cat([pad, input_ids], dim=1), torch.cat([torch.zeros_like(pad), attention_mask], dim=1)
 
     @property
     def max_branches(self) -> int:
@@ -144,6 +158,9 @@ class Program:
             raise ValueError(
                 f"prompt length {T} + max_new_tokens {max_new_tokens} = {T + max_new_tokens} exceeds the maximum "
                 f"of {self.max_length} tokens (KV capacity / the models' max_position_embeddings)")
+        user_ids, user_mask = input_ids, attention_mask
+        input_ids, attention_mask = self._pad_to_bucket(input_ids, attention_mask)
+        extra_columns = input_ids.shape[1] - T
         generator, base = None, None
         if temperature > 0:  # one generator per lane (the draft lane's is seeded base + 1)
             base = seed if seed is not None else int(torch.seed() % (2**62))
@@ -151,7 +168,7 @@ class Program:
 
         self.prepare(mode, temperature)
         start = time.perf_counter()
-        capacity = self._store_capacity(T, max_new_tokens, mode)
+        capacity = self._store_capacity(input_ids.shape[1], max_new_tokens, mode)
         seqs = SequenceBatch(input_ids, attention_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id)
         state = DecodeState(
             seqs=seqs,
@@ -165,8 +182,8 @@ class Program:
             except DraftLaneError as exc:  # no lane could start: SD gives the same tokens
                 warnings.warn(f"saguaro: {exc}; generating with SD instead (output stays exact)", RuntimeWarning,
                               stacklevel=2)
-                return self.generate(input_ids, max_new_tokens, temperature, eos_token_id=eos_ids, seed=seed,
-                                     attention_mask=attention_mask, mode="sd")
+                return self.generate(user_ids, max_new_tokens, temperature, eos_token_id=eos_ids, seed=seed,
+                                     attention_mask=user_mask, mode="sd")
             with one_thread_per_lane(device):
                 first = self._prefill(state)
                 draft_spec = GenerateSpec(input_ids, attention_mask, max_new_tokens, capacity, eos_ids,
@@ -180,7 +197,7 @@ class Program:
             else:
                 decode_sd(self.target, self.draft, state)
         wall = time.perf_counter() - start
-        sequences = seqs.result()
+        sequences = seqs.result()[:, extra_columns:]  # without the bucket's padding columns
         return GenerateOutput(sequences=sequences, stats=self._stats(state, mode, wall))
 
     @property
