@@ -25,7 +25,9 @@ class SaguaroConfig:
     fan_out: int (uniform; 0 disables the tree), a list of ``k+1`` ints, or ``"geometric"``.
     fan_out_budget: total branches ``MQ``; default ``3·(k+1)``.
     saguaro_c: Saguaro sampling down-weighting constant in (0, 1]; 1 disables it.
-    max_seq_len: KV store capacity in tokens per sequence; default the target's maximum positions.
+    max_seq_len: the most tokens (prompt + new) per sequence; default the target's maximum positions.
+        The KV store also holds each round's speculation slots (and SSD's tree scratch), and with
+        inductor its capacity is rounded up to the shape bucket (``saguaro.lower.CAPACITY_BUCKET``).
     lane: where SSD's draft side runs: ``"thread"`` (a worker thread), ``"process"`` (another
         process over ``torch.distributed`` gloo) or ``"auto"``: the thread lane (its own CUDA stream on
         GPU) except for the eager backend on CPU, where the GIL, held while FX graphs are interpreted,
