@@ -37,8 +37,8 @@ def attention_implementation(backend: str, requested: str = "auto") -> str:
     the custom op for the eager backend and the op's math inline for Inductor (it fuses the KV write;
     the attention is one SDPA call per layer over the store, all ``MQ`` tree queries of a KV head in
     one call, so each tile of the shared prefix is read once for all branches). ``"flex"``
-    (FlexAttention under an in-graph block mask) is opt-in: with torch 2.13 Inductor compiles it for
-    prefill and verify on CPU but fails on the draft's step stage, and it awaits a check on CUDA
+    (FlexAttention under an in-graph block mask) is opt-in: with torch 2.13 Inductor on CPU compiles
+    it for multi-token stages but not for one-token steps, and it awaits a check on CUDA
     (``benchmarks/gpu_check.sh``). See ``passes/lower_attention.py``."""
     if requested != "auto":
         return requested
@@ -55,9 +55,9 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
     pads prompts and KV capacities to :data:`PROMPT_BUCKET` / :data:`CAPACITY_BUCKET` multiples)
     compiles with static shapes; a second one recompiles the stage once with those dimensions dynamic
     (dynamo's automatic dynamic shapes), which then serves every later bucket, so a stage compiles at
-    most twice per batch size and never hits dynamo's recompile limit. Inductor's FX graph cache (on by default) serves repeated compiles of
-    the same graph, in this process and the next. ``device_type`` picks the per-device Inductor
-    options (:data:`INDUCTOR_OPTIONS`)."""
+    most twice per batch size and never hits dynamo's recompile limit. Inductor's FX graph cache (on
+    by default) serves repeated compiles of the same graph, in this process and the next.
+    ``device_type`` picks the per-device Inductor options (:data:`INDUCTOR_OPTIONS`)."""
     if backend == "eager":
         return gm
     if backend == "inductor":

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from saguaro.capture.attention_op import MASK_OP
 from saguaro.passes.flatten_signature import flatten_signature
 from saguaro.passes.fuse_fork import fuse_fork
 from saguaro.passes.fuse_sampling import fuse_sampling
@@ -81,7 +82,5 @@ def build_stage(base: torch.fx.GraphModule, stage: str, width: int, attention: s
 
 def _sliding_window(base: torch.fx.GraphModule) -> int:
     """The window the captured model's generic mask node was built with (0: none)."""
-    from saguaro.capture.attention_op import MASK_OP
-
     node = next((n for n in base.graph.nodes if n.op == "call_function" and n.target is MASK_OP), None)
     return int(node.args[6]) if node is not None else 0

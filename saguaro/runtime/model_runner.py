@@ -28,7 +28,7 @@ class ModelRunner:
         self.captured = captured
         self.spec = captured.spec
         self.backend = backend
-        self.attention = attention  # the config's choice; "auto" resolves per backend and device
+        self.attention = attention  # the config's choice; "auto" resolves per backend
         self.width = min(self.spec.vocab_size, RANK_WIDTH)  # fork / rank / Saguaro-sampling width
         self._stages: dict = {}
         self._lock = threading.Lock()  # two lanes may ask for stages of one model at once
