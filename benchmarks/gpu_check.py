@@ -103,10 +103,10 @@ class StageRecorder:
         recorder = self
 
         def run(runner, stage, store, *args, **kwargs):
-            key = f"{runner.name}.{stage}"
-            if stage == "glue":
+            key = stage.qualified
+            if stage.family == "glue":
                 recorder.depth = 0
-            elif stage.startswith("tree_"):
+            elif stage.family == "tree":
                 recorder.depth += 1
                 key = f"{key}@{recorder.depth}"
             recorder.calls[key] = (runner, stage, store, args, kwargs)
@@ -164,6 +164,7 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
     import saguaro
+    from saguaro.core.stages import DRAFT_GLUE, DRAFT_STEP, TARGET_VERIFY
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -223,15 +224,15 @@ def main(argv=None) -> int:
     stage_ms = {}
     with torch.inference_mode():
         for key, (runner, stage, store, call_args, kwargs) in sorted(recorder.calls.items()):
-            if stage == "prefill":
+            if stage.family == "prefill":
                 continue
             stage_ms[key] = time_call(runner, stage, store, call_args, kwargs, args.repeats, device)
     tree = sorted((int(k.rsplit("@", 1)[1]), v) for k, v in stage_ms.items() if "@" in k)
     report["stage_ms"] = stage_ms
-    report["verify_ms"] = stage_ms.get("target.verify_greedy")
-    report["glue_ms"] = stage_ms.get("draft.glue")
+    report["verify_ms"] = stage_ms.get(TARGET_VERIFY.greedy.qualified)
+    report["glue_ms"] = stage_ms.get(DRAFT_GLUE.qualified)
     report["tree_ms_per_depth"] = [v for _, v in tree]
-    report["draft_step_ms"] = stage_ms.get("draft.step_greedy")
+    report["draft_step_ms"] = stage_ms.get(DRAFT_STEP.greedy.qualified)
     report["sd_round_ms"] = rounds["sd"]["round_ms"]
     report["ssd_round_ms"] = rounds["ssd"]["round_ms"]
     report["kernels"] = generated_kernels(kernel_dir)

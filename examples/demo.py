@@ -11,7 +11,8 @@ import argparse
 import sys
 
 import saguaro
-from saguaro.bench import bench_prompts, compile_for, format_table, run_rows
+from saguaro.bench_report import format_table
+from saguaro.bench_rows import bench_prompts, compile_for, run_rows
 
 TRAIN_COMMAND = "python examples/train_default_pair.py"
 

@@ -1,6 +1,6 @@
 """Saguaro: speculative speculative decoding as a compiler over Hugging Face causal LMs."""
 
-from saguaro.errors import CaptureError, ConfigError, SaguaroError
+from saguaro.core.errors import CaptureError, ConfigError, SaguaroError
 
 # ``saguaro/compile.py`` is the entry module; importing its function here rebinds the package
 # attribute ``saguaro.compile`` from the submodule to the function, like ``torch.compile``.

@@ -9,55 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
-
 from contextlib import contextmanager
 
-from saguaro.config import MAX_K, MODES
-from saguaro.errors import SaguaroError
-
-
-def int_at_least(low: int, name: str, high: int | None = None):
-    """An argparse ``type`` accepting ints in ``low..high``; the error names the value and the range."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-        if value < low or (high is not None and value > high):
-            allowed = f"{low}..{high}" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"{name}={value} is not allowed: it must be an int {allowed}")
-        return value
-    return parse
-
-
-def temperature_arg(text: str) -> float:
-    """An argparse ``type``: a finite float >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"temperature={text} is not allowed: it must be a finite number >= 0")
-    return value
-
-
-def _add_model_args(parser, backends=("eager", "inductor")):
-    parser.add_argument("--target", metavar="DIR", help="saved target model folder (default: the default pair)")
-    parser.add_argument("--draft", metavar="DIR", help="saved draft model folder (default: the default pair)")
-    parser.add_argument("--k", type=int_at_least(1, "k", MAX_K), default=5,
-                        help=f"speculation length, 1..{MAX_K} (default 5)")
-    parser.add_argument("--max-new-tokens", type=int_at_least(1, "max_new_tokens"), default=64,
-                        help="tokens to generate per prompt (default 64)")
-    parser.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 for greedy (default 0)")
-    parser.add_argument("--backend", default="eager", choices=list(backends),
-                        help="lowering backend (default eager)" + ("; both: eager and inductor rows in one run"
-                                                                   if "both" in backends else ""))
-    parser.add_argument("--device", default="cpu", help="where both models run: cpu, cuda, cuda:1, ... "
-                        "(default cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="weights dtype of both models (default float32)")
+from saguaro.cli_args import add_bench_args, add_model_args
+from saguaro.core.config import MODES
+from saguaro.core.errors import SaguaroError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,13 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ar: target alone; sd: speculative decoding; ssd: speculative speculative decoding "
                           "(default sd)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
-    _add_model_args(gen)
+    add_model_args(gen)
     bench = sub.add_parser("bench", help="AR, SD, SSD and transformers (assisted) generation over the same prompts: "
                                                "a table and JSON")
-    from saguaro.bench import add_bench_args
-
     add_bench_args(bench)
-    _add_model_args(bench, backends=("eager", "inductor", "both"))
+    add_model_args(bench, backends=("eager", "inductor", "both"))
     return parser
 
 
@@ -102,6 +57,23 @@ def cmd_generate(args) -> int:
     sys.stdout.write(
         f"[{s['mode']}] {s['new_tokens']} tokens in {s['wall_s']:.2f}s: {s['tokens_per_s']:.1f} tokens/s, "
         f"mean accepted length {s['mean_accepted_len']:.2f}, {s['rounds']} rounds{hits}\n")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from saguaro.bench import BenchParams, run_bench
+    from saguaro.bench_report import format_table, write_json
+
+    params = BenchParams(
+        target=args.target, draft=args.draft, modes=tuple(args.modes) if args.modes else None, prompts=args.prompts,
+        batch=args.batch, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        backend=args.backend, device=args.device, dtype=args.dtype, seed=args.seed, threads=args.threads)
+    report = run_bench(params, announce=lambda line: sys.stdout.write(line + "\n"))
+    sys.stdout.write(format_table(report["rows"]) + "\n")
+    for mode, reason in report["skipped"].items():
+        sys.stdout.write(f"skipped {mode}: {reason}\n")
+    if args.json:
+        sys.stdout.write(f"wrote {write_json(report, args.json)}\n")
     return 0
 
 
@@ -133,8 +105,6 @@ def main(argv=None) -> int:
         with _quiet_transformers(not args.verbose):
             if args.command == "generate":
                 return cmd_generate(args)
-            from saguaro.bench import cmd_bench
-
             return cmd_bench(args)
     except (SaguaroError, ValueError) as exc:
         sys.stderr.write(f"saguaro: error: {exc}\n")

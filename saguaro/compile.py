@@ -7,11 +7,16 @@ import logging
 import torch
 
 from saguaro.capture import capture, model_spec
-from saguaro.config import SaguaroConfig
-from saguaro.errors import SaguaroError
+from saguaro.core.config import SaguaroConfig
+from saguaro.core.errors import SaguaroError
+from saguaro.core.stages import Stage
+from saguaro.lower import attention_implementation, lower_graph, shape_policy
 from saguaro.passes import run_pipeline
+from saguaro.passes.pipeline import build_stage
+from saguaro.runtime.draft_server import SpeculationServer
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.program import Program
+from saguaro.tensor_math.fork import RANK_WIDTH
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +27,7 @@ def compile(target=None, draft=None, **config):  # noqa: A001 - mirrors torch.co
     ``saguaro.compile(target, draft, k=5, mode="sd", backend="eager")`` returns a Program.
     Without a target, ``saguaro.compile(draft=d, **cfg)`` returns a decorator that takes the target
     (a module, or a zero-argument function returning one), like ``torch.compile``.
-    Options are the fields of :class:`saguaro.config.SaguaroConfig`.
+    Options are the fields of :class:`saguaro.core.config.SaguaroConfig`.
     """
     cfg = SaguaroConfig(**config)
     if target is None:
@@ -53,15 +58,44 @@ def compile_program(target, draft, cfg: SaguaroConfig) -> Program:
     pad = getattr(gen, "pad_token_id", None) if gen is not None else None
     if pad is None:
         pad = eos[0] if isinstance(eos, (list, tuple)) and eos else (eos if isinstance(eos, int) else 0)
+    remote = RemoteDraft(draft, cfg.backend, cfg.attention) if draft is not None else None
     return Program(cfg, runners["target"], runners.get("draft"), pad_token_id=int(pad), eos_token_id=eos,
-                   draft_model=draft)
+                   shapes=shape_policy(cfg.backend), remote_draft=remote)
 
 
 def build_runner(name: str, model: torch.nn.Module, backend: str, attention: str = "auto") -> ModelRunner:
-    """Capture ``model``, run the base pass pipeline, and wrap it for stage building and lowering."""
+    """Capture ``model``, run the base pass pipeline, and wrap it with the builder of its stages."""
     captured = capture(model)
     captured.graph_module = run_pipeline(captured.graph_module)
-    return ModelRunner(name, captured, backend, attention)
+    width = min(captured.spec.vocab_size, RANK_WIDTH)  # fork / rank / Saguaro-sampling width
+    builder = StageBuilder(name, captured.graph_module, width, backend, attention, captured.spec.device.type)
+    return ModelRunner(name, captured, builder, width)
+
+
+class StageBuilder:
+    """Derives one model's stage graphs from its captured graph (the stage pass pipeline) and lowers
+    them for the backend; the runtime calls it on a stage's first use."""
+
+    def __init__(self, model_name: str, graph_module: torch.fx.GraphModule, width: int, backend: str,
+                 attention: str, device_type: str):
+        self.model_name, self.graph_module, self.width = model_name, graph_module, width
+        self.backend, self.device_type = backend, device_type
+        self.attention = attention_implementation(backend, attention)
+
+    def __call__(self, stage: Stage):
+        graph = build_stage(self.graph_module, stage, self.width, attention=self.attention)
+        return lower_graph(graph, self.backend, stage.qualified, self.device_type)
+
+
+class RemoteDraft:
+    """Picklable recipe of the draft side for a process lane: the draft process unpickles it and
+    calls it to capture the draft and build its :class:`SpeculationServer` there."""
+
+    def __init__(self, model: torch.nn.Module, backend: str, attention: str):
+        self.model, self.backend, self.attention = model, backend, attention
+
+    def __call__(self, config: SaguaroConfig) -> SpeculationServer:
+        return SpeculationServer(build_runner("draft", self.model, self.backend, self.attention), config)
 
 
 def check_pair(target_spec, draft_spec) -> None:

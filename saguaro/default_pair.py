@@ -149,7 +149,7 @@ def load_default_pair(dtype: torch.dtype | None = None):
     ``dtype`` defaults to ``torch.float32`` (the weights are stored in float16 to keep the package
     small; CPU matmuls are fastest and exact enough in float32).
     """
-    from saguaro.errors import SaguaroError
+    from saguaro.core.errors import SaguaroError
 
     target_dir, draft_dir = ASSETS_DIR / "target", ASSETS_DIR / "draft"
     missing = [str(d) for d in (target_dir, draft_dir) if not (d / "config.json").is_file()]

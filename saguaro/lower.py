@@ -6,10 +6,11 @@ import logging
 import re
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 
-from saguaro.errors import SaguaroError
+from saguaro.core.errors import SaguaroError
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,34 @@ CAPACITY_BUCKET = 64
 def bucketed(n: int, step: int) -> int:
     """``n`` rounded up to a multiple of ``step``."""
     return -(-n // step) * step
+
+
+@dataclass(frozen=True)
+class ShapePolicy:
+    """The shapes the runtime feeds a backend's stages: prompts left-padded to a multiple of
+    ``prompt_bucket`` columns (masked; the runtime drops them from the result) and KV capacities
+    rounded up to a multiple of ``capacity_bucket`` slots. Lowering owns it; ``saguaro.compile``
+    hands it to the runtime."""
+
+    prompt_bucket: int = 1
+    capacity_bucket: int = 1
+
+    def capacity(self, slots: int) -> int:
+        return bucketed(slots, self.capacity_bucket)
+
+    def pad_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int):
+        """``input_ids, attention_mask [B, T]`` left-padded to the bucket: ``[B, T']``, ``T' >= T``."""
+        T = input_ids.shape[1]
+        extra = bucketed(T, self.prompt_bucket) - T
+        if extra == 0:
+            return input_ids, attention_mask
+        pad = input_ids.new_full((input_ids.shape[0], extra), pad_token_id)  # [B, extra]
+        return torch.cat([pad, input_ids], dim=1), torch.cat([torch.zeros_like(pad), attention_mask], dim=1)
+
+
+def shape_policy(backend: str) -> ShapePolicy:
+    """Inductor compiles one static shape per bucket, not per request; eager takes any shape."""
+    return ShapePolicy(PROMPT_BUCKET, CAPACITY_BUCKET) if backend == "inductor" else ShapePolicy()
 
 
 def attention_implementation(backend: str, requested: str = "auto") -> str:

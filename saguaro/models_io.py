@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from saguaro.errors import SaguaroError
+from saguaro.core.errors import SaguaroError
 
 log = logging.getLogger(__name__)
 

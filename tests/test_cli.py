@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from saguaro.cli import main
-from saguaro.errors import SaguaroError
+from saguaro.core.errors import SaguaroError
 from tests.models import EOS, reference_greedy, tiny_target, truncated_draft
 from tests.tiny_tokenizer import tiny_tokenizer
 

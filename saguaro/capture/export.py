@@ -17,7 +17,7 @@ import torch
 
 from saguaro.capture.attention_op import ATTENTION_OP, saguaro_attention_mask
 from saguaro.capture.hf_hook import ACTIVE_CONTEXT, ATTN_IMPLEMENTATION, AttentionContext, register_attention
-from saguaro.errors import CaptureError
+from saguaro.core.errors import CaptureError
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +62,10 @@ class _StageForward(torch.nn.Module):
 
 @dataclass
 class CapturedModel:
-    """An exported model: its graph and its spec. Call it through :func:`run_captured`."""
+    """An exported model: its graph (the signature in this module's docstring) and its spec."""
 
     graph_module: torch.fx.GraphModule
     spec: ModelSpec
-    capture_s: float
 
 
 def model_spec(model: torch.nn.Module) -> ModelSpec:
@@ -180,4 +179,4 @@ def capture(model: torch.nn.Module) -> CapturedModel:
     elapsed = time.perf_counter() - start
     log.info("captured %s: %d layers, %d graph nodes in %.1fs", name, spec.num_layers,
              len(graph_module.graph.nodes), elapsed)
-    return CapturedModel(graph_module=graph_module, spec=spec, capture_s=elapsed)
+    return CapturedModel(graph_module=graph_module, spec=spec)

@@ -3,8 +3,8 @@
 HF calls ``attention_interface(module, query, key, value, attention_mask, scaling=..., **kwargs)``
 with ``query [B, H, T, D]`` and ``key/value [B, Hkv, T, D]`` after RoPE. Our implementation ignores
 HF's mask (we register a mask builder that returns ``None``) and reads the KV store and the mask
-description from a context variable that :class:`saguaro.capture.export.StageInputs` sets around
-the forward. Registration happens lazily, on first capture, never at import.
+description from a context variable (:data:`ACTIVE_CONTEXT`) that the capture wrapper
+(``saguaro.capture.export._StageForward``) sets around the forward. Registration happens lazily, on first capture, never at import.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.capture.attention_op import saguaro_attention
-from saguaro.errors import CaptureError
+from saguaro.core.errors import CaptureError
 
 ATTN_IMPLEMENTATION = "saguaro"
 

@@ -1,10 +1,12 @@
 """Pass: splice sampling into ``draft.step`` / ``draft.tree`` (and last-row selection into prefill).
 
-Requires: a flat-signature graph whose only output is the logits ``[B, T, V]``.
-Guarantees: the graph returns what the runtime needs and nothing bigger: ``last`` → last-row logits
-``[B, V]``; ``step_greedy`` → tokens ``[B]``; ``step_sampled`` → tokens and ``q [B, V]``;
-``tree_greedy`` → tokens ``[B, MQ]``; ``tree_sampled`` → tokens drawn from Saguaro's
-``q'`` and ``q'`` itself. The spliced functions are those of :mod:`saguaro.runtime.sampling`.
+Requires: a flat-signature graph whose only output is the logits ``[B, T, V]``, and a stage of
+:mod:`saguaro.core.stages` whose epilogue pass is this one.
+Guarantees: the graph returns what the runtime needs and nothing bigger: ``prefill``/``step`` →
+last-row logits ``[B, V]``; ``draft.step_greedy`` → tokens ``[B]``; ``draft.step_sampled`` → tokens
+and ``q [B, V]``; ``draft.tree_greedy`` → tokens ``[B, MQ]``; ``draft.tree_sampled`` → tokens drawn
+from Saguaro's ``q'`` and ``q'`` itself. The spliced functions are those of
+:mod:`saguaro.tensor_math.sampling`.
 """
 
 from __future__ import annotations
@@ -13,29 +15,14 @@ import logging
 
 import torch
 
-from saguaro.passes.graph_splice import add_inputs, inline_function, logits_node, output_node, replace_outputs
-from saguaro.runtime import sampling
+from saguaro.core.stages import Stage
+from saguaro.passes.graph_splice import check_epilogue_pass, splice_epilogue
 
 log = logging.getLogger(__name__)
 
-EPILOGUES = {
-    "last": (sampling.last_logits, []),
-    "step_greedy": (sampling.step_greedy, []),
-    "step_sampled": (sampling.step_sampled, ["inv_temperature", "u"]),
-    "tree_greedy": (sampling.tree_greedy, []),
-    "tree_sampled": (sampling.tree_sampled, ["inv_temperature", "top", "saguaro_c", "u"]),
-}
 
-
-def fuse_sampling(gm: torch.fx.GraphModule, epilogue: str, width: int = 64) -> torch.fx.GraphModule:
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"epilogue={epilogue!r} is not allowed: choose one of {', '.join(EPILOGUES)}")
-    fn, names = EPILOGUES[epilogue]
-    logits = logits_node(gm)
-    extra = add_inputs(gm, names)
-    constants = {"width": width} if epilogue == "tree_sampled" else {}
-    before = len(gm.graph.nodes)
-    outputs = inline_function(gm, fn, [logits, *extra], output_node(gm), **constants)
-    replace_outputs(gm, outputs)
-    log.info("fuse_sampling(%s): spliced %d nodes", epilogue, len(gm.graph.nodes) - before)
+def fuse_sampling(gm: torch.fx.GraphModule, stage: Stage, width: int = 64) -> torch.fx.GraphModule:
+    check_epilogue_pass(stage, "fuse_sampling")
+    added = splice_epilogue(gm, stage, width)
+    log.info("fuse_sampling(%s): spliced %d nodes", stage.qualified, added)
     return gm

@@ -8,7 +8,7 @@ import inspect
 import torch
 import torch.fx
 
-from saguaro.errors import SaguaroError
+from saguaro.core.errors import SaguaroError
 
 
 class PassError(SaguaroError):
@@ -78,3 +78,23 @@ def logits_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
         raise PassError(f"FX node {out.name!r}: expected the graph to return only the logits, found {len(values)} "
                         "outputs (was an epilogue already spliced?)")
     return values[0]
+
+
+def splice_epilogue(gm: torch.fx.GraphModule, stage, width: int) -> int:
+    """Splice the stage's epilogue function after the logits: append ``stage.inputs`` as graph inputs, inline the
+    function over ``(logits, *inputs)`` (``width`` baked in for ranked epilogues) and make its results
+    the graph's outputs. Returns how many nodes the graph gained."""
+    logits = logits_node(gm)
+    extra = add_inputs(gm, list(stage.inputs))
+    constants = {"width": width} if stage.ranked else {}
+    before = len(gm.graph.nodes)
+    outputs = inline_function(gm, stage.epilogue_function, [logits, *extra], output_node(gm), **constants)
+    replace_outputs(gm, outputs)
+    return len(gm.graph.nodes) - before
+
+
+def check_epilogue_pass(stage, pass_name: str) -> None:
+    """A fuse pass applies only to the stages the table assigns it."""
+    if stage.epilogue_pass != pass_name:
+        raise PassError(f"{pass_name}: stage {stage.qualified} takes the {stage.epilogue_pass} epilogue pass, "
+                        f"not {pass_name}")

@@ -1,15 +1,16 @@
 """The ordered pass pipelines: the base pipeline every captured graph goes through once, and the
-stage pipeline that derives each stage's graph from it."""
+stage pipeline that derives each stage's graph (of :mod:`saguaro.core.stages`) from it."""
 
 from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from saguaro.capture.attention_op import MASK_OP
+from saguaro.core.stages import Stage
 from saguaro.passes.flatten_signature import flatten_signature
 from saguaro.passes.fuse_fork import fuse_fork
 from saguaro.passes.fuse_sampling import fuse_sampling
@@ -27,6 +28,8 @@ PIPELINE = (
     flatten_signature,
 )
 
+EPILOGUE_PASSES = {graph_pass.__name__: graph_pass for graph_pass in (fuse_verification, fuse_fork, fuse_sampling)}
+
 
 def run_pipeline(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Apply every pass of :data:`PIPELINE` in order."""
@@ -35,48 +38,35 @@ def run_pipeline(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
-@dataclass(frozen=True)
-class StageSpec:
-    """One stage: its mask kind and the epilogue spliced after the logits."""
+def stage_passes(stage: Stage, width: int, attention: str, window: int) -> list[tuple[str, Callable]]:
+    """The stage pipeline of ``stage``, in order, as ``(pass name, GraphModule -> GraphModule)``.
 
-    name: str
-    mask: str  # "causal" | "tree"
-    epilogue: str  # "last", "step_greedy", ..., "verify_greedy", "verify_sampled", "fork"
-    extra_inputs: tuple = ()
-
-
-STAGES = {
-    spec.name: spec for spec in (
-        StageSpec("prefill", "causal", "last"),
-        StageSpec("step", "causal", "last"),
-        StageSpec("verify_greedy", "causal", "verify_greedy", ("draft_tokens",)),
-        StageSpec("verify_sampled", "causal", "verify_sampled",
-                  ("draft_tokens", "draft_probs", "inv_temperature", "accept_u", "resample_u")),
-        StageSpec("step_greedy", "causal", "step_greedy"),
-        StageSpec("step_sampled", "causal", "step_sampled", ("inv_temperature", "u")),
-        StageSpec("glue", "causal", "fork", ("draft_tokens", "branch_rows", "branch_ranks")),
-        StageSpec("tree_greedy", "tree", "tree_greedy"),
-        StageSpec("tree_sampled", "tree", "tree_sampled", ("inv_temperature", "top", "saguaro_c", "u")),
-    )
-}
+    Order matters: the mask is specialised before the epilogue is spliced (the epilogue pass must see
+    the final logits node as the only output), and attention is lowered last, so that it sees the
+    final graph, whose attention nodes all read one mask.
+    """
+    epilogue = EPILOGUE_PASSES[stage.epilogue_pass]
+    return [
+        ("specialize_attention", lambda gm: specialize_attention(gm, stage.mask)),
+        (stage.epilogue_pass, lambda gm: epilogue(gm, stage, width)),
+        ("lower_attention", lambda gm: lower_attention(gm, attention, window=window)),
+    ]
 
 
-def build_stage(base: torch.fx.GraphModule, stage: str, width: int, attention: str = "op") -> torch.fx.GraphModule:
-    """The stage's graph: a copy of the base graph, attention specialised (before the epilogue, which
-    must see the final logits node), then its epilogue spliced, then the attention nodes lowered for
-    the backend (``attention``: ``"op"``, ``"inline"`` or ``"flex"``; last, so that it sees the final
-    graph, whose attention nodes all read one mask)."""
-    spec = STAGES[stage]
+def build_stage(base: torch.fx.GraphModule, stage: Stage, width: int, attention: str = "op",
+                observe: Callable[[str, torch.fx.GraphModule], None] | None = None) -> torch.fx.GraphModule:
+    """The graph of ``stage``: a copy of the base graph (sharing its parameters) through the stage
+    pipeline. ``attention`` is how ``lower_attention`` lowers attention (``"op"``, ``"inline"`` or
+    ``"flex"``). ``observe(pass_name, gm)``, when given, sees the graph before the first pass (name
+    ``"captured"``) and after each pass."""
     gm = torch.fx.GraphModule(base, copy.deepcopy(base.graph))  # shares parameters, owns its graph
-    gm = specialize_attention(gm, spec.mask)
-    if spec.epilogue.startswith("verify_"):
-        gm = fuse_verification(gm, sampled=spec.epilogue == "verify_sampled")
-    elif spec.epilogue == "fork":
-        gm = fuse_fork(gm, width)
-    else:
-        gm = fuse_sampling(gm, spec.epilogue, width)
-    gm = lower_attention(gm, attention, window=_sliding_window(base))
-    log.info("stage %s: %d nodes", stage, len(gm.graph.nodes))
+    if observe is not None:
+        observe("captured", gm)
+    for name, graph_pass in stage_passes(stage, width, attention, _sliding_window(base)):
+        gm = graph_pass(gm)
+        if observe is not None:
+            observe(name, gm)
+    log.info("stage %s: %d nodes", stage.qualified, len(gm.graph.nodes))
     return gm
 
 

@@ -1,25 +1,24 @@
-"""Mode ``ssd``: speculative speculative decoding (DESIGN.md §1).
+"""Mode ``ssd``: speculative speculative decoding (``docs/design.md``, "The algorithm").
 
-While the target verifies round ``t`` on the caller's thread, the draft lane runs glue, fork and
-tree decode for the speculation under verification. When the outcome ``(a, r')`` arrives, a hit
-issues the next speculation from the cache at once; a miss uses the neural or fast fallback. The
-draft side lives in a :class:`~saguaro.runtime.draft_server.SpeculationServer` behind a lane.
+While the target verifies a speculation on the caller's thread, the draft lane runs glue, fork and
+tree decode for it. When the outcome ``(a, r')`` arrives, a hit gives the next speculation at once; a
+miss uses the neural or fast fallback. :func:`ssd_round` is one round, top to bottom; the draft side
+is a :class:`~saguaro.runtime.draft_server.SpeculationServer` the lane calls by method name.
 """
 
 from __future__ import annotations
 
-import logging
+import time
 import warnings
 
 import torch
 
-from saguaro.runtime.decode_sd import decode_sd, verify_round
-from saguaro.runtime.draft_server import SOURCES, GenerateSpec, Resolution
+from saguaro.runtime.decode_sd import commit, decode_sd, verify
+from saguaro.runtime.draft_server import GenerateSpec, Speculation
 from saguaro.runtime.lanes import DraftLaneError
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.state import DecodeState
-
-log = logging.getLogger(__name__)
+from saguaro.runtime.stats import SOURCES, Counters, since
 
 
 def decode_ssd(target: ModelRunner, draft: ModelRunner, state: DecodeState, lane, spec: GenerateSpec,
@@ -28,22 +27,13 @@ def decode_ssd(target: ModelRunner, draft: ModelRunner, state: DecodeState, lane
 
     On a draft-lane failure the generation finishes exactly with SD on a fresh draft store.
     """
-    seqs, timers = state.seqs, state.timers
     try:
-        with timers.time("draft_s"):
-            resolution = lane.open(spec, first_tokens)
-        while not seqs.all_finished():
-            lane.begin()  # the draft lane builds the cache for this speculation ...
-            active = seqs.active.clone()
-            verify_before = timers.seconds.get("verify_s", 0.0)
-            # ... while the target verifies it
-            accepted, outcome = verify_round(target, state, resolution.tokens, resolution.probs)
-            _record_by_source(state, resolution.source, accepted, active)
-            if seqs.all_finished():
-                break
-            resolution, waited = lane.finish(accepted, outcome, timers.seconds["verify_s"] - verify_before)
-            timers.seconds["draft_wait_s"] = timers.seconds.get("draft_wait_s", 0.0) + waited
-            _record_resolution(state, resolution, accepted, seqs.active)
+        started = time.perf_counter()
+        lane.call("open", spec)  # the draft prefills the prompt ...
+        speculation = lane.call("start", first_tokens)  # ... and decodes the first speculation
+        state.counters.draft_s += since(started)
+        while speculation is not None:
+            speculation = ssd_round(target, state, lane, speculation)
     except DraftLaneError as exc:
         _finish_with_sd(target, draft, state, exc)
         return False
@@ -52,33 +42,56 @@ def decode_ssd(target: ModelRunner, draft: ModelRunner, state: DecodeState, lane
     return True
 
 
-def _record_by_source(state: DecodeState, source: torch.Tensor, accepted: torch.Tensor, active) -> None:
+def ssd_round(target: ModelRunner, state: DecodeState, lane, speculation: Speculation) -> Speculation | None:
+    """One round: verify ∥ build, match the outcome, hit or fallback, and the next speculation (None
+    once every row has finished)."""
+    seqs, counters = state.seqs, state.counters
+    active = seqs.active.clone()
+    # the draft lane builds the speculation cache for this speculation ...
+    lane.post("build")
+    # ... while the target verifies it
+    verify_before = counters.verify_s
+    accepted, next_token = verify(target, state, speculation.tokens, speculation.probs)  # [B], [B]
+    commit(state, speculation.tokens, accepted, next_token)
+    _count_by_source(counters, speculation.source, accepted, active)
+    if seqs.all_finished():
+        return None
+    # the outcome (a, r') against the cache: waits for what is left of the build
+    started = time.perf_counter()
+    lookup = lane.call("match", accepted, next_token, counters.verify_s - verify_before)
+    counters.draft_wait_s += since(started)
+    missed = seqs.active & ~lookup.hit  # [B]
+    _count_lookup(counters, lookup.hit & seqs.active, accepted, seqs.active)
+    if not bool(missed.any()):
+        return lookup.speculation  # every row hit: no draft latency on the critical path
+    # a miss: the draft decodes now (neural) or a free n-gram proposal (fast)
+    started = time.perf_counter()
+    fallen_back = lane.call("fallback", missed)
+    counters.fallback_s += since(started)
+    counters.fallbacks[fallen_back.fallback_kind] += int(missed.sum())
+    return fallen_back
+
+
+def _count_by_source(counters: Counters, source: torch.Tensor, accepted: torch.Tensor, active) -> None:
     for code, name in enumerate(SOURCES):
         rows = active & (source == code)
         if bool(rows.any()):
-            lengths = accepted[rows] + 1
-            state.timers.count(f"accepted_after_{name}", int(lengths.sum()))
-            state.timers.count(f"rounds_after_{name}", int(rows.sum()))
+            counters.by_source[name].tokens += int((accepted[rows] + 1).sum())
+            counters.by_source[name].rounds += int(rows.sum())
 
 
-def _record_resolution(state: DecodeState, res: Resolution, accepted: torch.Tensor, active) -> None:
-    timers = state.timers
-    hit = res.hit & active
-    timers.count("lookups", int(active.sum()))
-    timers.count("hits", int(hit.sum()))
+def _count_lookup(counters: Counters, hit: torch.Tensor, accepted: torch.Tensor, active) -> None:
+    counters.lookups += int(active.sum())
+    counters.hits += int(hit.sum())
     for a in accepted[hit].tolist():
-        timers.count(f"hits_at_{a}")
-    if res.fallback_kind is not None:
-        timers.count(f"fallback_{res.fallback_kind}", int((active & ~hit).sum()))
-        key = f"fallback_{res.fallback_kind}_s"
-        timers.seconds[key] = timers.seconds.get(key, 0.0) + res.fallback_s
+        counters.hits_at[a] += 1
 
 
 def _finish_with_sd(target: ModelRunner, draft: ModelRunner, state: DecodeState, exc: Exception) -> None:
     """The draft lane failed: prefill a fresh draft store on this thread and finish exactly with SD."""
     warnings.warn(f"saguaro: {exc}; finishing this generation with SD (output stays exact)", RuntimeWarning,
                   stacklevel=4)
-    state.timers.count("lane_failures")
+    state.counters.lane_failures += 1
     seqs = state.seqs
     state.draft_store = draft.new_store(seqs.batch, state.target_store.capacity)
     width = int(seqs.lengths.max()) - 1  # every decided token but the pending one of the longest row

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from saguaro.core.stages import DRAFT_STEP
 from saguaro.runtime.kv_store import KVStore
 from saguaro.runtime.model_runner import ModelRunner
 
@@ -20,15 +21,16 @@ def draft_decode(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decode ``k`` tokens after ``ids``: ``tokens [B, k]`` and the distributions drawn from ``[B, k, V]``."""
     store.invalidate_from(index[:, 0])
+    stage = DRAFT_STEP.at(temperature)
     tokens, probs = [], []
     inv_t = torch.tensor(1.0 / temperature, device=ids.device) if temperature > 0 else None
     for _ in range(k):
         if inv_t is None:
-            (token,) = draft.run("step_greedy", store, ids, positions, index)  # [B]
+            (token,) = draft.run(stage, store, ids, positions, index)  # [B]
             prob = None
         else:
             u = torch.rand(ids.shape[0], generator=generator, device=ids.device)
-            token, prob = draft.run("step_sampled", store, ids, positions, index, inv_t, u)  # [B], [B, V]
+            token, prob = draft.run(stage, store, ids, positions, index, inv_t, u)  # [B], [B, V]
         tokens.append(token)
         probs.append(prob)
         ids, index, positions = token[:, None], index[:, -1:] + 1, positions[:, -1:] + 1

@@ -1,10 +1,11 @@
-"""The draft side of SSD: everything the draft lane owns, behind four calls.
+"""The draft side of SSD: everything the draft lane owns, behind five methods.
 
 ``open`` prefills the draft on the prompt; ``start`` takes the target's first token and decodes the
 first speculation; ``build`` runs glue, fork and tree decode for the speculation now under
-verification (this is what overlaps the target); ``resolve`` takes the outcome ``(a, r')``, commits
-it, looks it up in the speculation cache and falls back on a miss. The server keeps its own mirror
-of the sequences, so it runs unchanged on a worker thread or in another process.
+verification (this is what overlaps the target); ``match`` takes the outcome ``(a, r')``, commits it
+and looks it up in the speculation cache; ``fallback`` makes the next speculation of the rows that
+missed. The server keeps its own mirror of the sequences, so a lane can run it unchanged on a worker
+thread or in another process: a lane only ever calls these methods by name with tensor arguments.
 """
 
 from __future__ import annotations
@@ -14,18 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.config import SaguaroConfig
-from saguaro.runtime.fallback import fast_fallback, neural_fallback
+from saguaro.core.config import SaguaroConfig
+from saguaro.core.schedule import build_steps, round_schedule
+from saguaro.core.stages import DRAFT_PREFILL
+from saguaro.runtime import tree
+from saguaro.runtime.fallback import FallbackPolicy, fast_fallback, neural_fallback
 from saguaro.runtime.fan_out import OutcomeEstimator, resolve_fan_out
-from saguaro.runtime.fork import ranks_from_ranked
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.sequences import SequenceBatch
-from saguaro.runtime.verification import outcome_tokens
-from saguaro.runtime import tree
-from saguaro.schedule import lane_order, round_schedule
+from saguaro.runtime.stats import SOURCES, since
+from saguaro.tensor_math.fork import ranks_from_ranked
+from saguaro.tensor_math.verification import outcome_tokens
 
-AUTO_NEURAL_MAX_BATCH = 8  # the paper: neural fallback pays at small batch, fast at large
-SOURCES = ("neural", "fast", "hit")  # codes 0, 1, 2 of where a row's speculation came from
+HIT = SOURCES.index("hit")
 
 
 @dataclass
@@ -43,42 +45,22 @@ class GenerateSpec:
 
 
 @dataclass
-class Resolution:
-    """The next speculation and how it was made."""
+class Speculation:
+    """The speculation of the next round and where each row's came from."""
 
     tokens: torch.Tensor  # [B, K]
-    probs: torch.Tensor | None  # [B, K, V]
-    hit: torch.Tensor  # [B] bool
+    probs: torch.Tensor | None  # [B, K, V]; None when greedy
     source: torch.Tensor  # [B] long, index into SOURCES
-    fallback_kind: str | None
-    fallback_s: float
+    fallback_kind: str | None = None  # the fallback the missed rows took, if any
 
 
-class FallbackPolicy:
-    """``auto``: per round, the fallback with the higher expected tokens per second.
+@dataclass
+class Lookup:
+    """The speculation cache's answer to an outcome: ``hit [B]`` and the cached speculation (rows that
+    missed hold filler until :meth:`SpeculationServer.fallback` replaces it)."""
 
-    Neural: ``acc_neural / (T_verify + T_neural)``; fast: ``acc_fast / T_verify``. Costs and accepted
-    lengths are running means of what this generation measured; before both kinds are measured the
-    batch size decides (neural up to ``AUTO_NEURAL_MAX_BATCH`` rows).
-    """
-
-    def __init__(self, kind: str, batch: int):
-        self.kind = kind
-        self.batch = batch
-        self.accepted = {"neural": [], "fast": []}
-        self.neural_s: list[float] = []
-        self.verify_s: list[float] = []
-
-    def choose(self) -> str:
-        if self.kind != "auto":
-            return self.kind
-        if not (self.accepted["neural"] and self.accepted["fast"] and self.neural_s and self.verify_s):
-            return "neural" if self.batch <= AUTO_NEURAL_MAX_BATCH else "fast"
-        mean = lambda xs: sum(xs[-32:]) / len(xs[-32:])  # noqa: E731
-        t_verify, t_neural = mean(self.verify_s), mean(self.neural_s)
-        neural_rate = mean(self.accepted["neural"]) / (t_verify + t_neural)
-        fast_rate = mean(self.accepted["fast"]) / t_verify
-        return "neural" if neural_rate >= fast_rate else "fast"
+    hit: torch.Tensor  # [B] bool
+    speculation: Speculation
 
 
 class SpeculationServer:
@@ -100,23 +82,21 @@ class SpeculationServer:
             self.generator = torch.Generator(device=spec.input_ids.device).manual_seed(spec.seed)
         self.estimator = OutcomeEstimator(self.k)
         schedule = round_schedule("ssd", self.k, sampled=spec.temperature > 0)
-        self.build_steps = [n for n in lane_order(schedule, "draft") if n != "fallback"]
+        self.build_nodes = [schedule.nodes[n] for n in build_steps(schedule)]
         self.policy = FallbackPolicy(self.config.fallback, self.seqs.batch)
         self.cache = None
         T = self.seqs.prompt_len
         index = torch.arange(T, device=spec.input_ids.device).expand(self.seqs.batch, T)
-        self.draft(self.store, self.seqs.tokens[:, :T], self.seqs.prompt_positions(), index)
+        self.draft.run(DRAFT_PREFILL, self.store, self.seqs.tokens[:, :T], self.seqs.prompt_positions(), index)
 
-    def start(self, first_tokens: torch.Tensor) -> Resolution:
+    def start(self, first_tokens: torch.Tensor) -> Speculation:
         """The target's first token ``[B]`` arrives: decode the first speculation with the draft."""
         self.seqs.append(first_tokens[:, None], torch.ones_like(first_tokens))
         rows = torch.arange(self.seqs.batch, device=first_tokens.device)
-        started = time.perf_counter()
-        self.spec_tokens, self.spec_probs = neural_fallback(self.draft, self.store, self.seqs, rows, self.k,
-                                                            self.temperature, self.generator)
-        self.source = torch.zeros(self.seqs.batch, dtype=torch.long)
-        return Resolution(self.spec_tokens, self.spec_probs, torch.zeros_like(rows, dtype=torch.bool),
-                          self.source.clone(), None, time.perf_counter() - started)
+        tokens, probs = neural_fallback(self.draft, self.store, self.seqs, rows, self.k, self.temperature,
+                                        self.generator)
+        self.current = Speculation(tokens, probs, torch.zeros(self.seqs.batch, dtype=torch.long))
+        return self.current
 
     def build(self) -> None:
         """Glue, fork and tree decode for the speculation under verification (overlaps the target)."""
@@ -124,47 +104,45 @@ class SpeculationServer:
         self.fan_out = resolve_fan_out(self.config.fan_out, k, self.config.budget, self.estimator, self.draft.width)
         index = seqs.tail_index(1) + torch.arange(k + 1, device=seqs.tokens.device)[None, :]  # [B, k+1]
         request = tree.GlueRequest(
-            ids=torch.cat([seqs.gather(index[:, :1]), self.spec_tokens], dim=1), index=index,
+            ids=torch.cat([seqs.gather(index[:, :1]), self.current.tokens], dim=1), index=index,
             positions=seqs.positions(index), fan_out=self.fan_out, temperature=self.temperature,
             saguaro_c=float(self.config.saguaro_c))
-        self.cache = tree.build_speculations(self.draft, self.store, request, self.generator, self.build_steps)
+        self.cache = tree.build_speculations(self.draft, self.store, request, self.generator, self.build_nodes)
 
-    def resolve(self, accepted: torch.Tensor, outcome: torch.Tensor, verify_s: float) -> Resolution:
-        """Commit the outcome ``(a [B], r' [B])``, look it up, fall back for the missed rows."""
-        seqs, k, cache = self.seqs, self.k, self.cache
-        active = seqs.active.clone()
-        self._learn(accepted, outcome, active, verify_s)
-        seqs.append(outcome_tokens(self.spec_tokens, accepted, outcome), accepted + 1)
+    def match(self, accepted: torch.Tensor, outcome: torch.Tensor, verify_s: float) -> Lookup:
+        """Commit the outcome ``(a [B], r' [B])`` and look it up in the cache the last build made."""
+        seqs = self.seqs
+        self._learn(accepted, outcome, seqs.active.clone(), verify_s)
+        seqs.append(outcome_tokens(self.current.tokens, accepted, outcome), accepted + 1)
         self.store.invalidate_from(seqs.lengths - 1)  # keep r .. x_a of the glue, drop the rest
-        hit, branch = cache.match(accepted, outcome)
+        hit, branch = self.cache.match(accepted, outcome)
         hit &= seqs.active
-        tokens, probs = cache.speculation(branch)
+        tokens, probs = self.cache.speculation(branch)
         if self.temperature == 0.0:
             probs = None  # greedy verification needs no proposal distribution
-        source = torch.where(hit, 2, torch.zeros_like(self.source))
-        missed = (~hit & seqs.active).nonzero().flatten()
-        kind, spent = None, 0.0
-        if missed.numel():
-            kind = self.policy.choose()
-            started = time.perf_counter()
-            if kind == "neural":
-                fb_tokens, fb_probs = neural_fallback(self.draft, self.store, seqs, missed, k, self.temperature,
-                                                      self.generator)
-            else:
-                fb_tokens, fb_probs = fast_fallback(seqs, missed, k, self.vocab, self.temperature)
-            spent = time.perf_counter() - started
-            if kind == "neural":
-                self.policy.neural_s.append(spent)
-            tokens = tokens.clone()
-            tokens[missed] = fb_tokens
-            if probs is not None:
-                probs = probs.clone()
-                probs[missed] = fb_probs
-            source[missed] = SOURCES.index(kind)
-        self.spec_tokens, self.spec_probs, self.source = tokens, probs, source
-        return Resolution(tokens, probs, hit, source.clone(), kind, spent)
+        self.current = Speculation(tokens, probs, torch.where(hit, HIT, 0))
+        return Lookup(hit, self.current)
 
-    @property
+    def fallback(self, missed: torch.Tensor) -> Speculation:
+        """The next speculation with the rows ``missed [B]`` (bool) made by the fallback the policy picks."""
+        rows = missed.nonzero().flatten()  # [M]
+        kind = self.policy.choose()
+        started = time.perf_counter()
+        if kind == "neural":
+            fb_tokens, fb_probs = neural_fallback(self.draft, self.store, self.seqs, rows, self.k, self.temperature,
+                                                  self.generator)
+            self.policy.neural_s.append(since(started))
+        else:
+            fb_tokens, fb_probs = fast_fallback(self.seqs, rows, self.k, self.vocab, self.temperature)
+        tokens, probs, source = self.current.tokens.clone(), self.current.probs, self.current.source.clone()
+        tokens[rows] = fb_tokens
+        if probs is not None:
+            probs = probs.clone()
+            probs[rows] = fb_probs
+        source[rows] = SOURCES.index(kind)
+        self.current = Speculation(tokens, probs, source, kind)
+        return self.current
+
     def finished(self) -> bool:
         return self.seqs.all_finished()
 
@@ -174,6 +152,6 @@ class SpeculationServer:
         self.estimator.observe(accepted[active], ranks[active])
         self.policy.verify_s.append(verify_s)
         for code, name in enumerate(SOURCES):
-            rows = active & (self.source == code)
+            rows = active & (self.current.source == code)
             if name in self.policy.accepted and bool(rows.any()):
                 self.policy.accepted[name].extend((accepted[rows] + 1).tolist())

@@ -1,14 +1,16 @@
-"""Fallbacks on a speculation-cache miss: neural (the draft decodes now) or fast (a free proposal)."""
+"""Fallbacks on a speculation-cache miss: neural (the draft decodes now) or fast (a free proposal),
+and the policy that picks one for ``fallback="auto"``."""
 
 from __future__ import annotations
 
 import torch
 
 from saguaro.runtime.draft_decode import draft_decode
+from saguaro.runtime.stats import FALLBACK_KINDS
 from saguaro.runtime.kv_store import KVStore
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.sequences import SequenceBatch
-from saguaro.runtime.verification import one_hot_proposal
+from saguaro.tensor_math.verification import one_hot_proposal
 
 
 def neural_fallback(draft: ModelRunner, store: KVStore, seqs: SequenceBatch, rows: torch.Tensor, k: int,
@@ -47,3 +49,33 @@ def fast_fallback(seqs: SequenceBatch, rows: torch.Tensor, k: int, vocab_size: i
     tokens = torch.stack(proposals) if proposals else torch.zeros(0, k, dtype=torch.long)  # [M, k]
     probs = one_hot_proposal(tokens, vocab_size) if temperature > 0 else None
     return tokens, probs
+
+
+AUTO_NEURAL_MAX_BATCH = 8  # the paper: neural fallback pays at small batch, fast at large
+
+
+class FallbackPolicy:
+    """``auto``: per round, the fallback with the higher expected tokens per second.
+
+    Neural: ``acc_neural / (T_verify + T_neural)``; fast: ``acc_fast / T_verify``. Costs and accepted
+    lengths are running means of what this generation measured; before both kinds are measured the
+    batch size decides (neural up to ``AUTO_NEURAL_MAX_BATCH`` rows).
+    """
+
+    def __init__(self, kind: str, batch: int):
+        self.kind = kind
+        self.batch = batch
+        self.accepted = {name: [] for name in FALLBACK_KINDS}
+        self.neural_s: list[float] = []
+        self.verify_s: list[float] = []
+
+    def choose(self) -> str:
+        if self.kind != "auto":
+            return self.kind
+        if not (self.accepted["neural"] and self.accepted["fast"] and self.neural_s and self.verify_s):
+            return "neural" if self.batch <= AUTO_NEURAL_MAX_BATCH else "fast"
+        mean = lambda xs: sum(xs[-32:]) / len(xs[-32:])  # noqa: E731
+        t_verify, t_neural = mean(self.verify_s), mean(self.neural_s)
+        neural_rate = mean(self.accepted["neural"]) / (t_verify + t_neural)
+        fast_rate = mean(self.accepted["fast"]) / t_verify
+        return "neural" if neural_rate >= fast_rate else "fast"

@@ -1,4 +1,4 @@
-"""Fan-out allocation (DESIGN.md §1) and the online estimates of ``α`` and ``ρ`` it uses.
+"""Fan-out allocation (``docs/design.md``, "Geometric fan-out") and the online estimates of ``α`` and ``ρ`` it uses.
 
 Outcome ``j`` of a round has probability ``P(j) = α^j (1 − α)`` for ``j < K`` and ``α^K`` for
 ``j = K``. The miss rate at one position falls as ``c·F^(−ρ)`` in its fan-out ``F``; minimising the

@@ -1,7 +1,9 @@
 """Lanes: where the draft side of SSD runs while the target verifies on the caller's thread.
 
-Both lanes drive a :class:`~saguaro.runtime.draft_server.SpeculationServer` through the same four
-calls (``open``, ``begin``, ``finish``, ``close``):
+A lane serves a :class:`~saguaro.runtime.draft_server.SpeculationServer` through two generic calls:
+``call(method, *args)`` runs a server method and returns its result; ``post(method, *args)`` starts
+one and returns at once (the round posts ``build`` so that it overlaps the target's verification).
+Both lanes keep the server's calls in order, so a ``call`` after a ``post`` waits for it.
 
 * :class:`ThreadLane`: a worker thread in this process (a CUDA stream of its own on GPU).
 * :class:`saguaro.runtime.process_lane.ProcessLane`: another process, reached through
@@ -15,13 +17,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import time
 from contextlib import contextmanager
 
 import torch
 
-from saguaro.errors import SaguaroError
-from saguaro.runtime.draft_server import GenerateSpec, Resolution, SpeculationServer
+from saguaro.core.errors import SaguaroError
+from saguaro.runtime.draft_server import SpeculationServer
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def one_thread_per_lane(device: torch.device):
 
 
 class ThreadLane:
-    """The draft server on one worker thread; ``build`` overlaps the caller's verification."""
+    """The draft server on one worker thread: posted methods run there, overlapping the caller."""
 
     kind = "thread"
 
@@ -54,51 +55,44 @@ class ThreadLane:
         self.timeout_s = timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="saguaro-draft")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._pending = None
+        self._posted = None
 
-    def _on_worker(self, fn, *args):
+    def _run(self, method: str, args: tuple):
         with torch.inference_mode():
             if self._stream is None:
-                return fn(*args)
+                return getattr(self.server, method)(*args)
             with torch.cuda.stream(self._stream):
-                out = fn(*args)
+                out = getattr(self.server, method)(*args)
             self._stream.synchronize()
             return out
 
-    def _wait(self, future):
+    def post(self, method: str, *args) -> None:
+        """Start ``server.method(*args)`` on the worker and return at once."""
+        self.settle(raise_errors=True)
+        self._posted = self._pool.submit(self._run, method, args)
+
+    def call(self, method: str, *args):
+        """Wait for posted work, then run ``server.method(*args)`` (on this thread: the worker is idle)."""
+        self.settle(raise_errors=True)
         try:
-            return future.result(timeout=self.timeout_s)
+            return self._run(method, args)
+        except Exception as exc:
+            raise DraftLaneError(f"draft lane failed in {method}: {type(exc).__name__}: {exc}") from exc
+
+    def settle(self, raise_errors: bool = False) -> None:
+        """Wait for posted work. Nothing may run on the worker once ``generate`` returns: changing
+        torch's thread count while another thread computes crashes."""
+        posted, self._posted = self._posted, None
+        if posted is None:
+            return
+        try:
+            posted.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError as exc:
-            raise DraftLaneError(f"draft lane gave no answer within {self.timeout_s:.1f}s") from exc
+            if raise_errors:
+                raise DraftLaneError(f"draft lane gave no answer within {self.timeout_s:.1f}s") from exc
         except Exception as exc:
-            raise DraftLaneError(f"draft lane failed: {type(exc).__name__}: {exc}") from exc
-
-    def open(self, spec: GenerateSpec, first_tokens: torch.Tensor) -> Resolution:
-        if self._pending is not None:  # a build the last generation no longer needed
-            concurrent.futures.wait([self._pending], timeout=self.timeout_s)
-            self._pending = None
-        self.server.open(spec)
-        return self.server.start(first_tokens)
-
-    def begin(self) -> None:
-        self._pending = self._pool.submit(self._on_worker, self.server.build)
-
-    def finish(self, accepted: torch.Tensor, outcome: torch.Tensor, verify_s: float) -> tuple[Resolution, float]:
-        """Wait for the cache, then resolve the outcome; returns the resolution and the wait in seconds."""
-        started = time.perf_counter()
-        self._wait(self._pending)
-        waited = time.perf_counter() - started
-        try:
-            return self.server.resolve(accepted, outcome, verify_s), waited
-        except Exception as exc:
-            raise DraftLaneError(f"draft lane failed: {type(exc).__name__}: {exc}") from exc
-
-    def settle(self) -> None:
-        """Wait for a build the generation no longer needs. Nothing may run on the worker once
-        ``generate`` returns: changing torch's thread count while another thread computes crashes."""
-        if self._pending is not None:
-            concurrent.futures.wait([self._pending], timeout=self.timeout_s)
-            self._pending = None
+            if raise_errors:
+                raise DraftLaneError(f"draft lane failed: {type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
         self.settle()

@@ -1,8 +1,8 @@
 """Run one captured model's stages over its KV store.
 
-Each stage graph (``prefill``, ``verify_greedy``, ``glue``, ``tree_sampled``, ...) is derived from
-the captured graph by the stage pipeline and lowered on first use, so a program only builds (and,
-with inductor, compiles) the stages its modes call.
+Each stage (:mod:`saguaro.core.stages`) is built by the builder ``saguaro.compile`` hands over (the
+stage pass pipeline, then lowering) on its first use, so a program only builds (and, with inductor,
+compiles) the stages its modes call. The runtime never imports the passes or the lowering.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import time
 
 import torch
 
+from typing import Callable
+
 from saguaro.capture.export import CapturedModel
-from saguaro.runtime.fork import RANK_WIDTH
+from saguaro.core.stages import Stage
 from saguaro.runtime.kv_store import KVStore
 
 log = logging.getLogger(__name__)
@@ -23,13 +25,12 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     """A captured model, its lowered stages, and the bookkeeping every stage call shares."""
 
-    def __init__(self, name: str, captured: CapturedModel, backend: str, attention: str = "auto"):
+    def __init__(self, name: str, captured: CapturedModel, build: Callable[[Stage], Callable], width: int):
         self.name = name
         self.captured = captured
         self.spec = captured.spec
-        self.backend = backend
-        self.attention = attention  # the config's choice; "auto" resolves per backend
-        self.width = min(self.spec.vocab_size, RANK_WIDTH)  # fork / rank / Saguaro-sampling width
+        self.build = build  # Stage -> the lowered callable
+        self.width = width  # fork / rank / Saguaro-sampling width
         self._stages: dict = {}
         self._lock = threading.Lock()  # two lanes may ask for stages of one model at once
         self.stage_build_s: dict = {}
@@ -38,27 +39,27 @@ class ModelRunner:
     def new_store(self, batch: int, capacity: int) -> KVStore:
         return KVStore(self.spec, batch, capacity)
 
-    def stage(self, stage: str):
+    def stage(self, stage: Stage):
         """The lowered callable of ``stage``, built on first use."""
         fn = self._stages.get(stage)
         if fn is None:
             with self._lock:
                 fn = self._stages.get(stage)
                 if fn is None:
-                    from saguaro.lower import attention_implementation, lower_graph
-                    from saguaro.passes.pipeline import build_stage
-
                     started = time.perf_counter()
-                    graph = build_stage(self.captured.graph_module, stage, self.width,
-                                        attention=attention_implementation(self.backend, self.attention))
-                    fn = lower_graph(graph, self.backend, f"{self.name}.{stage}", self.spec.device.type)
+                    fn = self.build(stage)
                     self._stages[stage] = fn
-                    self.stage_build_s[stage] = time.perf_counter() - started
+                    self.stage_build_s[stage.qualified] = time.perf_counter() - started
         return fn
+
+    @property
+    def built_stages(self) -> dict:
+        """``{stage: lowered callable}`` of every stage built so far."""
+        return dict(self._stages)
 
     def run(
         self,
-        stage: str,
+        stage: Stage,
         store: KVStore,
         input_ids: torch.Tensor,  # [B, T]
         positions: torch.Tensor,  # [B, T]
@@ -73,7 +74,7 @@ class ModelRunner:
         started = time.perf_counter()
         out = fn(*args, *extra)
         elapsed = time.perf_counter() - started
-        key = f"{self.name}.{stage}"
+        key = stage.qualified
         previous = self.stage_cost_s.get(key)
         self.stage_cost_s[key] = elapsed if previous is None else 0.9 * previous + 0.1 * elapsed
         return out

@@ -1,98 +1,69 @@
 """The process lane: the draft server in another process, reached through ``torch.distributed``.
 
 Transport is a gloo process group of two ranks (0: the caller, 1: the draft process) built on a
-``TCPStore`` over loopback, without touching the default process group. Per round the caller sends
-the outcome and receives the next speculation; the draft process starts building the cache for a
-speculation as soon as it has sent it, so the build overlaps the caller's verification.
+``TCPStore`` over loopback, without touching the default process group. A message is a call of a
+:class:`~saguaro.runtime.draft_server.SpeculationServer` method by name: ``(method, args, reply?)``
+pickled (tensors included) into one ``uint8`` tensor after a ``[2]`` header of its length and
+whether a reply is wanted. The draft process runs each call in order and, for calls, sends the
+pickled result back, so a posted ``build`` overlaps the caller's verification.
 """
 
 from __future__ import annotations
 
 import datetime
+import io
 import logging
+import pickle
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from saguaro.config import SaguaroConfig
-from saguaro.runtime.draft_server import SOURCES, GenerateSpec, Resolution, SpeculationServer
+from saguaro.core.config import SaguaroConfig
 from saguaro.runtime.lanes import DraftLaneError
 
 log = logging.getLogger(__name__)
 
-OPEN, OUTCOME, CLOSE = 1, 2, 3
-HEADER = 8  # longs: command, B, T, max_new_tokens, capacity, pad id, number of eos ids, seed
-FLOATS = 2  # temperature, verify seconds
+CLOSE = "close"  # the message that ends the draft process
 
 
-def _send(pg, tensor):
-    pg.send([tensor.contiguous()], 1 - pg.rank(), 0).wait()
+def _send_message(pg, obj) -> None:
+    buffer = io.BytesIO()
+    pickle.dump(obj, buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)  # [n]
+    peer = 1 - pg.rank()
+    pg.send([torch.tensor([payload.numel()], dtype=torch.long)], peer, 0).wait()
+    pg.send([payload], peer, 0).wait()
 
 
-def _recv(pg, shape, dtype, timeout=None):
-    out = torch.empty(shape, dtype=dtype)
-    work = pg.recv([out], 1 - pg.rank(), 0)
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(datetime.timedelta(seconds=timeout))
-    return out
+def _recv_message(pg, timeout_s: float | None = None):
+    peer = 1 - pg.rank()
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    size = torch.empty(1, dtype=torch.long)
+    work = pg.recv([size], peer, 0)
+    work.wait() if timeout is None else work.wait(timeout)
+    payload = torch.empty(int(size[0]), dtype=torch.uint8)
+    work = pg.recv([payload], peer, 0)
+    work.wait() if timeout is None else work.wait(timeout)
+    return pickle.loads(payload.numpy().tobytes())
 
 
-def _send_resolution(pg, res: Resolution, finished: bool) -> None:
-    kind = -1 if res.fallback_kind is None else SOURCES.index(res.fallback_kind)
-    info = torch.cat([res.hit.long(), res.source.long(), torch.tensor([kind, int(finished)])])  # [2B + 2]
-    _send(pg, res.tokens.long())
-    _send(pg, info)
-    _send(pg, torch.tensor([res.fallback_s], dtype=torch.float64))
-    if res.probs is not None:
-        _send(pg, res.probs.float())
-
-
-def _recv_resolution(pg, B, K, V, sampled, timeout) -> Resolution:
-    tokens = _recv(pg, (B, K), torch.long, timeout)
-    info = _recv(pg, (2 * B + 2,), torch.long, timeout)
-    spent = float(_recv(pg, (1,), torch.float64, timeout)[0])
-    probs = _recv(pg, (B, K, V), torch.float32, timeout) if sampled else None
-    kind = int(info[2 * B])
-    return Resolution(tokens, probs, info[:B].bool(), info[B:2 * B], None if kind < 0 else SOURCES[kind], spent)
-
-
-def serve(port: int, draft_model: torch.nn.Module, config: SaguaroConfig, timeout_s: float) -> None:
-    """The draft process: capture the draft, then answer OPEN / OUTCOME until CLOSE."""
-    from saguaro.compile import build_runner
-
+def serve(port: int, remote_draft, config: SaguaroConfig, timeout_s: float) -> None:
+    """The draft process: build the draft server, then run the calls it receives until ``close``."""
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=timeout_s))
     store.set("draft_up", "1")  # before the group: the caller waits for this, checking we are alive
     pg = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(days=1))  # idle between generations
-    server = SpeculationServer(build_runner("draft", draft_model, config.backend, config.attention), config)
+    server = remote_draft(config)
     with torch.inference_mode():
         while True:
-            header = _recv(pg, (HEADER,), torch.long)
-            floats = _recv(pg, (FLOATS,), torch.float64)
-            command = int(header[0])
-            if command == CLOSE:
+            method, args, reply = _recv_message(pg)
+            if method == CLOSE:
                 return
-            if command == OPEN:
-                B, T, max_new, capacity, pad, n_eos, seed = (int(x) for x in header[1:])
-                ids = _recv(pg, (B, T), torch.long)
-                mask = _recv(pg, (B, T), torch.long)
-                eos = _recv(pg, (n_eos,), torch.long).tolist() if n_eos else []
-                first = _recv(pg, (B,), torch.long)
-                server.open(GenerateSpec(ids, mask, max_new, capacity, eos, pad, float(floats[0]),
-                                         None if seed < 0 else seed))
-                result = server.start(first)
-            else:
-                B = server.seqs.batch
-                accepted = _recv(pg, (B,), torch.long)
-                outcome = _recv(pg, (B,), torch.long)
-                result = server.resolve(accepted, outcome, float(floats[1]))
-            _send_resolution(pg, result, server.finished)
-            if not server.finished:
-                server.build()  # overlaps the caller's verification of `result`
+            result = getattr(server, method)(*args)
+            if reply:
+                _send_message(pg, result)
 
 
 class ProcessLane:
@@ -100,22 +71,19 @@ class ProcessLane:
 
     kind = "process"
 
-    def __init__(self, draft_model: torch.nn.Module, config: SaguaroConfig, vocab_size: int, timeout_s: float):
+    def __init__(self, remote_draft, config: SaguaroConfig, timeout_s: float):
+        """``remote_draft(config)`` (picklable) builds the :class:`SpeculationServer` in the child."""
         self.timeout_s = timeout_s
-        self.config = config
-        self.vocab = vocab_size
         self.store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
         started = time.perf_counter()
         self.process = mp.get_context("spawn").Process(
-            target=serve, args=(self.store.port, draft_model, config, timeout_s), daemon=True,
+            target=serve, args=(self.store.port, remote_draft, config, timeout_s), daemon=True,
             name="saguaro-draft-lane")
         self.process.start()
         self._wait_for_child(started)
         self.pg = dist.ProcessGroupGloo(self.store, 0, 2, datetime.timedelta(seconds=timeout_s))
         log.info("draft process lane up in %.1fs (pid %d)", time.perf_counter() - started, self.process.pid)
-        self.batch = None
-        self.sampled = False
 
     def _wait_for_child(self, started: float) -> None:
         """Wait for the draft process to reach the store, noticing at once if it dies on the way (for
@@ -141,48 +109,24 @@ class ProcessLane:
             alive = "alive" if self.process.is_alive() else f"dead, exit code {self.process.exitcode}"
             raise DraftLaneError(f"draft process lane failed ({alive}): {type(exc).__name__}: {exc}") from exc
 
-    def _header(self, command, fields=(), temperature=0.0, verify_s=0.0):
-        header = torch.zeros(HEADER, dtype=torch.long)
-        header[0] = command
-        header[1:1 + len(fields)] = torch.tensor(fields, dtype=torch.long)
-        _send(self.pg, header)
-        _send(self.pg, torch.tensor([temperature, verify_s], dtype=torch.float64))
+    def post(self, method: str, *args) -> None:
+        """Send ``server.method(*args)`` to the draft process; it runs there while the caller goes on."""
+        self._guard(_send_message, self.pg, (method, args, False))
 
-    def open(self, spec: GenerateSpec, first_tokens: torch.Tensor) -> Resolution:
+    def call(self, method: str, *args):
+        """Run ``server.method(*args)`` in the draft process (after what was posted) and return its result."""
         def run():
-            B, T = spec.input_ids.shape
-            self.batch, self.sampled = B, spec.temperature > 0
-            seed = -1 if spec.seed is None else spec.seed
-            self._header(OPEN, (B, T, spec.max_new_tokens, spec.capacity, spec.pad_token_id,
-                                len(spec.eos_token_ids), seed), temperature=spec.temperature)
-            _send(self.pg, spec.input_ids.cpu())
-            _send(self.pg, spec.attention_mask.cpu())
-            if spec.eos_token_ids:
-                _send(self.pg, torch.tensor(spec.eos_token_ids, dtype=torch.long))
-            _send(self.pg, first_tokens.cpu())
-            return _recv_resolution(self.pg, B, self.config.k, self.vocab, self.sampled, self.timeout_s)
+            _send_message(self.pg, (method, args, True))
+            return _recv_message(self.pg, self.timeout_s)
         return self._guard(run)
-
-    def begin(self) -> None:
-        """Nothing to send: the draft process started building when it sent the speculation."""
 
     def settle(self) -> None:
         """Nothing to wait for here: the draft process's unneeded build ends on its own."""
 
-    def finish(self, accepted, outcome, verify_s) -> tuple[Resolution, float]:
-        def run():
-            started = time.perf_counter()
-            self._header(OUTCOME, verify_s=verify_s)
-            _send(self.pg, accepted.cpu())
-            _send(self.pg, outcome.cpu())
-            res = _recv_resolution(self.pg, self.batch, self.config.k, self.vocab, self.sampled, self.timeout_s)
-            return res, max(0.0, time.perf_counter() - started - res.fallback_s)
-        return self._guard(run)
-
     def close(self) -> None:
         if self.process.is_alive():
             try:
-                self._header(CLOSE)
+                _send_message(self.pg, (CLOSE, (), False))
             except Exception:  # noqa: BLE001 - closing a broken lane
                 pass
             self.process.join(timeout=5)

@@ -2,33 +2,13 @@
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from saguaro.runtime.kv_store import KVStore
 from saguaro.runtime.sequences import SequenceBatch
-
-
-@dataclass
-class Timers:
-    """Seconds spent per kind of work, and counters the stats report."""
-
-    seconds: dict = field(default_factory=dict)
-    counts: dict = field(default_factory=dict)
-
-    @contextmanager
-    def time(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-    def count(self, name: str, amount: float = 1) -> None:
-        self.counts[name] = self.counts.get(name, 0) + amount
+from saguaro.runtime.stats import Counters
 
 
 @dataclass
@@ -41,5 +21,7 @@ class DecodeState:
     temperature: float
     generator: torch.Generator | None
     k: int
-    timers: Timers = field(default_factory=Timers)
-    accepted_lengths: list = field(default_factory=list)  # tokens per target call, per active row
+    counters: Counters = field(init=False)
+
+    def __post_init__(self):
+        self.counters = Counters(self.k)

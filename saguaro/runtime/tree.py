@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.runtime.fork import branch_layout
+from saguaro.core.schedule import build_steps, round_schedule
+from saguaro.core.stages import DRAFT_GLUE, DRAFT_TREE, Stage
+from saguaro.tensor_math.fork import branch_layout
 from saguaro.runtime.kv_store import KVStore
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.speculation_cache import SpeculationCache
@@ -29,23 +31,27 @@ class GlueRequest:
 
 
 def build_speculations(draft: ModelRunner, store: KVStore, req: GlueRequest, generator: torch.Generator | None,
-                       steps: list[str] | None = None) -> SpeculationCache:
+                       nodes: list[dict] | None = None) -> SpeculationCache:
     """Glue over ``[r, x_1..x_K]``, fork top-``F_j`` candidates, and decode every branch ``K`` deep.
 
-    ``steps`` are the draft lane's schedule nodes in topological order (``draft.glue``,
-    ``draft.tree.1`` .. ``draft.tree.K``); each tree depth is one batched draft forward over all
-    ``MQ`` branches of all sequences. Branch ``β`` (1-based) forked at glue row ``j`` sees shared slots
-    up to position ``P0 + j`` and its own slots.
+    ``nodes`` are the draft lane's build nodes of the round schedule in topological order (their
+    attributes: ``stage``, and ``depth`` for tree nodes); each tree depth is one batched draft
+    forward over all ``MQ`` branches of all sequences. Branch ``β`` (1-based) forked at glue row
+    ``j`` sees shared slots up to position ``P0 + j`` and its own slots. Without ``nodes``, those of
+    the SSD round schedule for this request.
     """
-    K = req.ids.shape[1] - 1
+    if nodes is None:
+        schedule = round_schedule("ssd", req.ids.shape[1] - 1, sampled=req.temperature > 0)
+        nodes = [schedule.nodes[n] for n in build_steps(schedule)]
     tree = TreeBuild(draft, store, req, generator)
-    for step in steps or ["draft.glue"] + [f"draft.tree.{d}" for d in range(1, K + 1)]:
-        if step == "draft.glue":
+    for node in nodes:
+        stage = node["stage"]
+        if stage is DRAFT_GLUE:
             tree.glue()
-        elif step.startswith("draft.tree."):
-            tree.depth(int(step.rsplit(".", 1)[1]))
+        elif stage in DRAFT_TREE:
+            tree.depth(node["depth"], stage)
         else:
-            raise ValueError(f"schedule node {step!r} is not a draft-lane build step")
+            raise ValueError(f"schedule node of stage {stage.qualified} is not a draft-lane build step")
     return tree.cache()
 
 
@@ -63,7 +69,7 @@ class TreeBuild:
         self.store.invalidate_from(req.index[:, 0])  # drop last round's glue tail and tree scratch
         self.rows, ranks = branch_layout(req.fan_out, device)  # [MQ], [MQ]
         # the glue stage returns the fork's candidates [B, MQ] and each row's ranked tokens [B, K+1, W]
-        self.candidates, self.ranked = self.draft.run("glue", self.store, req.ids, req.positions, req.index,
+        self.candidates, self.ranked = self.draft.run(DRAFT_GLUE, self.store, req.ids, req.positions, req.index,
                                                       req.draft_tokens, self.rows, ranks)
         MQ = self.rows.numel()
         self.branch = (torch.arange(MQ, device=device) + 1).expand(self.B, MQ)  # [B, MQ]
@@ -74,8 +80,9 @@ class TreeBuild:
             self.inv_t = torch.tensor(1.0 / req.temperature, device=device)
             self.c = torch.tensor(float(req.saguaro_c), device=device)
 
-    def depth(self, depth: int) -> None:
-        """Tree depth ``depth`` (1-based): one draft forward over every branch."""
+    def depth(self, depth: int, stage: Stage) -> None:
+        """Tree depth ``depth`` (1-based): one draft forward over every branch with ``stage`` (a
+        ``draft.tree`` variant)."""
         MQ = self.rows.numel()
         if MQ == 0:  # fan-out 0: glue only; every lookup misses
             return
@@ -83,7 +90,7 @@ class TreeBuild:
         slots = self.first_scratch + d * MQ + torch.arange(MQ, device=device)[None, :]  # [B, MQ]
         position = self.fork_pos + 1 + d
         if req.temperature == 0.0:
-            (token,) = self.draft.run("tree_greedy", self.store, self.ids, position, slots, branch=self.branch,
+            (token,) = self.draft.run(stage, self.store, self.ids, position, slots, branch=self.branch,
                                       limit=self.fork_pos)
             prob = None
         else:
@@ -91,7 +98,7 @@ class TreeBuild:
             # looked up among the top-F_d candidates of the next glue's row d
             top = torch.tensor(req.fan_out[d], device=device)
             u = torch.rand(self.B, MQ, generator=self.generator, device=device)
-            token, prob = self.draft.run("tree_sampled", self.store, self.ids, position, slots, self.inv_t, top,
+            token, prob = self.draft.run(stage, self.store, self.ids, position, slots, self.inv_t, top,
                                          self.c, u, branch=self.branch, limit=self.fork_pos)
         self.tokens.append(token)  # [B, MQ]
         self.probs.append(prob)  # [B, MQ, V]

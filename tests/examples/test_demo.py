@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import saguaro
-from saguaro.errors import SaguaroError
+from saguaro.core.errors import SaguaroError
 from tests.models import tiny_target, truncated_draft
 from tests.tiny_tokenizer import tiny_tokenizer
 

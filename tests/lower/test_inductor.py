@@ -10,6 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import saguaro
+from saguaro.core.stages import TARGET_VERIFY
 from saguaro.capture.attention_op import ATTENTION_OP
 from saguaro.passes.lower_attention import attention_inline
 from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
@@ -37,7 +38,7 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
         assert torch.equal(got.sequences, want.sequences), f"inductor sampled {mode} differs from eager"
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] >= 6  # the stages really went through dynamo
-    verify = compiled.target.stage("verify_greedy").gm  # inductor compiles the attention math inline
+    verify = compiled.target.stage(TARGET_VERIFY.greedy).gm  # inductor compiles the attention math inline
     targets = [n.target for n in verify.graph.nodes if n.op == "call_function"]
     assert attention_inline in targets and ATTENTION_OP not in targets
     compiled.close()

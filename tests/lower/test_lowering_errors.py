@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from saguaro.errors import SaguaroError
+from saguaro.core.errors import SaguaroError
 from saguaro.lower import lower_graph
 
 

@@ -19,11 +19,11 @@ def test_inductor_pads_prompts_and_capacities_to_buckets_and_eager_does_not():
     eager = saguaro.compile(target, draft, k=3, mode="sd", backend="eager")
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [0, 0, 4, 5, 6, 7, 8]])
     mask = torch.tensor([[1] * 7, [0, 0, 1, 1, 1, 1, 1]])
-    padded_ids, padded_mask = inductor._pad_to_bucket(ids, mask)
+    padded_ids, padded_mask = inductor.shapes.pad_prompt(ids, mask, inductor.pad_token_id)
     assert padded_ids.shape == (2, PROMPT_BUCKET) and padded_mask.shape == (2, PROMPT_BUCKET)
     assert torch.equal(padded_ids[:, -7:], ids) and torch.equal(padded_mask[:, -7:], mask)
     assert not bool(padded_mask[:, :-7].any())  # the added columns are masked padding
-    same_ids, same_mask = eager._pad_to_bucket(ids, mask)
+    same_ids, same_mask = eager.shapes.pad_prompt(ids, mask, eager.pad_token_id)
     assert same_ids is ids and same_mask is mask
     for mode in ("sd", "ssd"):
         capacity = inductor._store_capacity(PROMPT_BUCKET, 20, mode)

@@ -33,9 +33,11 @@ def prefilled_store(spec, prompt):
     return store
 
 
-def call(gm, store, ids, index, *extra, branch=None, limit=None):
+def call(gm, store, ids, index, *extra, branch=None, limit=None, slots=None):
+    """Run ``gm`` on ``ids`` at positions ``index``, written to ``slots`` (default: the positions)."""
     branch = torch.zeros_like(index) if branch is None else branch
     limit = index if limit is None else limit
-    store.claim(index, index, branch)
-    return gm(ids, index, index, branch, limit, store.slot_pos, store.slot_branch, *store.k_caches,
+    slots = index if slots is None else slots
+    store.claim(slots, index, branch)
+    return gm(ids, index, slots, branch, limit, store.slot_pos, store.slot_branch, *store.k_caches,
               *store.v_caches, *extra)

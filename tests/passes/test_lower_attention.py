@@ -8,7 +8,8 @@ import torch
 from saguaro.capture.attention_op import ATTENTION_OP
 from saguaro.passes.graph_splice import PassError
 from saguaro.passes.lower_attention import attention_flex, attention_inline, flex_block_mask, lower_attention
-from saguaro.passes.pipeline import STAGES, build_stage
+from saguaro.core.stages import stage_named
+from saguaro.passes.pipeline import build_stage
 from tests.passes.stage_helpers import base_graph, call, count, prefilled_store
 
 PROMPT = torch.tensor([[5, 9, 17, 33, 41], [7, 7, 3, 90, 12]])
@@ -21,8 +22,8 @@ def spec_index():
 
 def test_inline_rewrites_every_attention_node_and_op_keeps_them():
     _, captured = base_graph()
-    kept = build_stage(captured.graph_module, "verify_greedy", 8, attention="op")
-    inlined = build_stage(captured.graph_module, "verify_greedy", 8, attention="inline")
+    kept = build_stage(captured.graph_module, stage_named("target.verify_greedy"), 8, attention="op")
+    inlined = build_stage(captured.graph_module, stage_named("target.verify_greedy"), 8, attention="inline")
     assert count(kept, ATTENTION_OP) == 2 and count(kept, attention_inline) == 0
     assert count(inlined, ATTENTION_OP) == 0 and count(inlined, attention_inline) == 2
     assert len(inlined.graph.nodes) == len(kept.graph.nodes)  # a one-for-one rewrite
@@ -30,7 +31,7 @@ def test_inline_rewrites_every_attention_node_and_op_keeps_them():
 
 def test_flex_builds_one_block_mask_and_drops_the_additive_mask():
     _, captured = base_graph()
-    for stage in ("verify_greedy", "tree_greedy"):
+    for stage in map(stage_named, ("target.verify_greedy", "draft.tree_greedy")):
         kept = build_stage(captured.graph_module, stage, 8, attention="op")
         flex = build_stage(captured.graph_module, stage, 8, attention="flex")
         assert count(flex, ATTENTION_OP) == 0 and count(flex, attention_flex) == 2
@@ -44,17 +45,17 @@ def test_flex_builds_one_block_mask_and_drops_the_additive_mask():
 def stage_results(stage, implementation):
     """Outputs of ``stage`` on a prefilled store, and the KV caches it left."""
     _, captured = base_graph()
-    spec = STAGES[stage]
-    gm = build_stage(captured.graph_module, stage, 8, attention=implementation)
+    spec = stage_named(stage)
+    gm = build_stage(captured.graph_module, spec, 8, attention=implementation)
     store = prefilled_store(captured.spec, PROMPT)
     if spec.mask == "tree":  # two branches forked after the prompt, one token deep
         ids, index = SPEC[:, :2], torch.tensor([[5, 6], [5, 6]])
         out = call(gm, store, ids, index, branch=torch.tensor([[1, 2], [1, 2]]),
                    limit=torch.tensor([[4, 4], [4, 4]]))
-    elif stage == "glue":
+    elif stage == "draft.glue":
         extra = (SPEC[:, 1:], torch.tensor([0, 1, 3]), torch.tensor([0, 0, 0]))
         out = call(gm, store, SPEC, spec_index(), *extra)
-    elif stage == "verify_greedy":
+    elif stage == "target.verify_greedy":
         out = call(gm, store, SPEC, spec_index(), SPEC[:, 1:])
     else:
         out = call(gm, store, SPEC[:, :1], spec_index()[:, :1])
@@ -62,7 +63,7 @@ def stage_results(stage, implementation):
 
 
 @pytest.mark.parametrize("implementation", ["inline", "flex"])
-@pytest.mark.parametrize("stage", ["verify_greedy", "glue", "tree_greedy", "step_greedy"])
+@pytest.mark.parametrize("stage", ["target.verify_greedy", "draft.glue", "draft.tree_greedy", "draft.step_greedy"])
 def test_lowered_attention_gives_the_op_outputs_and_kv_writes(stage, implementation):
     op_out, op_caches = stage_results(stage, "op")
     out, caches = stage_results(stage, implementation)
@@ -83,7 +84,7 @@ def test_lowered_attention_gives_the_op_outputs_and_kv_writes(stage, implementat
 
 def test_lower_attention_rejects_unknown_implementations_and_lowered_graphs():
     _, captured = base_graph()
-    gm = build_stage(captured.graph_module, "step_greedy", 8, attention="inline")
+    gm = build_stage(captured.graph_module, stage_named("draft.step_greedy"), 8, attention="inline")
     with pytest.raises(ValueError, match="implementation='flash' is not allowed: choose one of op, inline"):
         lower_attention(copy.deepcopy(gm), "flash")
     with pytest.raises(PassError, match="no saguaro::attention node"):

@@ -10,10 +10,11 @@ from saguaro.capture.attention_op import ATTENTION_OP, MASK_OP
 from saguaro.passes.fuse_fork import fuse_fork
 from saguaro.passes.fuse_sampling import fuse_sampling
 from saguaro.passes.fuse_verification import fuse_verification
-from saguaro.passes.pipeline import STAGES, build_stage
+from saguaro.core.stages import DRAFT_GLUE, DRAFT_STEP, DRAFT_TREE, STAGES, TARGET_PREFILL, TARGET_VERIFY
+from saguaro.passes.pipeline import build_stage
 from saguaro.passes.specialize_attention import specialize_attention
-from saguaro.runtime import sampling, verification
-from saguaro.runtime.fork import branch_layout, fork_with_ranks
+from saguaro.tensor_math import sampling, verification
+from saguaro.tensor_math.fork import branch_layout, fork_with_ranks
 from tests.passes.stage_helpers import base_graph, call, count, prefilled_store
 
 PROMPT = torch.tensor([[5, 9, 17, 33, 41], [7, 7, 3, 90, 12]])
@@ -39,6 +40,8 @@ def test_flat_signature_and_one_attention_node_per_layer():
 
 @pytest.mark.parametrize("kind", ["causal", "tree"])
 def test_specialize_attention_rewrites_the_mask_node_and_keeps_results(kind):
+    """The specialised graph's logits over ``[r, x_1..x_3]`` (all on the shared branch) equal the HF
+    model's own forward over prompt + speculation: an oracle that shares no mask code with Saguaro."""
     model, captured = base_graph()
     before = fresh(captured.graph_module)
     after = specialize_attention(fresh(captured.graph_module), kind)
@@ -49,36 +52,71 @@ def test_specialize_attention_rewrites_the_mask_node_and_keeps_results(kind):
         assert "query_branch" not in used and "query_limit" not in used
     else:
         assert {"query_branch", "query_limit"} <= used
-    for graph in (before, after):
-        store = prefilled_store(captured.spec, PROMPT)
-        logits = call(graph, store, SPEC, spec_index())[0]
-        if graph is before:
-            expected = logits
-    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    store = prefilled_store(captured.spec, PROMPT)
+    logits = call(after, store, SPEC, spec_index())[0]  # [2, 4, V]
+    with torch.no_grad():
+        expected = model(torch.cat([PROMPT, SPEC], 1)).logits[:, PROMPT.shape[1]:]  # [2, 4, V]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_tree_mask_matches_generic_mask_on_branches():
-    """Two branches forked at glue rows 0 and 2: each sees the prefix up to its fork point and itself."""
+# The branch picture of the tree tests: prompt in slots 0..4, glue r x_1 x_2 x_3 in slots 5..8
+# (positions 5..8); branch 1 forks at glue row 0 (after r), branch 2 at glue row 2 (after x_2).
+FORK_ROWS = (0, 2)
+TREE_TOKENS = torch.tensor([[40, 41], [50, 51]])  # [B, 2]: the branches' first tree tokens c
+
+
+def dense_tree_mask(depth: int) -> torch.Tensor:
+    """The tree mask of depth ``depth`` (1 or 2) written out by hand from the picture: ``[2 queries, 13
+    slots]``. Branch β sees the prompt, the glue up to its fork row, and its own tree slots (depth-1
+    slots 9 and 10, depth-2 slots 11 and 12)."""
+    rows = []
+    for beta, j in enumerate(FORK_ROWS):
+        visible = list(range(0, 5 + j + 1)) + [9 + beta] + ([11 + beta] if depth == 2 else [])
+        rows.append([slot in visible for slot in range(13)])
+    return torch.tensor(rows)
+
+
+def test_tree_mask_equals_the_dense_mask_drawn_by_hand():
+    from saguaro.capture.attention_op import tree_bias
+
     _, captured = base_graph()
-    generic = fresh(captured.graph_module)
-    tree = build_stage(captured.graph_module, "tree_greedy", 8)
-    outs = []
-    for graph in (generic, tree):
-        store = prefilled_store(captured.spec, PROMPT)
-        call(generic, store, SPEC, spec_index())  # the glue: r, x_1..x_3 in slots 5..8
-        ids = torch.tensor([[40, 41], [50, 51]])
-        fork = torch.tensor([[5, 7], [5, 7]])  # positions of x_0 = r and x_2
-        slots = torch.tensor([[9, 10], [9, 10]])
-        out = call(graph, store, ids, fork + 1, branch=torch.tensor([[1, 2], [1, 2]]), limit=fork)
-        store.claim(slots, fork + 1, torch.tensor([[1, 2], [1, 2]]))
-        outs.append(out)
-    (tokens,) = outs[1]
-    assert torch.equal(tokens, outs[0][0].argmax(-1))
+    store = prefilled_store(captured.spec, PROMPT)
+    call(captured.graph_module, store, SPEC, spec_index())  # the glue
+    fork = torch.tensor([[5 + j for j in FORK_ROWS]] * 2)  # [B, 2]: positions of the fork tokens
+    branch = torch.tensor([[1, 2], [1, 2]])
+    for depth in (1, 2):
+        slots = torch.tensor([[9, 10], [9, 10]]) + 2 * (depth - 1)  # [B, 2]
+        store.claim(slots, fork + depth, branch)
+        bias = tree_bias(slots, fork + depth, branch, fork, store.slot_pos, store.slot_branch, 0, 1,
+                         torch.float32)  # [B, 1, 2, S]
+        allowed = bias[:, 0, :, :13] == 0  # [B, 2, 13]
+        for b in range(2):
+            assert torch.equal(allowed[b], dense_tree_mask(depth)), f"row {b}, depth {depth}"
+        assert bool((bias[:, 0, :, 13:] == float("-inf")).all())  # nothing beyond the tree slots
+
+
+def test_tree_stage_equals_the_model_on_each_branch_sequence():
+    """Each branch's next token from the tree stage equals the HF model's greedy choice after that
+    branch's own sequence (prompt, glue up to the fork, the branch's token)."""
+    model, captured = base_graph()
+    tree = build_stage(captured.graph_module, DRAFT_TREE.greedy, 8)
+    store = prefilled_store(captured.spec, PROMPT)
+    call(captured.graph_module, store, SPEC, spec_index())  # the glue: r, x_1..x_3 in slots 5..8
+    fork = torch.tensor([[5 + j for j in FORK_ROWS]] * 2)
+    branch = torch.tensor([[1, 2], [1, 2]])
+    (tokens,) = call(tree, store, TREE_TOKENS, fork + 1, branch=branch, limit=fork,
+                     slots=torch.tensor([[9, 10], [9, 10]]))
+    for b in range(2):
+        for beta, j in enumerate(FORK_ROWS):
+            sequence = torch.cat([PROMPT[b], SPEC[b, :j + 1], TREE_TOKENS[b, beta:beta + 1]])[None]
+            with torch.no_grad():
+                expected = model(sequence).logits[0, -1].argmax()
+            assert int(tokens[b, beta]) == int(expected), f"row {b}, branch {beta + 1}"
 
 
 def test_fuse_verification_outputs_accepted_and_next_only():
     model, captured = base_graph()
-    gm = fuse_verification(specialize_attention(fresh(captured.graph_module), "causal"), sampled=False)
+    gm = fuse_verification(specialize_attention(fresh(captured.graph_module), "causal"), TARGET_VERIFY.greedy)
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     assert len(out_node.args[0]) == 2
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"][-1] == "draft_tokens"
@@ -92,7 +130,7 @@ def test_fuse_verification_outputs_accepted_and_next_only():
 
 def test_fuse_verification_sampled_equals_eager_function():
     model, captured = base_graph()
-    gm = build_stage(captured.graph_module, "verify_sampled", 8)
+    gm = build_stage(captured.graph_module, TARGET_VERIFY.sampled, 8)
     gen = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(2, 3, 128, generator=gen), -1)
     accept_u, resample_u = verification.verification_uniforms(2, 3, gen, "cpu")
@@ -107,7 +145,7 @@ def test_fuse_verification_sampled_equals_eager_function():
 
 def test_fuse_fork_returns_candidates_and_ranked_rows():
     model, captured = base_graph()
-    gm = fuse_fork(specialize_attention(fresh(captured.graph_module), "causal"), 8)
+    gm = fuse_fork(specialize_attention(fresh(captured.graph_module), "causal"), DRAFT_GLUE, 8)
     rows, ranks = branch_layout([2, 1, 0, 3])
     store = prefilled_store(captured.spec, PROMPT)
     candidates, ranked = call(gm, store, SPEC, spec_index(), SPEC[:, 1:], rows, ranks)
@@ -122,10 +160,13 @@ def test_fuse_fork_returns_candidates_and_ranked_rows():
                 assert int(candidates[b, i]) != int(SPEC[b, j + 1])
 
 
+STAGE_OF_EPILOGUE = {"last": TARGET_PREFILL, "step_greedy": DRAFT_STEP.greedy, "step_sampled": DRAFT_STEP.sampled}
+
+
 @pytest.mark.parametrize("epilogue", ["last", "step_greedy", "step_sampled"])
 def test_fuse_sampling_epilogues_equal_eager_functions(epilogue):
     model, captured = base_graph()
-    gm = fuse_sampling(specialize_attention(fresh(captured.graph_module), "causal"), epilogue)
+    gm = fuse_sampling(specialize_attention(fresh(captured.graph_module), "causal"), STAGE_OF_EPILOGUE[epilogue])
     store = prefilled_store(captured.spec, PROMPT)
     extra = (torch.tensor(1.25), torch.tensor([0.3, 0.9])) if epilogue == "step_sampled" else ()
     got = call(gm, store, SPEC, spec_index(), *extra)
@@ -142,9 +183,9 @@ def test_fuse_sampling_epilogues_equal_eager_functions(epilogue):
 
 def test_every_stage_builds_and_keeps_its_kv_writes():
     _, captured = base_graph()
-    for name in STAGES:
-        gm = build_stage(captured.graph_module, name, 8)
-        assert count(gm, ATTENTION_OP) == 2, f"{name} lost an attention node (its KV writes)"
+    for stage in STAGES:
+        gm = build_stage(captured.graph_module, stage, 8)
+        assert count(gm, ATTENTION_OP) == 2, f"{stage.qualified} lost an attention node (its KV writes)"
         assert count(gm, MASK_OP) == 0
 
 
@@ -152,8 +193,8 @@ def test_pass_failures_name_the_fx_node():
     from saguaro.passes.graph_splice import PassError
 
     _, captured = base_graph()
-    gm = build_stage(captured.graph_module, "verify_greedy", 8)
+    gm = build_stage(captured.graph_module, TARGET_VERIFY.greedy, 8)
     with pytest.raises(PassError, match="FX node 'output'.*only the logits"):
-        fuse_verification(gm, sampled=False)  # its epilogue is already spliced
+        fuse_verification(gm, TARGET_VERIFY.greedy)  # its epilogue is already spliced
     with pytest.raises(PassError, match="no saguaro::attention_mask node"):
         specialize_attention(gm, "causal")

@@ -61,8 +61,8 @@ def test_dead_draft_process_finishes_with_sd():
     try:
         first = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
         assert torch.equal(first.sequences, expected) and first.stats["lane"] == "process"
-        program._draft_lane().process.kill()
-        program._draft_lane().process.join()
+        program.lanes.lane().process.kill()
+        program.lanes.lane().process.join()
         with pytest.warns(RuntimeWarning, match="dead.*SD"):
             out = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
         assert torch.equal(out.sequences, expected) and out.stats["lane_failures"] == 1
@@ -78,7 +78,7 @@ def test_auto_lane_is_the_process_lane_for_eager_on_cpu_and_the_thread_lane_for_
 
 
 def test_a_lane_that_cannot_start_falls_back_to_sd(monkeypatch):
-    from saguaro.runtime import lanes, program as program_module
+    from saguaro.runtime import lane_owner, lanes
 
     target, draft, _ = tiny_pair("llama")
     program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread")
@@ -86,7 +86,7 @@ def test_a_lane_that_cannot_start_falls_back_to_sd(monkeypatch):
     def broken(*args, **kwargs):
         raise lanes.DraftLaneError("draft process exited during start-up (exit code 1)")
 
-    monkeypatch.setattr(program_module, "ThreadLane", broken)
+    monkeypatch.setattr(lane_owner, "ThreadLane", broken)
     ids, mask = prompts(1, 6, seed=8)
     with pytest.warns(RuntimeWarning, match="start-up.*generating with SD"):
         out = program.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None)

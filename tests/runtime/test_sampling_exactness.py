@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import saguaro
-from saguaro.runtime import verification
+from saguaro.tensor_math import verification
 from tests.models import tiny_target, truncated_draft
 from tests.stats_util import chi_square_pvalue
 

@@ -67,7 +67,7 @@ def test_fork_excludes_the_speculated_token_and_ranks_by_draft_probability():
 
 def test_cached_sampled_branches_carry_their_true_distributions():
     """At temperature > 0 with Saguaro sampling, each cached distribution is q' of the fresh q."""
-    from saguaro.runtime.fork import saguaro_distribution
+    from saguaro.tensor_math.fork import saguaro_distribution
 
     fan_out = (2, 1, 1, 3)
     draft_model, prompt, spec, cache = prepare("llama", temperature=0.8, saguaro_c=0.5, fan_out=fan_out)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import saguaro
-from saguaro.runtime import verification
+from saguaro.tensor_math import verification
 from tests.models import tiny_target, truncated_draft
 from tests.runtime.test_sampling_exactness import greedy_comparison_verifier
 from tests.stats_util import chi_square_pvalue

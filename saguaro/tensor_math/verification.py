@@ -1,6 +1,6 @@
 """Verification and sampling math: plain tensor functions, shared by the runtime and the passes.
 
-Exactness rules (DESIGN.md §1):
+Exactness rules (``docs/design.md``, "Losslessness"):
 * temperature 0: accept the longest prefix of draft tokens equal to the target's argmax; the next
   token is the target's argmax after it.
 * temperature > 0: accept ``x_i`` with probability ``min(1, p(x_i) / q(x_i))`` where ``q`` is the

@@ -5,7 +5,7 @@ import pytest
 
 import saguaro
 from saguaro.runtime import tree
-from saguaro.schedule import critical_path, expected_overlap, lane_order, round_schedule
+from saguaro.core.schedule import critical_path, expected_overlap, lane_order, round_schedule
 from tests.conftest import tiny_pair
 from tests.models import prompts
 
@@ -16,14 +16,15 @@ def test_ssd_round_structure():
     assert lane_order(g, "draft") == ["draft.glue", "draft.tree.1", "draft.tree.2", "draft.tree.3", "fallback"]
     assert lane_order(g, "target") == ["target.verify"]
     assert set(g.predecessors("match")) == {"target.verify", "draft.tree.3"}
-    assert g.nodes["draft.glue"]["stage"] == "draft.glue" and g.nodes["draft.tree.2"]["stage"] == "draft.tree_greedy"
+    assert g.nodes["draft.glue"]["stage"].qualified == "draft.glue"
+    assert g.nodes["draft.tree.2"]["stage"].qualified == "draft.tree_greedy" and g.nodes["draft.tree.2"]["depth"] == 2
     assert "a" in g.nodes["target.verify"]["outputs"]
 
 
 def test_sd_round_is_a_chain_into_verify():
     g = round_schedule("sd", 4, sampled=True)
     assert list(nx.topological_sort(g)) == [f"draft.step.{i}" for i in range(1, 5)] + ["target.verify"]
-    assert g.nodes["target.verify"]["stage"] == "target.verify_sampled"
+    assert g.nodes["target.verify"]["stage"].qualified == "target.verify_sampled"
 
 
 def test_critical_path_and_overlap_follow_costs():
@@ -45,7 +46,7 @@ def test_runtime_builds_in_schedule_order(monkeypatch):
     real_glue, real_depth = tree.TreeBuild.glue, tree.TreeBuild.depth
     monkeypatch.setattr(tree.TreeBuild, "glue", lambda self: (seen.append("draft.glue"), real_glue(self))[1])
     monkeypatch.setattr(tree.TreeBuild, "depth",
-                        lambda self, d: (seen.append(f"draft.tree.{d}"), real_depth(self, d))[1])
+                        lambda self, d, stage: (seen.append(f"draft.tree.{d}"), real_depth(self, d, stage))[1])
     ids, mask = prompts(1, 6, seed=1)
     out = program.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
     assert seen[:4] == ["draft.glue", "draft.tree.1", "draft.tree.2", "draft.tree.3"]

@@ -2,7 +2,7 @@
 
 import torch
 
-from saguaro.runtime.verification import one_hot_proposal, verify_speculation
+from saguaro.tensor_math.verification import one_hot_proposal, verify_speculation
 from tests.stats_util import chi_square_pvalue
 
 

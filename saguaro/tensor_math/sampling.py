@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from saguaro.runtime.fork import saguaro_scaled
-from saguaro.runtime.verification import sample_inverse_cdf
+from saguaro.tensor_math.fork import saguaro_scaled
+from saguaro.tensor_math.verification import sample_inverse_cdf
 
 
 def last_logits(logits: torch.Tensor) -> torch.Tensor:

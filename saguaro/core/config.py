@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from saguaro.errors import ConfigError
+from saguaro.core.errors import ConfigError
 
 MODES = ("ar", "sd", "ssd")
 BACKENDS = ("eager", "inductor")

@@ -1,0 +1,119 @@
+"""The schedule: a ``networkx`` DAG of one round's stages, their lanes and data dependencies.
+
+Nodes carry ``lane`` (``target``/``draft``/``host``), ``stage`` (the :class:`~saguaro.core.stages.Stage`
+it calls, if any), ``depth`` (tree depth, 1-based, for tree nodes), ``inputs``/``outputs`` (names of
+the values it reads and writes) and ``cost`` (seconds, measured per stage call; 1 ms before anything
+is measured). Edges are data dependencies. The runtime executes each lane's nodes in the topological
+order this DAG yields; the critical path and the expected overlap are computed from it.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from saguaro.core.config import MODES
+from saguaro.core.stages import DRAFT_GLUE, DRAFT_STEP, DRAFT_TREE, TARGET_STEP, TARGET_VERIFY, Stage
+
+DEFAULT_COST_S = 1e-3
+MATCH, FALLBACK = "match", "fallback"  # the host's lookup of the outcome, and the draft's work on a miss
+
+
+def node_name(stage: Stage, index: int | None = None) -> str:
+    """``model.family`` (``target.verify``), with ``.index`` for repeated calls (``draft.tree.2``)."""
+    base = f"{stage.model}.{stage.family}"
+    return base if index is None else f"{base}.{index}"
+
+
+def _add(g, name, lane, stage, inputs, outputs, costs, **attrs):
+    key = stage.qualified if stage is not None else name
+    g.add_node(name, lane=lane, stage=stage, inputs=tuple(inputs), outputs=tuple(outputs),
+               cost=costs.get(key, DEFAULT_COST_S), **attrs)
+
+
+def round_schedule(mode: str, k: int, sampled: bool = False, costs: dict | None = None) -> nx.DiGraph:
+    """The DAG of one round of ``mode`` (``ar``, ``sd`` or ``ssd``) with speculation length ``k``.
+
+    ``costs`` maps ``stage.qualified`` (and ``"match"``) to seconds per call."""
+    temperature = 1.0 if sampled else 0.0
+    g = nx.DiGraph(mode=mode, k=k)
+    costs = costs or {}
+    if mode == "ar":
+        _add(g, node_name(TARGET_STEP), "target", TARGET_STEP, ["r"], ["r'"], costs)
+        return g
+    verify, step = TARGET_VERIFY.at(temperature), DRAFT_STEP.at(temperature)
+    speculation = ["r"] + [f"x{i}" for i in range(1, k + 1)]
+    if mode == "sd":
+        previous = "r"
+        for i in range(1, k + 1):
+            _add(g, node_name(step, i), "draft", step, [previous], [f"x{i}"], costs)
+            if i > 1:
+                g.add_edge(node_name(step, i - 1), node_name(step, i))
+            previous = f"x{i}"
+        _add(g, node_name(verify), "target", verify, speculation, ["a", "r'"], costs)
+        g.add_edge(node_name(step, k), node_name(verify))
+        return g
+    if mode != "ssd":
+        raise ValueError(f"mode={mode!r} is not allowed: choose one of {', '.join(MODES)}")
+    tree = DRAFT_TREE.at(temperature)
+    _add(g, node_name(verify), "target", verify, speculation, ["a", "r'"], costs)
+    _add(g, node_name(DRAFT_GLUE), "draft", DRAFT_GLUE, speculation, ["candidates", "ranked", "glue_kv"], costs)
+    previous = node_name(DRAFT_GLUE)
+    for depth in range(1, k + 1):
+        name = node_name(tree, depth)
+        _add(g, name, "draft", tree, [f"tree_in.{depth}"], [f"tree_out.{depth}"], costs, depth=depth)
+        g.add_edge(previous, name)
+        previous = name
+    _add(g, MATCH, "host", None, ["a", "r'", "candidates", f"tree_out.{k}"], ["hit", "next_speculation"], costs)
+    g.add_edge(node_name(verify), MATCH)
+    g.add_edge(previous, MATCH)
+    _add(g, FALLBACK, "draft", step, ["hit", "r'"], ["next_speculation"], costs)
+    g.add_edge(MATCH, FALLBACK)
+    return g
+
+
+def build_steps(g: nx.DiGraph) -> list[str]:
+    """The draft lane's cache-building nodes in order (everything on the draft lane but the fallback)."""
+    return [n for n in lane_order(g, "draft") if n != FALLBACK]
+
+
+def lane_order(g: nx.DiGraph, lane: str) -> list[str]:
+    """The nodes of ``lane`` in the topological order of the DAG (ties broken by name)."""
+    return [n for n in nx.lexicographical_topological_sort(g) if g.nodes[n]["lane"] == lane]
+
+
+def serialized(g: nx.DiGraph) -> nx.DiGraph:
+    """``g`` plus edges that chain each lane's nodes: one lane runs one node at a time."""
+    s = g.copy()
+    for lane in {d["lane"] for _, d in g.nodes(data=True)}:
+        order = lane_order(g, lane)
+        s.add_edges_from(zip(order, order[1:]))
+    return s
+
+
+def critical_path(g: nx.DiGraph, on_hit: bool = True) -> tuple[list[str], float]:
+    """The longest cost-weighted path through the lane-serialised DAG, and its length in seconds.
+
+    ``on_hit`` drops the fallback node: on a cache hit the next speculation needs no draft work.
+    """
+    s = serialized(g)
+    if on_hit and FALLBACK in s:
+        s.remove_node(FALLBACK)
+    best, best_path = {}, {}
+    for node in nx.topological_sort(s):
+        preds = list(s.predecessors(node))
+        start = max((best[p] for p in preds), default=0.0)
+        parent = max(preds, key=lambda p: best[p], default=None)
+        best[node] = start + s.nodes[node]["cost"]
+        best_path[node] = (best_path[parent] if parent else []) + [node]
+    end = max(best, key=best.get)
+    return best_path[end], best[end]
+
+
+def expected_overlap(g: nx.DiGraph) -> float:
+    """Share of the draft lane's work hidden behind the target on a hit: 1 when it costs nothing."""
+    draft = sum(d["cost"] for n, d in g.nodes(data=True) if d["lane"] == "draft" and n != FALLBACK)
+    if draft == 0:
+        return 1.0
+    total = sum(d["cost"] for n, d in g.nodes(data=True) if n != FALLBACK)
+    _, length = critical_path(g)
+    return max(0.0, min(1.0, (total - length) / draft))
