@@ -22,8 +22,11 @@ class SaguaroConfig:
     mode: ``"ar"`` (target alone), ``"sd"`` (speculative decoding) or ``"ssd"``.
     backend: ``"eager"`` (the captured GraphModules) or ``"inductor"`` (``torch.compile``).
     fallback: on an SSD cache miss, ``"neural"``, ``"fast"`` or ``"auto"``.
-    fan_out: int (uniform; 0 disables the tree), a list of ``k+1`` ints, or ``"geometric"``.
-    fan_out_budget: total branches ``MQ``; default ``3·(k+1)``.
+    fan_out: ``"auto"`` (the planner, :mod:`saguaro.runtime.planner`, picks each round's branch count
+        among the multiples of ``k+1`` up to the budget, 0 meaning an SD round, and its fan-out from
+        measured costs and outcomes), ``"geometric"`` (always the whole budget, split geometrically),
+        an int (uniform; 0 disables the tree) or a list of ``k+1`` ints.
+    fan_out_budget: total branches ``MQ`` (for ``"auto"``, the most a round may use); default ``3·(k+1)``.
     saguaro_c: Saguaro sampling down-weighting constant in (0, 1]; 1 disables it.
     max_seq_len: the most tokens (prompt + new) per sequence; default the target's maximum positions.
         The KV store also holds each round's speculation slots (and SSD's tree scratch), and with
@@ -47,7 +50,7 @@ class SaguaroConfig:
     mode: str = "sd"
     backend: str = "eager"
     fallback: str = "auto"
-    fan_out: object = "geometric"
+    fan_out: object = "auto"
     fan_out_budget: int | None = None
     saguaro_c: float = 1.0
     max_seq_len: int | None = None
@@ -80,7 +83,7 @@ class SaguaroConfig:
 
     def _check_fan_out(self):
         f = self.fan_out
-        if f == "geometric":
+        if f in ("auto", "geometric"):
             return
         if isinstance(f, int) and not isinstance(f, bool):
             if f < 0:
@@ -91,7 +94,7 @@ class SaguaroConfig:
                 raise ConfigError(
                     f"fan_out={list(f)!r} is not allowed: a list fan-out needs k+1={self.k + 1} non-negative ints")
             return
-        raise ConfigError(f"fan_out={f!r} is not allowed: use an int, a list of k+1 ints, or 'geometric'")
+        raise ConfigError(f"fan_out={f!r} is not allowed: use 'auto', 'geometric', an int, or a list of k+1 ints")
 
     @property
     def budget(self) -> int:

@@ -23,7 +23,8 @@ def decode_ar(target: ModelRunner, state: DecodeState) -> None:
                                index)  # [B, V]
         counters.verify_s += since(started)
         token, _ = sample_tokens(logits, state.temperature, state.generator)
-        active = seqs.active.clone()
+        decided = [1] * int(seqs.active.sum())
         seqs.append(token[:, None], torch.ones_like(token))
-        counters.accepted_lengths.extend([1] * int(active.sum()))
+        counters.accepted_lengths.extend(decided)
         counters.rounds += 1
+        counters.end_round(since(started), decided)

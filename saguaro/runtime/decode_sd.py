@@ -51,12 +51,15 @@ def verify(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor,
 
 
 def commit(state: DecodeState, draft_tokens: torch.Tensor, accepted: torch.Tensor,
-           next_token: torch.Tensor) -> None:
-    """Append ``x_1..x_a, r'`` to each active row and record the accepted length."""
+           next_token: torch.Tensor) -> list:
+    """Append ``x_1..x_a, r'`` to each active row and record the accepted length; returns the tokens
+    decided per active row."""
     active = state.seqs.active.clone()
     state.seqs.append(verification.outcome_tokens(draft_tokens, accepted, next_token), accepted + 1)
-    state.counters.accepted_lengths.extend((accepted[active] + 1).tolist())
+    decided = (accepted[active] + 1).tolist()
+    state.counters.accepted_lengths.extend(decided)
     state.counters.rounds += 1
+    return decided
 
 
 def decode_sd(target: ModelRunner, draft: ModelRunner, state: DecodeState) -> None:
@@ -66,4 +69,4 @@ def decode_sd(target: ModelRunner, draft: ModelRunner, state: DecodeState) -> No
         draft_tokens, draft_probs = draft_speculation(draft, state)
         state.counters.draft_s += since(started)
         accepted, next_token = verify(target, state, draft_tokens, draft_probs)
-        commit(state, draft_tokens, accepted, next_token)
+        state.counters.end_round(since(started), commit(state, draft_tokens, accepted, next_token))

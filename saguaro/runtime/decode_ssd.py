@@ -47,14 +47,16 @@ def ssd_round(target: ModelRunner, state: DecodeState, lane, speculation: Specul
     once every row has finished)."""
     seqs, counters = state.seqs, state.counters
     active = seqs.active.clone()
+    round_started = time.perf_counter()
     # the draft lane builds the speculation cache for this speculation ...
     lane.post("build")
     # ... while the target verifies it
     verify_before = counters.verify_s
     accepted, next_token = verify(target, state, speculation.tokens, speculation.probs)  # [B], [B]
-    commit(state, speculation.tokens, accepted, next_token)
+    decided = commit(state, speculation.tokens, accepted, next_token)
     _count_by_source(counters, speculation.source, accepted, active)
     if seqs.all_finished():
+        counters.end_round(since(round_started), decided)
         return None
     # the outcome (a, r') against the cache: waits for what is left of the build
     started = time.perf_counter()
@@ -63,12 +65,14 @@ def ssd_round(target: ModelRunner, state: DecodeState, lane, speculation: Specul
     missed = seqs.active & ~lookup.hit  # [B]
     _count_lookup(counters, lookup.hit & seqs.active, accepted, seqs.active)
     if not bool(missed.any()):
+        counters.end_round(since(round_started), decided)
         return lookup.speculation  # every row hit: no draft latency on the critical path
     # a miss: the draft decodes now (neural) or a free n-gram proposal (fast)
     started = time.perf_counter()
     fallen_back = lane.call("fallback", missed)
     counters.fallback_s += since(started)
     counters.fallbacks[fallen_back.fallback_kind] += int(missed.sum())
+    counters.end_round(since(round_started), decided)
     return fallen_back
 
 

@@ -22,6 +22,7 @@ from saguaro.runtime import tree
 from saguaro.runtime.fallback import FallbackPolicy, fast_fallback, neural_fallback
 from saguaro.runtime.fan_out import OutcomeEstimator, resolve_fan_out
 from saguaro.runtime.model_runner import ModelRunner
+from saguaro.runtime.planner import Planner
 from saguaro.runtime.sequences import SequenceBatch
 from saguaro.runtime.stats import SOURCES, since
 from saguaro.tensor_math.fork import ranks_from_ranked
@@ -84,6 +85,7 @@ class SpeculationServer:
         schedule = round_schedule("ssd", self.k, sampled=spec.temperature > 0)
         self.build_nodes = [schedule.nodes[n] for n in build_steps(schedule)]
         self.policy = FallbackPolicy(self.config.fallback, self.seqs.batch)
+        self.planner = self._new_planner()
         self.cache = None
         T = self.seqs.prompt_len
         index = torch.arange(T, device=spec.input_ids.device).expand(self.seqs.batch, T)
@@ -101,13 +103,23 @@ class SpeculationServer:
     def build(self) -> None:
         """Glue, fork and tree decode for the speculation under verification (overlaps the target)."""
         seqs, k = self.seqs, self.k
-        self.fan_out = resolve_fan_out(self.config.fan_out, k, self.config.budget, self.estimator, self.draft.width)
+        if self.planner is not None:
+            fast = self.policy.accepted["fast"][-32:]
+            self.fan_out = self.planner.plan(self.estimator.alpha, self.estimator.miss_function(),
+                                             self.policy.choose(), sum(fast) / len(fast) if fast else 1.0).fan_out
+        else:
+            self.fan_out = resolve_fan_out(self.config.fan_out, k, self.config.budget, self.estimator,
+                                           self.draft.width)
         index = seqs.tail_index(1) + torch.arange(k + 1, device=seqs.tokens.device)[None, :]  # [B, k+1]
         request = tree.GlueRequest(
             ids=torch.cat([seqs.gather(index[:, :1]), self.current.tokens], dim=1), index=index,
             positions=seqs.positions(index), fan_out=self.fan_out, temperature=self.temperature,
             saguaro_c=float(self.config.saguaro_c))
         self.cache = tree.build_speculations(self.draft, self.store, request, self.generator, self.build_nodes)
+        if self.planner is not None:
+            depths = self.cache.depth_s
+            self.planner.costs.observe_build(sum(self.fan_out), self.cache.glue_s,
+                                             sum(depths) / len(depths) if depths else None)
 
     def match(self, accepted: torch.Tensor, outcome: torch.Tensor, verify_s: float) -> Lookup:
         """Commit the outcome ``(a [B], r' [B])`` and look it up in the cache the last build made."""
@@ -132,6 +144,8 @@ class SpeculationServer:
             fb_tokens, fb_probs = neural_fallback(self.draft, self.store, self.seqs, rows, self.k, self.temperature,
                                                   self.generator)
             self.policy.neural_s.append(since(started))
+            if self.planner is not None:
+                self.planner.costs.observe_step(self.policy.neural_s[-1] / self.k)
         else:
             fb_tokens, fb_probs = fast_fallback(self.seqs, rows, self.k, self.vocab, self.temperature)
         tokens, probs, source = self.current.tokens.clone(), self.current.probs, self.current.source.clone()
@@ -143,6 +157,13 @@ class SpeculationServer:
         self.current = Speculation(tokens, probs, source, kind)
         return self.current
 
+    def _new_planner(self) -> Planner | None:
+        """For ``fan_out="auto"``: a planner over the multiples of ``k+1`` up to the budget (and 0)."""
+        if self.config.fan_out != "auto":
+            return None
+        budgets = list(range(0, self.config.budget + 1, self.k + 1)) + [self.config.budget]
+        return Planner(self.k, budgets, self.draft.width)
+
     def finished(self) -> bool:
         return self.seqs.all_finished()
 
@@ -151,6 +172,8 @@ class SpeculationServer:
         ranks = ranks_from_ranked(self.cache.ranked, accepted, outcome)
         self.estimator.observe(accepted[active], ranks[active])
         self.policy.verify_s.append(verify_s)
+        if self.planner is not None:
+            self.planner.costs.observe_verify(sum(self.fan_out), verify_s)
         for code, name in enumerate(SOURCES):
             rows = active & (self.current.source == code)
             if name in self.policy.accepted and bool(rows.any()):

@@ -90,6 +90,13 @@ class OutcomeEstimator:
         tail = self.rank_counts.flip(0).cumsum(0).flip(0) / total  # tail[i] = P(rank >= i)
         return tail[1:RANK_BINS + 1]
 
+    def miss_function(self):
+        """``miss(F) = (F + 1)^(−ρ')``, with ``ρ'`` the least-squares fit of the observed miss curve on
+        ``log(F + 1)`` (the prior ``ρ`` before 16 ranks): ``miss(0) = 1``, convex and decreasing, so the
+        planner's greedy allocation is optimal under it."""
+        rho = _planning_miss_fit(self)
+        return lambda f: (f + 1.0) ** (-rho)
+
     @property
     def rho(self) -> float:
         miss = self.miss_curve()
@@ -103,6 +110,18 @@ class OutcomeEstimator:
         x_c = x - x.mean()
         slope = float((x_c * (y - y.mean())).sum() / (x_c * x_c).sum().clamp_min(1e-12))
         return min(max(-slope, 0.05), 10.0)
+
+
+def _planning_miss_fit(estimator: "OutcomeEstimator") -> float:
+    miss = estimator.miss_curve()
+    if miss.numel() == 0 or estimator.rank_counts.sum() < 16:
+        return estimator.rho_prior
+    x = torch.log(torch.arange(2, miss.numel() + 2, dtype=torch.float64))  # log(F + 1), F = 1..
+    keep = miss > 0
+    if not bool(keep.any()):
+        return 10.0
+    y = torch.log(miss[keep])
+    return float(min(max(-(x[keep] * y).sum() / (x[keep] * x[keep]).sum(), 0.05), 10.0))
 
 
 def resolve_fan_out(fan_out, k: int, budget: int, estimator: OutcomeEstimator | None, cap: int) -> list[int]:

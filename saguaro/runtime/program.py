@@ -14,6 +14,7 @@ import torch
 from saguaro.core.config import MODES, SaguaroConfig
 from saguaro.core.schedule import critical_path, expected_overlap, round_schedule
 from saguaro.core.stages import DRAFT_PREFILL, TARGET_PREFILL, stages_for
+from saguaro.runtime.calibration import time_verify_alone
 from saguaro.runtime.decode_ar import decode_ar
 from saguaro.runtime.decode_sd import decode_sd
 from saguaro.runtime.decode_ssd import decode_ssd
@@ -52,6 +53,7 @@ class Program:
         self.remote_draft = remote_draft  # what a process lane rebuilds the draft side from
         self.lanes = LaneOwner(config, draft, remote_draft) if draft is not None else None
         self._variants: dict = {}
+        self._verify_alone_s: dict = {}  # (batch, capacity, sampled) -> seconds
 
     @property
     def lane_kind(self) -> str:
@@ -99,7 +101,7 @@ class Program:
     def max_branches(self) -> int:
         """The largest ``MQ`` any round may use."""
         f = self.config.fan_out
-        if f == "geometric":
+        if f in ("auto", "geometric"):
             return self.config.budget
         return (self.config.k + 1) * f if isinstance(f, int) else sum(f)
 
@@ -154,6 +156,7 @@ class Program:
             temperature=float(temperature), generator=generator, k=self.config.k)
         if mode == "ssd":
             with one_thread_per_lane(device):
+                state.counters.verify_alone_s = self._verify_alone(B, capacity, float(temperature))
                 first = self._prefill(state)
                 draft_spec = GenerateSpec(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids,
                                           self.pad_token_id, float(temperature), None if base is None else base + 1)
@@ -191,6 +194,15 @@ class Program:
         traces with ``torch.fx``, which must not overlap a lane running graphs."""
         for stage in stages_for(mode, temperature):
             self.runner(stage.model).stage(stage)
+
+    def _verify_alone(self, batch: int, capacity: int, temperature: float) -> float:
+        """The target's verify with the draft lane idle, measured once per shape (see
+        :mod:`saguaro.runtime.calibration`)."""
+        key = (batch, capacity, temperature > 0)
+        if key not in self._verify_alone_s:
+            self._verify_alone_s[key] = time_verify_alone(self.target, batch, capacity, self.config.k, temperature,
+                                                          self.target.spec.vocab_size)
+        return self._verify_alone_s[key]
 
     def _prefill(self, state: DecodeState) -> torch.Tensor:
         """Prefill the target's store (and the draft's, for SD) with the prompt and decide the first

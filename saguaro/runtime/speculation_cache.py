@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,8 @@ class SpeculationCache:
     tokens: torch.Tensor  # [B, MQ, K]
     probs: torch.Tensor | None  # [B, MQ, K, V]
     ranked: torch.Tensor  # [B, K+1, W]
+    glue_s: float = 0.0  # measured seconds of the glue that built it
+    depth_s: list = field(default_factory=list)  # measured seconds of each tree depth
 
     def match(self, accepted: torch.Tensor, outcome_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For outcomes ``(a [B], r' [B])``: ``hit [B]`` bool and the matching branch ``[B]``."""

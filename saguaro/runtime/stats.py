@@ -44,6 +44,14 @@ class Counters:
     draft_wait_s: float = 0.0
     by_source: dict = field(default_factory=lambda: {name: SourceTally() for name in SOURCES})
     lane_failures: int = 0
+    verify_alone_s: float = 0.0  # one verify with the draft lane idle (SSD's ideal round)
+    round_s: list = field(default_factory=list)  # wall seconds of each round
+    token_s: list = field(default_factory=list)  # per active row and round: round seconds / tokens decided
+
+    def end_round(self, seconds: float, decided: list) -> None:
+        """Record a round that took ``seconds`` and decided ``decided[i]`` tokens for each active row."""
+        self.round_s.append(seconds)
+        self.token_s.extend(seconds / n for n in decided)
 
     def __post_init__(self):
         self.hits_at = [0] * (self.k + 1)
@@ -54,8 +62,30 @@ class Counters:
         return sum(lengths) / len(lengths) if lengths else 0.0
 
 
+def percentile(values: list, q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values``, nearest rank; 0 for none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered) + 0.5)) - 1))]
+
+
+def latency_stats(c: "Counters", decode_s: float) -> dict:
+    """p50/p99 of round and per-token times, and the mean round split into verify, draft wait,
+    fallback, drafting (SD) and host time outside those."""
+    rounds = max(c.rounds, 1)
+    host = decode_s - c.verify_s - c.draft_wait_s - c.fallback_s - c.draft_s
+    return {
+        "round_ms_p50": 1000 * percentile(c.round_s, 50), "round_ms_p99": 1000 * percentile(c.round_s, 99),
+        "token_ms_p50": 1000 * percentile(c.token_s, 50), "token_ms_p99": 1000 * percentile(c.token_s, 99),
+        "per_round_ms": {"verify": 1000 * c.verify_s / rounds, "draft": 1000 * c.draft_s / rounds,
+                         "draft_wait": 1000 * c.draft_wait_s / rounds, "fallback": 1000 * c.fallback_s / rounds,
+                         "host": 1000 * max(host, 0.0) / rounds},
+    }
+
+
 def summarize(counters: Counters, mode: str, new_tokens: int, batch: int, wall: float, lane: str | None = None,
-              schedule: dict | None = None) -> dict:
+              schedule: dict | None = None) -> dict:  # noqa: PLR0913
     """The ``stats`` dict of :class:`~saguaro.runtime.program.GenerateOutput` (documented in the README)."""
     c = counters
     stats = {
@@ -68,11 +98,11 @@ def summarize(counters: Counters, mode: str, new_tokens: int, batch: int, wall: 
         "prefill_s": c.prefill_s,
         "verify_s": c.verify_s,
         "draft_s": c.draft_s,
-    }
+    } | latency_stats(c, wall - c.prefill_s)
     if mode != "ssd":
         return stats
-    mean_verify = c.verify_s / c.rounds if c.rounds else 0.0
-    ideal = c.mean_accepted_len * batch / mean_verify if mean_verify > 0 else 0.0  # tokens/s, draft fully hidden
+    # the ideal: every round costs one verify with the draft lane idle (the draft fully hidden)
+    ideal = c.mean_accepted_len * batch / c.verify_alone_s if c.verify_alone_s > 0 else 0.0
     misses = [c.by_source[name] for name in FALLBACK_KINDS]
     missed = SourceTally(sum(t.tokens for t in misses), sum(t.rounds for t in misses))
     return stats | {
@@ -83,6 +113,7 @@ def summarize(counters: Counters, mode: str, new_tokens: int, batch: int, wall: 
         "fallbacks": dict(c.fallbacks),
         "draft_wait_s": c.draft_wait_s,
         "fallback_s": c.fallback_s,
+        "verify_alone_s": c.verify_alone_s,
         "overlap_efficiency": stats["tokens_per_s"] / ideal if ideal > 0 else 0.0,
         "lane_failures": c.lane_failures,
         "lane": lane,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -46,13 +47,18 @@ def build_speculations(draft: ModelRunner, store: KVStore, req: GlueRequest, gen
     tree = TreeBuild(draft, store, req, generator)
     for node in nodes:
         stage = node["stage"]
+        started = time.perf_counter()
         if stage is DRAFT_GLUE:
             tree.glue()
+            tree.glue_s = time.perf_counter() - started
         elif stage in DRAFT_TREE:
             tree.depth(node["depth"], stage)
+            tree.depth_s.append(time.perf_counter() - started)
         else:
             raise ValueError(f"schedule node of stage {stage.qualified} is not a draft-lane build step")
-    return tree.cache()
+    cache = tree.cache()
+    cache.glue_s, cache.depth_s = tree.glue_s, tree.depth_s
+    return cache
 
 
 class TreeBuild:
@@ -63,6 +69,7 @@ class TreeBuild:
         self.B = req.ids.shape[0]
         self.device = req.ids.device
         self.tokens, self.probs = [], []
+        self.glue_s, self.depth_s = 0.0, []  # measured seconds of the glue and of each tree depth
 
     def glue(self) -> None:
         req, device = self.req, self.device

@@ -1,0 +1,121 @@
+"""The speculation planner against exhaustive search on synthetic cost and outcome models, and its
+choices at the extremes (a draft lane costlier than the verify gives SD rounds)."""
+
+import itertools
+
+import pytest
+import torch
+
+from saguaro.runtime.fan_out import OutcomeEstimator, outcome_probabilities
+from saguaro.runtime.planner import Planner, best_fan_out
+
+
+def power_miss(rho):
+    return lambda f: (f + 1.0) ** (-rho)
+
+
+def allocations(budget, positions, cap):
+    """Every fan-out of exactly ``budget`` branches over ``positions``, each at most ``cap``."""
+    for fan in itertools.product(range(cap + 1), repeat=positions):
+        if sum(fan) == budget:
+            yield list(fan)
+
+
+def hit_rate(probabilities, miss, fan):
+    return sum(p * (1 - miss(f)) for p, f in zip(probabilities, fan))
+
+
+@pytest.mark.parametrize("alpha,rho,k,budget,cap", [
+    (0.8, 1.0, 3, 6, 6), (0.5, 2.0, 3, 5, 3), (0.95, 0.5, 2, 7, 4), (0.3, 1.5, 4, 8, 8), (0.7, 3.0, 4, 3, 2),
+])
+def test_greedy_fan_out_equals_exhaustive_search(alpha, rho, k, budget, cap):
+    probabilities = outcome_probabilities(alpha, k)
+    miss = power_miss(rho)
+    fan, rate = best_fan_out(probabilities, miss, budget, cap)
+    best = max(hit_rate(probabilities, miss, f) for f in allocations(budget, k + 1, cap))
+    assert sum(fan) == budget and max(fan) <= cap
+    assert rate == pytest.approx(best, rel=1e-12) and hit_rate(probabilities, miss, fan) == pytest.approx(best)
+
+
+def exhaustive_plan(planner, alpha, miss, tokens_on_fast=None):
+    """The best (budget, fan-out) over every candidate budget and every allocation of it."""
+    k = planner.k
+    probabilities = outcome_probabilities(alpha, k)
+    tokens = sum(p * (j + 1) for j, p in enumerate(probabilities))
+    best = None
+    for budget in planner.budgets:
+        for fan in allocations(budget, k + 1, planner.cap):
+            hit = hit_rate(probabilities, miss, fan)
+            miss_tokens, miss_s = (tokens, k * planner.costs.step_s) if tokens_on_fast is None else (tokens_on_fast, 0)
+            round_s = planner.expected_round_s(budget, hit, miss_s)
+            rate = (hit * tokens + (1 - hit) * miss_tokens) / round_s
+            if best is None or rate > best[0] + 1e-12:
+                best = (rate, budget, fan)
+    return best
+
+
+def costed_planner(k, budgets, cap, verify, glue, tree, step):
+    planner = Planner(k, budgets, cap)
+    for budget in budgets:
+        planner.costs.observe_verify(budget, verify(budget))
+        planner.costs.observe_build(budget, glue, tree(budget) if budget else None)
+    planner.costs.observe_step(step)
+    return planner
+
+
+@pytest.mark.parametrize("verify_ms,glue_ms,tree_ms,step_ms", [
+    (10.0, 1.0, 0.5, 2.0),  # a cheap draft: a tree hides behind the verify
+    (10.0, 1.0, 1.5, 2.0),  # a dearer tree: a smaller tree or none
+    (10.0, 1.0, 4.0, 1.0),  # the draft lane costs more than the verify: SD rounds
+    (5.0, 0.5, 0.2, 3.0),   # misses are dear: the biggest tree
+])
+@pytest.mark.parametrize("alpha,rho", [(0.8, 1.0), (0.6, 2.0)])
+def test_plan_equals_exhaustive_search_over_small_plans(verify_ms, glue_ms, tree_ms, step_ms, alpha, rho):
+    k = 3
+    planner = costed_planner(k, [0, 4, 8], 4, lambda m: verify_ms * 1e-3 * (1 + 0.01 * m), glue_ms * 1e-3,
+                             lambda m: tree_ms * 1e-3 * (1 + 0.05 * m), step_ms * 1e-3)
+    plan = planner.plan(alpha, power_miss(rho))
+    rate, budget, fan = exhaustive_plan(planner, alpha, power_miss(rho))
+    assert plan.budget == budget and plan.rate == pytest.approx(rate, rel=1e-9)
+    assert hit_rate(outcome_probabilities(alpha, k), power_miss(rho), plan.fan_out) == pytest.approx(
+        hit_rate(outcome_probabilities(alpha, k), power_miss(rho), fan))
+
+
+def test_plan_with_fast_fallback_equals_exhaustive_search():
+    planner = costed_planner(3, [0, 4, 8], 4, lambda m: 8e-3, 1e-3, lambda m: 1e-3 + 1e-4 * m, 2e-3)
+    plan = planner.plan(0.7, power_miss(1.2), fallback="fast", fast_tokens=1.3)
+    rate, budget, _ = exhaustive_plan(planner, 0.7, power_miss(1.2), tokens_on_fast=1.3)
+    assert plan.budget == budget and plan.rate == pytest.approx(rate, rel=1e-9)
+
+
+def test_a_draft_lane_costlier_than_the_verify_yields_sd_rounds():
+    planner = costed_planner(5, [0, 6, 12, 18], 64, lambda m: 10e-3, 2e-3, lambda m: 4e-3, 2e-3)
+    assert planner.plan(0.8, power_miss(1.0)).budget == 0
+    cheap = costed_planner(5, [0, 6, 12, 18], 64, lambda m: 10e-3, 1e-3, lambda m: 0.5e-3, 2e-3)
+    assert cheap.plan(0.8, power_miss(1.0)).budget == 18  # the whole tree hides behind the verify
+
+
+def test_unmeasured_candidates_are_tried_once():
+    planner = Planner(5, [0, 6, 12, 18], 64)
+    first = planner.plan(0.8, power_miss(1.0))
+    assert first.budget == 0  # nothing measured: every plan looks free, the first (SD) is taken
+    planner.costs.observe_verify(0, 10e-3)
+    planner.costs.observe_build(0, 1e-3, None)
+    planner.costs.observe_step(2e-3)
+    assert planner.plan(0.8, power_miss(1.0)).budget == 18  # an unmeasured tree counts as free
+    planner.costs.observe_build(18, 1e-3, 5e-3)  # measured: 26 ms of draft work
+    planner.costs.observe_verify(18, 12e-3)
+    assert planner.plan(0.8, power_miss(1.0)).budget == 12  # the next unmeasured one is tried
+
+
+def test_planning_miss_function_fits_the_observed_ranks():
+    rho = 1.5
+    gen = torch.Generator().manual_seed(1)
+    u = torch.rand(50000, generator=gen)
+    ranks = torch.floor(u ** (-1.0 / rho)).long() - 1  # P(rank >= F) = (F + 1)^-ρ
+    est = OutcomeEstimator(5)
+    assert est.miss_function()(3) == pytest.approx(4.0 ** -1.0)  # the prior before any rank
+    est.observe(torch.zeros(0, dtype=torch.long), ranks)
+    miss = est.miss_function()
+    assert miss(0) == 1.0
+    assert miss(3) == pytest.approx(4.0 ** -rho, rel=0.1)
