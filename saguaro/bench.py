@@ -8,53 +8,21 @@ compile times and the machine. Speed is only ever compared as ratios within one 
 
 from __future__ import annotations
 
+import json
 import logging
 import platform
-import time
-from dataclasses import asdict, dataclass
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
-from saguaro.bench_rows import (
-    ALL_MODES, DRAFT_MODES, HF_MODES, SAGUARO_MODES, _batches, bench_prompts, compile_for, row_program, run_rows,
-)
+from saguaro.bench_rows import ALL_MODES, DRAFT_MODES, HF_MODES, SAGUARO_MODES
+from saguaro.bench_worker import BenchParams, params_json, run_one
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BenchParams:
-    """What one benchmark run measures. ``modes=None``: every row that applies."""
-
-    target: str | None = None  # a save_pretrained folder; None with draft None: the default pair
-    draft: str | None = None
-    modes: tuple | None = None
-    prompts: int = 8
-    batch: int = 1
-    k: int = 5
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    backend: str = "eager"  # "eager", "inductor" or "both"
-    device: str = "cpu"
-    dtype: str = "float32"
-    seed: int = 0
-    threads: int | None = None
-
-
-def compile_and_warm(target, draft, prompts, modes, params: BenchParams, backend):
-    """Compile for ``backend`` and run every mode on two prompt lengths, so that capture, stage building
-    and (inductor) compilation, static and dynamic, all happen before any timed row. Returns
-    ``(program, seconds)``."""
-    started = time.perf_counter()
-    program = compile_for(target, draft if any(m in DRAFT_MODES for m in modes) else None, params.k, backend)
-    warm = list(_batches(prompts[:2], 1, program.pad_token_id))
-    warm += list(_batches(prompts[:params.batch], params.batch, program.pad_token_id))
-    for mode in modes:
-        row_prog, row_mode = row_program(program, mode)
-        for ids, mask in warm:
-            row_prog.generate(ids, attention_mask=mask, max_new_tokens=params.max_new_tokens,
-                              temperature=params.temperature, seed=params.seed, mode=row_mode, eos_token_id=None)
-    return program, time.perf_counter() - started
 
 
 def bench_modes(params: BenchParams) -> tuple[list[str], dict]:
@@ -70,42 +38,48 @@ def bench_modes(params: BenchParams) -> tuple[list[str], dict]:
     return modes, skipped
 
 
+def run_row(params: BenchParams, mode: str, backend: str) -> dict:
+    """One row, in a process of its own unless ``params.same_process``."""
+    if params.same_process:
+        return run_one(params, mode, backend)
+    with tempfile.TemporaryDirectory(prefix="saguaro_bench_") as folder:
+        out = Path(folder) / "row.json"
+        cmd = [sys.executable, "-m", "saguaro.bench_worker", params_json(params), mode, backend, str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not out.exists():
+            tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+            raise RuntimeError(f"benchmark row {mode} ({backend}) failed with exit code {done.returncode}:\n{tail}")
+        return json.loads(out.read_text())
+
+
 def run_bench(params: BenchParams, announce=lambda line: None) -> dict:
-    """Run the benchmark; ``announce(line)`` receives progress lines (compile times). Returns the report:
+    """Run the benchmark; ``announce(line)`` receives a progress line per row. Returns the report:
     ``config``, ``machine``, ``rows``, ``compile_s`` and ``skipped``."""
-    from saguaro.models_io import DTYPES, load_pair
+    from saguaro.models_io import load_pair
 
     modes, skipped = bench_modes(params)
-    if params.threads is not None:
-        torch.set_num_threads(params.threads)
-    need_draft = any(m in DRAFT_MODES for m in modes)
-    target, draft, tokenizer = load_pair(params.target, params.draft, need_draft=need_draft,
-                                         dtype=DTYPES[params.dtype], device=params.device)
-    if not need_draft:
-        draft = None
-    prompts = bench_prompts(tokenizer, params.prompts, target.config.vocab_size, params.seed)
+    # bad folders fail here, at once, not in a row's process
+    load_pair(params.target, params.draft, need_draft=any(m in DRAFT_MODES for m in modes), device="cpu")
     backends = ["eager", "inductor"] if params.backend == "both" else [params.backend]
     rows, compile_s = [], {}
     for backend in backends:
-        saguaro_modes = [m for m in modes if m in SAGUARO_MODES]
-        hf_modes = [m for m in modes if m in HF_MODES] if backend == backends[0] else []
-        program = None
-        if saguaro_modes:
-            program, compile_s[backend] = compile_and_warm(target, draft, prompts, saguaro_modes, params, backend)
-            announce(f"{backend}: capture + compile + warm-up of every stage took {compile_s[backend]:.1f}s")
-        part = run_rows(target, draft, prompts, saguaro_modes + hf_modes, params.k, params.max_new_tokens,
-                        params.temperature, params.batch, params.seed, backend=backend, program=program)
-        for row in part:
-            if row["mode"] in SAGUARO_MODES:
-                row["backend"] = backend
+        for mode in modes:
+            if mode in HF_MODES and backend != backends[0]:
+                continue
+            announce(f"{mode} ({backend if mode in SAGUARO_MODES else 'transformers'}): warm-up, then timed")
+            row = run_row(params, mode, backend)
+            if mode in SAGUARO_MODES:
+                compile_s[f"{mode}[{backend}]"] = row["setup_s"]
+                announce(f"  {row['tokens_per_s']:.1f} tokens/s; capture + compile + warm-up took {row['setup_s']:.1f}s")
                 if len(backends) > 1:
-                    row["mode"] = f"{row['mode']}[{backend}]"
-        rows.extend(part)
-        if program is not None:
-            program.close()
+                    row["mode"] = f"{mode}[{backend}]"
+            rows.append(row)
     base = next((r["tokens_per_s"] for r in rows if r["mode"] in ("ar", "ar[eager]")), None)
     for row in rows:
         row["speedup_vs_ar"] = row["tokens_per_s"] / base if base else None
+    sd = next((r["tokens_per_s"] for r in rows if r["mode"] in ("sd", f"sd[{backends[-1]}]")), None)
+    for row in rows:
+        row["speedup_vs_sd"] = row["tokens_per_s"] / sd if sd else None
     config = asdict(params) | {"target": params.target or "default", "draft": params.draft or "default"}
     return {
         "config": config,

@@ -6,28 +6,29 @@ import json
 from pathlib import Path
 
 
+def _cell(value, fmt: str, width: int, suffix: str = "") -> str:
+    text = f"{value:{fmt}}{suffix}" if value is not None else "-"
+    return f"{text:>{width}}"
+
+
 def format_table(rows) -> str:
-    """The rows as a text table: tokens/s, mean accepted length, speed-up over AR, and for SSD rows the
-    cache hit rate, the draft wait per round and the overlap efficiency."""
+    """The rows as a text table: tokens/s, mean accepted length, speed-up over AR and over SD, the p99
+    time per round, and for SSD rows the cache hit rate, the draft wait per round and the overlap
+    efficiency (against the verify alone)."""
     with_hits = any(r.get("cache_hit_rate") is not None for r in rows)
-    header = f"{'mode':<14}{'tokens/s':>10}{'accepted len':>14}{'speed-up vs AR':>16}"
+    header = f"{'mode':<16}{'tokens/s':>10}{'accepted len':>14}{'vs AR':>8}{'vs SD':>8}{'p99 ms/rd':>11}"
     if with_hits:
         header += f"{'cache hits':>12}{'wait ms/rd':>12}{'overlap eff':>13}"
     lines = [header, "-" * len(header)]
     for r in rows:
-        acc = f"{r['mean_accepted_len']:.2f}" if r["mean_accepted_len"] is not None else "-"
-        sp = f"{r['speedup_vs_ar']:.2f}x" if r.get("speedup_vs_ar") is not None else "-"
-        line = f"{r['mode']:<14}{r['tokens_per_s']:>10.1f}{acc:>14}{sp:>16}"
+        line = (f"{r['mode']:<16}{r['tokens_per_s']:>10.1f}{_cell(r.get('mean_accepted_len'), '.2f', 14)}"
+                f"{_cell(r.get('speedup_vs_ar'), '.2f', 8, 'x')}{_cell(r.get('speedup_vs_sd'), '.2f', 8, 'x')}"
+                f"{_cell(r.get('round_ms_p99'), '.1f', 11)}")
         if with_hits:
-            if r.get("cache_hit_rate") is not None:
-                line += (f"{r['cache_hit_rate']:>12.2f}{r['draft_wait_ms_per_round']:>12.2f}"
-                         f"{r['overlap_efficiency']:>13.2f}")
-            else:
-                line += f"{'-':>12}{'-':>12}{'-':>13}"
+            line += (f"{_cell(r.get('cache_hit_rate'), '.2f', 12)}{_cell(r.get('draft_wait_ms_per_round'), '.2f', 12)}"
+                     f"{_cell(r.get('overlap_efficiency'), '.2f', 13)}")
         lines.append(line)
     return "\n".join(lines)
-
-
 
 
 def write_json(report: dict, path) -> Path:

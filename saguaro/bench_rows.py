@@ -1,8 +1,9 @@
 """The benchmark's rows: each mode timed over the same prompts, after a warm-up call.
 
-Rows: ``ar`` (Saguaro, target alone), ``sd`` (Saguaro speculative decoding), ``ssd`` (geometric
-fan-out, draft on a worker thread), ``ssd-uniform`` (the same budget spread evenly over the ``k+1``
-positions), ``ssd-process`` (geometric, draft in another process over gloo), ``hf-assisted``
+Rows: ``ar`` (Saguaro, target alone), ``sd`` (Saguaro speculative decoding), ``ssd`` (the
+planner's trees, draft on a worker thread), ``ssd-uniform`` (the whole budget every round, spread
+evenly over the ``k+1`` positions), ``ssd-process`` (the planner's trees, draft in another process
+over gloo), ``hf-assisted``
 (``transformers`` assisted generation with the same draft and ``k``) and ``hf`` (``transformers``
 greedy/sampled generate, target alone).
 """
@@ -13,6 +14,8 @@ import logging
 import time
 
 import torch
+
+from saguaro.runtime.stats import percentile
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ def _batches(prompts, batch, pad_id):
         yield ids, mask
 
 
-def compile_for(target, draft, k: int, backend: str = "eager"):
+def compile_for(target, draft, k: int, backend: str = "inductor"):
     """One Program serving every Saguaro row (``ssd`` with a draft, ``ar`` without one)."""
     from saguaro.compile import compile as saguaro_compile
 
@@ -80,62 +83,82 @@ def row_program(program, mode: str):
         per_position = max(1, program.config.budget // (program.config.k + 1))
         return program.variant(fan_out=per_position), "ssd"
     if mode == "ssd":
-        return program.variant(fan_out="geometric", lane="thread"), "ssd"
+        return program.variant(lane="thread"), "ssd"
     if mode == "ssd-process":
-        return program.variant(fan_out="geometric", lane="process"), "ssd"
+        return program.variant(lane="process"), "ssd"
     return program, mode
 
 
 def run_rows(target, draft, prompts, modes, k, max_new_tokens, temperature, batch, seed, backend="eager",
              program=None):  # noqa: PLR0913 - the benchmark's explicit parameters
-    """Run every requested row over the same prompts; return a list of result dicts.
+    """Run every requested row over the same prompts in this process; return a list of result dicts.
 
     ``program`` reuses an already compiled Program (its ``k`` and backend win).
     """
     if program is None and any(m in SAGUARO_MODES for m in modes):
         program = compile_for(target, draft, k, backend)
-    pad_id = program.pad_token_id if program is not None else _pad_id(target)
-    warm = next(_batches(prompts, batch, pad_id))
-    rows = []
-    for mode in modes:
-        if mode in DRAFT_MODES and mode in SAGUARO_MODES and (program is None or program.draft is None):
-            raise ValueError(f"row {mode!r} needs a draft model")
-        log.info("running %s", mode)
-        new_tokens, wall, accepted, rounds, ssd = 0, 0.0, 0.0, 0, []
-        for i, (ids, mask) in enumerate([warm] + list(_batches(prompts, batch, pad_id))):
-            start = time.perf_counter()
-            if mode in SAGUARO_MODES:
-                row_prog, row_mode = row_program(program, mode)
-                out = row_prog.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                        temperature=temperature, seed=seed, mode=row_mode, eos_token_id=None)
-                produced, stats = int(out.stats["new_tokens"]), out.stats
-            else:
-                produced, stats = _hf_generate(target, draft if mode == "hf-assisted" else None, ids, mask,
-                                               max_new_tokens, temperature, k, pad_id, seed), {}
-            _synchronize(target)
-            elapsed = time.perf_counter() - start
-            if i == 0:
-                continue  # warm-up
-            new_tokens += produced
-            wall += elapsed
-            if stats.get("rounds"):
-                # weight each call's mean by its rounds, so the row's mean is per round
-                accepted += stats["mean_accepted_len"] * stats["rounds"]
-                rounds += stats["rounds"]
-            if stats.get("cache_hit_rate") is not None:
-                ssd.append(stats)
-        row = {
-            "mode": mode, "tokens_per_s": new_tokens / wall if wall else 0.0, "new_tokens": new_tokens,
-            "wall_s": wall, "mean_accepted_len": accepted / rounds if rounds else None,
-            "rounds": rounds if rounds else None,
-        }
-        if ssd:
-            row.update(_ssd_summary(ssd, rounds))
-        rows.append(row)
+    rows = [time_row(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch, seed)
+            for mode in modes]
     ar = next((r["tokens_per_s"] for r in rows if r["mode"] == "ar"), None)
     for row in rows:
         row["speedup_vs_ar"] = row["tokens_per_s"] / ar if ar else None
     return rows
+
+
+def time_row(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch,
+             seed) -> dict:  # noqa: PLR0913
+    """One row: every batch of prompts generated once untimed (each shape bucket compiled and warm),
+    then once timed."""
+    if mode in DRAFT_MODES and mode in SAGUARO_MODES and (program is None or program.draft is None):
+        raise ValueError(f"row {mode!r} needs a draft model")
+    pad_id = program.pad_token_id if program is not None else _pad_id(target)
+    batches = list(_batches(prompts, batch, pad_id))
+    log.info("running %s: warm-up", mode)
+    for ids, mask in batches:
+        _generate(target, draft, program, mode, ids, mask, k, max_new_tokens, temperature, seed, pad_id)
+    log.info("running %s: timed", mode)
+    new_tokens, wall, accepted, rounds, ssd, round_s, token_s = 0, 0.0, 0.0, 0, [], [], []
+    for ids, mask in batches:
+        start = time.perf_counter()
+        produced, out = _generate(target, draft, program, mode, ids, mask, k, max_new_tokens, temperature, seed,
+                                  pad_id)
+        wall += time.perf_counter() - start
+        new_tokens += produced
+        stats = out.stats if out is not None else {}
+        if stats.get("rounds"):
+            # weight each call's mean by its rounds, so the row's mean is per round
+            accepted += stats["mean_accepted_len"] * stats["rounds"]
+            rounds += stats["rounds"]
+            round_s += out.counters.round_s
+            token_s += out.counters.token_s
+        if stats.get("cache_hit_rate") is not None:
+            ssd.append(stats)
+    row = {
+        "mode": mode, "tokens_per_s": new_tokens / wall if wall else 0.0, "new_tokens": new_tokens,
+        "wall_s": wall, "mean_accepted_len": accepted / rounds if rounds else None,
+        "rounds": rounds if rounds else None,
+        "round_ms_p50": 1000 * percentile(round_s, 50) if round_s else None,
+        "round_ms_p99": 1000 * percentile(round_s, 99) if round_s else None,
+        "token_ms_p50": 1000 * percentile(token_s, 50) if token_s else None,
+        "token_ms_p99": 1000 * percentile(token_s, 99) if token_s else None,
+    }
+    if ssd:
+        row.update(_ssd_summary(ssd, rounds))
+    return row
+
+
+def _generate(target, draft, program, mode, ids, mask, k, max_new_tokens, temperature, seed, pad_id):
+    """``(tokens produced, GenerateOutput or None)`` of one call of a row."""
+    if mode in SAGUARO_MODES:
+        row_prog, row_mode = row_program(program, mode)
+        out = row_prog.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, temperature=temperature,
+                                seed=seed, mode=row_mode, eos_token_id=None)
+        _synchronize(target)
+        return int(out.stats["new_tokens"]), out
+    produced = _hf_generate(target, draft if mode == "hf-assisted" else None, ids, mask, max_new_tokens,
+                            temperature, k, pad_id, seed)
+    _synchronize(target)
+    return produced, None
 
 
 def _ssd_summary(calls: list[dict], rounds: int) -> dict:
@@ -148,6 +171,9 @@ def _ssd_summary(calls: list[dict], rounds: int) -> dict:
         "verify_ms_per_round": 1000 * sum(c["verify_s"] for c in calls) / max(rounds, 1),
         "fallback_ms_per_round": 1000 * sum(c["fallback_s"] for c in calls) / max(rounds, 1),
         "overlap_efficiency": mean("overlap_efficiency"),
+        "verify_alone_ms": 1000 * mean("verify_alone_s"),
+        "per_round_ms": {part: sum(c["per_round_ms"][part] * c["rounds"] for c in calls) / lookups
+                         for part in calls[0]["per_round_ms"]} if lookups else {},
         "fallbacks": {kind: sum(c["fallbacks"][kind] for c in calls) for kind in ("neural", "fast")},
         "hits_by_position": {a: sum(c["hits_by_position"][a] for c in calls) for a in calls[0]["hits_by_position"]},
         "accepted_len_on_hits": _weighted(calls, "accepted_len_on_hits"),

@@ -67,7 +67,8 @@ def cmd_bench(args) -> int:
     params = BenchParams(
         target=args.target, draft=args.draft, modes=tuple(args.modes) if args.modes else None, prompts=args.prompts,
         batch=args.batch, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        backend=args.backend, device=args.device, dtype=args.dtype, seed=args.seed, threads=args.threads)
+        backend=args.backend, device=args.device, dtype=args.dtype, seed=args.seed, threads=args.threads,
+        same_process=args.same_process)
     report = run_bench(params, announce=lambda line: sys.stdout.write(line + "\n"))
     sys.stdout.write(format_table(report["rows"]) + "\n")
     for mode, reason in report["skipped"].items():

@@ -43,8 +43,8 @@ def add_model_args(parser, backends=("eager", "inductor")):
     parser.add_argument("--max-new-tokens", type=int_at_least(1, "max_new_tokens"), default=64,
                         help="tokens to generate per prompt (default 64)")
     parser.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 for greedy (default 0)")
-    parser.add_argument("--backend", default="eager", choices=list(backends),
-                        help="lowering backend (default eager)" + ("; both: eager and inductor rows in one run"
+    parser.add_argument("--backend", default="inductor", choices=list(backends),
+                        help="lowering backend (default inductor; eager starts at once, for debugging)" + ("; both: eager and inductor rows in one run"
                                                                    if "both" in backends else ""))
     parser.add_argument("--device", default="cpu", help="where both models run: cpu, cuda, cuda:1, ... "
                         "(default cpu)")
@@ -75,3 +75,5 @@ def add_bench_args(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling and for random prompts")
     parser.add_argument("--threads", type=int_at_least(1, "threads"), default=None,
                         help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--same-process", action="store_true",
+                        help="run every row in this process (default: each row in a process of its own)")

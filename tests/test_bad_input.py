@@ -17,14 +17,14 @@ def test_vocabulary_mismatch(pair):
     target, _, _ = pair
     other = tiny_target("llama", vocab_size=100)
     with pytest.raises(ValueError, match="vocabulary mismatch.*128.*100"):
-        saguaro.compile(target, other)
+        saguaro.compile(target, other, backend="eager")
 
 
 @pytest.mark.parametrize("k", [0, 17, -1, 2.5, True])
 def test_k_outside_range(pair, k):
     target, draft, _ = pair
     with pytest.raises(ValueError, match=r"k=.*1\.\.16"):
-        saguaro.compile(target, draft, k=k)
+        saguaro.compile(target, draft, k=k, backend="eager")
 
 
 @pytest.mark.parametrize("option, value, allowed", [
@@ -35,7 +35,7 @@ def test_k_outside_range(pair, k):
 def test_other_config_values(pair, option, value, allowed):
     target, draft, _ = pair
     with pytest.raises(ValueError, match=f"{option}=.*{allowed}"):
-        saguaro.compile(target, draft, **{option: value})
+        saguaro.compile(target, draft, **{option: value}, backend="eager")
 
 
 def test_negative_temperature(pair):
@@ -66,7 +66,7 @@ def test_prompt_beyond_maximum_positions(pair):
 
 def test_prompt_beyond_kv_capacity(pair):
     target, draft, _ = pair
-    program = saguaro.compile(target, draft, max_seq_len=32)
+    program = saguaro.compile(target, draft, max_seq_len=32, backend="eager")
     with pytest.raises(ValueError, match="exceeds the maximum of 32"):
         program.generate(torch.full((1, 30), 5), max_new_tokens=8)
 
@@ -88,25 +88,25 @@ def test_draft_with_another_dtype(pair):
     target, _, _ = pair
     draft = truncated_draft(target).to(torch.bfloat16)
     with pytest.raises(ValueError, match="draft dtype torch.bfloat16 differs from the target's torch.float32"):
-        saguaro.compile(target, draft)
+        saguaro.compile(target, draft, backend="eager")
 
 
 def test_draft_on_another_device(pair):
     target, _, _ = pair
     draft = truncated_draft(target).to("meta")
     with pytest.raises(ValueError, match="draft is on device meta but the target is on cpu"):
-        saguaro.compile(target, draft)
+        saguaro.compile(target, draft, backend="eager")
 
 
 def test_sd_without_draft(pair):
     target, _, _ = pair
     with pytest.raises(ValueError, match="needs a draft"):
-        saguaro.compile(target, None, mode="sd")
-    program = saguaro.compile(target, None, mode="ar")
+        saguaro.compile(target, None, mode="sd", backend="eager")
+    program = saguaro.compile(target, None, mode="ar", backend="eager")
     with pytest.raises(ValueError, match="needs a draft"):
         program.generate(torch.tensor([[5, 6]]), mode="sd")
 
 
 def test_not_a_module():
     with pytest.raises(saguaro.SaguaroError, match="target must be a Hugging Face causal LM module, got str"):
-        saguaro.compile("gpt2", None, mode="ar")
+        saguaro.compile("gpt2", None, mode="ar", backend="eager")

@@ -53,7 +53,7 @@ def run_cli(argv, capsys):
 def test_generate_prints_the_targets_greedy_completion_and_stats(saved_pair, mode, capsys):
     target_dir, draft_dir = saved_pair
     rc, out, err = run_cli(["generate", "--prompt", PROMPT, "--target", target_dir, "--draft", draft_dir,
-                            "--mode", mode, "--k", "3", "--max-new-tokens", "12"], capsys)
+                            "--mode", mode, "--k", "3", "--max-new-tokens", "12", "--backend", "eager"], capsys)
     assert rc == 0, err
     lines = out.splitlines()
     stats = STATS_LINE.match(lines[-1])
@@ -82,10 +82,12 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
     target_dir, draft_dir = saved_pair
     path = tmp_path / "out" / "bench.json"
     rc, out, err = run_cli(["bench", "--target", target_dir, "--draft", draft_dir, "--json", str(path),
-                            "--prompts", "2", "--max-new-tokens", "8", "--k", "3"], capsys)
+                            "--prompts", "2", "--max-new-tokens", "8", "--k", "3", "--backend", "eager",
+                            "--same-process"], capsys)
     assert rc == 0, err
     table_modes = table_rows(out)
-    assert re.search(r"^eager: capture \+ compile \+ warm-up of every stage took [0-9.]+s$", out, re.M)
+    assert re.search(r"^ssd \(eager\): warm-up, then timed$", out, re.M)
+    assert re.search(r"^  [0-9.]+ tokens/s; capture \+ compile \+ warm-up took [0-9.]+s$", out, re.M)
     assert {"ar", "sd", "ssd", "ssd-uniform", "ssd-process", "hf-assisted", "hf"} <= set(table_modes)
     assert f"wrote {path}" in out
     report = json.loads(path.read_text())
@@ -99,6 +101,7 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
         assert row["new_tokens"] == 2 * 8, row  # eos is ignored: every row makes the same tokens
         if mode in ("ar", "sd", "ssd", "ssd-uniform", "ssd-process"):
             assert 1.0 <= row["mean_accepted_len"] <= 3 + 1, row
+            assert 0 < row["round_ms_p50"] <= row["round_ms_p99"], row
             if mode.startswith("ssd"):
                 assert 0.0 <= row["cache_hit_rate"] <= 1.0 and row["draft_wait_ms_per_round"] >= 0, row
                 assert row["overlap_efficiency"] > 0, row
@@ -110,7 +113,7 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
 def test_bench_rows_without_a_draft(saved_pair, capsys):
     target_dir, _ = saved_pair
     rc, out, err = run_cli(["bench", "--target", target_dir, "--modes", "ar,hf", "--prompts", "1",
-                            "--max-new-tokens", "4"], capsys)
+                            "--max-new-tokens", "4", "--backend", "eager"], capsys)  # each row in its own process
     assert rc == 0, err
     assert table_rows(out) == ["ar", "hf"]
 
@@ -188,7 +191,8 @@ def test_console_script_end_to_end(saved_pair):
     target_dir, _ = saved_pair
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([str(script), "generate", "--prompt", PROMPT, "--target", target_dir, "--mode", "ar",
-                           "--max-new-tokens", "6"], capture_output=True, text=True, env=env, timeout=240)
+                           "--max-new-tokens", "6", "--backend", "eager"], capture_output=True, text=True, env=env,
+                          timeout=240)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(PROMPT)

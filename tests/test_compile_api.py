@@ -11,12 +11,12 @@ from tests.models import prompts, reference_greedy
 def test_decorator_on_factory_and_module():
     target, draft, _ = tiny_pair("qwen2")
 
-    @saguaro.compile(draft=draft, k=3, mode="sd")
+    @saguaro.compile(draft=draft, k=3, mode="sd", backend="eager")
     def program():
         return target
 
     assert isinstance(program, Program) and program.config.k == 3
-    wrapped = saguaro.compile(draft=draft, mode="sd")(target)
+    wrapped = saguaro.compile(draft=draft, mode="sd", backend="eager")(target)
     ids, mask = prompts(1, 5, seed=2)
     expected = reference_greedy(target, ids, mask, 10)
     for p in (program, wrapped):

@@ -20,7 +20,8 @@ class SaguaroConfig:
 
     k: speculation length, 1..16.
     mode: ``"ar"`` (target alone), ``"sd"`` (speculative decoding) or ``"ssd"``.
-    backend: ``"eager"`` (the captured GraphModules) or ``"inductor"`` (``torch.compile``).
+    backend: ``"inductor"`` (``torch.compile`` of every stage, the default, as ``torch.compile`` compiles
+        by default) or ``"eager"`` (the stage GraphModules themselves: quick to start, for debugging).
     fallback: on an SSD cache miss, ``"neural"``, ``"fast"`` or ``"auto"``.
     fan_out: ``"auto"`` (the planner, :mod:`saguaro.runtime.planner`, picks each round's branch count
         among the multiples of ``k+1`` up to the budget, 0 meaning an SD round, and its fan-out from
@@ -48,7 +49,7 @@ class SaguaroConfig:
 
     k: int = 5
     mode: str = "sd"
-    backend: str = "eager"
+    backend: str = "inductor"
     fallback: str = "auto"
     fan_out: object = "auto"
     fan_out_budget: int | None = None

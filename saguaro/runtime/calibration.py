@@ -19,9 +19,9 @@ REPEATS = 3
 
 @torch.inference_mode()
 def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, temperature: float,
-                      vocab_size: int) -> float:
+                      vocab_size: int, repeats: int = REPEATS) -> float:
     """Seconds of one ``target.verify`` call at this batch, store capacity and temperature (the least of
-    :data:`REPEATS` calls: the machine's own noise only ever adds time)."""
+    ``repeats`` calls: the machine's own noise only ever adds time)."""
     device = target.spec.device
     store = target.new_store(batch, capacity)
     index = torch.arange(k + 1, device=device).expand(batch, k + 1)  # [B, k+1]
@@ -35,7 +35,7 @@ def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, te
         extra = (draft_tokens, probs, torch.tensor(1.0 / temperature, device=device), uniforms[:, :k],
                  uniforms[:, k])
     best = float("inf")
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         started = time.perf_counter()
         target.run(stage, store, ids, index, index, *extra)
         if device.type == "cuda":

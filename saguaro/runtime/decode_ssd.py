@@ -22,12 +22,15 @@ from saguaro.runtime.stats import SOURCES, Counters, since
 
 
 def decode_ssd(target: ModelRunner, draft: ModelRunner, state: DecodeState, lane, spec: GenerateSpec,
-               first_tokens: torch.Tensor) -> bool:
+               first_tokens: torch.Tensor, warm_up=None) -> bool:
     """Run SSD rounds until every row finishes. Returns False when the lane failed.
 
-    On a draft-lane failure the generation finishes exactly with SD on a fresh draft store.
+    ``warm_up()``, if given, readies the lane first (compiles and measures its stages). On a draft-lane
+    failure the generation finishes exactly with SD on a fresh draft store.
     """
     try:
+        if warm_up is not None:
+            warm_up()
         started = time.perf_counter()
         lane.call("open", spec)  # the draft prefills the prompt ...
         speculation = lane.call("start", first_tokens)  # ... and decodes the first speculation

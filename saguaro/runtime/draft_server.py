@@ -10,6 +10,7 @@ thread or in another process: a lane only ever calls these methods by name with 
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -20,9 +21,9 @@ from saguaro.core.schedule import build_steps, round_schedule
 from saguaro.core.stages import DRAFT_PREFILL
 from saguaro.runtime import tree
 from saguaro.runtime.fallback import FallbackPolicy, fast_fallback, neural_fallback
-from saguaro.runtime.fan_out import OutcomeEstimator, resolve_fan_out
+from saguaro.runtime.fan_out import OutcomeEstimator, geometric_fan_out, resolve_fan_out
 from saguaro.runtime.model_runner import ModelRunner
-from saguaro.runtime.planner import Planner
+from saguaro.runtime.planner import Planner, StageCosts
 from saguaro.runtime.sequences import SequenceBatch
 from saguaro.runtime.stats import SOURCES, since
 from saguaro.tensor_math.fork import ranks_from_ranked
@@ -43,6 +44,7 @@ class GenerateSpec:
     pad_token_id: int
     temperature: float
     seed: int | None
+    plan_costs: object = None  # StageCosts measured when the lane warmed up: the planner's starting costs
 
 
 @dataclass
@@ -84,8 +86,14 @@ class SpeculationServer:
         self.estimator = OutcomeEstimator(self.k)
         schedule = round_schedule("ssd", self.k, sampled=spec.temperature > 0)
         self.build_nodes = [schedule.nodes[n] for n in build_steps(schedule)]
-        self.policy = FallbackPolicy(self.config.fallback, self.seqs.batch)
+        sampled, costs = spec.temperature > 0, spec.plan_costs
+        # sampled generations plan from the warm-up's costs only, so that a seed fixes the tokens
+        fixed = (costs.verify(0), self.k * (costs.step_s or 0.0)) if sampled and costs is not None else None
+        self.policy = FallbackPolicy(self.config.fallback, self.seqs.batch, fixed, timed=not sampled)
         self.planner = self._new_planner()
+        if self.planner is not None and costs is not None:
+            self.planner.costs = copy.deepcopy(costs)
+            self.planner.adaptive = not sampled
         self.cache = None
         T = self.seqs.prompt_len
         index = torch.arange(T, device=spec.input_ids.device).expand(self.seqs.batch, T)
@@ -100,16 +108,18 @@ class SpeculationServer:
         self.current = Speculation(tokens, probs, torch.zeros(self.seqs.batch, dtype=torch.long))
         return self.current
 
-    def build(self) -> None:
-        """Glue, fork and tree decode for the speculation under verification (overlaps the target)."""
+    def build(self, fan_out: list | None = None) -> None:
+        """Glue, fork and tree decode for the speculation under verification (overlaps the target), with
+        the planner's fan-out (or the configured one), unless ``fan_out`` is given."""
         seqs, k = self.seqs, self.k
-        if self.planner is not None:
+        if fan_out is not None:
+            self.fan_out = list(fan_out)
+        elif self.planner is not None:
             fast = self.policy.accepted["fast"][-32:]
             self.fan_out = self.planner.plan(self.estimator.alpha, self.estimator.miss_function(),
                                              self.policy.choose(), sum(fast) / len(fast) if fast else 1.0).fan_out
         else:
-            self.fan_out = resolve_fan_out(self.config.fan_out, k, self.config.budget, self.estimator,
-                                           self.draft.width)
+            self.fan_out = self._fixed_fan_out()
         index = seqs.tail_index(1) + torch.arange(k + 1, device=seqs.tokens.device)[None, :]  # [B, k+1]
         request = tree.GlueRequest(
             ids=torch.cat([seqs.gather(index[:, :1]), self.current.tokens], dim=1), index=index,
@@ -118,8 +128,8 @@ class SpeculationServer:
         self.cache = tree.build_speculations(self.draft, self.store, request, self.generator, self.build_nodes)
         if self.planner is not None:
             depths = self.cache.depth_s
-            self.planner.costs.observe_build(sum(self.fan_out), self.cache.glue_s,
-                                             sum(depths) / len(depths) if depths else None)
+            self.planner.observe("build", sum(self.fan_out), self.cache.glue_s,
+                                 sum(depths) / len(depths) if depths else None)
 
     def match(self, accepted: torch.Tensor, outcome: torch.Tensor, verify_s: float) -> Lookup:
         """Commit the outcome ``(a [B], r' [B])`` and look it up in the cache the last build made."""
@@ -145,7 +155,7 @@ class SpeculationServer:
                                                   self.generator)
             self.policy.neural_s.append(since(started))
             if self.planner is not None:
-                self.planner.costs.observe_step(self.policy.neural_s[-1] / self.k)
+                self.planner.observe("step", self.policy.neural_s[-1] / self.k)
         else:
             fb_tokens, fb_probs = fast_fallback(self.seqs, rows, self.k, self.vocab, self.temperature)
         tokens, probs, source = self.current.tokens.clone(), self.current.probs, self.current.source.clone()
@@ -156,6 +166,42 @@ class SpeculationServer:
         source[rows] = SOURCES.index(kind)
         self.current = Speculation(tokens, probs, source, kind)
         return self.current
+
+    def warm_up(self, spec: GenerateSpec, first_tokens: torch.Tensor):
+        """Call every stage at every shape a generation like ``spec`` may use (each tree the planner may
+        choose, the neural fallback for 1..B missed rows) on a throwaway generation, so that a compiling
+        backend compiles them now, not inside the rounds; then, for the planner, time each of them once
+        more. Returns the measured :class:`~saguaro.runtime.planner.StageCosts` (None without a
+        planner). The next :meth:`open` starts afresh."""
+        self.open(spec)
+        self.start(first_tokens)
+        budgets = self.planner.budgets if self.planner is not None else [None]
+        rows = torch.arange(self.seqs.batch, device=first_tokens.device)
+        for missed in range(1, self.seqs.batch):  # the full batch already ran in start()
+            neural_fallback(self.draft, self.store, self.seqs, rows[:missed], self.k, self.temperature, self.generator)
+        for budget in budgets:
+            self.build_budget(budget)
+        if self.planner is None:
+            return None
+        self.planner.costs = StageCosts()  # what compiled above is not a cost
+        for _ in range(2):
+            for budget in budgets:
+                self.build_budget(budget)
+            started = time.perf_counter()
+            neural_fallback(self.draft, self.store, self.seqs, rows, self.k, self.temperature, self.generator)
+            self.planner.costs.observe_step(since(started) / self.k)
+        return self.planner.costs
+
+    def build_budget(self, budget: int | None) -> None:
+        """:meth:`build` with a tree of ``budget`` branches (None: the configured fan-out)."""
+        if budget is None:
+            return self.build(self._fixed_fan_out())
+        cap = self.draft.width
+        fan = geometric_fan_out(0.7, 1.0, self.k, min(budget, (self.k + 1) * cap), cap) if budget else None
+        return self.build(fan or [0] * (self.k + 1))
+
+    def _fixed_fan_out(self) -> list:
+        return resolve_fan_out(self.config.fan_out, self.k, self.config.budget, self.estimator, self.draft.width)
 
     def _new_planner(self) -> Planner | None:
         """For ``fan_out="auto"``: a planner over the multiples of ``k+1`` up to the budget (and 0)."""
@@ -173,7 +219,7 @@ class SpeculationServer:
         self.estimator.observe(accepted[active], ranks[active])
         self.policy.verify_s.append(verify_s)
         if self.planner is not None:
-            self.planner.costs.observe_verify(sum(self.fan_out), verify_s)
+            self.planner.observe("verify", sum(self.fan_out), verify_s)
         for code, name in enumerate(SOURCES):
             rows = active & (self.current.source == code)
             if name in self.policy.accepted and bool(rows.any()):

@@ -58,13 +58,19 @@ class FallbackPolicy:
     """``auto``: per round, the fallback with the higher expected tokens per second.
 
     Neural: ``acc_neural / (T_verify + T_neural)``; fast: ``acc_fast / T_verify``. Costs and accepted
-    lengths are running means of what this generation measured; before both kinds are measured the
-    batch size decides (neural up to ``AUTO_NEURAL_MAX_BATCH`` rows).
+    lengths are running means of what this generation measured. The first miss takes the kind the batch
+    size suggests (neural up to ``AUTO_NEURAL_MAX_BATCH`` rows), the next one tries the other kind once,
+    and from then on the measured rates decide.
     """
 
-    def __init__(self, kind: str, batch: int):
+    def __init__(self, kind: str, batch: int, fixed_costs: tuple | None = None, timed: bool = True):
+        """``fixed_costs = (T_verify, T_neural)`` replaces measured times; ``timed=False`` without them
+        keeps the batch-size choice: either way the choice then depends on outcomes only (sampled
+        generations, so that a seed fixes the tokens)."""
         self.kind = kind
         self.batch = batch
+        self.fixed_costs = fixed_costs
+        self.timed = timed
         self.accepted = {name: [] for name in FALLBACK_KINDS}
         self.neural_s: list[float] = []
         self.verify_s: list[float] = []
@@ -72,10 +78,18 @@ class FallbackPolicy:
     def choose(self) -> str:
         if self.kind != "auto":
             return self.kind
-        if not (self.accepted["neural"] and self.accepted["fast"] and self.neural_s and self.verify_s):
+        tried = {kind for kind, lengths in self.accepted.items() if lengths}
+        if not tried or (not self.timed and self.fixed_costs is None):
             return "neural" if self.batch <= AUTO_NEURAL_MAX_BATCH else "fast"
+        if len(tried) == 1:  # explore the other kind once
+            return "fast" if "neural" in tried else "neural"
         mean = lambda xs: sum(xs[-32:]) / len(xs[-32:])  # noqa: E731
-        t_verify, t_neural = mean(self.verify_s), mean(self.neural_s)
+        if self.fixed_costs is not None:
+            t_verify, t_neural = self.fixed_costs
+        elif self.neural_s and self.verify_s:
+            t_verify, t_neural = mean(self.verify_s), mean(self.neural_s)
+        else:
+            return "neural"
         neural_rate = mean(self.accepted["neural"]) / (t_verify + t_neural)
         fast_rate = mean(self.accepted["fast"]) / t_verify
         return "neural" if neural_rate >= fast_rate else "fast"

@@ -70,13 +70,19 @@ class OutcomeEstimator:
         self.rejected = (1 - alpha_prior) * prior_weight
         self.rho_prior = rho_prior
         self.rank_counts = torch.zeros(RANK_BINS + 1, dtype=torch.float64)  # last bin: rank >= RANK_BINS
+        self.rank_counts_at = torch.zeros(k + 1, RANK_BINS + 1, dtype=torch.float64)  # [K+1, bins]: by position a
+        self._fitted_at, self._fitted = -1.0, None
 
     def observe(self, accepted: torch.Tensor, ranks: torch.Tensor | None = None) -> None:
         """Record outcomes: ``accepted [N]`` in ``0..K`` and the ranks of ``r'`` ``[N]`` (0 = top)."""
         self.accepted += float(accepted.sum())
         self.rejected += float((accepted < self.k).sum())
         if ranks is not None and ranks.numel():
-            self.rank_counts += torch.bincount(ranks.clamp(0, RANK_BINS).long().cpu(), minlength=RANK_BINS + 1)
+            bins = ranks.clamp(0, RANK_BINS).long().cpu()
+            self.rank_counts += torch.bincount(bins, minlength=RANK_BINS + 1)
+            if accepted.numel() == bins.numel():
+                self.rank_counts_at.index_put_((accepted.long().cpu(), bins), torch.ones_like(bins, dtype=torch.float64),
+                                               accumulate=True)
 
     @property
     def alpha(self) -> float:
@@ -91,11 +97,18 @@ class OutcomeEstimator:
         return tail[1:RANK_BINS + 1]
 
     def miss_function(self):
-        """``miss(F) = (F + 1)^(−ρ')``, with ``ρ'`` the least-squares fit of the observed miss curve on
-        ``log(F + 1)`` (the prior ``ρ`` before 16 ranks): ``miss(0) = 1``, convex and decreasing, so the
-        planner's greedy allocation is optimal under it."""
-        rho = _planning_miss_fit(self)
-        return lambda f: (f + 1.0) ** (-rho)
+        """``miss(j, F) = (F + 1)^(−ρ_j)`` at outcome position ``j``: ``ρ_j`` the least-squares fit of the
+        miss curve observed at ``j`` on ``log(F + 1)``, or of all positions together while ``j`` has fewer
+        than :data:`MIN_RANKS` ranks (the prior ``ρ`` before any). ``miss(j, 0) = 1``, convex and
+        decreasing in ``F``, so the planner's greedy allocation is optimal under it, and branches go to
+        the positions that miss. Refitted every :data:`REFIT_EVERY` observations."""
+        total = float(self.rank_counts.sum())
+        if self._fitted is None or total - self._fitted_at >= REFIT_EVERY:
+            overall = _planning_miss_fit(self.rank_counts, self.rho_prior)
+            self._fitted = [_planning_miss_fit(counts, overall) for counts in self.rank_counts_at]
+            self._fitted_at = total
+        rhos = self._fitted
+        return lambda j, f: (f + 1.0) ** (-rhos[j])
 
     @property
     def rho(self) -> float:
@@ -112,11 +125,17 @@ class OutcomeEstimator:
         return min(max(-slope, 0.05), 10.0)
 
 
-def _planning_miss_fit(estimator: "OutcomeEstimator") -> float:
-    miss = estimator.miss_curve()
-    if miss.numel() == 0 or estimator.rank_counts.sum() < 16:
-        return estimator.rho_prior
-    x = torch.log(torch.arange(2, miss.numel() + 2, dtype=torch.float64))  # log(F + 1), F = 1..
+MIN_RANKS = 16  # observed ranks before a miss curve is fitted (the prior before)
+REFIT_EVERY = 8  # observations between two fits of the planning miss curves
+
+
+def _planning_miss_fit(counts: torch.Tensor, prior: float) -> float:
+    """``ρ'`` of ``miss(F) = (F + 1)^(−ρ')`` fitted to rank counts ``[RANK_BINS + 1]``."""
+    total = counts.sum()
+    if total < MIN_RANKS:
+        return prior
+    miss = (counts.flip(0).cumsum(0).flip(0) / total)[1:RANK_BINS + 1]  # P(rank >= F), F = 1..
+    x = torch.log(torch.arange(2, miss.numel() + 2, dtype=torch.float64))  # log(F + 1)
     keep = miss > 0
     if not bool(keep.any()):
         return 10.0

@@ -8,11 +8,14 @@ nothing and decides ``E_fast`` (measured). The best plan has the most expected t
 
     rate(M) = (P_hit E + (1 − P_hit) E_miss) / (max(T_verify(M), T_build(M)) + (1 − P_hit) T_miss),
 
-where ``P_hit(M) = Σ_j P(j) · (1 − miss(F_j))`` for the fan-out ``F`` of ``M`` branches that
-maximises it. ``M = 0`` builds the glue only: every row then misses and drafts with the neural
+where ``P_hit(M) = Σ_j P(j) · (1 − miss(j, F_j))`` for the fan-out ``F`` of ``M`` branches that
+maximises it (``miss(j, F)``: the chance that the outcome token at position ``j`` is not among the
+top ``F`` candidates, so branches go where outcomes are likely and misses frequent). ``M = 0`` builds the glue only: every row then misses and drafts with the neural
 fallback, which is an SD round whose glue overlaps the verify. So when no tree pays, SSD runs SD
-rounds. The cost terms are running means of what the draft lane measures (a candidate not measured yet
-counts its tree as free, so it is tried once); ``P(j)`` and ``miss`` come from the
+rounds. The cost terms start from what the draft lane measured while it warmed up and, for greedy
+generations, follow running means of what it measures each round (a candidate not measured yet counts
+its tree as free, so it is tried once). Sampled generations keep the warm-up costs: the plan then
+depends on the seed's outcomes only, so a seed fixes the tokens. ``P(j)`` and ``miss`` come from the
 :class:`~saguaro.runtime.fan_out.OutcomeEstimator`.
 """
 
@@ -38,8 +41,9 @@ class Plan:
 
 def best_fan_out(probabilities: list, miss, budget: int, cap: int) -> tuple[list, float]:
     """The fan-out of ``budget`` branches (each position at most ``cap``) that maximises the hit rate
-    ``Σ_j P(j)(1 − miss(F_j))``, and that rate. Branches go one at a time to the position with the
-    largest gain; with ``miss`` convex and decreasing (as ``c·F^(−ρ)`` is) this greedy is optimal."""
+    ``Σ_j P(j)(1 − miss(j, F_j))``, and that rate. Branches go one at a time to the position with the
+    largest gain; with each ``miss(j, ·)`` convex and decreasing (as ``(F+1)^(−ρ_j)`` is) this greedy
+    is optimal."""
     plans = fan_out_ladder(probabilities, miss, budget, cap)
     return plans[-1]
 
@@ -51,7 +55,8 @@ def fan_out_ladder(probabilities: list, miss, budget: int, cap: int) -> list[tup
     hit = 0.0
     ladder = [(list(fan), hit)]
     for _ in range(budget):
-        gains = [p * (miss(f) - miss(f + 1)) if f < cap else -1.0 for p, f in zip(probabilities, fan)]
+        gains = [p * (miss(j, f) - miss(j, f + 1)) if f < cap else -1.0
+                 for j, (p, f) in enumerate(zip(probabilities, fan))]
         j = max(range(len(fan)), key=lambda i: (gains[i], -i))
         if gains[j] < 0:
             break
@@ -63,7 +68,7 @@ def fan_out_ladder(probabilities: list, miss, budget: int, cap: int) -> list[tup
 
 @dataclass
 class StageCosts:
-    """Running means (seconds) of what the draft lane measured."""
+    """Running means (seconds) of what the draft lane measured; ``frozen`` ones ignore new measurements."""
 
     glue_s: float | None = None
     step_s: float | None = None  # one draft step of the neural fallback
@@ -102,6 +107,12 @@ class Planner:
         self.budgets = sorted(set(budgets) | {0})
         self.cap = cap
         self.costs = StageCosts()
+        self.adaptive = True  # False: plan from the costs given, never from new measurements
+
+    def observe(self, kind: str, *args) -> None:
+        """Feed a measurement (``"build"``, ``"verify"`` or ``"step"``) to the costs, if adaptive."""
+        if self.adaptive:
+            getattr(self.costs, f"observe_{kind}")(*args)
 
     def expected_round_s(self, budget: int, hit_rate: float, miss_s: float) -> float:
         c, k = self.costs, self.k
@@ -109,7 +120,7 @@ class Planner:
         return max(c.verify(budget), build) + (1.0 - hit_rate) * miss_s
 
     def plan(self, alpha: float, miss, fallback: str = "neural", fast_tokens: float = 1.0) -> Plan:
-        """The plan with the most expected tokens per second under acceptance ``alpha``, ``miss(F)`` and
+        """The plan with the most expected tokens per second under acceptance ``alpha``, ``miss(j, F)`` and
         the ``fallback`` a miss takes (``fast_tokens``: tokens a fast-fallback round decides)."""
         probabilities = outcome_probabilities(alpha, self.k)
         tokens = sum(p * (j + 1) for j, p in enumerate(probabilities))

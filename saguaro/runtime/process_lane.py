@@ -113,11 +113,12 @@ class ProcessLane:
         """Send ``server.method(*args)`` to the draft process; it runs there while the caller goes on."""
         self._guard(_send_message, self.pg, (method, args, False))
 
-    def call(self, method: str, *args):
-        """Run ``server.method(*args)`` in the draft process (after what was posted) and return its result."""
+    def call(self, method: str, *args, timeout_s: float | None = None):
+        """Run ``server.method(*args)`` in the draft process (after what was posted) and return its result,
+        waiting at most ``timeout_s`` (default: the lane's timeout)."""
         def run():
             _send_message(self.pg, (method, args, True))
-            return _recv_message(self.pg, self.timeout_s)
+            return _recv_message(self.pg, self.timeout_s if timeout_s is None else timeout_s)
         return self._guard(run)
 
     def settle(self) -> None:

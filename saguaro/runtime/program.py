@@ -4,6 +4,8 @@ and the recipe of a remote draft; the Program never imports the passes or the lo
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 import time
 import warnings
@@ -25,18 +27,21 @@ from saguaro.runtime.lanes import DraftLaneError, one_thread_per_lane
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.sequences import SequenceBatch
 from saguaro.runtime.state import DecodeState
-from saguaro.runtime.stats import since, summarize
+from saguaro.runtime.stats import Counters, since, summarize
 from saguaro.tensor_math.verification import sample_tokens
 
 log = logging.getLogger(__name__)
 
+WARM_UP_TIMEOUT_S = 3600.0  # compiling every draft stage shape may take minutes on a small CPU
+
 
 @dataclass
 class GenerateOutput:
-    """``sequences [B, T + new]`` and a dict of ``stats``."""
+    """``sequences [B, T + new]``, a dict of ``stats`` and the raw ``counters`` they were made from."""
 
     sequences: torch.Tensor
     stats: dict
+    counters: Counters | None = None
 
 
 class Program:
@@ -54,6 +59,7 @@ class Program:
         self.lanes = LaneOwner(config, draft, remote_draft) if draft is not None else None
         self._variants: dict = {}
         self._verify_alone_s: dict = {}  # (batch, capacity, sampled) -> seconds
+        self._warmed: dict = {}  # (lane, batch, capacity, sampled) -> the planner's measured costs
 
     @property
     def lane_kind(self) -> str:
@@ -160,7 +166,8 @@ class Program:
                 first = self._prefill(state)
                 draft_spec = GenerateSpec(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids,
                                           self.pad_token_id, float(temperature), None if base is None else base + 1)
-                if not decode_ssd(self.target, self.draft, state, lane, draft_spec, first):
+                warm_up = functools.partial(self._warm_draft_lane, lane, draft_spec, first, float(temperature))
+                if not decode_ssd(self.target, self.draft, state, lane, draft_spec, first, warm_up):
                     self.lanes.close()  # a failed lane is not reused
         else:
             self._prefill(state)
@@ -172,7 +179,7 @@ class Program:
         sequences = seqs.result()[:, padded_ids.shape[1] - T:]  # without the bucket's padding columns
         stats = summarize(state.counters, mode, int(seqs.generated.sum()), B, wall, self.lane_kind,
                           self._schedule_stats(temperature > 0) if mode == "ssd" else None)
-        return GenerateOutput(sequences=sequences, stats=stats)
+        return GenerateOutput(sequences=sequences, stats=stats, counters=state.counters)
 
     @property
     def schedule(self):
@@ -194,6 +201,26 @@ class Program:
         traces with ``torch.fx``, which must not overlap a lane running graphs."""
         for stage in stages_for(mode, temperature):
             self.runner(stage.model).stage(stage)
+
+    def _warm_draft_lane(self, lane, spec: GenerateSpec, first_tokens: torch.Tensor, temperature: float) -> None:
+        """Once per lane and shape: the draft lane calls every stage shape this generation may use
+        (``SpeculationServer.warm_up``: a compiling backend compiles them now, not inside a round or
+        against the lane's timeout) and measures its stage costs, to which the target's verify is added,
+        timed while the lane builds each candidate tree; the planner starts from these costs. A failure
+        here is the lane's (the generation then finishes with SD)."""
+        key = (id(lane), spec.input_ids.shape[0], spec.capacity, spec.temperature > 0)
+        if key not in self._warmed:
+            costs = copy.deepcopy(lane.call("warm_up", spec, first_tokens, timeout_s=WARM_UP_TIMEOUT_S))
+            if costs is not None:
+                for budget in sorted(costs.tree_s) + [0]:
+                    for _ in range(2):
+                        lane.post("build_budget", budget)
+                        costs.observe_verify(budget, time_verify_alone(
+                            self.target, spec.input_ids.shape[0], spec.capacity, self.config.k, temperature,
+                            self.target.spec.vocab_size, repeats=1))
+                        lane.call("finished")  # waits for the build
+            self._warmed[key] = costs
+        spec.plan_costs = self._warmed[key]
 
     def _verify_alone(self, batch: int, capacity: int, temperature: float) -> float:
         """The target's verify with the draft lane idle, measured once per shape (see

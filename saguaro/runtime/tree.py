@@ -52,8 +52,9 @@ def build_speculations(draft: ModelRunner, store: KVStore, req: GlueRequest, gen
             tree.glue()
             tree.glue_s = time.perf_counter() - started
         elif stage in DRAFT_TREE:
-            tree.depth(node["depth"], stage)
-            tree.depth_s.append(time.perf_counter() - started)
+            if req.fan_out and sum(req.fan_out):  # no branches: no tree depth runs
+                tree.depth(node["depth"], stage)
+                tree.depth_s.append(time.perf_counter() - started)
         else:
             raise ValueError(f"schedule node of stage {stage.qualified} is not a draft-lane build step")
     cache = tree.cache()

@@ -10,8 +10,9 @@ from saguaro.runtime.fan_out import OutcomeEstimator, outcome_probabilities
 from saguaro.runtime.planner import Planner, best_fan_out
 
 
-def power_miss(rho):
-    return lambda f: (f + 1.0) ** (-rho)
+def power_miss(rho, per_position=None):
+    """``miss(j, F) = (F + 1)^(−ρ_j)``: ``ρ`` everywhere, or ``per_position[j]``."""
+    return lambda j, f: (f + 1.0) ** (-(per_position[j] if per_position else rho))
 
 
 def allocations(budget, positions, cap):
@@ -22,15 +23,16 @@ def allocations(budget, positions, cap):
 
 
 def hit_rate(probabilities, miss, fan):
-    return sum(p * (1 - miss(f)) for p, f in zip(probabilities, fan))
+    return sum(p * (1 - miss(j, f)) for j, (p, f) in enumerate(zip(probabilities, fan)))
 
 
 @pytest.mark.parametrize("alpha,rho,k,budget,cap", [
     (0.8, 1.0, 3, 6, 6), (0.5, 2.0, 3, 5, 3), (0.95, 0.5, 2, 7, 4), (0.3, 1.5, 4, 8, 8), (0.7, 3.0, 4, 3, 2),
+    (0.8, [0.4, 2.0, 1.0, 3.0], 3, 7, 5), (0.6, [3.0, 0.3, 0.8], 2, 6, 6),  # positions that miss differently
 ])
 def test_greedy_fan_out_equals_exhaustive_search(alpha, rho, k, budget, cap):
     probabilities = outcome_probabilities(alpha, k)
-    miss = power_miss(rho)
+    miss = power_miss(rho, rho if isinstance(rho, list) else None)
     fan, rate = best_fan_out(probabilities, miss, budget, cap)
     best = max(hit_rate(probabilities, miss, f) for f in allocations(budget, k + 1, cap))
     assert sum(fan) == budget and max(fan) <= cap
@@ -108,14 +110,23 @@ def test_unmeasured_candidates_are_tried_once():
     assert planner.plan(0.8, power_miss(1.0)).budget == 12  # the next unmeasured one is tried
 
 
-def test_planning_miss_function_fits_the_observed_ranks():
-    rho = 1.5
-    gen = torch.Generator().manual_seed(1)
-    u = torch.rand(50000, generator=gen)
-    ranks = torch.floor(u ** (-1.0 / rho)).long() - 1  # P(rank >= F) = (F + 1)^-ρ
-    est = OutcomeEstimator(5)
-    assert est.miss_function()(3) == pytest.approx(4.0 ** -1.0)  # the prior before any rank
-    est.observe(torch.zeros(0, dtype=torch.long), ranks)
+def pareto_ranks(rho, n, seed):
+    u = torch.rand(n, generator=torch.Generator().manual_seed(seed))
+    return torch.floor(u ** (-1.0 / rho)).long() - 1  # P(rank >= F) = (F + 1)^-ρ
+
+
+def test_planning_miss_function_fits_the_observed_ranks_per_position():
+    est = OutcomeEstimator(2)
+    assert est.miss_function()(1, 3) == pytest.approx(4.0 ** -1.0)  # the prior before any rank
+    # position 0 misses often (ρ 0.5), position 2 rarely (ρ 2.5); position 1 is never seen
+    accepted = torch.cat([torch.zeros(20000, dtype=torch.long), torch.full((20000,), 2)])
+    ranks = torch.cat([pareto_ranks(0.5, 20000, 1), pareto_ranks(2.5, 20000, 2)])
+    est.observe(accepted, ranks)
     miss = est.miss_function()
-    assert miss(0) == 1.0
-    assert miss(3) == pytest.approx(4.0 ** -rho, rel=0.1)
+    assert miss(0, 0) == 1.0 and miss(2, 0) == 1.0
+    assert miss(0, 3) == pytest.approx(4.0 ** -0.5, rel=0.1)
+    assert miss(2, 3) == pytest.approx(4.0 ** -2.5, rel=0.2)
+    assert miss(2, 3) < miss(1, 3) < miss(0, 3)  # the unseen position takes the overall fit
+    # and the planner moves branches to the position that misses
+    fan, _ = best_fan_out([0.3, 0.3, 0.4], miss, 9, 9)
+    assert fan[0] > fan[2]
