@@ -17,6 +17,7 @@ import torch
 
 from saguaro.capture.attention_op import ATTENTION_OP, saguaro_attention_mask
 from saguaro.capture.hf_hook import ACTIVE_CONTEXT, ATTN_IMPLEMENTATION, AttentionContext, register_attention
+from saguaro.capture.layer_kinds import LayerKind, layer_kinds
 from saguaro.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class ModelSpec:
     max_positions: int
     dtype: torch.dtype
     device: torch.device
-    sliding_window: int = 0
+    layer_kinds: tuple[LayerKind, ...] = ()  # per layer: its sliding window / chunk (all zero: full)
 
 
 class _StageForward(torch.nn.Module):
@@ -45,13 +46,16 @@ class _StageForward(torch.nn.Module):
         super().__init__()
         self.model = model
         self.groups = spec.num_heads // spec.num_kv_heads
-        self.window = spec.sliding_window
+        self.layer_kinds = spec.layer_kinds
 
     def forward(self, input_ids, positions, write_slots, query_branch, query_limit, slot_pos, slot_branch,
                 k_caches, v_caches):
-        bias = saguaro_attention_mask(write_slots, positions, query_branch, query_limit, slot_pos, slot_branch,
-                                      self.window, self.groups, k_caches[0].dtype)  # [B, 1, G*T, S]
-        ctx = AttentionContext(list(k_caches), list(v_caches), write_slots, bias)
+        biases = {  # one mask per distinct layer kind, each [B, 1, G*T, S]
+            kind: saguaro_attention_mask(write_slots, positions, query_branch, query_limit, slot_pos, slot_branch,
+                                         kind.window, kind.chunk, self.groups, k_caches[0].dtype)
+            for kind in sorted(set(self.layer_kinds))
+        }
+        ctx = AttentionContext(list(k_caches), list(v_caches), write_slots, biases, self.layer_kinds)
         token = ACTIVE_CONTEXT.set(ctx)
         try:
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False)
@@ -93,19 +97,8 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         max_positions=getattr(text_config, "max_position_embeddings", 1 << 20),
         dtype=param.dtype,
         device=param.device,
-        sliding_window=_sliding_window(text_config),
+        layer_kinds=layer_kinds(text_config, text_config.num_hidden_layers),
     )
-
-
-def _sliding_window(config) -> int:
-    """The window every layer uses (0: none); mixed full/sliding layers are refused."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return 0
-    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
-    if kinds != {"sliding_attention"}:
-        raise CaptureError(f"{type(config).__name__}: layers mix {sorted(kinds)}; saguaro supports one kind")
-    return int(window)
 
 
 def example_inputs(spec: ModelSpec, batch: int = 2, tokens: int = 3, slots: int = 8):
