@@ -93,6 +93,7 @@ _SLIDING, _FULL = "sliding_attention", "full_attention"
 def _families():
     from transformers import (
         Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM,
+        Llama4ForCausalLM, Llama4TextConfig,
     )
 
     return {
@@ -108,10 +109,14 @@ def _families():
             num_hidden_layers=2, layer_types=[_SLIDING, _FULL], num_local_experts=4, num_experts_per_tok=2,
             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
                                  truncate=False, original_max_position_embeddings=64))),
+        # chunked attention (chunks of WINDOW positions) then a full NoPE layer, mixture of experts
+        "llama4": (Llama4TextConfig, Llama4ForCausalLM, dict(
+            num_hidden_layers=2, layer_types=["chunked_attention", _FULL], attention_chunk_size=WINDOW,
+            no_rope_layers=[1, 0], use_qk_norm=False, intermediate_size_mlp=128, num_local_experts=2, num_experts_per_tok=1)),
     }
 
 
-FAMILIES = ("gemma2", "gemma3", "gpt_oss")
+FAMILIES = ("gemma2", "gemma3", "gpt_oss", "llama4")
 
 
 def tiny_family_config(family: str, **overrides):

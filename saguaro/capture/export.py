@@ -94,11 +94,24 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         num_kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         vocab_size=model.get_output_embeddings().weight.shape[0],
-        max_positions=getattr(text_config, "max_position_embeddings", 1 << 20),
+        max_positions=_max_positions(text_config),
         dtype=param.dtype,
         device=param.device,
         layer_kinds=layer_kinds(text_config, text_config.num_hidden_layers),
     )
+
+
+def _max_positions(config) -> int:
+    """The most positions the captured graph computes exactly.
+
+    Llama 4's NoPE layers scale queries by ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``
+    with ``p`` counted from the HF cache, which a captured forward has not got (``p`` restarts at 0
+    every call); the factor is 1 while ``p + 1 < floor_scale``, so sequences stay below that."""
+    limit = getattr(config, "max_position_embeddings", None) or 1 << 20
+    nope_layers = 0 in (getattr(config, "no_rope_layers", None) or [])
+    if getattr(config, "attn_temperature_tuning", False) and nope_layers:
+        limit = min(limit, int(config.floor_scale) - 1)
+    return limit
 
 
 def example_inputs(spec: ModelSpec, batch: int = 2, tokens: int = 3, slots: int = 8):

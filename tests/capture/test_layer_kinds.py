@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import Llama4TextConfig, Qwen2Config
 
-from saguaro.capture import capture
+from saguaro.capture import capture, model_spec
 from saguaro.capture.attention_op import ATTENTION_OP, MASK_OP
 from saguaro.capture.layer_kinds import LayerKind, layer_kinds
 from saguaro.errors import CaptureError
@@ -86,3 +86,11 @@ def test_a_layer_whose_window_disagrees_with_its_config_is_refused():
     model.model.layers[0].self_attn.sliding_window = WINDOW + 1
     with pytest.raises(CaptureError, match=r"Gemma2Attention \(layer 0\) attends with sliding_window=5"):
         capture(model)
+
+
+def test_llama4_temperature_tuning_limits_the_sequence_length():
+    """Its NoPE layers' query scale needs the HF cache's length past floor_scale: saguaro stops before."""
+    assert model_spec(tiny_family_target("llama4", max_position_embeddings=1 << 14)).max_positions == 8191
+    assert layer_kinds(tiny_family_config("llama4"), 2) == (LayerKind(chunk=WINDOW), FULL)
+    untuned = tiny_family_target("llama4", max_position_embeddings=1 << 14, attn_temperature_tuning=False)
+    assert model_spec(untuned).max_positions == 1 << 14

@@ -68,7 +68,7 @@ def tree_logits(family, implementation="op"):
     return torch.stack(out, 2), [c.clone() for c in store.k_caches + store.v_caches]
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "llama4"])  # llama4: chunks, not windows
 def test_tree_branches_see_the_prefix_through_each_layers_window(family):
     model, _, _ = base(family)
     got, _ = tree_logits(family)

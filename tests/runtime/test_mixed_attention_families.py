@@ -1,6 +1,6 @@
 """Families that mix attention layer kinds and add softcapping, sinks or their own scaling (Gemma 2,
-Gemma 3, GPT-OSS): greedy ``ar``, ``sd`` and ``ssd`` equal the target's own ``generate`` token for
-token, with prompts and generations longer than the sliding window, batch 1 and batch 3 left-padded."""
+Gemma 3, GPT-OSS; Llama 4's chunked layers): greedy ``ar``, ``sd`` and ``ssd`` equal the target's own ``generate`` token for
+token, with prompts and generations longer than the sliding window (or chunk), batch 1 and batch 3 left-padded."""
 
 import functools
 
@@ -61,6 +61,7 @@ def test_ignoring_the_window_would_be_caught(monkeypatch):
     ("gemma3", dict(layer_types=["full_attention"] * 3)),
     ("gpt_oss", dict(layer_types=["full_attention"] * 2)),
     ("gpt_oss", "no sinks"),
+    ("llama4", dict(layer_types=["full_attention"] * 2)),
 ])
 def test_the_tiny_configs_exercise_their_variants(family, change):
     """Each variant changes the target's own greedy tokens, so equality above is evidence it is handled
