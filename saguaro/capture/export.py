@@ -154,7 +154,7 @@ def capture(model: torch.nn.Module) -> CapturedModel:
     if not getattr(model, "_supports_attention_backend", False) or (callable(can_set) and not can_set()):
         raise CaptureError(
             f"{name} does not route attention through transformers' AttentionInterface; saguaro supports models "
-            "that do (Llama, Qwen2, Qwen3, Mistral, ...)"
+            "that do (Llama, Qwen2, Qwen3, Mistral, Gemma 2 / 3, GPT-OSS, Llama 4, ...)"
         )
     register_attention()
     previous = model.config._attn_implementation

@@ -94,3 +94,14 @@ def test_llama4_temperature_tuning_limits_the_sequence_length():
     assert layer_kinds(tiny_family_config("llama4"), 2) == (LayerKind(chunk=WINDOW), FULL)
     untuned = tiny_family_target("llama4", max_position_embeddings=1 << 14, attn_temperature_tuning=False)
     assert model_spec(untuned).max_positions == 1 << 14
+
+
+def test_families_outside_the_attention_interface_and_bidirectional_ones_are_refused():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    falcon = FalconForCausalLM(FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                                            vocab_size=128)).eval()
+    with pytest.raises(CaptureError, match="FalconForCausalLM does not route attention through .*AttentionInterface"):
+        capture(falcon)
+    with pytest.raises(CaptureError, match="use_bidirectional_attention=True is not causal"):
+        capture(tiny_family_target("gemma3", use_bidirectional_attention=True))
