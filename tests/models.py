@@ -112,7 +112,8 @@ def _families():
         # chunked attention (chunks of WINDOW positions) then a full NoPE layer, mixture of experts
         "llama4": (Llama4TextConfig, Llama4ForCausalLM, dict(
             num_hidden_layers=2, layer_types=["chunked_attention", _FULL], attention_chunk_size=WINDOW,
-            no_rope_layers=[1, 0], use_qk_norm=False, intermediate_size_mlp=128, num_local_experts=2, num_experts_per_tok=1)),
+            no_rope_layers=[1, 0], use_qk_norm=False, intermediate_size_mlp=128, num_local_experts=2,
+            num_experts_per_tok=1)),
     }
 
 

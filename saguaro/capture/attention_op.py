@@ -22,7 +22,8 @@ padding query (whose slot is marked invalid) stays finite. A model whose layers 
 mask per distinct kind per forward.
 
 The attention itself takes the family's variants from ``transformers``' attention call: ``scale``
-(``query_pre_attn_scalar`` and per-family scalings arrive as HF's ``scaling``), ``softcap`` (logits
+(``query_pre_attn_scalar`` and per-family scalings arrive as HF's ``scaling``), and, in the
+``saguaro::attention_variants`` op of the layers that have them, ``softcap`` (logits
 ``tanh(x / c) * c`` before the mask, Gemma 2) and ``sinks`` (one learned logit per head that joins
 the softmax and is dropped after it, GPT-OSS). Without softcap and sinks it is plain SDPA.
 """
@@ -181,8 +182,37 @@ def _saguaro_attention_mask_fake(write_slots, query_pos, query_branch, query_lim
     return slot_pos.new_empty((B, 1, groups * T, slot_pos.shape[1]), dtype=dtype)
 
 
+def _write_kv(key, value, k_cache, v_cache, write_slots) -> None:
+    B, Hkv, T, D = key.shape
+    index = write_slots[:, None, :, None].expand(B, Hkv, T, D)
+    k_cache.scatter_(2, index, key.to(k_cache.dtype))
+    v_cache.scatter_(2, index, value.to(v_cache.dtype))
+
+
 @torch.library.custom_op(f"{OP_NAMESPACE}::attention", mutates_args=("k_cache", "v_cache"))
 def saguaro_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_slots: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Write ``key``/``value`` ``[B, Hkv, T, D]`` at ``write_slots [B, T]`` and attend under the additive
+    mask ``bias [B, 1, G*T, S]``; returns ``[B, H, T, D]``."""
+    _write_kv(key, value, k_cache, v_cache, write_slots)
+    return attention_reference(query, k_cache, v_cache, bias, scale)
+
+
+@saguaro_attention.register_fake
+def _saguaro_attention_fake(query, key, value, k_cache, v_cache, write_slots, bias, scale):
+    return query.new_empty(query.shape)  # contiguous [B, H, T, D], like the real output
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::attention_variants", mutates_args=("k_cache", "v_cache"))
+def saguaro_attention_variants(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -194,19 +224,19 @@ def saguaro_attention(
     softcap: float,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Write ``key``/``value`` ``[B, Hkv, T, D]`` at ``write_slots [B, T]`` and attend under the additive
-    mask ``bias [B, 1, G*T, S]`` (``softcap`` 0: none; ``sinks [H]`` or None); returns ``[B, H, T, D]``."""
-    B, Hkv, T, D = key.shape
-    index = write_slots[:, None, :, None].expand(B, Hkv, T, D)
-    k_cache.scatter_(2, index, key.to(k_cache.dtype))
-    v_cache.scatter_(2, index, value.to(v_cache.dtype))
+    """``saguaro::attention`` with a logit ``softcap`` (0: none) and/or ``sinks [H]``. A separate op, used
+    only by layers that have them, so that the plain op keeps its short schema: on CPU the custom-op
+    dispatch costs about 15 us per extra argument, per layer and call."""
+    _write_kv(key, value, k_cache, v_cache, write_slots)
     return attention_reference(query, k_cache, v_cache, bias, scale, softcap, sinks)
 
 
-@saguaro_attention.register_fake
-def _saguaro_attention_fake(query, key, value, k_cache, v_cache, write_slots, bias, scale, softcap, sinks):
+@saguaro_attention_variants.register_fake
+def _saguaro_attention_variants_fake(query, key, value, k_cache, v_cache, write_slots, bias, scale, softcap, sinks):
     return query.new_empty(query.shape)  # contiguous [B, H, T, D], like the real output
 
 
 ATTENTION_OP = torch.ops.saguaro.attention.default
+VARIANTS_OP = torch.ops.saguaro.attention_variants.default
+ATTENTION_OPS = (ATTENTION_OP, VARIANTS_OP)  # one of them per layer
 MASK_OP = torch.ops.saguaro.attention_mask.default

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.capture.attention_op import ATTENTION_OP, saguaro_attention_mask
+from saguaro.capture.attention_op import ATTENTION_OPS, saguaro_attention_mask
 from saguaro.capture.hf_hook import ACTIVE_CONTEXT, ATTN_IMPLEMENTATION, AttentionContext, register_attention
 from saguaro.capture.layer_kinds import LayerKind, layer_kinds
 from saguaro.errors import CaptureError
@@ -177,7 +177,7 @@ def capture(model: torch.nn.Module) -> CapturedModel:
         _switch_attention(model, previous)
         model.train(was_training)
     graph_module = program.module()
-    attention_nodes = [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target is ATTENTION_OP]
+    attention_nodes = [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
     if len(attention_nodes) != spec.num_layers:
         raise CaptureError(
             f"{name}: expected one saguaro attention node per layer ({spec.num_layers}), found "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.capture.attention_op import saguaro_attention
+from saguaro.capture.attention_op import saguaro_attention, saguaro_attention_variants
 from saguaro.errors import CaptureError
 
 ATTN_IMPLEMENTATION = "saguaro"
@@ -63,8 +63,11 @@ def saguaro_attention_forward(module, query, key, value, attention_mask, dropout
                            f"supports one sink logit per head ({query.shape[1]})")
     softcap = float(kwargs.get("softcap") or 0.0)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = saguaro_attention(query, key, value, ctx.k_caches[layer], ctx.v_caches[layer], ctx.write_slots,
-                            ctx.biases[kind], scale, softcap, sinks)  # [B, H, T, D]
+    args = (query, key, value, ctx.k_caches[layer], ctx.v_caches[layer], ctx.write_slots, ctx.biases[kind], scale)
+    if softcap or sinks is not None:
+        out = saguaro_attention_variants(*args, softcap, sinks)  # [B, H, T, D]
+    else:
+        out = saguaro_attention(*args)  # [B, H, T, D]
     return out.transpose(1, 2), None  # HF expects [B, T, H, D]
 
 

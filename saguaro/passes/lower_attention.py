@@ -4,8 +4,8 @@ Requires: a stage graph (mask specialised, epilogue spliced) with the flat signa
 ``flatten_signature`` (``"flex"`` reads the mask inputs by name).
 Guarantees, by ``implementation``:
 
-* ``"op"``: the nodes stay the ``saguaro::attention`` custom op (the eager backend: one opaque,
-  mutating node per layer that the reference kernel runs).
+* ``"op"``: the nodes stay the ``saguaro::attention`` (or ``saguaro::attention_variants``) custom
+  op (the eager backend: one opaque, mutating node per layer that the reference kernel runs).
 * ``"inline"``: each node becomes the op's own math as plain tensor code: the KV write as an
   ``index_put_`` into the store's caches, then the masked attention of
   :func:`~saguaro.capture.attention_op.attention_reference` (with the layer's logit softcap and
@@ -33,13 +33,14 @@ import logging
 
 import torch
 
-from saguaro.capture.attention_op import ATTENTION_OP, attention_reference, kind_allows
+from saguaro.capture.attention_op import ATTENTION_OP, ATTENTION_OPS, attention_reference, kind_allows
 from saguaro.passes.graph_splice import PassError, keeps_mutations
 
 log = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("op", "inline", "flex")
-OP_ARGS = 10  # query, key, value, k_cache, v_cache, write_slots, bias, scale, softcap, sinks
+# query, key, value, k_cache, v_cache, write_slots, bias, scale (+ softcap, sinks for the variants op)
+OP_ARGS = {op: 8 if op is ATTENTION_OP else 10 for op in ATTENTION_OPS}
 MASK_INPUTS = ("write_slots", "positions", "query_branch", "query_limit", "slot_pos", "slot_branch")
 
 
@@ -140,16 +141,16 @@ def lower_attention(gm: torch.fx.GraphModule, implementation: str, window: int =
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} is not allowed: choose one of "
                          f"{', '.join(IMPLEMENTATIONS)}")
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ATTENTION_OP]
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
     if not nodes:
         raise PassError("lower_attention: no saguaro::attention node in the graph (already lowered?)")
     if implementation == "op":
         log.info("lower_attention(op): kept %d attention node(s)", len(nodes))
         return gm
     for node in nodes:
-        if len(node.args) != OP_ARGS or node.kwargs:
+        if len(node.args) != OP_ARGS[node.target] or node.kwargs:
             raise PassError(f"lower_attention: FX node {node.name!r} has {len(node.args)} positional and "
-                            f"{len(node.kwargs)} keyword arguments, expected {OP_ARGS} and 0")
+                            f"{len(node.kwargs)} keyword arguments, expected {OP_ARGS[node.target]} and 0")
     if implementation == "inline":
         for node in nodes:
             node.target = attention_inline  # same arguments, same result, same cache writes

@@ -6,7 +6,7 @@ import torch
 from transformers import Llama4TextConfig, Qwen2Config
 
 from saguaro.capture import capture, model_spec
-from saguaro.capture.attention_op import ATTENTION_OP, MASK_OP
+from saguaro.capture.attention_op import ATTENTION_OP, MASK_OP, VARIANTS_OP
 from saguaro.capture.layer_kinds import LayerKind, layer_kinds
 from saguaro.errors import CaptureError
 from saguaro.runtime.kv_store import KVStore
@@ -52,11 +52,15 @@ def test_one_mask_node_per_kind_and_each_layer_reads_its_own():
 
 
 def test_attention_variants_reach_the_op():
-    gemma2 = nodes(capture(tiny_family_target("gemma2")).graph_module, ATTENTION_OP)
+    """Layers with a softcap or sinks use the variants op; the others keep the plain op's short schema."""
+    gemma2 = nodes(capture(tiny_family_target("gemma2")).graph_module, VARIANTS_OP)
     assert [n.args[8] for n in gemma2] == [1.0, 1.0]  # attn_logit_softcapping
     assert all(n.args[7] == pytest.approx(24 ** -0.5) for n in gemma2)  # query_pre_attn_scalar, not head_dim
     assert all(n.args[9] is None for n in gemma2)
-    gpt_oss = nodes(capture(tiny_family_target("gpt_oss")).graph_module, ATTENTION_OP)
+    plain = capture(tiny_family_target("gemma3")).graph_module
+    assert len(nodes(plain, ATTENTION_OP)) == 3 and not nodes(plain, VARIANTS_OP)
+    gpt_oss = nodes(capture(tiny_family_target("gpt_oss")).graph_module, VARIANTS_OP)
+    assert len(gpt_oss) == 2
     assert all(n.args[8] == 0.0 and isinstance(n.args[9], torch.fx.Node) for n in gpt_oss)  # the sinks
 
 

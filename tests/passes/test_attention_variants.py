@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from saguaro.capture import capture
-from saguaro.capture.attention_op import ATTENTION_OP, MASK_OP
+from saguaro.capture.attention_op import ATTENTION_OP, MASK_OP, VARIANTS_OP
 from saguaro.passes import run_pipeline
 from saguaro.passes.lower_attention import attention_flex, attention_inline, flex_block_mask, lower_attention
 from saguaro.passes.specialize_attention import specialize_attention
@@ -90,7 +90,8 @@ def test_specialized_masks_carry_their_kind_and_flex_builds_one_block_mask_per_k
         assert kinds == {(WINDOW, 0), (0, 0)} and count(special, MASK_OP) == 0
         flex = lower_attention(special, "flex")
         assert count(flex, flex_block_mask) == 2 and count(flex, attention_flex) == 3
-        windows = sorted(n.args[-2] for n in flex.graph.nodes if n.op == "call_function" and n.target is flex_block_mask)
+        windows = sorted(n.args[-2] for n in flex.graph.nodes
+                         if n.op == "call_function" and n.target is flex_block_mask)
         assert windows == [0, WINDOW]
 
 
@@ -101,7 +102,7 @@ def test_lowerings_give_the_op_results_with_softcap_and_sinks(family, implementa
     got, caches = tree_logits(family, implementation)
     _, gm, _ = base(family)
     lowered = lower_attention(specialize_attention(fresh(gm), "tree"), implementation)
-    assert count(lowered, ATTENTION_OP) == 0
+    assert count(lowered, ATTENTION_OP) == 0 and count(lowered, VARIANTS_OP) == 0
     assert count(lowered, attention_inline if implementation == "inline" else attention_flex) == 2
     if implementation == "inline":  # the op's own math: bit-identical
         assert torch.equal(got, want)

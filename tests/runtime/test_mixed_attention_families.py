@@ -1,6 +1,7 @@
 """Families that mix attention layer kinds and add softcapping, sinks or their own scaling (Gemma 2,
-Gemma 3, GPT-OSS; Llama 4's chunked layers): greedy ``ar``, ``sd`` and ``ssd`` equal the target's own ``generate`` token for
-token, with prompts and generations longer than the sliding window (or chunk), batch 1 and batch 3 left-padded."""
+Gemma 3, GPT-OSS; Llama 4's chunked layers): greedy ``ar``, ``sd`` and ``ssd`` equal the target's
+own ``generate`` token for token, with prompts and generations longer than the sliding window (or
+chunk), batch 1 and batch 3 left-padded."""
 
 import functools
 
