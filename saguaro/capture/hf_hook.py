@@ -55,9 +55,10 @@ def saguaro_attention_forward(module, query, key, value, attention_mask, dropout
     if window is not None and int(window) != kind.window:  # the config and the layer disagree: refuse
         raise CaptureError(f"{name} (layer {layer}) attends with sliding_window={window}, but its config gives "
                            f"the layer the kind {kind}")
-    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # [H]
     if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
-        sinks = module.sinks
+        raise CaptureError(f"{name} (layer {layer}) has attention sinks that its attention call does not pass; "
+                           "saguaro cannot tell how they apply")
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
         raise CaptureError(f"{name} (layer {layer}): attention sinks of shape {tuple(sinks.shape)}; saguaro "
                            f"supports one sink logit per head ({query.shape[1]})")

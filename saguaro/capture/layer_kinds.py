@@ -52,8 +52,11 @@ def layer_kinds(config, num_layers: int) -> tuple[LayerKind, ...]:
         if kind == FULL:
             kinds.append(LayerKind())
         elif kind == SLIDING:
-            # a family that turns sliding off (Qwen2's use_sliding_window=False) runs its layers full
-            kinds.append(LayerKind(window=int(window)) if window else LayerKind())
+            if not window:  # transformers' own sliding mask refuses this too
+                raise CaptureError(f"{name}: layer {i} is sliding_attention but the config has no sliding window "
+                                   f"(sliding_window={getattr(config, 'sliding_window', None)!r}, "
+                                   f"use_sliding_window={getattr(config, 'use_sliding_window', None)!r})")
+            kinds.append(LayerKind(window=int(window)))
         elif kind == CHUNKED:
             chunk = getattr(config, "attention_chunk_size", None)
             if not chunk:

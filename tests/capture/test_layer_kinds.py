@@ -36,6 +36,9 @@ def test_unsupported_kinds_are_refused_naming_class_and_kind():
     config.layer_types = ["sliding_attention", "linear_attention", "full_attention"]
     with pytest.raises(CaptureError, match="Gemma3TextConfig: layer 1 has attention kind 'linear_attention'"):
         layer_kinds(config, 3)
+    config = Qwen2Config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(CaptureError, match="Qwen2Config: layer 0 is sliding_attention but the config has no sliding"):
+        layer_kinds(config, 2)  # use_sliding_window=False leaves no window
     config = tiny_family_config("gemma3", use_bidirectional_attention=True)
     with pytest.raises(CaptureError, match="Gemma3TextConfig: use_bidirectional_attention=True is not causal"):
         layer_kinds(config, 3)
@@ -109,3 +112,21 @@ def test_families_outside_the_attention_interface_and_bidirectional_ones_are_ref
         capture(falcon)
     with pytest.raises(CaptureError, match="use_bidirectional_attention=True is not causal"):
         capture(tiny_family_target("gemma3", use_bidirectional_attention=True))
+
+
+def test_sinks_the_attention_call_does_not_pass_are_refused(monkeypatch):
+    from saguaro.capture import hf_hook
+
+    forward = hf_hook.saguaro_attention_forward
+
+    def without_sinks(module, *args, **kwargs):
+        kwargs.pop("s_aux", None)  # a family whose module has sinks its attention call does not pass
+        return forward(module, *args, **kwargs)
+
+    monkeypatch.setattr(hf_hook, "saguaro_attention_forward", without_sinks)  # capture registers it
+    try:
+        with pytest.raises(CaptureError, match=r"GptOssAttention \(layer 0\) has attention sinks that its attention"):
+            capture(tiny_family_target("gpt_oss"))
+    finally:
+        monkeypatch.undo()
+        hf_hook.register_attention()  # the real implementation again, for the tests that follow
