@@ -11,11 +11,21 @@ host):
 * ``query_branch[b, t]`` 0 for ordinary queries, ``β`` for a tree-branch query
 * ``query_limit[b, t]`` last shared (branch 0) position the query may see; ``query_pos`` for
   ordinary queries, the fork point ``P0 + j`` for a branch forked at glue row ``j``
-* ``window``            sliding-window length (0: none)
+* ``window``            sliding-window length (0: none): slots at positions ``> query_pos - window``
+* ``chunk``             chunk length (0: none): slots whose ``pos // chunk`` is the query's
 
 Query ``t`` sees slot ``s`` when the slot is valid and either it is shared and not after the
-query's limit, or it lies on the query's own branch and not after the query. A query always sees
-its own slot, so a padding query (whose slot is marked invalid) stays finite.
+query's limit, or it lies on the query's own branch and not after the query; and the layer's kind
+(window, chunk) allows the slot's position. Window and chunk compare positions, so a tree branch
+sees the shared prefix through each layer's own window. A query always sees its own slot, so a
+padding query (whose slot is marked invalid) stays finite. A model whose layers mix kinds gets one
+mask per distinct kind per forward.
+
+The attention itself takes the family's variants from ``transformers``' attention call: ``scale``
+(``query_pre_attn_scalar`` and per-family scalings arrive as HF's ``scaling``), and, in the
+``saguaro::attention_variants`` op of the layers that have them, ``softcap`` (logits
+``tanh(x / c) * c`` before the mask, Gemma 2) and ``sinks`` (one learned logit per head that joins
+the softmax and is dropped after it, GPT-OSS). Without softcap and sinks it is plain SDPA.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ def build_attention_mask(
     slot_pos: torch.Tensor,  # [B, S] long
     slot_branch: torch.Tensor,  # [B, S] long
     window: int,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Boolean mask ``[B, T, S]``: True where query ``t`` may attend to slot ``s``."""
     s_pos = slot_pos[:, None, :]  # [B, 1, S]
@@ -40,11 +51,20 @@ def build_attention_mask(
     valid = s_pos >= 0
     shared = (s_branch == 0) & (s_pos <= query_limit[:, :, None])
     own = (s_branch == query_branch[:, :, None]) & (s_pos <= query_pos[:, :, None])
-    allowed = valid & (shared | own)
-    if window > 0:
-        allowed = allowed & (s_pos > query_pos[:, :, None] - window)
+    allowed = kind_allows(valid & (shared | own), s_pos, query_pos[:, :, None], window, chunk)
     slots = torch.arange(slot_pos.shape[1], device=slot_pos.device)  # [S]
     return allowed | (slots[None, None, :] == write_slots[:, :, None])  # [B, T, S]
+
+
+def kind_allows(allowed, s_pos, q_pos, window: int, chunk: int):
+    """``allowed`` narrowed to the positions a layer kind lets query position ``q_pos`` see (shapes
+    broadcast: ``[B, T, S]`` from ``[B, 1, S]`` slots and ``[B, T, 1]`` queries, or scalars)."""
+    if window > 0:
+        allowed = allowed & (s_pos > q_pos - window)
+    if chunk > 0:
+        allowed = allowed & (torch.div(s_pos, chunk, rounding_mode="floor") ==
+                             torch.div(q_pos, chunk, rounding_mode="floor"))
+    return allowed
 
 
 def causal_bias(
@@ -55,6 +75,7 @@ def causal_bias(
     window: int,
     groups: int,
     dtype: torch.dtype,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """The mask of prefill / verify / glue / step: shared slots up to the query's own position.
 
@@ -62,8 +83,7 @@ def causal_bias(
     """
     s_pos = slot_pos[:, None, :]  # [B, 1, S]
     allowed = (s_pos >= 0) & (slot_branch[:, None, :] == 0) & (s_pos <= query_pos[:, :, None])
-    if window > 0:
-        allowed = allowed & (s_pos > query_pos[:, :, None] - window)
+    allowed = kind_allows(allowed, s_pos, query_pos[:, :, None], window, chunk)  # [B, T, S]
     slots = torch.arange(slot_pos.shape[1], device=slot_pos.device)  # [S]
     allowed = allowed | (slots[None, None, :] == write_slots[:, :, None])  # [B, T, S]
     return additive_mask(allowed, groups, dtype)
@@ -79,10 +99,12 @@ def tree_bias(
     window: int,
     groups: int,
     dtype: torch.dtype,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """The tree mask: the committed prefix and glue up to the fork point, then the branch's own
     earlier tree tokens (block diagonal over branches), built from the fork points and branch ids."""
-    mask = build_attention_mask(write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window)
+    mask = build_attention_mask(write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window,
+                                chunk)
     return additive_mask(mask, groups, dtype)
 
 
@@ -99,13 +121,37 @@ def attention_reference(
     v_cache: torch.Tensor,  # [B, Hkv, S, D]
     bias: torch.Tensor,  # [B, 1, G*T, S] additive mask from `additive_mask`
     scale: float,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # [H] learned sink logits
 ) -> torch.Tensor:
     """Masked attention over the whole store, GQA by folding query groups (no KV repeat)."""
     B, H, T, D = query.shape
     Hkv = k_cache.shape[1]
     q = query.reshape(B, Hkv, (H // Hkv) * T, D)  # heads of one group are adjacent in HF's layout
-    out = torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias, scale=scale)
+    if softcap == 0.0 and sinks is None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias, scale=scale)
+    else:
+        out = _attention_with_variants(q, k_cache, v_cache, bias, scale, softcap, sinks, T)
     return out.reshape(B, H, T, D).contiguous()  # the fake kernel promises a contiguous result
+
+
+def _attention_with_variants(q, k_cache, v_cache, bias, scale: float, softcap: float, sinks, T: int):
+    """SDPA's math with the logit softcap and the sink column, in the order of HF's eager attention:
+    scale, softcap, mask, then the softmax over ``S`` slots (float32; with sinks, over the slots and the
+    sink in the logits' dtype, the sink dropped after it)."""
+    logits = torch.matmul(q, k_cache.transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
+    if softcap != 0.0:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits + bias
+    if sinks is None:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B, Hkv, G*T, S]
+    else:
+        B, Hkv, GT, S = logits.shape
+        sink = sinks.reshape(1, Hkv, GT // T, 1, 1).expand(B, Hkv, GT // T, T, 1).reshape(B, Hkv, GT, 1)
+        logits = torch.cat([logits, sink.to(logits.dtype)], dim=-1)  # [B, Hkv, G*T, S+1]
+        logits = logits - logits.amax(dim=-1, keepdim=True)  # as GPT-OSS's eager attention does
+        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :S]  # [B, Hkv, G*T, S]
+    return torch.matmul(probs.to(v_cache.dtype), v_cache)  # [B, Hkv, G*T, D]
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::attention_mask", mutates_args=())
@@ -117,20 +163,30 @@ def saguaro_attention_mask(
     slot_pos: torch.Tensor,
     slot_branch: torch.Tensor,
     window: int,
+    chunk: int,
     groups: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The generic mask of every stage as one node, ``[B, 1, G*T, S]`` additive; the
-    ``specialize_attention`` pass replaces it with the stage's own construction."""
-    mask = build_attention_mask(write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window)
+    """The generic mask of every stage for one layer kind (``window``, ``chunk``) as one node,
+    ``[B, 1, G*T, S]`` additive; the ``specialize_attention`` pass replaces it with the stage's own
+    construction."""
+    mask = build_attention_mask(write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window,
+                                chunk)
     return additive_mask(mask, groups, dtype)
 
 
 @saguaro_attention_mask.register_fake
 def _saguaro_attention_mask_fake(write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window,
-                                 groups, dtype):
+                                 chunk, groups, dtype):
     B, T = write_slots.shape
     return slot_pos.new_empty((B, 1, groups * T, slot_pos.shape[1]), dtype=dtype)
+
+
+def _write_kv(key, value, k_cache, v_cache, write_slots) -> None:
+    B, Hkv, T, D = key.shape
+    index = write_slots[:, None, :, None].expand(B, Hkv, T, D)
+    k_cache.scatter_(2, index, key.to(k_cache.dtype))
+    v_cache.scatter_(2, index, value.to(v_cache.dtype))
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::attention", mutates_args=("k_cache", "v_cache"))
@@ -146,10 +202,7 @@ def saguaro_attention(
 ) -> torch.Tensor:
     """Write ``key``/``value`` ``[B, Hkv, T, D]`` at ``write_slots [B, T]`` and attend under the additive
     mask ``bias [B, 1, G*T, S]``; returns ``[B, H, T, D]``."""
-    B, Hkv, T, D = key.shape
-    index = write_slots[:, None, :, None].expand(B, Hkv, T, D)
-    k_cache.scatter_(2, index, key.to(k_cache.dtype))
-    v_cache.scatter_(2, index, value.to(v_cache.dtype))
+    _write_kv(key, value, k_cache, v_cache, write_slots)
     return attention_reference(query, k_cache, v_cache, bias, scale)
 
 
@@ -158,5 +211,32 @@ def _saguaro_attention_fake(query, key, value, k_cache, v_cache, write_slots, bi
     return query.new_empty(query.shape)  # contiguous [B, H, T, D], like the real output
 
 
+@torch.library.custom_op(f"{OP_NAMESPACE}::attention_variants", mutates_args=("k_cache", "v_cache"))
+def saguaro_attention_variants(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_slots: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """``saguaro::attention`` with a logit ``softcap`` (0: none) and/or ``sinks [H]``. A separate op, used
+    only by layers that have them, so that the plain op keeps its short schema: on CPU the custom-op
+    dispatch costs about 15 us per extra argument, per layer and call."""
+    _write_kv(key, value, k_cache, v_cache, write_slots)
+    return attention_reference(query, k_cache, v_cache, bias, scale, softcap, sinks)
+
+
+@saguaro_attention_variants.register_fake
+def _saguaro_attention_variants_fake(query, key, value, k_cache, v_cache, write_slots, bias, scale, softcap, sinks):
+    return query.new_empty(query.shape)  # contiguous [B, H, T, D], like the real output
+
+
 ATTENTION_OP = torch.ops.saguaro.attention.default
+VARIANTS_OP = torch.ops.saguaro.attention_variants.default
+ATTENTION_OPS = (ATTENTION_OP, VARIANTS_OP)  # one of them per layer
 MASK_OP = torch.ops.saguaro.attention_mask.default

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.capture.attention_op import ATTENTION_OP, saguaro_attention_mask
+from saguaro.capture.attention_op import ATTENTION_OPS, saguaro_attention_mask
 from saguaro.capture.hf_hook import ACTIVE_CONTEXT, ATTN_IMPLEMENTATION, AttentionContext, register_attention
+from saguaro.capture.layer_kinds import LayerKind, layer_kinds
 from saguaro.core.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class ModelSpec:
     max_positions: int
     dtype: torch.dtype
     device: torch.device
-    sliding_window: int = 0
+    layer_kinds: tuple[LayerKind, ...] = ()  # per layer: its sliding window / chunk (all zero: full)
 
 
 class _StageForward(torch.nn.Module):
@@ -45,13 +46,16 @@ class _StageForward(torch.nn.Module):
         super().__init__()
         self.model = model
         self.groups = spec.num_heads // spec.num_kv_heads
-        self.window = spec.sliding_window
+        self.layer_kinds = spec.layer_kinds
 
     def forward(self, input_ids, positions, write_slots, query_branch, query_limit, slot_pos, slot_branch,
                 k_caches, v_caches):
-        bias = saguaro_attention_mask(write_slots, positions, query_branch, query_limit, slot_pos, slot_branch,
-                                      self.window, self.groups, k_caches[0].dtype)  # [B, 1, G*T, S]
-        ctx = AttentionContext(list(k_caches), list(v_caches), write_slots, bias)
+        biases = {  # one mask per distinct layer kind, each [B, 1, G*T, S]
+            kind: saguaro_attention_mask(write_slots, positions, query_branch, query_limit, slot_pos, slot_branch,
+                                         kind.window, kind.chunk, self.groups, k_caches[0].dtype)
+            for kind in sorted(set(self.layer_kinds))
+        }
+        ctx = AttentionContext(list(k_caches), list(v_caches), write_slots, biases, self.layer_kinds)
         token = ACTIVE_CONTEXT.set(ctx)
         try:
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False)
@@ -89,22 +93,24 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         num_kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         vocab_size=model.get_output_embeddings().weight.shape[0],
-        max_positions=getattr(text_config, "max_position_embeddings", 1 << 20),
+        max_positions=_max_positions(text_config),
         dtype=param.dtype,
         device=param.device,
-        sliding_window=_sliding_window(text_config),
+        layer_kinds=layer_kinds(text_config, text_config.num_hidden_layers),
     )
 
 
-def _sliding_window(config) -> int:
-    """The window every layer uses (0: none); mixed full/sliding layers are refused."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return 0
-    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
-    if kinds != {"sliding_attention"}:
-        raise CaptureError(f"{type(config).__name__}: layers mix {sorted(kinds)}; saguaro supports one kind")
-    return int(window)
+def _max_positions(config) -> int:
+    """The most positions the captured graph computes exactly.
+
+    Llama 4's NoPE layers scale queries by ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``
+    with ``p`` counted from the HF cache, which a captured forward has not got (``p`` restarts at 0
+    every call); the factor is 1 while ``p + 1 < floor_scale``, so sequences stay below that."""
+    limit = getattr(config, "max_position_embeddings", None) or 1 << 20
+    nope_layers = 0 in (getattr(config, "no_rope_layers", None) or [])
+    if getattr(config, "attn_temperature_tuning", False) and nope_layers:
+        limit = min(limit, int(config.floor_scale) - 1)
+    return limit
 
 
 def example_inputs(spec: ModelSpec, batch: int = 2, tokens: int = 3, slots: int = 8):
@@ -147,7 +153,7 @@ def capture(model: torch.nn.Module) -> CapturedModel:
     if not getattr(model, "_supports_attention_backend", False) or (callable(can_set) and not can_set()):
         raise CaptureError(
             f"{name} does not route attention through transformers' AttentionInterface; saguaro supports models "
-            "that do (Llama, Qwen2, Qwen3, Mistral, ...)"
+            "that do (Llama, Qwen2, Qwen3, Mistral, Gemma 2 / 3, GPT-OSS, Llama 4, ...)"
         )
     register_attention()
     previous = model.config._attn_implementation
@@ -170,7 +176,7 @@ def capture(model: torch.nn.Module) -> CapturedModel:
         _switch_attention(model, previous)
         model.train(was_training)
     graph_module = program.module()
-    attention_nodes = [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target is ATTENTION_OP]
+    attention_nodes = [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
     if len(attention_nodes) != spec.num_layers:
         raise CaptureError(
             f"{name}: expected one saguaro attention node per layer ({spec.num_layers}), found "

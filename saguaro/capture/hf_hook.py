@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.capture.attention_op import saguaro_attention
+from saguaro.capture.attention_op import saguaro_attention, saguaro_attention_variants
 from saguaro.core.errors import CaptureError
 
 ATTN_IMPLEMENTATION = "saguaro"
@@ -27,31 +27,48 @@ class AttentionContext:
     k_caches: list  # per layer [B, Hkv, S, D]
     v_caches: list
     write_slots: torch.Tensor  # [B, T]
-    bias: torch.Tensor  # [B, 1, G*T, S] additive mask, built once per forward
+    biases: dict  # LayerKind -> [B, 1, G*T, S] additive mask, built once per forward per kind
+    layer_kinds: tuple  # per layer: its LayerKind
 
 
 ACTIVE_CONTEXT: contextvars.ContextVar[AttentionContext] = contextvars.ContextVar("saguaro_attention_context")
 
 
 def saguaro_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """The ``AttentionInterface`` implementation named ``"saguaro"``."""
-    if kwargs.get("softcap") is not None:
-        raise CaptureError(f"{type(module).__name__}: attention logit soft-capping is not supported by saguaro")
-    if kwargs.get("sinks") is not None or getattr(module, "sinks", None) is not None:
-        raise CaptureError(f"{type(module).__name__}: attention sinks are not supported by saguaro")
+    """The ``AttentionInterface`` implementation named ``"saguaro"``.
+
+    The family's variants come with HF's call: ``scaling`` (``query_pre_attn_scalar`` ...), ``softcap``
+    (Gemma 2) and the sinks (``s_aux``, GPT-OSS); the layer's window must be the one its kind's mask
+    was built with."""
+    name = type(module).__name__
     try:
         ctx = ACTIVE_CONTEXT.get()
     except LookupError:
-        raise CaptureError(
-            f"{type(module).__name__} ran with attn_implementation='saguaro' outside a saguaro capture"
-        ) from None
+        raise CaptureError(f"{name} ran with attn_implementation='saguaro' outside a saguaro capture") from None
     layer = getattr(module, "layer_idx", None)
     if layer is None:
-        raise CaptureError(f"{type(module).__name__} has no layer_idx; saguaro cannot map it to a KV store layer")
-    # a sliding window is part of the mask, built once per forward from the model's config
+        raise CaptureError(f"{name} has no layer_idx; saguaro cannot map it to a KV store layer")
+    if getattr(module, "is_causal", True) is False:
+        raise CaptureError(f"{name} (layer {layer}) is not causal; saguaro supports causal attention only")
+    kind = ctx.layer_kinds[layer]
+    window = kwargs.get("sliding_window")
+    if window is not None and int(window) != kind.window:  # the config and the layer disagree: refuse
+        raise CaptureError(f"{name} (layer {layer}) attends with sliding_window={window}, but its config gives "
+                           f"the layer the kind {kind}")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # [H]
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        raise CaptureError(f"{name} (layer {layer}) has attention sinks that its attention call does not pass; "
+                           "saguaro cannot tell how they apply")
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise CaptureError(f"{name} (layer {layer}): attention sinks of shape {tuple(sinks.shape)}; saguaro "
+                           f"supports one sink logit per head ({query.shape[1]})")
+    softcap = float(kwargs.get("softcap") or 0.0)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = saguaro_attention(query, key, value, ctx.k_caches[layer], ctx.v_caches[layer], ctx.write_slots, ctx.bias,
-                            scale)  # [B, H, T, D]
+    args = (query, key, value, ctx.k_caches[layer], ctx.v_caches[layer], ctx.write_slots, ctx.biases[kind], scale)
+    if softcap or sinks is not None:
+        out = saguaro_attention_variants(*args, softcap, sinks)  # [B, H, T, D]
+    else:
+        out = saguaro_attention(*args)  # [B, H, T, D]
     return out.transpose(1, 2), None  # HF expects [B, T, H, D]
 
 

@@ -4,22 +4,27 @@ Requires: a stage graph (mask specialised, epilogue spliced) with the flat signa
 ``flatten_signature`` (``"flex"`` reads the mask inputs by name).
 Guarantees, by ``implementation``:
 
-* ``"op"``: the nodes stay the ``saguaro::attention`` custom op (the eager backend: one opaque,
-  mutating node per layer that the reference kernel runs).
+* ``"op"``: the nodes stay the ``saguaro::attention`` (or ``saguaro::attention_variants``) custom
+  op (the eager backend: one opaque, mutating node per layer that the reference kernel runs).
 * ``"inline"``: each node becomes the op's own math as plain tensor code: the KV write as an
   ``index_put_`` into the store's caches, then the masked attention of
-  :func:`~saguaro.capture.attention_op.attention_reference`. A compiler sees through it: Inductor
-  fuses the KV write and the cast into its kernels, writes the caches in place (its re-inplacing of
-  ``index_put``), and drops the Python custom-op dispatch that costs more per layer than the
-  attention itself on a small model. Outputs and cache contents equal the op's.
+  :func:`~saguaro.capture.attention_op.attention_reference` (with the layer's logit softcap and
+  sinks, when its family has them). A compiler sees through it: Inductor fuses the KV write, the
+  cast, the softcap and the sink column into its kernels, writes the caches in place (its
+  re-inplacing of ``index_put``), and drops the Python custom-op dispatch that costs more per layer
+  than the attention itself on a small model. Outputs and cache contents equal the op's.
 * ``"flex"`` (opt-in, meant for Inductor on CUDA): the KV write as for ``"inline"``, then
-  FlexAttention over the store under a block mask built once per forward, inside the graph, from
-  the stage's integer inputs (slot positions and branches, query positions, branches and fork
-  points) with the same rule as the additive mask. All ``MQ`` branch queries of a row sit in one
-  query block, so each block of the shared prefix is read once for every branch, and blocks no
-  query may see (other rows' scratch, unused capacity) are skipped. The additive-mask construction
-  becomes dead and is removed. Outputs equal the op's up to float rounding (another summation
-  order); the first layer's cache writes are equal, later layers' carry that rounding.
+  FlexAttention over the store under a block mask built once per forward per layer kind (full,
+  sliding window, chunk: read from ``meta["saguaro_mask"]`` of the node that yields the layer's
+  additive mask, which ``specialize_attention`` sets; ``window`` for masks without it), inside the
+  graph, from the stage's integer inputs (slot positions and branches, query positions, branches
+  and fork points) with the same rule as the additive mask. The softcap is a ``score_mod``; sinks
+  rescale the output by ``sigmoid(lse - sink)``, the sink's share of the softmax. All ``MQ`` branch
+  queries of a row sit in one query block, so each block of the shared prefix is read once for
+  every branch, and blocks no query may see (other rows' scratch, unused capacity, outside a
+  window) are skipped. The additive-mask constructions become dead and are removed. Outputs equal
+  the op's up to float rounding (another summation order); the first layer's cache writes are
+  equal, later layers' carry that rounding.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ import logging
 
 import torch
 
-from saguaro.capture.attention_op import ATTENTION_OP, attention_reference
+from saguaro.capture.attention_op import ATTENTION_OP, ATTENTION_OPS, attention_reference, kind_allows
 from saguaro.passes.graph_splice import PassError, keeps_mutations
 
 log = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("op", "inline", "flex")
+# query, key, value, k_cache, v_cache, write_slots, bias, scale (+ softcap, sinks for the variants op)
+OP_ARGS = {op: 8 if op is ATTENTION_OP else 10 for op in ATTENTION_OPS}
 MASK_INPUTS = ("write_slots", "positions", "query_branch", "query_limit", "slot_pos", "slot_branch")
 
 
@@ -62,10 +69,12 @@ def attention_inline(
     write_slots: torch.Tensor,  # [B, T]
     bias: torch.Tensor,  # [B, 1, G*T, S]
     scale: float,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # [H]
 ) -> torch.Tensor:
     """The ``saguaro::attention`` op as traceable tensor code; returns ``[B, H, T, D]``."""
     write_kv(key, value, k_cache, v_cache, write_slots)
-    return attention_reference(query, k_cache, v_cache, bias, scale)
+    return attention_reference(query, k_cache, v_cache, bias, scale, softcap, sinks)
 
 
 def flex_block_mask(
@@ -76,8 +85,9 @@ def flex_block_mask(
     slot_pos: torch.Tensor,  # [B, S]
     slot_branch: torch.Tensor,  # [B, S]
     window: int,
+    chunk: int = 0,
 ):
-    """The FlexAttention ``BlockMask`` of the additive mask's rule
+    """The FlexAttention ``BlockMask`` of the additive mask's rule for one layer kind
     (:func:`~saguaro.capture.attention_op.build_attention_mask`), shared by every head."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -90,9 +100,7 @@ def flex_block_mask(
         s_pos, s_branch, q_pos = slot_pos[b, kv], slot_branch[b, kv], query_pos[b, q]
         shared = (s_branch == 0) & (s_pos <= query_limit[b, q])
         own = (s_branch == query_branch[b, q]) & (s_pos <= q_pos)
-        allowed = (s_pos >= 0) & (shared | own)
-        if window > 0:
-            allowed = allowed & (s_pos > q_pos - window)
+        allowed = kind_allows((s_pos >= 0) & (shared | own), s_pos, q_pos, window, chunk)
         return allowed | (kv == write_slots[b, q])  # a query always sees its own slot
 
     return create_block_mask(visible, B, None, T, S, device=slot_pos.device)
@@ -107,30 +115,42 @@ def attention_flex(
     write_slots: torch.Tensor,  # [B, T]
     block_mask,  # from flex_block_mask
     scale: float,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # [H]
 ) -> torch.Tensor:
     """The op with FlexAttention over the store; returns ``[B, H, T, D]``."""
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     write_kv(key, value, k_cache, v_cache, write_slots)
-    out = flex_attention(query, k_cache, v_cache, block_mask=block_mask, scale=scale,
-                         enable_gqa=query.shape[1] != k_cache.shape[1])
-    return out.contiguous()
+    score_mod = None
+    if softcap != 0.0:
+        def score_mod(score, b, h, q, kv):  # scores arrive scaled, before the mask: HF's order
+            return torch.tanh(score / softcap) * softcap
+    gqa = query.shape[1] != k_cache.shape[1]
+    if sinks is None:
+        out = flex_attention(query, k_cache, v_cache, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                             enable_gqa=gqa)
+        return out.contiguous()
+    out, aux = flex_attention(query, k_cache, v_cache, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                              enable_gqa=gqa, return_aux=AuxRequest(lse=True))  # lse: [B, H, T]
+    keep = torch.sigmoid(aux.lse - sinks.to(aux.lse.dtype)[None, :, None])  # [B, H, T]: 1 - the sink's share
+    return (out * keep[..., None].to(out.dtype)).contiguous()
 
 
 def lower_attention(gm: torch.fx.GraphModule, implementation: str, window: int = 0) -> torch.fx.GraphModule:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} is not allowed: choose one of "
                          f"{', '.join(IMPLEMENTATIONS)}")
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ATTENTION_OP]
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
     if not nodes:
         raise PassError("lower_attention: no saguaro::attention node in the graph (already lowered?)")
     if implementation == "op":
         log.info("lower_attention(op): kept %d attention node(s)", len(nodes))
         return gm
     for node in nodes:
-        if len(node.args) != 8 or node.kwargs:
+        if len(node.args) != OP_ARGS[node.target] or node.kwargs:
             raise PassError(f"lower_attention: FX node {node.name!r} has {len(node.args)} positional and "
-                            f"{len(node.kwargs)} keyword arguments, expected 8 and 0")
+                            f"{len(node.kwargs)} keyword arguments, expected {OP_ARGS[node.target]} and 0")
     if implementation == "inline":
         for node in nodes:
             node.target = attention_inline  # same arguments, same result, same cache writes
@@ -140,12 +160,17 @@ def lower_attention(gm: torch.fx.GraphModule, implementation: str, window: int =
         if missing:
             raise PassError(f"lower_attention(flex): the graph has no input(s) {missing} to build the block mask "
                             "from (run flatten_signature first)")
-        with gm.graph.inserting_before(nodes[0]):  # one block mask per forward, shared by every layer
-            block_mask = gm.graph.call_function(flex_block_mask, (*(inputs[n] for n in MASK_INPUTS), window))
+        block_masks = {}  # (window, chunk) -> its block mask node: one per layer kind per forward
         for node in nodes:
+            kind = node.args[6].meta.get("saguaro_mask", {"window": window, "chunk": 0})
+            key = (kind["window"], kind["chunk"])
+            if key not in block_masks:
+                with gm.graph.inserting_before(nodes[0]):
+                    block_masks[key] = gm.graph.call_function(flex_block_mask,
+                                                              (*(inputs[n] for n in MASK_INPUTS), *key))
             node.target = attention_flex
-            node.args = (*node.args[:6], block_mask, node.args[7])
-        gm.graph.eliminate_dead_code(is_impure_node=keeps_mutations)  # the additive mask is unused now
+            node.args = (*node.args[:6], block_masks[key], *node.args[7:])
+        gm.graph.eliminate_dead_code(is_impure_node=keeps_mutations)  # the additive masks are unused now
     gm.graph.lint()
     gm.recompile()
     log.info("lower_attention(%s): rewrote %d attention node(s)", implementation, len(nodes))

@@ -1,12 +1,15 @@
 """Pass: turn the generic attention mask node into the stage's own mask construction.
 
 Requires: a flat-signature graph (``flatten_signature``) with one ``saguaro::attention_mask`` node
-shared by every layer's ``saguaro::attention`` node.
-Guarantees: the mask node is replaced by the stage kind's construction, inlined as plain tensor
-ops: ``causal`` (prefill, verify, glue, step: shared slots up to the query, no branch inputs read)
-or ``tree`` (fork point and branch ids: prefix + glue up to ``P0 + j``, then the branch's own
-tokens). Outputs equal the generic mask's on inputs the stage receives. On CPU the attention op
-stays the reference implementation.
+per distinct layer kind (full, sliding window, chunk), each shared by the ``saguaro::attention``
+nodes of its layers.
+Guarantees: every mask node is replaced by the stage kind's construction for its layer kind,
+inlined as plain tensor ops: ``causal`` (prefill, verify, glue, step: shared slots up to the query,
+no branch inputs read) or ``tree`` (fork point and branch ids: prefix + glue up to ``P0 + j``, then
+the branch's own tokens), both narrowed by the layer kind's window or chunk. Outputs equal the
+generic masks' on inputs the stage receives. The node that now yields each mask carries
+``meta["saguaro_mask"] = {"window", "chunk"}`` (``lower_attention``'s flex lowering reads it). On
+CPU the attention op stays the reference implementation.
 """
 
 from __future__ import annotations
@@ -30,16 +33,18 @@ def specialize_attention(gm: torch.fx.GraphModule, kind: str) -> torch.fx.GraphM
     if not masks:
         raise PassError("specialize_attention: no saguaro::attention_mask node in the graph (already specialised?)")
     for node in masks:
-        if len(node.args) != 9:
-            raise PassError(f"specialize_attention: FX node {node.name!r} has {len(node.args)} arguments, expected 9")
-        write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window, groups, dtype = node.args
-        constants = dict(window=window, groups=groups, dtype=dtype)
+        if len(node.args) != 10:
+            raise PassError(f"specialize_attention: FX node {node.name!r} has {len(node.args)} arguments, expected 10")
+        write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window, chunk, groups, dtype = \
+            node.args
+        constants = dict(window=window, chunk=chunk, groups=groups, dtype=dtype)
         if kind == "causal":
             new = inline_function(gm, causal_bias, [write_slots, query_pos, slot_pos, slot_branch], node,
                                   **constants)
         else:
             new = inline_function(gm, tree_bias, [write_slots, query_pos, query_branch, query_limit, slot_pos,
                                                   slot_branch], node, **constants)
+        new.meta["saguaro_mask"] = {"window": int(window), "chunk": int(chunk)}
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
     gm.graph.lint()
