@@ -169,7 +169,8 @@ class SpeculationServer:
 
     def warm_up(self, spec: GenerateSpec, first_tokens: torch.Tensor):
         """Call every stage at every shape a generation like ``spec`` may use (each tree the planner may
-        choose, the neural fallback for 1..B missed rows) on a throwaway generation, so that a compiling
+        choose; the neural fallback for all ``B`` rows, one and ``B − 1``: after two sizes a compiling
+        backend compiles the batch dimension dynamically) on a throwaway generation, so that a compiling
         backend compiles them now, not inside the rounds; then, for the planner, time each of them once
         more. Returns the measured :class:`~saguaro.runtime.planner.StageCosts` (None without a
         planner). The next :meth:`open` starts afresh."""
@@ -177,7 +178,7 @@ class SpeculationServer:
         self.start(first_tokens)
         budgets = self.planner.budgets if self.planner is not None else [None]
         rows = torch.arange(self.seqs.batch, device=first_tokens.device)
-        for missed in range(1, self.seqs.batch):  # the full batch already ran in start()
+        for missed in sorted({1, self.seqs.batch - 1} - {0}):  # the full batch already ran in start()
             neural_fallback(self.draft, self.store, self.seqs, rows[:missed], self.k, self.temperature, self.generator)
         for budget in budgets:
             self.build_budget(budget)
