@@ -14,7 +14,8 @@ from saguaro import default_pair as _default_pair_module  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "load", "default_pair", "ArtifactError", "SaguaroError", "CaptureError", "ConfigError", "__version__"]
+__all__ = ["compile", "load", "default_pair", "ArtifactError", "SaguaroError", "CaptureError", "ConfigError",
+           "__version__"]
 
 
 def default_pair(dtype=None):

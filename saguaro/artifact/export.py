@@ -101,12 +101,15 @@ def export_program(program, path, *, modes=None, sampling: bool = True, native: 
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "tokenizer")
         (tmp / "schedule.json").write_text(json.dumps(_schedule(program), indent=1))
+        files = file_entries(tmp)
+        for entry in entries.values():
+            entry["files"] = sorted(n for n in files if n.startswith(f"{entry['stem']}."))
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "environment": environment(program.target.spec.device),
             "native": native, "modes": list(modes), "sampling": sampling, "ranges": ranges,
             "config": asdict(program.config), "pad_token_id": program.pad_token_id,
             "eos_token_id": program.eos_token_id, "shapes": asdict(program.shapes), "models": models,
-            "stages": entries, "tokenizer": tokenizer is not None, "files": file_entries(tmp),
+            "stages": entries, "tokenizer": tokenizer is not None, "files": files,
         }
         write_manifest(tmp, manifest)
         _replace(tmp, dest)

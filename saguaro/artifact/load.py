@@ -19,7 +19,7 @@ from saguaro.artifact.weights import load_weights
 from saguaro.capture.export import CapturedModel, ModelSpec
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ArtifactError
-from saguaro.core.stages import Stage
+from saguaro.core.stages import BY_QUALIFIED_NAME, Stage
 from saguaro.runtime.draft_server import SpeculationServer
 from saguaro.runtime.model_runner import ModelRunner
 
@@ -42,19 +42,38 @@ class LoadedArtifact:
 
 
 class ArtifactStages:
-    """``build(stage)`` of a loaded model: the stage loaded from the artifact, or an ``ArtifactError``
-    naming what was exported."""
+    """``build(stage)`` of a loaded model: the stage loaded from the artifact (stages with one graph share
+    one loaded callable), or an ``ArtifactError`` naming what was exported."""
 
-    def __init__(self, root: Path, model: str, stages: dict, manifest: dict):
-        self.root, self.model, self.stages, self.manifest = root, model, stages, manifest
+    def __init__(self, root: Path, model: str, manifest: dict, tensors: dict, device: torch.device, rebuild: bool):
+        self.root, self.model, self.manifest, self.tensors = root, model, manifest, tensors
+        self.device, self.rebuild, self.native = device, rebuild, bool(manifest["native"])
+        self.kind = "native" if self.native and not rebuild else ("rebuilt" if self.native else "portable")
+        self.qualified = [q for q in manifest["stages"] if q.split(".")[0] == model]
+        self._by_stem: dict = {}
+        self.workdir: list = []  # keeps a rebuild's packages alive as long as the runner
+
+    def load(self, qualified: str) -> LoadedStage:
+        entry = self.manifest["stages"][qualified]
+        if entry["stem"] not in self._by_stem:
+            own = self.tensors
+            if entry["stage_constants"]:
+                from safetensors.torch import load_file
+
+                own = dict(self.tensors)
+                constants = self.root / f"{entry['stem']}.constants.safetensors"
+                own.update(load_file(str(constants), device=str(self.device)))
+            self._by_stem[entry["stem"]] = stage_runner(self.root, entry, own, self.device, self.native, self.rebuild,
+                                                        qualified, self.workdir)
+        run, kind = self._by_stem[entry["stem"]]
+        return LoadedStage(qualified, run, InputCheck(qualified, entry["inputs"], self.manifest["ranges"]), kind)
 
     def __call__(self, stage: Stage):
-        loaded = self.stages.get(stage.qualified)
-        if loaded is None:
+        if stage.qualified not in self.qualified:
             raise ArtifactError(
                 f"{self.root}: stage {stage.qualified} was not exported (modes {self.manifest['modes']}, sampling "
                 f"{self.manifest['sampling']}); export with the modes and sampling you generate with")
-        return loaded
+        return self.load(stage.qualified)
 
 
 def model_files(manifest: dict, model: str) -> set:
@@ -62,38 +81,24 @@ def model_files(manifest: dict, model: str) -> set:
     names = {manifest["models"][model]["weights"]}
     for qualified, entry in manifest["stages"].items():
         if qualified.split(".")[0] == model:
-            stem = entry["stem"]
-            names.update(n for n in manifest["files"] if n.startswith(f"{stem}."))
+            names.update(entry["files"])
     return names
 
 
 def load_runner(root: Path, manifest: dict, model: str, device: torch.device, rebuild: bool) -> ModelRunner:
-    """One model's runner: weights read once, every exported stage of the model loaded."""
+    """One model's runner, its weights read once. Native stages are opened now (milliseconds each) and
+    rebuilt ones compiled now; portable ones are deserialized on first use (about a second each)."""
     started = time.perf_counter()
     info = manifest["models"][model]
-    spec_fields = dict(info["spec"], dtype=getattr(torch, info["spec"]["dtype"]), device=device)
-    spec = ModelSpec(**spec_fields)
-    tensors = load_weights(root / info["weights"], info["aliases"], device)
-    native = bool(manifest["native"])
-    by_stem, stages, workdir = {}, {}, []
-    for qualified, entry in manifest["stages"].items():
-        if qualified.split(".")[0] != model:
-            continue
-        if entry["stem"] not in by_stem:
-            own = dict(tensors)
-            if entry["stage_constants"]:
-                from safetensors.torch import load_file
-
-                own.update(load_file(str(root / f"{entry['stem']}.constants.safetensors"), device=str(device)))
-            by_stem[entry["stem"]] = stage_runner(root, entry, own, device, native, rebuild, qualified, workdir)
-        run, kind = by_stem[entry["stem"]]
-        stages[qualified] = LoadedStage(qualified, run, InputCheck(qualified, entry["inputs"], manifest["ranges"]),
-                                        kind)
-    runner = ModelRunner(model, CapturedModel(graph_module=None, spec=spec),
-                         ArtifactStages(root, model, stages, manifest), info["width"])
-    runner.artifact_workdir = workdir  # keeps a rebuild's packages alive as long as the runner
-    log.info("loaded %s: %d stages (%s) in %.2fs", model, len(stages), "native" if native and not rebuild else
-             ("rebuilt" if native else "portable"), time.perf_counter() - started)
+    spec = ModelSpec(**dict(info["spec"], dtype=getattr(torch, info["spec"]["dtype"]), device=device))
+    stages = ArtifactStages(root, model, manifest, load_weights(root / info["weights"], info["aliases"], device),
+                            device, rebuild)
+    runner = ModelRunner(model, CapturedModel(graph_module=None, spec=spec), stages, info["width"])
+    if stages.kind != "portable":
+        for qualified in stages.qualified:
+            runner.stage(BY_QUALIFIED_NAME[qualified])
+    log.info("loaded %s: %d stages (%s) in %.2fs", model, len(stages.qualified), stages.kind,
+             time.perf_counter() - started)
     return runner
 
 

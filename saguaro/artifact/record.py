@@ -43,9 +43,10 @@ class Recorder:
 def record_stages(program: Program, modes: tuple, temperatures: tuple, attention: str) -> dict[str, Recorder]:
     """Run ``program``'s modes at ``temperatures`` over recording runners; ``{model: Recorder}``."""
     recorders, runners = {}, {}
+    needed = {s.model for m in modes for t in temperatures for s in stages_for(m, t)}
     for name in ("target", "draft"):
         runner = program.runner(name)
-        if runner is None:
+        if runner is None or name not in needed:  # AR only: the draft is neither run nor exported
             continue
         recorders[name] = Recorder(runner.captured.graph_module, runner.width, attention)
         runners[name] = ModelRunner(name, runner.captured, recorders[name], runner.width)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 
 from saguaro.core.errors import ArtifactError
-from saguaro.core.stages import Stage
+from saguaro.core.stages import DRAFT_GLUE, DRAFT_TREE, TARGET_VERIFY, Stage
 
 QUERY_INPUTS = ("input_ids", "positions", "write_slots", "query_branch", "query_limit")
 SLOT_INPUTS = ("slot_pos", "slot_branch")
 
-# the extra inputs' dimensions; "u" depends on the family: [B] for a step, [B, MQ] for the tree
+# the extra inputs' dimensions; "u" is [B] for a step and [B, MQ] for the tree (TREE_U)
 EXTRA_DIMS = {
     "draft_tokens": ("B", None),  # [B, K]
     "draft_probs": ("B", None, None),  # [B, K, V]
@@ -30,16 +30,16 @@ EXTRA_DIMS = {
     "branch_ranks": ("MQ",),
     "top": (),
     "saguaro_c": (),
-    ("step", "u"): ("B",),
-    ("tree", "u"): ("B", "MQ"),
+    "u": ("B",),
 }
+TREE_U = ("B", "MQ")
 
 
 def tokens_dim(stage: Stage):
     """The symbol of the query length: verify and glue run ``K+1`` tokens (static), the tree ``MQ``."""
-    if stage.family in ("verify", "glue"):
+    if stage is DRAFT_GLUE or stage in TARGET_VERIFY:
         return None
-    return "MQ" if stage.family == "tree" else "T"
+    return "MQ" if stage in DRAFT_TREE else "T"
 
 
 def input_layout(stage: Stage, num_layers: int) -> list[tuple[str, tuple]]:
@@ -49,7 +49,7 @@ def input_layout(stage: Stage, num_layers: int) -> list[tuple[str, tuple]]:
     layout += [(name, ("B", "S")) for name in SLOT_INPUTS]
     layout += [(f"{kind}_caches.{i}", ("B", None, "S", None)) for kind in "kv" for i in range(num_layers)]
     for name in stage.inputs:
-        dims = EXTRA_DIMS.get((stage.family, name), EXTRA_DIMS.get(name))
+        dims = TREE_U if name == "u" and stage in DRAFT_TREE else EXTRA_DIMS.get(name)
         if dims is None:
             raise ArtifactError(f"stage {stage.qualified}: extra input {name!r} has no export signature; add its "
                                 "dimensions to saguaro.artifact.signature.EXTRA_DIMS")

@@ -53,7 +53,6 @@ def test_loaded_program_generates_the_original_tokens_compiling_nothing(exported
     runs += [dict(path=str(portable), mode=m, temperature=0.0) for m in ("ar", "sd", "ssd")]
     runs += [dict(path=str(portable), mode="ssd", temperature=0.0, lane="process")]
     runs += [dict(path=str(portable), mode=m, temperature=1.0) for m in ("sd", "ssd")]
-    runs += [dict(path=str(portable), mode="ssd", temperature=1.0, lane="process")]
     result = run_loader(runs)
     ids, mask = prompts(2, 7, seed=1, pad_rows={1: 2})
     expected_greedy = reference_greedy(target, ids, mask, max_new_tokens=12)
@@ -139,12 +138,19 @@ def test_truncated_manifest_is_refused(exported, tmp_path, no_native_loads):
     assert no_native_loads == []
 
 
-def test_a_stage_not_exported_is_named(exported):
-    program = saguaro.load(exported[3])  # AR only, greedy
+def test_a_stage_not_exported_is_named(exported, tmp_path):
+    artifact = copy_of(exported[2], tmp_path)  # as if exported with sampling=False
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    for name in ("target.verify_sampled", "draft.step_sampled", "draft.tree_sampled"):
+        del manifest["stages"][name]
+    manifest["sampling"] = False
+    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    program = saguaro.load(artifact)
     ids, mask = prompts(1, 5)
-    assert program.generate(ids, max_new_tokens=3, mode="ar").sequences.shape == (1, 8)
-    with pytest.raises(ArtifactError, match=r"stage target.verify_greedy was not exported \(modes \['ar'\]"):
-        program.generate(ids, max_new_tokens=3, mode="sd")
+    assert program.generate(ids, max_new_tokens=3, mode="sd").sequences.shape == (1, 8)
+    with pytest.raises(ArtifactError, match=r"stage target.verify_sampled was not exported \(modes \['ar', 'sd', "
+                                            r"'ssd'\], sampling False\)"):
+        program.generate(ids, max_new_tokens=3, mode="sd", temperature=1.0, seed=0)
 
 
 def test_inputs_outside_the_exported_ranges_are_refused(exported):
