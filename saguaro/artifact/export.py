@@ -153,7 +153,12 @@ def _export_stage(tmp: Path, stage, gm, described, ranges, native: bool, device,
         save_file({k: v.contiguous() for k, v in own.items()}, str(tmp / f"{stem}.constants.safetensors"))
     if native:
         package = tmp / f"{stem}.pt2"
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs=dict(NATIVE_OPTIONS))
+        try:
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(package),
+                                                     inductor_configs=dict(NATIVE_OPTIONS))
+        except Exception as exc:  # compiler failures carry long traces: name the stage and the first line
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ArtifactError(f"stage {stage.qualified}: AOTInductor could not compile it: {first}") from exc
         entry["package"] = f"{stem}.pt2"
     return entry
 

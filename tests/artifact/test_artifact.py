@@ -199,3 +199,16 @@ def test_export_killed_midway_leaves_nothing_loadable(tmp_path):
         saguaro.load(dest)
     # what the killed export left is a hidden partial directory beside the destination
     assert all(p.name.startswith(".out.partial-") for p in tmp_path.iterdir())
+
+
+def test_bad_export_arguments_are_named(exported, tmp_path):
+    _, program, portable, _ = exported
+    with pytest.raises(ValueError, match=r"max_batch=0 is not allowed"):
+        program.export(tmp_path / "a", max_batch=0)
+    with pytest.raises(ValueError, match=r"mode='beam' is not allowed"):
+        program.export(tmp_path / "b", modes=["beam"])
+    with pytest.raises(saguaro.SaguaroError, match=r"cannot be exported: .*loaded"):
+        saguaro.load(portable).export(tmp_path / "c")
+    with pytest.raises(ArtifactError, match=r"exported for device type 'cpu', found a request for 'meta'"):
+        saguaro.load(portable, device="meta")
+    assert not list(tmp_path.iterdir())
