@@ -68,7 +68,7 @@ def export_program(program, path, *, modes=None, sampling: bool = True, native: 
 
     dest = Path(path).resolve()
     tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove_stale_partials(dest)
     (tmp / "stages").mkdir(parents=True)
     (tmp / "weights").mkdir()
     try:
@@ -195,6 +195,23 @@ def _replace(tmp: Path, dest: Path) -> None:
     os.replace(tmp, dest)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_stale_partials(dest: Path) -> None:
+    """Remove what killed exports to ``dest`` left (their process is gone), and this process's own."""
+    for partial in dest.parent.glob(f".{dest.name}.partial-*"):
+        pid = partial.name.rsplit("-", 1)[-1]
+        alive = False
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+                alive = True
+            except ProcessLookupError:
+                pass
+            except PermissionError:  # another user's live process
+                alive = True
+        if not alive:
+            shutil.rmtree(partial, ignore_errors=True)
 
 
 def _announcer(announce):
