@@ -218,3 +218,19 @@ def test_bad_export_arguments_are_named(exported, tmp_path):
     with pytest.raises(ArtifactError, match=r"exported for device type 'cpu', found a request for 'meta'"):
         saguaro.load(portable, device="meta")
     assert not list(tmp_path.iterdir())
+
+
+def test_weights_are_written_once_outside_the_packages(exported):
+    """Each model's weights live in one safetensors file; the AOTInductor package holds code only, and
+    ``target.step`` shares ``target.prefill``'s package (one graph)."""
+    import zipfile
+
+    native = exported[3]
+    manifest = json.loads((native / "manifest.json").read_text())
+    assert manifest["stages"]["target.step"]["stem"] == manifest["stages"]["target.prefill"]["stem"]
+    assert sorted(manifest["models"]) == ["target"]  # AR only: the draft is not exported
+    names = zipfile.ZipFile(native / "stages/target.prefill.pt2").namelist()
+    assert not [n for n in names if "/weights/" in n or "/constants/" in n or n.endswith(".bin")], names
+    assert sorted(p.name for p in (native / "weights").iterdir()) == ["target.safetensors"]
+    assert set(manifest["files"]) == {p.relative_to(native).as_posix() for p in native.rglob("*")
+                                      if p.is_file() and p.name != "manifest.json"}
