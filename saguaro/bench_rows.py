@@ -188,7 +188,10 @@ def _weighted(calls, key):
 
 
 def _synchronize(model) -> None:
-    """Wait for queued GPU work, so a row's wall time covers all of it."""
+    """Wait for queued GPU work, so a row's wall time covers all of it (``model`` None: a loaded program's
+    rows; they synchronise on the CPU already)."""
+    if model is None:
+        return
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -1,4 +1,4 @@
-"""Command line: ``saguaro generate`` and ``saguaro bench``.
+"""Command line: ``saguaro generate``, ``saguaro bench`` and ``saguaro export``.
 
 Bad arguments exit with status 2 and a message naming the value: argparse rejects malformed values
 before any model is loaded, and ``main`` turns a ``ValueError`` / ``SaguaroError`` raised later
@@ -13,6 +13,9 @@ import sys
 from contextlib import contextmanager
 
 from saguaro.cli_args import add_bench_args, add_model_args
+from saguaro.cli_program import (
+    add_export_parser, add_program_arg, check_program_args, cmd_export, load_program,
+)
 from saguaro.core.config import MODES
 from saguaro.core.errors import SaguaroError
 
@@ -28,10 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default sd)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     add_model_args(gen)
+    add_program_arg(gen)
     bench = sub.add_parser("bench", help="AR, SD, SSD and transformers (assisted) generation over the same prompts: "
                                                "a table and JSON")
     add_bench_args(bench)
     add_model_args(bench, backends=("eager", "inductor", "both"))
+    add_program_arg(bench)
+    add_export_parser(sub)
     return parser
 
 
@@ -41,13 +47,21 @@ def cmd_generate(args) -> int:
     from saguaro.compile import compile as saguaro_compile
     from saguaro.models_io import DTYPES, load_pair
 
-    target, draft, tokenizer = load_pair(args.target, args.draft, need_draft=args.mode != "ar",
-                                         dtype=DTYPES[args.dtype], device=args.device)
-    if tokenizer is None:
-        raise SaguaroError(f"no tokenizer beside the target in {args.target!r}; generate needs one to read --prompt")
-    if args.mode == "ar":
-        draft = None  # AR never runs the draft: do not capture it
-    program = saguaro_compile(target, draft, k=args.k, mode=args.mode, backend=args.backend)
+    check_program_args(args)
+    if args.program is not None:
+        program, tokenizer = load_program(args)
+        if tokenizer is None:
+            raise SaguaroError(f"no tokenizer in the exported program {args.program!r}; generate needs one to read "
+                               "--prompt (export with a tokenizer beside the target)")
+    else:
+        target, draft, tokenizer = load_pair(args.target, args.draft, need_draft=args.mode != "ar",
+                                             dtype=DTYPES[args.dtype], device=args.device)
+        if tokenizer is None:
+            raise SaguaroError(f"no tokenizer beside the target in {args.target!r}; generate needs one to read "
+                               "--prompt")
+        if args.mode == "ar":
+            draft = None  # AR never runs the draft: do not capture it
+        program = saguaro_compile(target, draft, k=args.k, mode=args.mode, backend=args.backend)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     out = program.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     completion = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
@@ -64,6 +78,9 @@ def cmd_bench(args) -> int:
     from saguaro.bench import BenchParams, run_bench
     from saguaro.bench_report import format_table, write_json
 
+    check_program_args(args)
+    if args.program is not None:
+        return _bench_program(args)
     params = BenchParams(
         target=args.target, draft=args.draft, modes=tuple(args.modes) if args.modes else None, prompts=args.prompts,
         batch=args.batch, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -75,6 +92,24 @@ def cmd_bench(args) -> int:
         sys.stdout.write(f"skipped {mode}: {reason}\n")
     if args.json:
         sys.stdout.write(f"wrote {write_json(report, args.json)}\n")
+    return 0
+
+
+def _bench_program(args) -> int:
+    from saguaro.bench_report import format_table, write_json
+    from saguaro.bench_rows import SAGUARO_MODES, bench_prompts, run_rows
+
+    program, tokenizer = load_program(args)
+    modes = [m for m in (args.modes or SAGUARO_MODES) if m in SAGUARO_MODES]
+    if program.draft is None:
+        modes = [m for m in modes if m == "ar"]
+    prompts = bench_prompts(tokenizer, args.prompts, program.target.spec.vocab_size, args.seed)
+    rows = run_rows(None, None, prompts, modes, program.config.k, args.max_new_tokens, args.temperature, args.batch,
+                    args.seed, program=program)
+    sys.stdout.write(format_table(rows) + "\n")
+    if args.json:
+        sys.stdout.write(f"wrote {write_json({'program': args.program, 'rows': rows}, args.json)}\n")
+    program.close()
     return 0
 
 
@@ -106,6 +141,8 @@ def main(argv=None) -> int:
         with _quiet_transformers(not args.verbose):
             if args.command == "generate":
                 return cmd_generate(args)
+            if args.command == "export":
+                return cmd_export(args)
             return cmd_bench(args)
     except (SaguaroError, ValueError) as exc:
         sys.stderr.write(f"saguaro: error: {exc}\n")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
+from saguaro.artifact.export import export_program
 from saguaro.capture import capture, model_spec
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import SaguaroError
@@ -59,8 +61,10 @@ def compile_program(target, draft, cfg: SaguaroConfig) -> Program:
     if pad is None:
         pad = eos[0] if isinstance(eos, (list, tuple)) and eos else (eos if isinstance(eos, int) else 0)
     remote = RemoteDraft(draft, cfg.backend, cfg.attention) if draft is not None else None
+    configs = {name: model.config for name, model in (("target", target), ("draft", draft)) if model is not None}
     return Program(cfg, runners["target"], runners.get("draft"), pad_token_id=int(pad), eos_token_id=eos,
-                   shapes=shape_policy(cfg.backend), remote_draft=remote)
+                   shapes=shape_policy(cfg.backend), remote_draft=remote,
+                   exporter=functools.partial(export_program, model_configs=configs))
 
 
 def build_runner(name: str, model: torch.nn.Module, backend: str, attention: str = "auto") -> ModelRunner:

@@ -11,3 +11,8 @@ class CaptureError(SaguaroError):
 
 class ConfigError(SaguaroError, ValueError):
     """A configuration value is outside what is allowed; the message names the value."""
+
+
+class ArtifactError(SaguaroError):
+    """An exported program cannot be written or loaded here; the message names the file or field, what
+    was expected, what was found, and what to do (export again, or ``saguaro.load(path, rebuild=True)``)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from saguaro.core.config import MODES, SaguaroConfig
+from saguaro.core.errors import SaguaroError
 from saguaro.core.schedule import critical_path, expected_overlap, round_schedule
 from saguaro.core.stages import DRAFT_PREFILL, TARGET_PREFILL, stages_for
 from saguaro.runtime.calibration import time_verify_alone
@@ -48,7 +49,7 @@ class Program:
     """A compiled pair. ``generate`` decodes in the configured mode; ``mode=`` overrides it per call."""
 
     def __init__(self, config: SaguaroConfig, target: ModelRunner, draft: ModelRunner | None, pad_token_id: int,
-                 eos_token_id, shapes, remote_draft=None):
+                 eos_token_id, shapes, remote_draft=None, exporter=None):
         self.config = config
         self.target = target
         self.draft = draft
@@ -56,6 +57,7 @@ class Program:
         self.eos_token_id = eos_token_id
         self.shapes = shapes  # the lowering's ShapePolicy: prompt padding and KV capacity buckets
         self.remote_draft = remote_draft  # what a process lane rebuilds the draft side from
+        self.exporter = exporter  # writes this program's artifact (saguaro.compile sets it; see export)
         self.lanes = LaneOwner(config, draft, remote_draft) if draft is not None else None
         self._variants: dict = {}
         self._verify_alone_s: dict = {}  # (batch, capacity, sampled) -> seconds
@@ -83,7 +85,17 @@ class Program:
         if fixed:
             raise ValueError(f"{sorted(fixed)} cannot change after compile; call saguaro.compile again")
         return Program(replace(self.config, **changes), self.target, self.draft, self.pad_token_id,
-                       self.eos_token_id, self.shapes, self.remote_draft)
+                       self.eos_token_id, self.shapes, self.remote_draft, self.exporter)
+
+    def export(self, path, **options):
+        """Write this program to the directory ``path``: its stages compiled ahead of time, each model's
+        weights once, a manifest with every file's sha256 (``saguaro.load(path)`` loads it). Options:
+        ``modes``, ``sampling``, ``native``, ``max_batch``, ``tokenizer``, ``announce`` (see
+        :func:`saguaro.artifact.export.export_program`)."""
+        if self.exporter is None:
+            raise SaguaroError("this program cannot be exported: it was not made by saguaro.compile (a loaded "
+                               "program holds no captured graphs); export the compiled program")
+        return self.exporter(self, path, **options)
 
     def close(self) -> None:
         """Stop the draft lane (thread or process) of this program and of its variants. A program

@@ -1,0 +1,141 @@
+"""Load an artifact's models: check every file and the environment first, then each model's weights
+once and its stages, handed to a :class:`ModelRunner` through its ``build`` callable. Nothing is
+captured or compiled (``rebuild=True`` compiles the stages again from their portable form)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from saguaro.artifact.checks import resolve_device, verify_environment, verify_files
+from saguaro.artifact.loaded_stage import LoadedStage, stage_runner
+from saguaro.artifact.manifest import read_manifest
+from saguaro.artifact.signature import InputCheck
+from saguaro.artifact.weights import load_weights
+from saguaro.capture.export import CapturedModel, ModelSpec
+from saguaro.core.config import SaguaroConfig
+from saguaro.core.errors import ArtifactError
+from saguaro.core.stages import BY_QUALIFIED_NAME, Stage
+from saguaro.runtime.draft_server import SpeculationServer
+from saguaro.runtime.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedArtifact:
+    """What a Program is built from: config, runners, token ids, the shape policy's fields, and the recipe
+    of the draft side for a process lane."""
+
+    manifest: dict
+    config: SaguaroConfig
+    runners: dict
+    pad_token_id: int
+    eos_token_id: object
+    shapes: dict
+    remote_draft: "LoadedDraft | None"
+    tokenizer_path: Path | None
+
+
+class ArtifactStages:
+    """``build(stage)`` of a loaded model: the stage loaded from the artifact (stages with one graph share
+    one loaded callable), or an ``ArtifactError`` naming what was exported."""
+
+    def __init__(self, root: Path, model: str, manifest: dict, tensors: dict, device: torch.device, rebuild: bool):
+        self.root, self.model, self.manifest, self.tensors = root, model, manifest, tensors
+        self.device, self.rebuild, self.native = device, rebuild, bool(manifest["native"])
+        self.kind = "native" if self.native and not rebuild else ("rebuilt" if self.native else "portable")
+        self.qualified = [q for q in manifest["stages"] if q.split(".")[0] == model]
+        self._by_stem: dict = {}
+        self.workdir: list = []  # keeps a rebuild's packages alive as long as the runner
+
+    def load(self, qualified: str) -> LoadedStage:
+        entry = self.manifest["stages"][qualified]
+        if entry["stem"] not in self._by_stem:
+            own = self.tensors
+            if entry["stage_constants"]:
+                from safetensors.torch import load_file
+
+                own = dict(self.tensors)
+                constants = self.root / f"{entry['stem']}.constants.safetensors"
+                own.update(load_file(str(constants), device=str(self.device)))
+            self._by_stem[entry["stem"]] = stage_runner(self.root, entry, own, self.device, self.native, self.rebuild,
+                                                        qualified, self.workdir)
+        run, kind = self._by_stem[entry["stem"]]
+        return LoadedStage(qualified, run, InputCheck(qualified, entry["inputs"], self.manifest["ranges"]), kind)
+
+    def __call__(self, stage: Stage):
+        if stage.qualified not in self.qualified:
+            raise ArtifactError(
+                f"{self.root}: stage {stage.qualified} was not exported (modes {self.manifest['modes']}, sampling "
+                f"{self.manifest['sampling']}); export with the modes and sampling you generate with")
+        return self.load(stage.qualified)
+
+
+def model_files(manifest: dict, model: str) -> set:
+    """The files loading ``model`` reads."""
+    names = {manifest["models"][model]["weights"]}
+    for qualified, entry in manifest["stages"].items():
+        if qualified.split(".")[0] == model:
+            names.update(entry["files"])
+    return names
+
+
+def load_runner(root: Path, manifest: dict, model: str, device: torch.device, rebuild: bool) -> ModelRunner:
+    """One model's runner, its weights read once. Native stages are opened now (milliseconds each) and
+    rebuilt ones compiled now; portable ones are deserialized on first use (about a second each)."""
+    started = time.perf_counter()
+    info = manifest["models"][model]
+    spec = ModelSpec(**dict(info["spec"], dtype=getattr(torch, info["spec"]["dtype"]), device=device))
+    stages = ArtifactStages(root, model, manifest, load_weights(root / info["weights"], info["aliases"], device),
+                            device, rebuild)
+    runner = ModelRunner(model, CapturedModel(graph_module=None, spec=spec), stages, info["width"])
+    if stages.kind != "portable":
+        for qualified in stages.qualified:
+            runner.stage(BY_QUALIFIED_NAME[qualified])
+    log.info("loaded %s: %d stages (%s) in %.2fs", model, len(stages.qualified), stages.kind,
+             time.perf_counter() - started)
+    return runner
+
+
+def load_artifact(path, device=None, rebuild: bool = False) -> LoadedArtifact:
+    """Check the artifact at ``path`` (every file's sha256, format, torch version, device, CPU instruction
+    set or compute capability) and only then load its models."""
+    root = Path(path).resolve()
+    manifest = read_manifest(root)
+    device = resolve_device(manifest, device)
+    verify_files(root, manifest)
+    verify_environment(root, manifest, device, native=bool(manifest["native"]) and not rebuild)
+    config = SaguaroConfig(**_config_fields(manifest["config"]))
+    runners = {name: load_runner(root, manifest, name, device, rebuild) for name in manifest["models"]}
+    remote = LoadedDraft(str(root), str(device), rebuild) if "draft" in runners else None
+    eos = manifest["eos_token_id"]
+    return LoadedArtifact(manifest, config, runners, int(manifest["pad_token_id"]), eos, manifest["shapes"], remote,
+                          root / "tokenizer" if manifest.get("tokenizer") else None)
+
+
+def _config_fields(fields: dict) -> dict:
+    fields = dict(fields)
+    if isinstance(fields.get("fan_out"), list):
+        fields["fan_out"] = tuple(fields["fan_out"])
+    return fields
+
+
+class LoadedDraft:
+    """Picklable recipe of the draft side for a process lane: the draft process checks the draft's
+    files and loads its stages from the artifact (nothing captured or compiled there either)."""
+
+    def __init__(self, path: str, device: str, rebuild: bool):
+        self.path, self.device, self.rebuild = path, device, rebuild
+
+    def __call__(self, config: SaguaroConfig) -> SpeculationServer:
+        root = Path(self.path)
+        manifest = read_manifest(root)
+        device = torch.device(self.device)
+        verify_files(root, manifest, model_files(manifest, "draft"))
+        verify_environment(root, manifest, device, native=bool(manifest["native"]) and not self.rebuild)
+        return SpeculationServer(load_runner(root, manifest, "draft", device, self.rebuild), config)
