@@ -33,7 +33,7 @@ def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("artifacts")
     target = tiny_target("llama")
     draft = truncated_draft(target)
-    program = saguaro.compile(target, draft, k=4, mode="sd", attention="inline", lane="thread")
+    program = saguaro.compile(target, draft, k=4, mode="sd", attention="inline", lane="thread", backend="eager")
     program.export(root / "portable", native=False)
     program.export(root / "native", modes=["ar"], sampling=False)
     return target, program, root / "portable", root / "native"
@@ -162,7 +162,7 @@ def test_inputs_outside_the_exported_ranges_are_refused(exported):
 
 def test_python_only_custom_op_is_refused(tmp_path):
     target = tiny_target("llama")
-    program = saguaro.compile(target, k=2, mode="ar", attention="op")
+    program = saguaro.compile(target, k=2, mode="ar", attention="op", backend="eager")
     with pytest.raises(ArtifactError, match=r"target.prefill.*custom op saguaro.attention"):
         program.export(tmp_path / "out", native=False, modes=["ar"], sampling=False)
     assert not (tmp_path / "out").exists()
@@ -175,7 +175,7 @@ torch.set_num_threads(1)
 import saguaro
 from tests.models import tiny_target, truncated_draft
 target = tiny_target("llama")
-program = saguaro.compile(target, truncated_draft(target), k=2, attention="inline", lane="thread")
+program = saguaro.compile(target, truncated_draft(target), k=2, attention="inline", lane="thread", backend="eager")
 program.export(sys.argv[1], native=False, modes=["sd"], sampling=False, announce=lambda line: print(line, flush=True))
 print("finished", flush=True)
 """

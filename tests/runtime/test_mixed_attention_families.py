@@ -18,7 +18,9 @@ SHAPES = {1: dict(batch=1, length=9, pad_rows=None), 3: dict(batch=3, length=9, 
 @functools.lru_cache(maxsize=None)
 def family_program(family: str):
     target = tiny_family_target(family)
-    program = saguaro.compile(target, family_draft(target), k=4, mode="ssd", lane="thread", backend="eager")
+    # a fixed tree, so every round exercises the tree mask (the planner may choose SD rounds)
+    program = saguaro.compile(target, family_draft(target), k=4, mode="ssd", lane="thread", fan_out="geometric",
+                              backend="eager")
     return target, program
 
 
