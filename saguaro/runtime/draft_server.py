@@ -128,7 +128,7 @@ class SpeculationServer:
         self.cache = tree.build_speculations(self.draft, self.store, request, self.generator, self.build_nodes)
         if self.planner is not None:
             depths = self.cache.depth_s
-            self.planner.observe("build", sum(self.fan_out), self.cache.glue_s,
+            self.planner.measured.observe_build(sum(self.fan_out), self.cache.glue_s,
                                  sum(depths) / len(depths) if depths else None)
 
     def match(self, accepted: torch.Tensor, outcome: torch.Tensor, verify_s: float) -> Lookup:
@@ -155,7 +155,7 @@ class SpeculationServer:
                                                   self.generator)
             self.policy.neural_s.append(since(started))
             if self.planner is not None:
-                self.planner.observe("step", self.policy.neural_s[-1] / self.k)
+                self.planner.measured.observe_step(self.policy.neural_s[-1] / self.k)
         else:
             fb_tokens, fb_probs = fast_fallback(self.seqs, rows, self.k, self.vocab, self.temperature)
         tokens, probs, source = self.current.tokens.clone(), self.current.probs, self.current.source.clone()
@@ -220,7 +220,7 @@ class SpeculationServer:
         self.estimator.observe(accepted[active], ranks[active])
         self.policy.verify_s.append(verify_s)
         if self.planner is not None:
-            self.planner.observe("verify", sum(self.fan_out), verify_s)
+            self.planner.measured.observe_verify(sum(self.fan_out), verify_s)
         for code, name in enumerate(SOURCES):
             rows = active & (self.current.source == code)
             if name in self.policy.accepted and bool(rows.any()):

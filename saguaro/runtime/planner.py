@@ -109,10 +109,10 @@ class Planner:
         self.costs = StageCosts()
         self.adaptive = True  # False: plan from the costs given, never from new measurements
 
-    def observe(self, kind: str, *args) -> None:
-        """Feed a measurement (``"build"``, ``"verify"`` or ``"step"``) to the costs, if adaptive."""
-        if self.adaptive:
-            getattr(self.costs, f"observe_{kind}")(*args)
+    @property
+    def measured(self) -> StageCosts:
+        """Where new measurements go: the plan's costs if adaptive, else a scratch copy thrown away."""
+        return self.costs if self.adaptive else StageCosts()
 
     def expected_round_s(self, budget: int, hit_rate: float, miss_s: float) -> float:
         c, k = self.costs, self.k
