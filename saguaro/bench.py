@@ -39,6 +39,7 @@ class BenchParams:
     dtype: str = "float32"
     seed: int = 0
     threads: int | None = None
+    trace_dir: str | None = None  # write one timeline per Saguaro row here
 
 
 def compile_and_warm(target, draft, prompts, modes, params: BenchParams, backend):
@@ -94,7 +95,8 @@ def run_bench(params: BenchParams, announce=lambda line: None) -> dict:
             program, compile_s[backend] = compile_and_warm(target, draft, prompts, saguaro_modes, params, backend)
             announce(f"{backend}: capture + compile + warm-up of every stage took {compile_s[backend]:.1f}s")
         part = run_rows(target, draft, prompts, saguaro_modes + hf_modes, params.k, params.max_new_tokens,
-                        params.temperature, params.batch, params.seed, backend=backend, program=program)
+                        params.temperature, params.batch, params.seed, backend=backend, program=program,
+                        trace_dir=params.trace_dir)
         for row in part:
             if row["mode"] in SAGUARO_MODES:
                 row["backend"] = backend

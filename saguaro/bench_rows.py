@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -87,10 +88,12 @@ def row_program(program, mode: str):
 
 
 def run_rows(target, draft, prompts, modes, k, max_new_tokens, temperature, batch, seed, backend="eager",
-             program=None):  # noqa: PLR0913 - the benchmark's explicit parameters
+             program=None, trace_dir=None):  # noqa: PLR0913 - the benchmark's explicit parameters
     """Run every requested row over the same prompts; return a list of result dicts.
 
-    ``program`` reuses an already compiled Program (its ``k`` and backend win).
+    ``program`` reuses an already compiled Program (its ``k`` and backend win). ``trace_dir``: after a
+    Saguaro row's timed calls, one more (untimed) call on the first batch writes its timeline to
+    ``trace_dir/<row>-<backend>.json``.
     """
     if program is None and any(m in SAGUARO_MODES for m in modes):
         program = compile_for(target, draft, k, backend)
@@ -124,6 +127,12 @@ def run_rows(target, draft, prompts, modes, k, max_new_tokens, temperature, batc
                 rounds += stats["rounds"]
             if stats.get("cache_hit_rate") is not None:
                 ssd.append(stats)
+        if trace_dir is not None and mode in SAGUARO_MODES:
+            row_prog, row_mode = row_program(program, mode)
+            path = Path(trace_dir) / f"{mode}-{backend}.json"
+            row_prog.generate(warm[0], attention_mask=warm[1], max_new_tokens=max_new_tokens, temperature=temperature,
+                              seed=seed, mode=row_mode, eos_token_id=None, trace=path)
+            log.info("wrote the trace of %s to %s", mode, path)
         row = {
             "mode": mode, "tokens_per_s": new_tokens / wall if wall else 0.0, "new_tokens": new_tokens,
             "wall_s": wall, "mean_accepted_len": accepted / rounds if rounds else None,

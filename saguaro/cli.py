@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ar: target alone; sd: speculative decoding; ssd: speculative speculative decoding "
                           "(default sd)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--trace", metavar="FILE", default=None,
+                     help="write a timeline of the call here (Chrome trace-event JSON: open it in "
+                          "https://ui.perfetto.dev or chrome://tracing)")
     add_model_args(gen)
     bench = sub.add_parser("bench", help="AR, SD, SSD and transformers (assisted) generation over the same prompts: "
                                                "a table and JSON")
@@ -49,7 +52,8 @@ def cmd_generate(args) -> int:
         draft = None  # AR never runs the draft: do not capture it
     program = saguaro_compile(target, draft, k=args.k, mode=args.mode, backend=args.backend)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    out = program.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    out = program.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                           trace=args.trace)
     completion = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
     s = out.stats
     sys.stdout.write(args.prompt + completion + "\n")
@@ -57,6 +61,8 @@ def cmd_generate(args) -> int:
     sys.stdout.write(
         f"[{s['mode']}] {s['new_tokens']} tokens in {s['wall_s']:.2f}s: {s['tokens_per_s']:.1f} tokens/s, "
         f"mean accepted length {s['mean_accepted_len']:.2f}, {s['rounds']} rounds{hits}\n")
+    if args.trace:
+        sys.stdout.write(f"wrote the timeline to {args.trace} (open it in https://ui.perfetto.dev)\n")
     return 0
 
 
@@ -67,7 +73,8 @@ def cmd_bench(args) -> int:
     params = BenchParams(
         target=args.target, draft=args.draft, modes=tuple(args.modes) if args.modes else None, prompts=args.prompts,
         batch=args.batch, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        backend=args.backend, device=args.device, dtype=args.dtype, seed=args.seed, threads=args.threads)
+        backend=args.backend, device=args.device, dtype=args.dtype, seed=args.seed, threads=args.threads,
+        trace_dir=args.trace)
     report = run_bench(params, announce=lambda line: sys.stdout.write(line + "\n"))
     sys.stdout.write(format_table(report["rows"]) + "\n")
     for mode, reason in report["skipped"].items():

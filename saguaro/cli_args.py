@@ -75,3 +75,6 @@ def add_bench_args(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling and for random prompts")
     parser.add_argument("--threads", type=int_at_least(1, "threads"), default=None,
                         help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--trace", metavar="DIR", default=None,
+                        help="write a timeline (Chrome trace-event JSON, open in https://ui.perfetto.dev) of one "
+                             "extra call per Saguaro row into DIR")
