@@ -10,9 +10,11 @@ from saguaro.compile import compile  # noqa: E402,A001
 # the module, is what ``saguaro.default_pair`` names (a later import of the submodule rebinds nothing).
 from saguaro import default_pair as _default_pair_module  # noqa: E402
 
+from saguaro.inspector import inspect  # noqa: E402
+
 __version__ = "0.1.0"
 
-__all__ = ["compile", "default_pair", "SaguaroError", "CaptureError", "ConfigError", "__version__"]
+__all__ = ["compile", "default_pair", "inspect", "SaguaroError", "CaptureError", "ConfigError", "__version__"]
 
 
 def default_pair(dtype=None):

@@ -1,4 +1,4 @@
-"""Command line: ``saguaro generate`` and ``saguaro bench``.
+"""Command line: ``saguaro generate``, ``saguaro bench``, ``saguaro inspect`` and ``saguaro report``.
 
 Bad arguments exit with status 2 and a message naming the value: argparse rejects malformed values
 before any model is loaded, and ``main`` turns a ``ValueError`` / ``SaguaroError`` raised later
@@ -13,6 +13,7 @@ import sys
 from contextlib import contextmanager
 
 from saguaro.cli_args import add_bench_args, add_model_args
+from saguaro.cli_inspect import add_inspect_parsers, cmd_inspect, cmd_report
 from saguaro.core.config import MODES
 from saguaro.core.errors import SaguaroError
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                "a table and JSON")
     add_bench_args(bench)
     add_model_args(bench, backends=("eager", "inductor", "both"))
+    add_inspect_parsers(sub)
     return parser
 
 
@@ -112,6 +114,10 @@ def main(argv=None) -> int:
         with _quiet_transformers(not args.verbose):
             if args.command == "generate":
                 return cmd_generate(args)
+            if args.command == "inspect":
+                return cmd_inspect(args)
+            if args.command == "report":
+                return cmd_report(args)
             return cmd_bench(args)
     except (SaguaroError, ValueError) as exc:
         sys.stderr.write(f"saguaro: error: {exc}\n")
