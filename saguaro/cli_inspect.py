@@ -57,10 +57,13 @@ def _emit(text: str, out: str | None) -> None:
 
 
 def cmd_inspect(args) -> int:
-    from saguaro.inspector import Inspector, format_kernels
+    from saguaro.inspector import Inspector, format_kernels, resolve_stage
 
     if args.view == "passes" and args.pass_name and not args.stage:
         raise ValueError("--pass needs --stage: the diff is of one stage's graph")
+    stage = getattr(args, "stage", None)
+    if stage:
+        resolve_stage(stage)  # a bad name fails before any model loads
     program, _ = _program(args)
     inspector = Inspector(program)
     try:
