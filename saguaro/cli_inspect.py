@@ -34,7 +34,7 @@ def add_inspect_parsers(sub) -> None:
     report = sub.add_parser("report", help="one self-contained HTML page: schedule, timeline, acceptance, "
                                            "cache hits, fan-out, stats, stage graphs")
     report.add_argument("out", metavar="OUT.html")
-    report.add_argument("--prompt", default="def fibonacci(n):\n", help="text to complete (default: code)")
+    report.add_argument("--prompt", default=None, help="text to complete (default: the start of a Python script)")
     add_model_args(report)
 
 
@@ -87,7 +87,8 @@ def cmd_report(args) -> int:
 
     program, tokenizer = _program(args)
     try:
-        path = write_report(program, args.out, tokenizer=tokenizer, prompt=args.prompt,
+        prompt = {"prompt": args.prompt} if args.prompt else {}
+        path = write_report(program, args.out, tokenizer=tokenizer, **prompt,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     finally:
         program.close()

@@ -13,6 +13,7 @@ from saguaro.core.stages import STAGES, Stage, stage_named, stages_for
 from saguaro.inspection.graph_view import graph_dot, graph_text, to_svg
 from saguaro.inspection.pass_table import PassStep, format_table, pass_diff, pass_steps
 from saguaro.inspection.schedule_view import schedule_dot
+from saguaro.runtime.trace_read import stage_costs
 
 FORMATS = ("text", "dot", "svg")
 
@@ -55,6 +56,7 @@ class Inspector:
     def __init__(self, program):
         self.program = program
         self._steps: dict = {}
+        self.costs: dict = {}  # seconds per stage call measured by traced runs (every process)
 
     def stages(self) -> list[Stage]:
         """Every stage of the program's models (the draft's only with a draft)."""
@@ -101,13 +103,21 @@ class Inspector:
         dot = graph_dot(gm, stage.qualified, expand=expand)
         return dot.to_string() if format == "dot" else to_svg(dot)
 
-    def measure(self, mode: str, new_tokens: int = 24) -> dict:
-        """Run a short greedy generation in ``mode`` so the stages' costs are measured; its stats."""
+    def measure(self, mode: str, new_tokens: int = 24, input_ids=None) -> dict:
+        """Run a short traced greedy generation in ``mode``: the stages' costs, read from its trace (so
+        a draft process's stages count too), cost the schedule from then on. Returns its stats."""
         import torch
 
         program = self.program
-        ids = torch.arange(3, 11, device=program.target.spec.device)[None, :] % program.target.spec.vocab_size
-        return program.generate(ids, max_new_tokens=new_tokens, mode=mode, eos_token_id=None).stats
+        if input_ids is None:
+            input_ids = torch.arange(3, 11, device=program.target.spec.device)[None, :] % program.target.spec.vocab_size
+        out = program.generate(input_ids, max_new_tokens=new_tokens, mode=mode, eos_token_id=None, trace=True)
+        self.observe(out.trace)
+        return out.stats
+
+    def observe(self, trace: dict) -> None:
+        """Take the stage costs measured in ``trace`` (``generate(trace=...)``) for the schedule."""
+        self.costs.update(stage_costs(trace))
 
     def schedule(self, mode: str | None = None, format: str = "dot", sampled: bool = False,  # noqa: A002
                  measure: bool = False) -> str:
@@ -120,11 +130,22 @@ class Inspector:
             raise ValueError(f"mode={mode!r} is not allowed: choose one of {', '.join(MODES)}")
         if measure:
             self.measure(mode)
-        g = self.program.round_schedule(mode, sampled=sampled)
+        g = self.schedule_graph(mode, sampled)
         if format == "text":
             return "\n".join(f"{n}\t{d['lane']}\t{1000 * d['cost']:.3f} ms" for n, d in g.nodes(data=True))
         dot = schedule_dot(g)
         return dot.to_string() if format == "dot" else to_svg(dot)
+
+    def schedule_graph(self, mode: str, sampled: bool = False):
+        """The program's round DAG of ``mode`` with the costs traced runs measured (any process), the
+        program's own measurements elsewhere."""
+        g = self.program.round_schedule(mode, sampled=sampled)
+        for node, data in g.nodes(data=True):
+            stage = data.get("stage")
+            key = stage.qualified if stage is not None else node
+            if key in self.costs:
+                data["cost"] = self.costs[key]
+        return g
 
     def kernels(self, mode: str | None = None, warm: bool = True) -> list[dict]:
         """Per stage (Inductor): compile time and the generated code files with their kernel names.

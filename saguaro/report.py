@@ -17,12 +17,13 @@ from saguaro.report_svg import bar_chart, line_chart, timeline
 from saguaro.runtime.trace_read import counters, slices
 
 TIMELINE_ROUNDS = 4
+DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main():\n"
 STYLE = """body{font-family:Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1100px}
 h1{font-size:22px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
 table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left}
 svg text{font-size:12px;font-family:Helvetica,Arial,sans-serif}svg .title{font-weight:bold}
 svg .small{font-size:10px}.figs{display:flex;flex-wrap:wrap;gap:16px}pre{background:#f6f6f6;padding:8px;
-overflow:auto;font-size:12px}#schedule svg,details svg{max-width:100%;height:auto}rect.slice:hover,rect.bar:hover{stroke:#000;stroke-width:1}"""
+overflow:auto;font-size:12px;max-height:240px}#schedule svg,details svg{max-width:100%;height:auto}rect.slice:hover,rect.bar:hover{stroke:#000;stroke-width:1}"""
 SCRIPT = """document.querySelectorAll('details.graph').forEach(function(d){
   if (location.hash === '#' + d.id) d.open = true;});
 window.addEventListener('hashchange', function(){var d=document.getElementById(location.hash.slice(1));
@@ -31,7 +32,7 @@ document.getElementById('charts-count').textContent = document.querySelectorAll(
 document.body.setAttribute('data-rendered', 'yes');"""
 
 
-def write_report(program, out, tokenizer=None, prompt: str = "def fibonacci(n):\n", input_ids=None,
+def write_report(program, out, tokenizer=None, prompt: str = DEFAULT_PROMPT, input_ids=None,
                  max_new_tokens: int = 64, temperature: float = 0.0) -> Path:
     """Generate once with SSD (traced) and write the report page to ``out``; returns its path."""
     if input_ids is None:
@@ -40,9 +41,11 @@ def write_report(program, out, tokenizer=None, prompt: str = "def fibonacci(n):\
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     input_ids = input_ids.to(program.target.spec.device)
     inspector = Inspector(program)
-    inspector.measure("ssd")  # stage costs for the schedule (and everything built)
+    inspector.measure("ssd", input_ids=input_ids)  # a warm-up: every stage built, the lane started
     result = program.generate(input_ids, max_new_tokens=max_new_tokens, temperature=temperature, mode="ssd",
                               seed=0, eos_token_id=None, trace=True)
+    inspector.costs.clear()
+    inspector.observe(result.trace)  # the schedule costed with this generation's own stage times
     completion = None
     if tokenizer is not None:
         completion = tokenizer.decode(result.sequences[0, input_ids.shape[1]:], skip_special_tokens=True)

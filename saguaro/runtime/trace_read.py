@@ -166,3 +166,16 @@ def _flights(host: list[Slice], draft: list[Slice], wait: Slice) -> list[tuple[f
     if reply is not None and answer is not None:
         flights.append((reply.start_us, answer.end_us))
     return flights
+
+
+def stage_costs(trace: dict) -> dict:
+    """Mean seconds per call of each stage (``stage.qualified``, tree depths together) and of the draft
+    lane's ``match``, from the slices of every process: the schedule's node costs, measured wherever
+    the stage ran (a process lane's draft included)."""
+    durations: dict = {}
+    for s in slices(trace):
+        if s.track in ("target", "draft") and "." in s.name:
+            durations.setdefault(s.name.split(" depth ")[0], []).append(s.dur_us)
+        elif s.track == "draft" and s.name == "match":
+            durations.setdefault("match", []).append(s.dur_us)
+    return {name: sum(d) / len(d) / 1e6 for name, d in durations.items()}

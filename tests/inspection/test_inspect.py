@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import saguaro
+from saguaro.core.schedule import DEFAULT_COST_S, critical_path
 from saguaro.core.stages import DRAFT_GLUE, STAGES, TARGET_VERIFY
 from saguaro.inspection.graph_view import have_dot
 from tests.conftest import tiny_pair
@@ -81,14 +82,13 @@ def test_graph_and_schedule_svg_parse(inspector):
 
 
 def test_schedule_dot_has_lane_clusters_costs_and_the_critical_path(inspector):
-    program = inspector.program
     dot = inspector.schedule("ssd", format="dot", measure=True)
     (parsed,) = pydot.graph_from_dot_data(dot)
     clusters = {c.get_name(): c for c in parsed.get_subgraphs()}
     assert set(clusters) == {"cluster_lane_target", "cluster_lane_draft", "cluster_lane_host"}
-    cost = program.draft.stage_cost_s["draft.glue"] * 1000
-    assert f"{cost:.2f} ms" in dot  # measured, not the 1 ms default
-    path = program._schedule_stats(False)["critical_path"]
+    cost = inspector.costs["draft.glue"] * 1000  # measured by the traced run, not the 1 ms default
+    assert inspector.costs["draft.glue"] != DEFAULT_COST_S and f"{cost:.2f} ms" in dot
+    path, _ = critical_path(inspector.schedule_graph("ssd"))
     red = {n.get_name().strip('"') for c in clusters.values() for n in c.get_nodes() if "c0392b" in str(n.get("color"))}
     assert red == set(path)
     for mode in ("ar", "sd"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import saguaro
-from saguaro.runtime.trace_read import check_trace, counters, lane_overlap, slices
+from saguaro.runtime.trace_read import check_trace, counters, lane_overlap, slices, stage_costs
 from tests.conftest import tiny_pair
 from tests.models import prompts, reference_greedy
 
@@ -107,6 +107,7 @@ def test_process_lane_trace_holds_both_processes_and_its_overlap_matches_the_dra
             first_post = next(s for s in slices(trace) if s.name == "send build")
             first_glue = next(s for s in slices(trace) if s.name == "draft.glue")
             assert first_post.start_us < first_glue.start_us
+            assert stage_costs(trace)["draft.glue"] > 0  # the draft process's stage times, for the schedule
             lanes = lane_overlap(trace)
             wait = out.stats["draft_wait_s"]
             assert lanes["rounds"] == out.stats["rounds"] - 1  # the last round matches nothing
