@@ -27,10 +27,10 @@ import saguaro
 from saguaro.bench_rows import bench_prompts
 
 
-def measure(mode: str, reps: int, prompts: int, max_new_tokens: int, k: int) -> dict:
+def measure(mode: str, reps: int, prompts: int, max_new_tokens: int, k: int, lane: str = "auto") -> dict:
     torch.set_num_threads(1)
     target, draft, tokenizer = saguaro.default_pair()
-    program = saguaro.compile(target, draft, k=k, mode=mode)
+    program = saguaro.compile(target, draft, k=k, mode=mode, lane=lane)
     ids = bench_prompts(tokenizer, prompts, target.config.vocab_size, seed=0)
     rates, ratios = {"off": [], "on": []}, []
     with tempfile.TemporaryDirectory() as tmp:
@@ -64,9 +64,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--lane", default="auto", choices=["auto", "thread", "process"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    result = measure(args.mode, args.reps, args.prompts, args.max_new_tokens, args.k)
+    result = measure(args.mode, args.reps, args.prompts, args.max_new_tokens, args.k, args.lane)
     print(f"{'mode':<6}{'lane':<9}{'off tok/s':>11}{'on tok/s':>11}{'on/off (median of pairs)':>26}")
     print(f"{result['mode']:<6}{result['lane']:<9}{result['tokens_per_s_off']:>11.1f}"
           f"{result['tokens_per_s_on']:>11.1f}{result['on_over_off']:>26.3f}")

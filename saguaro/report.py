@@ -39,6 +39,8 @@ def write_report(program, out, tokenizer=None, prompt: str = DEFAULT_PROMPT, inp
         if tokenizer is None:
             raise ValueError("write_report needs input_ids or a tokenizer to encode the prompt")
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"write_report takes one prompt: input_ids of shape [1, T], got {tuple(input_ids.shape)}")
     input_ids = input_ids.to(program.target.spec.device)
     inspector = Inspector(program)
     inspector.measure("ssd", input_ids=input_ids)  # a warm-up: every stage built, the lane started
@@ -56,7 +58,7 @@ def write_report(program, out, tokenizer=None, prompt: str = DEFAULT_PROMPT, inp
 
 
 def _figures(stats: dict, trace: dict, k: int) -> list[str]:
-    lengths = [int(round(v["mean"])) for _, v in counters(trace, "accepted length")]  # batch 1: exact
+    lengths = [int(round(v["mean"])) for _, v in counters(trace, "accepted length")]  # one row: exact
     looked_up = lengths[:-1] if len(lengths) > 1 else lengths  # the last round matches nothing
     outcome_counts = [sum(1 for n in looked_up if n - 1 == a) for a in range(k + 1)]
     per_position = [sum(1 for n in lengths if n - 1 >= j) / max(len(lengths), 1) for j in range(1, k + 1)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 TRACKS = ("host", "target", "draft")  # the order tracks are shown in
@@ -54,14 +54,12 @@ class TraceRecorder:
         return {"pid": self.pid, "process": self.process, "events": events}
 
 
-@contextmanager
+_OFF = nullcontext()
+
+
 def traced(recorder: TraceRecorder | None, track: str, name: str, args: dict | None = None):
-    """A slice when tracing, nothing otherwise (for calls a few times per round, not per tensor op)."""
-    if recorder is None:
-        yield
-        return
-    with recorder.slice(track, name, args):
-        yield
+    """A slice when tracing; a shared no-op context otherwise (for calls a few times per round)."""
+    return _OFF if recorder is None else recorder.slice(track, name, args)
 
 
 def chrome_trace(parts: list[dict], metadata: dict | None = None) -> dict:
