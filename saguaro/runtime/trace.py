@@ -123,7 +123,7 @@ class GenerationTrace:
             for owner in self.owners:
                 owner.recorder = self.recorder  # runners: stage slices; a lane: transport slices
             if self.lane is not None:
-                self.lane.call("trace_start")
+                self.lane.post("trace_start")  # no reply to wait for: the lane's next call queues behind it
         return self
 
     def __exit__(self, *exc) -> None:
