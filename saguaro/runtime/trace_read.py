@@ -118,7 +118,9 @@ def lane_overlap(trace: dict) -> dict:
     does before it waits). ``overlap_s``: draft work concurrent with target work; ``exposed_work_s``:
     the rest, draft time the target did not hide. A process lane adds *transport*: the ``match``
     request in flight (the host's ``send match`` start to the end of the draft's ``recv`` of it) and the
-    reply (the draft's ``send match`` start to the end of the host's ``recv``). ``exposed_s``: draft
+    reply (the draft's ``send match`` start to the end of the host's ``recv``); ``transport_s`` is their
+    length, which overlaps draft work when the request waits for the draft to finish its build.
+    ``exposed_s``: draft
     work and transport not hidden by target work, which is what the host waits for: it should equal
     ``stats["draft_wait_s"]`` up to the unrecorded moments between slices. (On a thread lane on CPU the
     GIL can stall the target lane itself while the draft computes; draft work then shows as exposed
