@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-deps bench venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,15 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-test: $(STAMP)
+# Graphviz (`dot`: SVG of graphs and schedules) and a headless Chromium (the HTML report's browser test).
+# Best effort: without them (no root, no network) the tests that need them skip and say why.
+test-deps:
+	@command -v dot >/dev/null && command -v chromium >/dev/null || \
+	  ( apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      graphviz chromium >/dev/null ) || \
+	  echo "make test-deps: could not install graphviz/chromium; their tests will be skipped"
+
+test: $(STAMP) test-deps
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -90,25 +91,28 @@ def row_program(program, mode: str):
 
 
 def run_rows(target, draft, prompts, modes, k, max_new_tokens, temperature, batch, seed, backend="eager",
-             program=None):  # noqa: PLR0913 - the benchmark's explicit parameters
+             program=None, trace_dir=None):  # noqa: PLR0913 - the benchmark's explicit parameters
     """Run every requested row over the same prompts in this process; return a list of result dicts.
 
-    ``program`` reuses an already compiled Program (its ``k`` and backend win).
+    ``program`` reuses an already compiled Program (its ``k`` and backend win). ``trace_dir``: after a
+    Saguaro row's timed calls, one more (untimed) call on the first batch writes its timeline to
+    ``trace_dir/<row>-<backend>.json``.
     """
     if program is None and any(m in SAGUARO_MODES for m in modes):
         program = compile_for(target, draft, k, backend)
-    rows = [time_row(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch, seed)
-            for mode in modes]
+    rows = [time_row(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch, seed,
+                     trace_dir=trace_dir, backend=backend) for mode in modes]
     ar = next((r["tokens_per_s"] for r in rows if r["mode"] == "ar"), None)
     for row in rows:
         row["speedup_vs_ar"] = row["tokens_per_s"] / ar if ar else None
     return rows
 
 
-def time_row(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch,
-             seed) -> dict:  # noqa: PLR0913
+def time_row(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch, seed,
+             trace_dir=None, backend="inductor") -> dict:  # noqa: PLR0913
     """One row: every batch of prompts generated once untimed (each shape bucket compiled and warm),
-    then once timed."""
+    then once timed; with ``trace_dir``, a Saguaro row then runs the first batch once more, untimed,
+    writing its timeline to ``trace_dir/<row>-<backend>.json``."""
     if mode in DRAFT_MODES and mode in SAGUARO_MODES and (program is None or program.draft is None):
         raise ValueError(f"row {mode!r} needs a draft model")
     pad_id = program.pad_token_id if program is not None else _pad_id(target)
@@ -133,6 +137,13 @@ def time_row(target, draft, program, prompts, mode, k, max_new_tokens, temperatu
             token_s += out.counters.token_s
         if stats.get("cache_hit_rate") is not None:
             ssd.append(stats)
+    if trace_dir is not None and mode in SAGUARO_MODES:
+        row_prog, row_mode = row_program(program, mode)
+        path = Path(trace_dir) / f"{mode}-{backend}.json"
+        ids, mask = batches[0]
+        row_prog.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                          mode=row_mode, eos_token_id=None, trace=path)
+        log.info("wrote the trace of %s to %s", mode, path)
     row = {
         "mode": mode, "tokens_per_s": new_tokens / wall if wall else 0.0, "new_tokens": new_tokens,
         "wall_s": wall, "mean_accepted_len": accepted / rounds if rounds else None,

@@ -36,6 +36,7 @@ class BenchParams:
     seed: int = 0
     threads: int | None = None
     same_process: bool = False  # every row in the caller's process instead of one process each
+    trace_dir: str | None = None  # write one timeline per Saguaro row here
 
 
 def run_one(params: BenchParams, mode: str, backend: str) -> dict:
@@ -55,7 +56,7 @@ def run_one(params: BenchParams, mode: str, backend: str) -> dict:
         program = compile_for(target, draft, params.k, backend)
     try:
         row = time_row(target, draft, program, prompts, mode, params.k, params.max_new_tokens, params.temperature,
-                       params.batch, params.seed)
+                       params.batch, params.seed, trace_dir=params.trace_dir, backend=backend)
     finally:
         if program is not None:
             program.close()

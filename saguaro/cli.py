@@ -1,4 +1,4 @@
-"""Command line: ``saguaro generate``, ``saguaro bench`` and ``saguaro export``.
+"""Command line: ``saguaro generate``, ``bench``, ``export``, ``inspect`` and ``report``.
 
 Bad arguments exit with status 2 and a message naming the value: argparse rejects malformed values
 before any model is loaded, and ``main`` turns a ``ValueError`` / ``SaguaroError`` raised later
@@ -16,6 +16,7 @@ from saguaro.cli_args import add_bench_args, add_model_args
 from saguaro.cli_program import (
     add_export_parser, add_program_arg, check_program_args, cmd_export, load_program,
 )
+from saguaro.cli_inspect import add_inspect_parsers, cmd_inspect, cmd_report
 from saguaro.core.config import MODES
 from saguaro.core.errors import SaguaroError
 
@@ -30,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ar: target alone; sd: speculative decoding; ssd: speculative speculative decoding "
                           "(default sd)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--trace", metavar="FILE", default=None,
+                     help="write a timeline of the call here (Chrome trace-event JSON: open it in "
+                          "https://ui.perfetto.dev or chrome://tracing)")
     add_model_args(gen)
     add_program_arg(gen)
     bench = sub.add_parser("bench", help="AR, SD, SSD and transformers (assisted) generation over the same prompts: "
@@ -38,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(bench, backends=("eager", "inductor", "both"))
     add_program_arg(bench)
     add_export_parser(sub)
+    add_inspect_parsers(sub)
     return parser
 
 
@@ -63,7 +68,8 @@ def cmd_generate(args) -> int:
             draft = None  # AR never runs the draft: do not capture it
         program = saguaro_compile(target, draft, k=args.k, mode=args.mode, backend=args.backend)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    out = program.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    out = program.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                           trace=args.trace)
     completion = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
     s = out.stats
     sys.stdout.write(args.prompt + completion + "\n")
@@ -71,6 +77,8 @@ def cmd_generate(args) -> int:
     sys.stdout.write(
         f"[{s['mode']}] {s['new_tokens']} tokens in {s['wall_s']:.2f}s: {s['tokens_per_s']:.1f} tokens/s, "
         f"mean accepted length {s['mean_accepted_len']:.2f}, {s['rounds']} rounds{hits}\n")
+    if args.trace:
+        sys.stdout.write(f"wrote the timeline to {args.trace} (open it in https://ui.perfetto.dev)\n")
     return 0
 
 
@@ -85,7 +93,7 @@ def cmd_bench(args) -> int:
         target=args.target, draft=args.draft, modes=tuple(args.modes) if args.modes else None, prompts=args.prompts,
         batch=args.batch, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         backend=args.backend, device=args.device, dtype=args.dtype, seed=args.seed, threads=args.threads,
-        same_process=args.same_process)
+        same_process=args.same_process, trace_dir=args.trace)
     report = run_bench(params, announce=lambda line: sys.stdout.write(line + "\n"))
     sys.stdout.write(format_table(report["rows"]) + "\n")
     for mode, reason in report["skipped"].items():
@@ -143,6 +151,10 @@ def main(argv=None) -> int:
                 return cmd_generate(args)
             if args.command == "export":
                 return cmd_export(args)
+            if args.command == "inspect":
+                return cmd_inspect(args)
+            if args.command == "report":
+                return cmd_report(args)
             return cmd_bench(args)
     except (SaguaroError, ValueError) as exc:
         sys.stderr.write(f"saguaro: error: {exc}\n")

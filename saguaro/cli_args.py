@@ -77,3 +77,6 @@ def add_bench_args(parser) -> None:
                         help="torch intra-op threads (default: torch's)")
     parser.add_argument("--same-process", action="store_true",
                         help="run every row in this process (default: each row in a process of its own)")
+    parser.add_argument("--trace", metavar="DIR", default=None,
+                        help="write a timeline (Chrome trace-event JSON, open in https://ui.perfetto.dev) of one "
+                             "extra call per Saguaro row into DIR")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.core.errors import SaguaroError
+from saguaro.kernel_log import capture_output_code
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +108,19 @@ class CompiledStage:
     def __init__(self, gm: torch.fx.GraphModule, compiled, name: str):
         self.gm, self.compiled, self.name = gm, compiled, name
         self.calls = 0
+        self.compile_s: float | None = None  # the first call, compile included
+        self.output_code: list[dict] = []  # what Inductor generated on the first call (kernel_log)
 
     def __call__(self, *args):
         self.calls += 1
         started = time.perf_counter()
         try:
-            out = self.compiled(*args)
+            if self.calls == 1:
+                with capture_output_code() as files:
+                    out = self.compiled(*args)
+                self.output_code, self.compile_s = files, time.perf_counter() - started
+            else:
+                out = self.compiled(*args)
         except Exception as exc:
             from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError, Unsupported
 

@@ -8,6 +8,7 @@ import logging
 from typing import Callable
 
 import torch
+from torch._logging import trace_structured
 
 from saguaro.capture.attention_op import MASK_OP
 from saguaro.core.stages import Stage
@@ -67,6 +68,11 @@ def build_stage(base: torch.fx.GraphModule, stage: Stage, width: int, attention:
         if observe is not None:
             observe(name, gm)
     log.info("stage %s: %d nodes", stage.qualified, len(gm.graph.nodes))
+    # the stage graph beside Inductor's own artifacts in TORCH_TRACE (tlparse); free without a handler
+    trace_structured("artifact", metadata_fn=lambda: {"name": f"saguaro_stage_{stage.qualified}",
+                                                      "encoding": "string"},
+                     payload_fn=lambda: gm.print_readable(print_output=False, include_stride=True,
+                                                          include_device=True), expect_trace_id=False)
     return gm
 
 

@@ -14,6 +14,7 @@ from saguaro.runtime.draft_decode import draft_decode
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.state import DecodeState
 from saguaro.runtime.stats import since
+from saguaro.runtime.trace import traced
 from saguaro.tensor_math import verification
 
 
@@ -59,14 +60,18 @@ def commit(state: DecodeState, draft_tokens: torch.Tensor, accepted: torch.Tenso
     decided = (accepted[active] + 1).tolist()
     state.counters.accepted_lengths.extend(decided)
     state.counters.rounds += 1
+    if state.recorder is not None:
+        lengths = accepted[active] + 1
+        state.recorder.counter("host", "accepted length", mean=float(lengths.float().mean()) if len(lengths) else 0.0)
     return decided
 
 
 def decode_sd(target: ModelRunner, draft: ModelRunner, state: DecodeState) -> None:
     """Alternate drafting and verification until every row finishes."""
     while not state.seqs.all_finished():
-        started = time.perf_counter()
-        draft_tokens, draft_probs = draft_speculation(draft, state)
-        state.counters.draft_s += since(started)
-        accepted, next_token = verify(target, state, draft_tokens, draft_probs)
-        state.counters.end_round(since(started), commit(state, draft_tokens, accepted, next_token))
+        with traced(state.recorder, "host", "round", {"round": state.counters.rounds + 1}):
+            started = time.perf_counter()
+            draft_tokens, draft_probs = draft_speculation(draft, state)
+            state.counters.draft_s += since(started)
+            accepted, next_token = verify(target, state, draft_tokens, draft_probs)
+            state.counters.end_round(since(started), commit(state, draft_tokens, accepted, next_token))

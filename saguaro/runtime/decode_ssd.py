@@ -19,6 +19,7 @@ from saguaro.runtime.lanes import DraftLaneError
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.state import DecodeState
 from saguaro.runtime.stats import SOURCES, Counters, since
+from saguaro.runtime.trace import traced
 
 
 def decode_ssd(target: ModelRunner, draft: ModelRunner, state: DecodeState, lane, spec: GenerateSpec,
@@ -32,11 +33,13 @@ def decode_ssd(target: ModelRunner, draft: ModelRunner, state: DecodeState, lane
         if warm_up is not None:
             warm_up()
         started = time.perf_counter()
-        lane.call("open", spec)  # the draft prefills the prompt ...
-        speculation = lane.call("start", first_tokens)  # ... and decodes the first speculation
+        with traced(state.recorder, "host", "wait: first speculation"):
+            lane.call("open", spec)  # the draft prefills the prompt ...
+            speculation = lane.call("start", first_tokens)  # ... and decodes the first speculation
         state.counters.draft_s += since(started)
         while speculation is not None:
-            speculation = ssd_round(target, state, lane, speculation)
+            with traced(state.recorder, "host", "round", {"round": state.counters.rounds + 1}):
+                speculation = ssd_round(target, state, lane, speculation)
     except DraftLaneError as exc:
         _finish_with_sd(target, draft, state, exc)
         return False
@@ -48,7 +51,7 @@ def decode_ssd(target: ModelRunner, draft: ModelRunner, state: DecodeState, lane
 def ssd_round(target: ModelRunner, state: DecodeState, lane, speculation: Speculation) -> Speculation | None:
     """One round: verify ∥ build, match the outcome, hit or fallback, and the next speculation (None
     once every row has finished)."""
-    seqs, counters = state.seqs, state.counters
+    seqs, counters, recorder = state.seqs, state.counters, state.recorder
     active = seqs.active.clone()
     round_started = time.perf_counter()
     # the draft lane builds the speculation cache for this speculation ...
@@ -56,23 +59,29 @@ def ssd_round(target: ModelRunner, state: DecodeState, lane, speculation: Specul
     # ... while the target verifies it
     verify_before = counters.verify_s
     accepted, next_token = verify(target, state, speculation.tokens, speculation.probs)  # [B], [B]
-    decided = commit(state, speculation.tokens, accepted, next_token)
-    _count_by_source(counters, speculation.source, accepted, active)
+    with traced(recorder, "host", "commit"):
+        decided = commit(state, speculation.tokens, accepted, next_token)
+        _count_by_source(counters, speculation.source, accepted, active)
     if seqs.all_finished():
         counters.end_round(since(round_started), decided)
         return None
     # the outcome (a, r') against the cache: waits for what is left of the build
     started = time.perf_counter()
-    lookup = lane.call("match", accepted, next_token, counters.verify_s - verify_before)
+    with traced(recorder, "host", "wait: match"):
+        lookup = lane.call("match", accepted, next_token, counters.verify_s - verify_before)
     counters.draft_wait_s += since(started)
     missed = seqs.active & ~lookup.hit  # [B]
     _count_lookup(counters, lookup.hit & seqs.active, accepted, seqs.active)
+    if recorder is not None:
+        hits = int((lookup.hit & seqs.active).sum())
+        recorder.counter("host", "cache", hits=hits, misses=int(missed.sum()))
     if not bool(missed.any()):
         counters.end_round(since(round_started), decided)
         return lookup.speculation  # every row hit: no draft latency on the critical path
     # a miss: the draft decodes now (neural) or a free n-gram proposal (fast)
     started = time.perf_counter()
-    fallen_back = lane.call("fallback", missed)
+    with traced(recorder, "host", "wait: fallback"):
+        fallen_back = lane.call("fallback", missed)
     counters.fallback_s += since(started)
     counters.fallbacks[fallen_back.fallback_kind] += int(missed.sum())
     counters.end_round(since(round_started), decided)

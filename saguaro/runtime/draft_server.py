@@ -26,6 +26,7 @@ from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.planner import Planner, StageCosts
 from saguaro.runtime.sequences import SequenceBatch
 from saguaro.runtime.stats import SOURCES, since
+from saguaro.runtime.trace import TraceRecorder, traced
 from saguaro.tensor_math.fork import ranks_from_ranked
 from saguaro.tensor_math.verification import outcome_tokens
 
@@ -76,6 +77,10 @@ class SpeculationServer:
         self.vocab = draft.spec.vocab_size
 
     def open(self, spec: GenerateSpec) -> None:
+        with traced(self.draft.recorder, "draft", "open (prefill)"):
+            self._open(spec)
+
+    def _open(self, spec: GenerateSpec) -> None:
         self.seqs = SequenceBatch(spec.input_ids, spec.attention_mask, spec.max_new_tokens, spec.capacity,
                                   spec.eos_token_ids, spec.pad_token_id)
         self.store = self.draft.new_store(self.seqs.batch, spec.capacity)
@@ -101,6 +106,10 @@ class SpeculationServer:
 
     def start(self, first_tokens: torch.Tensor) -> Speculation:
         """The target's first token ``[B]`` arrives: decode the first speculation with the draft."""
+        with traced(self.draft.recorder, "draft", "start (first speculation)"):
+            return self._start(first_tokens)
+
+    def _start(self, first_tokens: torch.Tensor) -> Speculation:
         self.seqs.append(first_tokens[:, None], torch.ones_like(first_tokens))
         rows = torch.arange(self.seqs.batch, device=first_tokens.device)
         tokens, probs = neural_fallback(self.draft, self.store, self.seqs, rows, self.k, self.temperature,
@@ -120,6 +129,15 @@ class SpeculationServer:
                                              self.policy.choose(), sum(fast) / len(fast) if fast else 1.0).fan_out
         else:
             self.fan_out = self._fixed_fan_out()
+        recorder = self.draft.recorder
+        if recorder is not None:
+            recorder.counter("draft", "branch budget", MQ=sum(self.fan_out))
+            recorder.counter("draft", "fan-out", **{f"F{j}": f for j, f in enumerate(self.fan_out)})
+        with traced(recorder, "draft", "build"):
+            self._build()
+
+    def _build(self) -> None:
+        seqs, k = self.seqs, self.k
         index = seqs.tail_index(1) + torch.arange(k + 1, device=seqs.tokens.device)[None, :]  # [B, k+1]
         request = tree.GlueRequest(
             ids=torch.cat([seqs.gather(index[:, :1]), self.current.tokens], dim=1), index=index,
@@ -133,6 +151,10 @@ class SpeculationServer:
 
     def match(self, accepted: torch.Tensor, outcome: torch.Tensor, verify_s: float) -> Lookup:
         """Commit the outcome ``(a [B], r' [B])`` and look it up in the cache the last build made."""
+        with traced(self.draft.recorder, "draft", "match"):
+            return self._match(accepted, outcome, verify_s)
+
+    def _match(self, accepted: torch.Tensor, outcome: torch.Tensor, verify_s: float) -> Lookup:
         seqs = self.seqs
         self._learn(accepted, outcome, seqs.active.clone(), verify_s)
         seqs.append(outcome_tokens(self.current.tokens, accepted, outcome), accepted + 1)
@@ -147,8 +169,12 @@ class SpeculationServer:
 
     def fallback(self, missed: torch.Tensor) -> Speculation:
         """The next speculation with the rows ``missed [B]`` (bool) made by the fallback the policy picks."""
-        rows = missed.nonzero().flatten()  # [M]
         kind = self.policy.choose()
+        with traced(self.draft.recorder, "draft", f"fallback ({kind})"):
+            return self._fallback(missed, kind)
+
+    def _fallback(self, missed: torch.Tensor, kind: str) -> Speculation:
+        rows = missed.nonzero().flatten()  # [M]
         started = time.perf_counter()
         if kind == "neural":
             fb_tokens, fb_probs = neural_fallback(self.draft, self.store, self.seqs, rows, self.k, self.temperature,
@@ -210,6 +236,15 @@ class SpeculationServer:
             return None
         budgets = list(range(0, self.config.budget + 1, self.k + 1)) + [self.config.budget]
         return Planner(self.k, budgets, self.draft.width)
+
+    def trace_start(self) -> None:
+        """Record this side's stage calls and methods (in the draft process: on its own recorder)."""
+        self.draft.recorder = TraceRecorder("saguaro draft lane")
+
+    def trace_take(self) -> dict | None:
+        """The events recorded since :meth:`trace_start` (``TraceRecorder.take``); recording stops."""
+        recorder, self.draft.recorder = self.draft.recorder, None
+        return recorder.take() if recorder is not None else None
 
     def finished(self) -> bool:
         return self.seqs.all_finished()

@@ -49,6 +49,7 @@ class ThreadLane:
     """The draft server on one worker thread: posted methods run there, overlapping the caller."""
 
     kind = "thread"
+    recorder = None  # set while a traced generate runs (no transport to record in one process)
 
     def __init__(self, server: SpeculationServer, device: torch.device, timeout_s: float):
         self.server = server

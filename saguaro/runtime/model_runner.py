@@ -35,6 +35,7 @@ class ModelRunner:
         self._lock = threading.Lock()  # two lanes may ask for stages of one model at once
         self.stage_build_s: dict = {}
         self.stage_cost_s: dict = {}  # running mean seconds per call, the schedule's node costs
+        self.recorder = None  # a runtime.trace.TraceRecorder while a traced generate runs
 
     def new_store(self, batch: int, capacity: int) -> KVStore:
         return KVStore(self.spec, batch, capacity)
@@ -67,12 +68,19 @@ class ModelRunner:
         *extra,
         branch: torch.Tensor | None = None,  # [B, T]; None: shared (0)
         limit: torch.Tensor | None = None,  # [B, T]; None: the query's own position
+        depth: int | None = None,  # tree depth, named in traces
     ):
         """Call ``stage`` on the store; returns the stage's outputs (a tuple)."""
         args = self._graph_args(store, input_ids, positions, write_slots, branch, limit)
         fn = self.stage(stage)
         started = time.perf_counter()
-        out = fn(*args, *extra)
+        if self.recorder is None:
+            out = fn(*args, *extra)
+        else:  # a slice named by the stage on this model's track
+            name = stage.qualified if depth is None else f"{stage.qualified} depth {depth}"
+            with self.recorder.slice(self.name, name, {"rows": int(input_ids.shape[0]),
+                                                       "tokens": int(input_ids.shape[1])}):
+                out = fn(*args, *extra)
         elapsed = time.perf_counter() - started
         key = stage.qualified
         previous = self.stage_cost_s.get(key)

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 from saguaro.core.config import SaguaroConfig
 from saguaro.runtime.lanes import DraftLaneError
+from saguaro.runtime.trace import traced
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +38,19 @@ def _send_message(pg, obj) -> None:
     pg.send([payload], peer, 0).wait()
 
 
-def _recv_message(pg, timeout_s: float | None = None):
+def _recv_message(pg, timeout_s: float | None = None, recorder=None, track: str = "host"):
+    """The next message; with a ``recorder``, a ``recv`` slice from its header's arrival (the wait
+    before it is not transport) to the unpickled object."""
     peer = 1 - pg.rank()
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     size = torch.empty(1, dtype=torch.long)
     work = pg.recv([size], peer, 0)
     work.wait() if timeout is None else work.wait(timeout)
-    payload = torch.empty(int(size[0]), dtype=torch.uint8)
-    work = pg.recv([payload], peer, 0)
-    work.wait() if timeout is None else work.wait(timeout)
-    return pickle.loads(payload.numpy().tobytes())
+    with traced(recorder, track, "recv"):
+        payload = torch.empty(int(size[0]), dtype=torch.uint8)
+        work = pg.recv([payload], peer, 0)
+        work.wait() if timeout is None else work.wait(timeout)
+        return pickle.loads(payload.numpy().tobytes())
 
 
 def serve(port: int, remote_draft, config: SaguaroConfig, timeout_s: float) -> None:
@@ -58,18 +62,20 @@ def serve(port: int, remote_draft, config: SaguaroConfig, timeout_s: float) -> N
     server = remote_draft(config)
     with torch.inference_mode():
         while True:
-            method, args, reply = _recv_message(pg)
+            method, args, reply = _recv_message(pg, recorder=server.draft.recorder, track="draft")
             if method == CLOSE:
                 return
             result = getattr(server, method)(*args)
             if reply:
-                _send_message(pg, result)
+                with traced(server.draft.recorder, "draft", f"send {method}"):
+                    _send_message(pg, result)
 
 
 class ProcessLane:
     """The draft server in a spawned process; started once per Program and reused."""
 
     kind = "process"
+    recorder = None  # a runtime.trace.TraceRecorder while a traced generate runs: transport slices
 
     def __init__(self, remote_draft, config: SaguaroConfig, timeout_s: float):
         """``remote_draft(config)`` (picklable) builds the :class:`SpeculationServer` in the child."""
@@ -111,14 +117,16 @@ class ProcessLane:
 
     def post(self, method: str, *args) -> None:
         """Send ``server.method(*args)`` to the draft process; it runs there while the caller goes on."""
-        self._guard(_send_message, self.pg, (method, args, False))
+        with traced(self.recorder, "host", f"send {method}"):
+            self._guard(_send_message, self.pg, (method, args, False))
 
     def call(self, method: str, *args, timeout_s: float | None = None):
         """Run ``server.method(*args)`` in the draft process (after what was posted) and return its result,
         waiting at most ``timeout_s`` (default: the lane's timeout)."""
         def run():
-            _send_message(self.pg, (method, args, True))
-            return _recv_message(self.pg, self.timeout_s if timeout_s is None else timeout_s)
+            with traced(self.recorder, "host", f"send {method}"):
+                _send_message(self.pg, (method, args, True))
+            return _recv_message(self.pg, self.timeout_s if timeout_s is None else timeout_s, self.recorder)
         return self._guard(run)
 
     def settle(self) -> None:

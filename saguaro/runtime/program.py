@@ -29,6 +29,7 @@ from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.sequences import SequenceBatch
 from saguaro.runtime.state import DecodeState
 from saguaro.runtime.stats import Counters, since, summarize
+from saguaro.runtime.trace import GenerationTrace
 from saguaro.tensor_math.verification import sample_tokens
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class GenerateOutput:
     sequences: torch.Tensor
     stats: dict
     counters: Counters | None = None
+    trace: dict | None = None  # Chrome trace-event JSON object when generate(trace=...) recorded one
 
 
 class Program:
@@ -132,7 +134,11 @@ class Program:
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id="default",
-                 seed: int | None = None, attention_mask=None, mode: str | None = None) -> GenerateOutput:
+                 seed: int | None = None, attention_mask=None, mode: str | None = None,
+                 trace=None) -> GenerateOutput:
+        """Decode ``max_new_tokens`` after ``input_ids [B, T]``. ``trace``: a path to write a Chrome
+        trace-event JSON timeline of this call to (Perfetto, chrome://tracing), or True to keep it
+        only in ``out.trace`` (see :mod:`saguaro.runtime.trace`)."""
         mode = mode or self.config.mode
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not allowed: choose one of {', '.join(MODES)}")
@@ -165,13 +171,26 @@ class Program:
             generator = torch.Generator(device=device).manual_seed(base)
 
         self.prepare(mode, temperature)
-        start = time.perf_counter()
+        runners = [self.target] + ([self.draft] if mode == "sd" else [])
+        with GenerationTrace(trace, runners, lane if mode == "ssd" else None) as tracing:
+            start = time.perf_counter()
+            out = self._decode(mode, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator,
+                               base, tracing.recorder, lane if mode == "ssd" else None)
+            wall = since(start)
+        sequences = out.seqs.result()[:, padded_ids.shape[1] - T:]  # without the bucket's padding columns
+        stats = summarize(out.counters, mode, int(out.seqs.generated.sum()), B, wall, self.lane_kind,
+                          self._schedule_stats(temperature > 0) if mode == "ssd" else None)
+        return GenerateOutput(sequences=sequences, stats=stats, counters=out.counters, trace=tracing.finish(stats))
+
+    def _decode(self, mode, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator, base,
+                recorder, lane) -> DecodeState:
+        B, device = padded_ids.shape[0], self.target.spec.device
         capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, mode)
         seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id)
         state = DecodeState(
             seqs=seqs, target_store=self.target.new_store(B, capacity),
             draft_store=self.draft.new_store(B, capacity) if mode == "sd" else None,
-            temperature=float(temperature), generator=generator, k=self.config.k)
+            temperature=float(temperature), generator=generator, k=self.config.k, recorder=recorder)
         if mode == "ssd":
             with one_thread_per_lane(device):
                 state.counters.verify_alone_s = self._verify_alone(B, capacity, float(temperature))
@@ -187,11 +206,7 @@ class Program:
                 decode_ar(self.target, state)
             else:
                 decode_sd(self.target, self.draft, state)
-        wall = since(start)
-        sequences = seqs.result()[:, padded_ids.shape[1] - T:]  # without the bucket's padding columns
-        stats = summarize(state.counters, mode, int(seqs.generated.sum()), B, wall, self.lane_kind,
-                          self._schedule_stats(temperature > 0) if mode == "ssd" else None)
-        return GenerateOutput(sequences=sequences, stats=stats, counters=state.counters)
+        return state
 
     @property
     def schedule(self):

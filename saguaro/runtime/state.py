@@ -21,6 +21,7 @@ class DecodeState:
     temperature: float
     generator: torch.Generator | None
     k: int
+    recorder: object = None  # a runtime.trace.TraceRecorder when this generate is traced
     counters: Counters = field(init=False)
 
     def __post_init__(self):

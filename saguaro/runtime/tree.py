@@ -99,7 +99,7 @@ class TreeBuild:
         position = self.fork_pos + 1 + d
         if req.temperature == 0.0:
             (token,) = self.draft.run(stage, self.store, self.ids, position, slots, branch=self.branch,
-                                      limit=self.fork_pos)
+                                      limit=self.fork_pos, depth=depth)
             prob = None
         else:
             # Saguaro sampling: this token is x_{d+1} of the next speculation, whose recovery would be
@@ -107,7 +107,7 @@ class TreeBuild:
             top = torch.tensor(req.fan_out[d], device=device)
             u = torch.rand(self.B, MQ, generator=self.generator, device=device)
             token, prob = self.draft.run(stage, self.store, self.ids, position, slots, self.inv_t, top,
-                                         self.c, u, branch=self.branch, limit=self.fork_pos)
+                                         self.c, u, branch=self.branch, limit=self.fork_pos, depth=depth)
         self.tokens.append(token)  # [B, MQ]
         self.probs.append(prob)  # [B, MQ, V]
         self.ids = token

@@ -5,12 +5,14 @@ The one test of the suite that compiles (C++ on CPU); it is slow by nature, so i
 modes on one tiny pair in one go.
 """
 
+import os
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 import saguaro
-from saguaro.core.stages import TARGET_VERIFY
+from saguaro.core.stages import TARGET_VERIFY, stages_for
 from saguaro.capture.attention_op import ATTENTION_OP
 from saguaro.passes.lower_attention import attention_inline
 from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
@@ -41,4 +43,10 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
     verify = compiled.target.stage(TARGET_VERIFY.greedy).gm  # inductor compiles the attention math inline
     targets = [n.target for n in verify.graph.nodes if n.op == "call_function"]
     assert attention_inline in targets and ATTENTION_OP not in targets
+    # saguaro inspect kernels: each stage's compile time, generated code files and kernel names
+    rows = saguaro.inspect(compiled).kernels("ssd", warm=False)
+    assert [r["stage"] for r in rows] == [s.qualified for s in stages_for("ssd", 0.0)]
+    for row in rows:
+        assert row["compile_s"] > 0 and row["files"] and all(os.path.exists(f) for f in row["files"]), row
+        assert row["kernel_count"] > 0 and all(k.startswith(("cpp_", "triton_")) for k in row["kernels"]), row
     compiled.close()
