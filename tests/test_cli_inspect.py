@@ -13,7 +13,7 @@ from tests.test_cli import run_cli, saved_pair  # noqa: F401 - the fixture
 
 def pair_args(saved_pair):  # noqa: F811
     target_dir, draft_dir = saved_pair
-    return ["--target", target_dir, "--draft", draft_dir, "--k", "3"]
+    return ["--target", target_dir, "--draft", draft_dir, "--k", "3", "--backend", "eager"]
 
 
 def test_generate_writes_a_trace(saved_pair, capsys, tmp_path):  # noqa: F811
