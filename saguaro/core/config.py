@@ -40,7 +40,11 @@ class SaguaroConfig:
         write), ``"flex"`` (FlexAttention under a block mask built in the graph; opt-in, see
         :func:`saguaro.lower.attention_implementation`) or ``"auto"``: op for the eager backend,
         inline for Inductor.
-    lane_timeout_s: seconds the target waits for the draft lane before finishing without it.
+    lane_timeout_s: seconds the target waits for one answer of the draft lane, during a generation,
+        before finishing that generation with SD.
+    lane_start_timeout_s: seconds a process lane may take to start (a new Python process imports
+        torch and Saguaro and captures the draft); past it the lane is given up for the Program's
+        life (until ``close()``) and SSD uses the thread lane.
     """
 
     k: int = 5
@@ -53,6 +57,7 @@ class SaguaroConfig:
     max_seq_len: int | None = None
     lane: str = "auto"
     lane_timeout_s: float = 60.0
+    lane_start_timeout_s: float = 120.0
     attention: str = "auto"
 
     def __post_init__(self):
@@ -73,6 +78,9 @@ class SaguaroConfig:
             raise ConfigError(f"lane={self.lane!r} is not allowed: choose one of {', '.join(LANES)}")
         if not isinstance(self.lane_timeout_s, (int, float)) or not self.lane_timeout_s > 0:
             raise ConfigError(f"lane_timeout_s={self.lane_timeout_s!r} is not allowed: it must be > 0 seconds")
+        start = self.lane_start_timeout_s
+        if isinstance(start, bool) or not isinstance(start, (int, float)) or not start > 0:
+            raise ConfigError(f"lane_start_timeout_s={start!r} is not allowed: it must be > 0 seconds")
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"attention={self.attention!r} is not allowed: choose one of {', '.join(ATTENTIONS)}")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
