@@ -1,7 +1,7 @@
 """The draft model handed to a draft process without pickling the caller's objects.
 
-The caller writes the draft's config (``config.json``), its state (``model.safetensors``, shared
-tensors stored once) and every buffer as it is now (``buffers.safetensors``: non-persistent buffers
+The caller writes the draft's config (``config.json``), its state (``model.safetensors``, tied
+tensors stored once and named as aliases) and every buffer as it is now (``buffers.safetensors``: non-persistent buffers
 such as rotary frequencies, in the dtype the model holds them) to a private temporary folder, and
 sends a small description: the model and config classes by import path, dtype, device, backend. The
 draft process imports those classes (never the caller's ``__main__``), rebuilds the model without
@@ -56,17 +56,26 @@ class RemoteDraft:
 
     def save(self, directory: str) -> dict:
         """Write the draft to ``directory``; return the description the draft process loads it from."""
-        from safetensors.torch import save_file, save_model
+        from safetensors.torch import save_file
 
         model = self.model
+        state, aliases, seen = {}, {}, {}
+        for name, tensor in model.state_dict().items():  # tied weights: stored once, the others aliased
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                   tensor.stride(), tensor.dtype)
+            if key in seen:
+                aliases[name] = seen[key]
+            else:
+                seen[key] = name
+                state[name] = tensor.detach().to("cpu", copy=True).contiguous()
         description = {
             "model_class": class_path(type(model)), "config_class": class_path(type(model.config)),
-            "directory": directory, "backend": self.backend, "attention": self.attention,
+            "directory": directory, "backend": self.backend, "attention": self.attention, "aliases": aliases,
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "device": str(next(model.parameters()).device),
         }
         model.config.to_json_file(os.path.join(directory, "config.json"))
-        save_model(model, os.path.join(directory, "model.safetensors"))
+        save_file(state, os.path.join(directory, "model.safetensors"))
         buffers = {name: b.detach().to("cpu", copy=True).contiguous() for name, b in model.named_buffers()}
         save_file(buffers, os.path.join(directory, "buffers.safetensors"))
         return description
@@ -74,7 +83,7 @@ class RemoteDraft:
 
 def load_draft(description: dict) -> torch.nn.Module:
     """Rebuild the draft model a :meth:`RemoteDraft.save` wrote (in the draft process)."""
-    from safetensors.torch import load_file, load_model
+    from safetensors.torch import load_file
 
     model_cls = import_class(*description["model_class"])
     config_cls = import_class(*description["config_class"])
@@ -83,8 +92,11 @@ def load_draft(description: dict) -> torch.nn.Module:
     config = config_cls.from_json_file(os.path.join(directory, "config.json"))
     with _no_init_weights():
         model = model_cls._from_config(config, dtype=dtype)
+    model.tie_weights()  # as the caller's model is, where the config ties them
     model.to(device)
-    load_model(model, os.path.join(directory, "model.safetensors"), strict=True, device=str(device))
+    state = load_file(os.path.join(directory, "model.safetensors"), device=str(device))
+    state.update({alias: state[name] for alias, name in description["aliases"].items()})
+    model.load_state_dict(state, strict=True)
     for name, buffer in load_file(os.path.join(directory, "buffers.safetensors"), device=str(device)).items():
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)
