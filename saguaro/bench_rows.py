@@ -2,7 +2,7 @@
 
 Rows: ``ar`` (Saguaro, target alone), ``sd`` (Saguaro speculative decoding), ``ssd`` (geometric
 fan-out, draft on a worker thread), ``ssd-uniform`` (the same budget spread evenly over the ``k+1``
-positions), ``ssd-process`` (geometric, draft in another process over gloo), ``hf-assisted``
+positions), ``ssd-process`` (geometric, draft in another process), ``hf-assisted``
 (``transformers`` assisted generation with the same draft and ``k``) and ``hf`` (``transformers``
 greedy/sampled generate, target alone).
 """

@@ -29,12 +29,13 @@ class SaguaroConfig:
         The KV store also holds each round's speculation slots (and SSD's tree scratch), and with
         inductor its capacity is rounded up to the shape bucket (``saguaro.lower.CAPACITY_BUCKET``).
     lane: where SSD's draft side runs: ``"thread"`` (a worker thread), ``"process"`` (another
-        process over ``torch.distributed`` gloo) or ``"auto"``: the thread lane (its own CUDA stream on
-        GPU) except for the eager backend on CPU, where the GIL, held while FX graphs are interpreted,
-        makes a thread lane slow the target's verification, so the process lane wins (measured on the
-        default pair, 2-core CPU, greedy, one ``saguaro bench --backend both`` run: eager, process 221
-        vs thread 184 tokens/s; inductor, whose C++ wrapper runs the kernels without the GIL: thread
-        460 vs process 382).
+        process over an anonymous socket pair, ``saguaro.runtime.process_lane``) or ``"auto"``: the
+        thread lane (its own CUDA stream on GPU) except for the eager backend on CPU, where the GIL,
+        held while FX graphs are interpreted, makes a thread lane slow the target's verification, so
+        the process lane wins (measured on the default pair, 2-core CPU, greedy, one ``saguaro bench
+        --backend both`` run, with the earlier gloo transport: eager, process 221 vs thread 184
+        tokens/s; inductor, whose C++ wrapper runs the kernels without the GIL: thread 460 vs
+        process 382).
     attention: how the stages run attention (the ``lower_attention`` pass): ``"op"`` (the
         ``saguaro::attention`` custom op), ``"inline"`` (its math inline, so Inductor fuses the KV
         write), ``"flex"`` (FlexAttention under a block mask built in the graph; opt-in, see

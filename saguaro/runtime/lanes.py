@@ -7,7 +7,7 @@ Both lanes keep the server's calls in order, so a ``call`` after a ``post`` wait
 
 * :class:`ThreadLane`: a worker thread in this process (a CUDA stream of its own on GPU).
 * :class:`saguaro.runtime.process_lane.ProcessLane`: another process, reached through
-  ``torch.distributed`` (gloo), for when the draft has its own device or the GIL gets in the way.
+  an anonymous socket pair, for when the draft has its own device or the GIL gets in the way.
 
 On CPU each lane gets one intra-op thread for the duration of an SSD ``generate`` (two lanes on two
 cores); the caller's setting is restored afterwards.

@@ -243,6 +243,25 @@ def test_a_thread_lane_that_cannot_start_is_tried_once(process_program, monkeypa
     assert len(attempts) == 2
 
 
+def test_a_lane_failure_mid_generation_warns_at_the_callers_line(process_program, monkeypatch):
+    from saguaro.runtime import tree
+
+    target, program = process_program
+    program = program.reconfigure(lane="thread")
+
+    def broken(*args):
+        raise RuntimeError("draft device lost")
+
+    monkeypatch.setattr(tree, "build_speculations", broken)
+    ids, mask = prompts(1, 6, seed=12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = program.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    assert [(w.filename, "draft device lost" in str(w.message)) for w in caught] == [(__file__, True)]
+    assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 8)) and out.stats["lane_failures"] == 1
+    program.close()
+
+
 def test_seed_none_draws_from_torch_without_reseeding_it():
     _, _, program = tiny_pair("llama")
     ids, mask = prompts(2, 6, seed=9)
