@@ -67,9 +67,10 @@ class Program:
     def variant(self, **changes) -> "Program":
         """Like :meth:`reconfigure`, but kept: the same changes give the same Program (and draft lane)."""
         key = tuple(sorted((k, repr(v)) for k, v in changes.items()))
-        if key not in self._variants:
-            self._variants[key] = self.reconfigure(**changes)
-        return self._variants[key]
+        with self._lock:
+            if key not in self._variants:
+                self._variants[key] = self.reconfigure(**changes)
+            return self._variants[key]
 
     def reconfigure(self, **changes) -> "Program":
         """A Program over the same captured and lowered stages with some options changed.
