@@ -119,9 +119,11 @@ class ProcessLane:
         try:
             try:
                 description = remote_draft.save(directory)
-            except SaguaroError as exc:
+                self._spawn(remote_draft.entry_point)
+            except SaguaroError as exc:  # a class the draft process cannot import, named
                 raise DraftLaneError(str(exc)) from exc
-            self._spawn(remote_draft.entry_point)
+            except Exception as exc:  # noqa: BLE001 - a full disk, no executable, ...: the thread lane serves
+                raise DraftLaneError(f"{type(exc).__name__}: {exc}") from exc
             self._request(INIT, (description, config, list(sys.path)), start_timeout_s, "start-up")
         except BaseException:
             self._stop()
