@@ -42,8 +42,8 @@ class Program:
     """A compiled pair. ``generate`` decodes in the configured mode; ``mode=`` overrides it per call.
 
     Thread safety: ``generate`` and ``close`` may be called from several threads; calls are served one
-    at a time, in turn, by one lock that a Program shares with the Programs ``reconfigure`` and
-    ``variant`` derive from it (they share its compiled stages).
+    at a time (not necessarily in the order they arrive) under one lock that a Program shares with the
+    Programs ``reconfigure`` and ``variant`` derive from it (they share its compiled stages).
     """
 
     def __init__(self, config: SaguaroConfig, target: ModelRunner, draft: ModelRunner | None, pad_token_id: int,
@@ -123,9 +123,10 @@ class Program:
 
     def generate(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id="default",
                  seed: int | None = None, attention_mask=None, mode: str | None = None) -> GenerateOutput:
-        """Decode ``max_new_tokens`` after ``input_ids`` (README: "Generating"). Concurrent calls wait
-        for each other (one lock per Program); ``seed=None`` draws the seed from torch's global
-        generator, advancing it as a sampling call of ``transformers`` does, without reseeding it."""
+        """Decode ``max_new_tokens`` after ``input_ids [B, T]`` (left-padded, ``attention_mask``) in
+        ``mode`` (default: the configured one). Concurrent calls wait for each other (one lock per
+        Program); ``seed=None`` draws the seed from torch's global generator, advancing it as a
+        sampling call of ``transformers`` does, without reseeding it."""
         with self._lock:
             return self._generate(input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode)
 
