@@ -71,8 +71,9 @@ class ThreadLane:
         self.settle(raise_errors=True)
         self._posted = self._pool.submit(self._run, method, args)
 
-    def call(self, method: str, *args):
-        """Wait for posted work, then run ``server.method(*args)`` (on this thread: the worker is idle)."""
+    def call(self, method: str, *args, timeout_s: float | None = None):
+        """Wait for posted work, then run ``server.method(*args)`` (on this thread: the worker is idle, so
+        ``timeout_s`` has nothing to bound)."""
         self.settle(raise_errors=True)
         try:
             return self._run(method, args)

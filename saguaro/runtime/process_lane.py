@@ -191,9 +191,10 @@ class ProcessLane:
         except OSError as exc:
             raise self._dead() from exc
 
-    def call(self, method: str, *args):
-        """Run ``server.method(*args)`` in the draft process (after what was posted) and return its result."""
-        return self._request(method, args, self.timeout_s, method)
+    def call(self, method: str, *args, timeout_s: float | None = None):
+        """Run ``server.method(*args)`` in the draft process (after what was posted) and return its result,
+        waiting at most ``timeout_s`` (default: the lane's timeout)."""
+        return self._request(method, args, self.timeout_s if timeout_s is None else timeout_s, method)
 
     def settle(self) -> None:
         """Nothing to wait for here: the draft process's unneeded build ends on its own."""
