@@ -2,8 +2,8 @@
 
 Rows: ``ar`` (Saguaro, target alone), ``sd`` (Saguaro speculative decoding), ``ssd`` (the
 planner's trees, draft on a worker thread), ``ssd-uniform`` (the whole budget every round, spread
-evenly over the ``k+1`` positions), ``ssd-process`` (the planner's trees, draft in another process
-over gloo), ``hf-assisted``
+evenly over the ``k+1`` positions), ``ssd-process`` (the planner's trees, draft in another process),
+``hf-assisted``
 (``transformers`` assisted generation with the same draft and ``k``) and ``hf`` (``transformers``
 greedy/sampled generate, target alone).
 """

@@ -15,7 +15,7 @@ from saguaro.core.stages import Stage
 from saguaro.lower import attention_implementation, lower_graph, shape_policy
 from saguaro.passes import run_pipeline
 from saguaro.passes.pipeline import build_stage
-from saguaro.runtime.draft_server import SpeculationServer
+from saguaro.remote_draft import RemoteDraft
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.program import Program
 from saguaro.tensor_math.fork import RANK_WIDTH
@@ -89,17 +89,6 @@ class StageBuilder:
     def __call__(self, stage: Stage):
         graph = build_stage(self.graph_module, stage, self.width, attention=self.attention)
         return lower_graph(graph, self.backend, stage.qualified, self.device_type)
-
-
-class RemoteDraft:
-    """Picklable recipe of the draft side for a process lane: the draft process unpickles it and
-    calls it to capture the draft and build its :class:`SpeculationServer` there."""
-
-    def __init__(self, model: torch.nn.Module, backend: str, attention: str):
-        self.model, self.backend, self.attention = model, backend, attention
-
-    def __call__(self, config: SaguaroConfig) -> SpeculationServer:
-        return SpeculationServer(build_runner("draft", self.model, self.backend, self.attention), config)
 
 
 def check_pair(target_spec, draft_spec) -> None:

@@ -31,6 +31,8 @@ def test_k_outside_range(pair, k):
     ("mode", "beam", "ar, sd, ssd"), ("backend", "tvm", "eager, inductor"), ("fallback", "x", "auto, neural, fast"),
     ("saguaro_c", 0.0, r"\(0, 1\]"), ("fan_out", [1, 2], "k\\+1"),
     ("attention", "flash", "auto, op, inline, flex"),
+    ("lane_timeout_s", 0, "> 0 seconds"), ("lane_start_timeout_s", -1.0, "> 0 seconds"),
+    ("lane_start_timeout_s", "10", "> 0 seconds"),
 ])
 def test_other_config_values(pair, option, value, allowed):
     target, draft, _ = pair

@@ -126,16 +126,24 @@ def _config_fields(fields: dict) -> dict:
 
 
 class LoadedDraft:
-    """Picklable recipe of the draft side for a process lane: the draft process checks the draft's
-    files and loads its stages from the artifact (nothing captured or compiled there either)."""
+    """The draft side of a loaded program for a process lane: the draft process checks the draft's files
+    and loads its stages from the artifact (nothing captured or compiled there either)."""
 
     def __init__(self, path: str, device: str, rebuild: bool):
         self.path, self.device, self.rebuild = path, device, rebuild
 
-    def __call__(self, config: SaguaroConfig) -> SpeculationServer:
-        root = Path(self.path)
-        manifest = read_manifest(root)
-        device = torch.device(self.device)
-        verify_files(root, manifest, model_files(manifest, "draft"))
-        verify_environment(root, manifest, device, native=bool(manifest["native"]) and not self.rebuild)
-        return SpeculationServer(load_runner(root, manifest, "draft", device, self.rebuild), config)
+    def save(self, directory: str) -> dict:
+        """The description the draft process loads the draft from: the artifact itself, nothing written."""
+        return {"server": "saguaro.artifact.load:loaded_draft_server", "path": self.path, "device": self.device,
+                "rebuild": self.rebuild}
+
+
+def loaded_draft_server(description: dict, config: SaguaroConfig) -> SpeculationServer:
+    """In the draft process: the draft's stages loaded from the artifact, and its speculation server."""
+    root = Path(description["path"])
+    manifest = read_manifest(root)
+    device = torch.device(description["device"])
+    rebuild = description["rebuild"]
+    verify_files(root, manifest, model_files(manifest, "draft"))
+    verify_environment(root, manifest, device, native=bool(manifest["native"]) and not rebuild)
+    return SpeculationServer(load_runner(root, manifest, "draft", device, rebuild), config)

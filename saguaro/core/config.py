@@ -33,18 +33,23 @@ class SaguaroConfig:
         The KV store also holds each round's speculation slots (and SSD's tree scratch), and with
         inductor its capacity is rounded up to the shape bucket (``saguaro.lower.CAPACITY_BUCKET``).
     lane: where SSD's draft side runs: ``"thread"`` (a worker thread), ``"process"`` (another
-        process over ``torch.distributed`` gloo) or ``"auto"``: the thread lane (its own CUDA stream on
-        GPU) except for the eager backend on CPU, where the GIL, held while FX graphs are interpreted,
-        makes a thread lane slow the target's verification, so the process lane wins (measured on the
-        default pair, 2-core CPU, greedy, one ``saguaro bench --backend both`` run: eager, process 221
-        vs thread 184 tokens/s; inductor, whose C++ wrapper runs the kernels without the GIL: thread
-        460 vs process 382).
+        process over an anonymous socket pair, ``saguaro.runtime.process_lane``) or ``"auto"``: the
+        thread lane (its own CUDA stream on GPU) except for the eager backend on CPU, where the GIL,
+        held while FX graphs are interpreted, makes a thread lane slow the target's verification, so
+        the process lane wins (measured on the default pair, 2-core CPU, greedy, one ``saguaro bench
+        --backend both`` run, with the earlier gloo transport: eager, process 221 vs thread 184
+        tokens/s; inductor, whose C++ wrapper runs the kernels without the GIL: thread 460 vs
+        process 382).
     attention: how the stages run attention (the ``lower_attention`` pass): ``"op"`` (the
         ``saguaro::attention`` custom op), ``"inline"`` (its math inline, so Inductor fuses the KV
         write), ``"flex"`` (FlexAttention under a block mask built in the graph; opt-in, see
         :func:`saguaro.lower.attention_implementation`) or ``"auto"``: op for the eager backend,
         inline for Inductor.
-    lane_timeout_s: seconds the target waits for the draft lane before finishing without it.
+    lane_timeout_s: seconds the target waits for one answer of the draft lane, during a generation,
+        before finishing that generation with SD.
+    lane_start_timeout_s: seconds a process lane may take to start (a new Python process imports
+        torch and Saguaro and captures the draft); past it the lane is given up for the Program's
+        life (until ``close()``) and SSD uses the thread lane.
     """
 
     k: int = 5
@@ -57,6 +62,7 @@ class SaguaroConfig:
     max_seq_len: int | None = None
     lane: str = "auto"
     lane_timeout_s: float = 60.0
+    lane_start_timeout_s: float = 120.0
     attention: str = "auto"
 
     def __post_init__(self):
@@ -77,6 +83,9 @@ class SaguaroConfig:
             raise ConfigError(f"lane={self.lane!r} is not allowed: choose one of {', '.join(LANES)}")
         if not isinstance(self.lane_timeout_s, (int, float)) or not self.lane_timeout_s > 0:
             raise ConfigError(f"lane_timeout_s={self.lane_timeout_s!r} is not allowed: it must be > 0 seconds")
+        start = self.lane_start_timeout_s
+        if isinstance(start, bool) or not isinstance(start, (int, float)) or not start > 0:
+            raise ConfigError(f"lane_start_timeout_s={start!r} is not allowed: it must be > 0 seconds")
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"attention={self.attention!r} is not allowed: choose one of {', '.join(ATTENTIONS)}")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):

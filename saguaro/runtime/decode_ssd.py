@@ -9,10 +9,10 @@ is a :class:`~saguaro.runtime.draft_server.SpeculationServer` the lane calls by 
 from __future__ import annotations
 
 import time
-import warnings
 
 import torch
 
+from saguaro.core.warnings_at_caller import warn_at_caller
 from saguaro.runtime.decode_sd import commit, decode_sd, verify
 from saguaro.runtime.draft_server import GenerateSpec, Speculation
 from saguaro.runtime.lanes import DraftLaneError
@@ -105,8 +105,7 @@ def _count_lookup(counters: Counters, hit: torch.Tensor, accepted: torch.Tensor,
 
 def _finish_with_sd(target: ModelRunner, draft: ModelRunner, state: DecodeState, exc: Exception) -> None:
     """The draft lane failed: prefill a fresh draft store on this thread and finish exactly with SD."""
-    warnings.warn(f"saguaro: {exc}; finishing this generation with SD (output stays exact)", RuntimeWarning,
-                  stacklevel=4)
+    warn_at_caller(f"saguaro: {exc}; finishing this generation with SD (output stays exact)")
     state.counters.lane_failures += 1
     seqs = state.seqs
     state.draft_store = draft.new_store(seqs.batch, state.target_store.capacity)

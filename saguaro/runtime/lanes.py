@@ -7,7 +7,7 @@ Both lanes keep the server's calls in order, so a ``call`` after a ``post`` wait
 
 * :class:`ThreadLane`: a worker thread in this process (a CUDA stream of its own on GPU).
 * :class:`saguaro.runtime.process_lane.ProcessLane`: another process, reached through
-  ``torch.distributed`` (gloo), for when the draft has its own device or the GIL gets in the way.
+  an anonymous socket pair, for when the draft has its own device or the GIL gets in the way.
 
 On CPU each lane gets one intra-op thread for the duration of an SSD ``generate`` (two lanes on two
 cores); the caller's setting is restored afterwards.
@@ -84,15 +84,20 @@ class ThreadLane:
     def settle(self, raise_errors: bool = False) -> None:
         """Wait for posted work. Nothing may run on the worker once ``generate`` returns: changing
         torch's thread count while another thread computes crashes."""
-        posted, self._posted = self._posted, None
+        posted = self._posted
         if posted is None:
             return
         try:
+            # an interrupt here keeps the work posted, so the next call still waits for it: the server
+            # never runs on two threads at once
             posted.result(timeout=self.timeout_s)
+            self._posted = None
         except concurrent.futures.TimeoutError as exc:
+            self._posted = None
             if raise_errors:
                 raise DraftLaneError(f"draft lane gave no answer within {self.timeout_s:.1f}s") from exc
         except Exception as exc:
+            self._posted = None
             if raise_errors:
                 raise DraftLaneError(f"draft lane failed: {type(exc).__name__}: {exc}") from exc
 

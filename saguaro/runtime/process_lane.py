@@ -1,143 +1,231 @@
-"""The process lane: the draft server in another process, reached through ``torch.distributed``.
+"""The process lane: the draft server in another process, started through Saguaro's own entry point.
 
-Transport is a gloo process group of two ranks (0: the caller, 1: the draft process) built on a
-``TCPStore`` over loopback, without touching the default process group. A message is a call of a
-:class:`~saguaro.runtime.draft_server.SpeculationServer` method by name: ``(method, args, reply?)``
-pickled (tensors included) into one ``uint8`` tensor after a ``[2]`` header of its length and
-whether a reply is wanted. The draft process runs each call in order and, for calls, sends the
-pickled result back, so a posted ``build`` overlaps the caller's verification.
+Start-up: the caller writes the draft to a private temporary folder (``RemoteDraft.save``: config,
+weights, buffers; nothing of the caller's is pickled), starts ``python -P -c <boot>`` that imports
+the lane's entry module (``saguaro.draft_process``) — never the caller's ``__main__``, so a script
+without a main guard, ``python -c`` and a notebook run once — and waits, up to
+``lane_start_timeout_s``, for the draft process to report that its server is built.
+
+Transport: one anonymous ``socket.socketpair`` inherited by the child (``pass_fds``), framed by
+``multiprocessing.connection``. Nothing listens on any address, so there is no port to reach and no
+peer to authenticate: only the two processes hold the pair. A message is a pickled
+``(seq, method, args, reply?)``; a reply is ``(seq, ok, value)``. The caller writes and reads whole
+messages with SIGINT deferred, and waits for replies in short interruptible polls, so Ctrl-C never
+leaves half a message on the wire; a reply to a call that an interrupt abandoned carries an old
+``seq`` and is dropped, so the next call finds the lane in step (no restart, no timeout).
+
+The draft process ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the caller
+decides), exits on end-of-file of its socket, and exits within half a second when its parent dies
+(it watches ``os.getppid()``; ``PR_SET_PDEATHSIG`` is not used because it fires when the *thread*
+that started the child exits, and ``generate`` may run on a short-lived thread).
 """
 
 from __future__ import annotations
 
-import datetime
-import io
 import logging
+import os
 import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from contextlib import contextmanager
+from multiprocessing.connection import Connection
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from saguaro.core.config import SaguaroConfig
+from saguaro.core.errors import SaguaroError
 from saguaro.runtime.lanes import DraftLaneError
 from saguaro.runtime.trace import traced
 
 log = logging.getLogger(__name__)
 
 CLOSE = "close"  # the message that ends the draft process
+INIT = "init"  # the first message: the draft's description, the config, the caller's sys.path
+POLL_S = 0.1  # reply waits poll this often, so an interrupt is noticed promptly
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds saguaro/
+_BOOT = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); sys.path.insert(0, sys.argv[1]); "
+         "import importlib; sys.exit(importlib.import_module(sys.argv[2]).main(sys.argv[3:]))")
 
 
-def _send_message(pg, obj) -> None:
-    buffer = io.BytesIO()
-    pickle.dump(obj, buffer, protocol=pickle.HIGHEST_PROTOCOL)
-    payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)  # [n]
-    peer = 1 - pg.rank()
-    pg.send([torch.tensor([payload.numel()], dtype=torch.long)], peer, 0).wait()
-    pg.send([payload], peer, 0).wait()
+@contextmanager
+def uninterrupted():
+    """Defer SIGINT (on the main thread, the only one Python interrupts) until a message is whole."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        if pending:
+            signal.raise_signal(signal.SIGINT)  # delivered now, to the caller's own handler
 
 
-def _recv_message(pg, timeout_s: float | None = None, recorder=None, track: str = "host"):
-    """The next message; with a ``recorder``, a ``recv`` slice from its header's arrival (the wait
-    before it is not transport) to the unpickled object."""
-    peer = 1 - pg.rank()
-    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    size = torch.empty(1, dtype=torch.long)
-    work = pg.recv([size], peer, 0)
-    work.wait() if timeout is None else work.wait(timeout)
-    with traced(recorder, track, "recv"):
-        payload = torch.empty(int(size[0]), dtype=torch.uint8)
-        work = pg.recv([payload], peer, 0)
-        work.wait() if timeout is None else work.wait(timeout)
-        return pickle.loads(payload.numpy().tobytes())
+def send(conn: Connection, message) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    with uninterrupted():
+        conn.send_bytes(data)
 
 
-def serve(port: int, remote_draft, config: SaguaroConfig, timeout_s: float) -> None:
-    """The draft process: build the draft server, then run the calls it receives until ``close``."""
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=timeout_s))
-    store.set("draft_up", "1")  # before the group: the caller waits for this, checking we are alive
-    pg = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(days=1))  # idle between generations
-    server = remote_draft(config)
+def serve(conn: Connection, server) -> None:
+    """The draft process's loop: run each message's server method in order; reply to calls. A posted
+    method's exception is answered to the next call; ``open`` starts a generation afresh."""
+    failure = None
     with torch.inference_mode():
         while True:
-            method, args, reply = _recv_message(pg, recorder=server.draft.recorder, track="draft")
+            try:
+                data = conn.recv_bytes()
+            except (EOFError, OSError):
+                return  # the caller closed the lane or died
+            with traced(server.draft.recorder, "draft", "recv"):  # transport: from arrival to the object
+                seq, method, args, reply = pickle.loads(data)
             if method == CLOSE:
                 return
-            result = getattr(server, method)(*args)
+            try:
+                if failure is not None and method != "open":
+                    raise failure
+                failure = None
+                result = getattr(server, method)(*args)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller, which finishes with SD
+                failure = exc
+                if reply:
+                    send(conn, (seq, False, f"{type(exc).__name__}: {exc}"))
+                continue
             if reply:
                 with traced(server.draft.recorder, "draft", f"send {method}"):
-                    _send_message(pg, result)
+                    send(conn, (seq, True, result))
+
+
+DRAFT_ENTRY_POINT = "saguaro.draft_process"  # the module the draft process runs (``python -m`` style)
 
 
 class ProcessLane:
-    """The draft server in a spawned process; started once per Program and reused."""
+    """The draft server in a child process; started once per Program and reused across calls."""
 
-    kind = "process"
     recorder = None  # a runtime.trace.TraceRecorder while a traced generate runs: transport slices
 
-    def __init__(self, remote_draft, config: SaguaroConfig, timeout_s: float):
-        """``remote_draft(config)`` (picklable) builds the :class:`SpeculationServer` in the child."""
+    kind = "process"
+
+    def __init__(self, remote_draft, config: SaguaroConfig, start_timeout_s: float, timeout_s: float):
+        """``remote_draft.save(directory)`` writes the draft (or names where it lies) and returns the
+        description the child builds its server from (:mod:`saguaro.draft_process`, the child's module). Raises ``DraftLaneError`` when the lane cannot start; an interrupt during
+        start-up kills and reaps the child before it propagates."""
         self.timeout_s = timeout_s
-        self.store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=timeout_s),
-                                   wait_for_workers=False)
+        self.process: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._seq = 0
         started = time.perf_counter()
-        self.process = mp.get_context("spawn").Process(
-            target=serve, args=(self.store.port, remote_draft, config, timeout_s), daemon=True,
-            name="saguaro-draft-lane")
-        self.process.start()
-        self._wait_for_child(started)
-        self.pg = dist.ProcessGroupGloo(self.store, 0, 2, datetime.timedelta(seconds=timeout_s))
+        directory = tempfile.mkdtemp(prefix="saguaro-draft-")  # 0700: private to this user
+        try:
+            try:
+                description = remote_draft.save(directory)
+                self._spawn(DRAFT_ENTRY_POINT)
+            except SaguaroError as exc:  # a class the draft process cannot import, named
+                raise DraftLaneError(str(exc)) from exc
+            except Exception as exc:  # noqa: BLE001 - a full disk, no executable, ...: the thread lane serves
+                raise DraftLaneError(f"{type(exc).__name__}: {exc}") from exc
+            self._request(INIT, (description, config, list(sys.path)), start_timeout_s, "start-up")
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
         log.info("draft process lane up in %.1fs (pid %d)", time.perf_counter() - started, self.process.pid)
 
-    def _wait_for_child(self, started: float) -> None:
-        """Wait for the draft process to reach the store, noticing at once if it dies on the way (for
-        example a script without ``if __name__ == "__main__":``, which ``spawn`` needs)."""
-        while not self.store.check(["draft_up"]):
-            if not self.process.is_alive():
-                raise DraftLaneError(
-                    f"draft process exited during start-up (exit code {self.process.exitcode}); a script "
-                    "that uses lane='process' needs `if __name__ == \"__main__\":`")
-            if time.perf_counter() - started > self.timeout_s:
-                self.process.kill()
-                raise DraftLaneError(f"draft process did not start within {self.timeout_s:.0f}s")
-            time.sleep(0.05)
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
-    def _guard(self, fn, *args):
-        if not self.process.is_alive():
-            raise DraftLaneError(f"draft process {self.process.pid} is dead (exit code {self.process.exitcode})")
+    def _spawn(self, entry_point: str) -> None:
+        if not sys.executable or os.name != "posix":
+            raise DraftLaneError("the process lane needs a POSIX system and sys.executable")
+        ours, theirs = socket.socketpair()
+        self._conn = Connection(ours.detach())
         try:
-            return fn(*args)
-        except DraftLaneError:
-            raise
-        except Exception as exc:
-            alive = "alive" if self.process.is_alive() else f"dead, exit code {self.process.exitcode}"
-            raise DraftLaneError(f"draft process lane failed ({alive}): {type(exc).__name__}: {exc}") from exc
+            self.process = subprocess.Popen(
+                [sys.executable, "-P", "-c", _BOOT, _ROOT, entry_point, str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+
+    def _dead(self) -> DraftLaneError:
+        try:
+            code = self.process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            code = None
+        return DraftLaneError(f"draft process {self.process.pid} is dead (exit code {code})")
+
+    def _request(self, method: str, args: tuple, timeout_s: float, what: str):
+        self._seq += 1
+        seq = self._seq
+        try:
+            with traced(self.recorder, "host", f"send {method}"):
+                send(self._conn, (seq, method, args, True))
+        except OSError as exc:
+            raise self._dead() from exc
+        deadline = time.monotonic() + timeout_s
+        while True:
+            while not self._conn.poll(POLL_S):  # readable at end-of-file too: a dead child is seen at once
+                if self.process.poll() is not None:
+                    raise self._dead()
+                if time.monotonic() > deadline:
+                    raise DraftLaneError(f"draft lane gave no answer to {what} within {timeout_s:.1f}s")
+            try:
+                with uninterrupted():
+                    data = self._conn.recv_bytes()
+            except (EOFError, OSError) as exc:
+                raise self._dead() from exc
+            with traced(self.recorder, "host", "recv"):
+                got, ok, value = pickle.loads(data)
+            if got != seq:
+                continue  # the answer to a call an interrupt abandoned
+            if not ok:
+                raise DraftLaneError(f"draft lane failed in {what}: {value}")
+            return value
 
     def post(self, method: str, *args) -> None:
         """Send ``server.method(*args)`` to the draft process; it runs there while the caller goes on."""
-        with traced(self.recorder, "host", f"send {method}"):
-            self._guard(_send_message, self.pg, (method, args, False))
+        if self.process.poll() is not None:
+            raise self._dead()
+        self._seq += 1
+        try:
+            with traced(self.recorder, "host", f"send {method}"):
+                send(self._conn, (self._seq, method, args, False))
+        except OSError as exc:
+            raise self._dead() from exc
 
     def call(self, method: str, *args, timeout_s: float | None = None):
         """Run ``server.method(*args)`` in the draft process (after what was posted) and return its result,
         waiting at most ``timeout_s`` (default: the lane's timeout)."""
-        def run():
-            with traced(self.recorder, "host", f"send {method}"):
-                _send_message(self.pg, (method, args, True))
-            return _recv_message(self.pg, self.timeout_s if timeout_s is None else timeout_s, self.recorder)
-        return self._guard(run)
+        return self._request(method, args, self.timeout_s if timeout_s is None else timeout_s, method)
 
     def settle(self) -> None:
         """Nothing to wait for here: the draft process's unneeded build ends on its own."""
 
     def close(self) -> None:
-        if self.process.is_alive():
+        """Ask the draft process to exit; kill it if it has not within two seconds; reap it."""
+        if self.process is not None and self.process.poll() is None and self._conn is not None:
             try:
-                _send_message(self.pg, (CLOSE, (), False))
-            except Exception:  # noqa: BLE001 - closing a broken lane
+                send(self._conn, (self._seq + 1, CLOSE, (), False))
+                self.process.wait(timeout=2)
+            except (OSError, subprocess.TimeoutExpired):
                 pass
-            self.process.join(timeout=5)
-        if self.process.is_alive():
-            self.process.kill()
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.kill()
+            self.process.wait()  # reaped: no defunct child
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

@@ -7,8 +7,8 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import threading
 import time
-import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,7 +24,7 @@ from saguaro.runtime.decode_ssd import decode_ssd
 from saguaro.runtime.draft_server import GenerateSpec
 from saguaro.runtime.inputs import check_generate_args
 from saguaro.runtime.lane_owner import LaneOwner
-from saguaro.runtime.lanes import DraftLaneError, one_thread_per_lane
+from saguaro.runtime.lanes import one_thread_per_lane
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.sequences import SequenceBatch
 from saguaro.runtime.state import DecodeState
@@ -48,10 +48,15 @@ class GenerateOutput:
 
 
 class Program:
-    """A compiled pair. ``generate`` decodes in the configured mode; ``mode=`` overrides it per call."""
+    """A compiled pair. ``generate`` decodes in the configured mode; ``mode=`` overrides it per call.
+
+    Thread safety: ``generate`` and ``close`` may be called from several threads; calls are served one
+    at a time (not necessarily in the order they arrive) under one lock that a Program shares with the
+    Programs ``reconfigure`` and ``variant`` derive from it (they share its compiled stages).
+    """
 
     def __init__(self, config: SaguaroConfig, target: ModelRunner, draft: ModelRunner | None, pad_token_id: int,
-                 eos_token_id, shapes, remote_draft=None, exporter=None):
+                 eos_token_id, shapes, remote_draft=None, exporter=None, lock=None):
         self.config = config
         self.target = target
         self.draft = draft
@@ -64,6 +69,7 @@ class Program:
         self._variants: dict = {}
         self._verify_alone_s: dict = {}  # (batch, capacity, sampled) -> seconds
         self._warmed: dict = {}  # (lane, batch, capacity, sampled) -> the planner's measured costs
+        self._lock = lock if lock is not None else threading.Lock()
 
     @property
     def lane_kind(self) -> str:
@@ -73,9 +79,10 @@ class Program:
     def variant(self, **changes) -> "Program":
         """Like :meth:`reconfigure`, but kept: the same changes give the same Program (and draft lane)."""
         key = tuple(sorted((k, repr(v)) for k, v in changes.items()))
-        if key not in self._variants:
-            self._variants[key] = self.reconfigure(**changes)
-        return self._variants[key]
+        with self._lock:
+            if key not in self._variants:
+                self._variants[key] = self.reconfigure(**changes)
+            return self._variants[key]
 
     def reconfigure(self, **changes) -> "Program":
         """A Program over the same captured and lowered stages with some options changed.
@@ -87,7 +94,7 @@ class Program:
         if fixed:
             raise ValueError(f"{sorted(fixed)} cannot change after compile; call saguaro.compile again")
         return Program(replace(self.config, **changes), self.target, self.draft, self.pad_token_id,
-                       self.eos_token_id, self.shapes, self.remote_draft, self.exporter)
+                       self.eos_token_id, self.shapes, self.remote_draft, self.exporter, self._lock)
 
     def export(self, path, **options):
         """Write this program to the directory ``path``: its stages compiled ahead of time, each model's
@@ -101,9 +108,13 @@ class Program:
 
     def close(self) -> None:
         """Stop the draft lane (thread or process) of this program and of its variants. A program
-        starts a new lane if used again."""
+        starts a new lane if used again (and tries again a lane that could not start)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         for variant in self._variants.values():
-            variant.close()
+            variant._close()
         if self.lanes is not None:
             self.lanes.close()
 
@@ -132,13 +143,21 @@ class Program:
             capacity += self.config.k * self.max_branches
         return self.shapes.capacity(capacity)
 
-    @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id="default",
                  seed: int | None = None, attention_mask=None, mode: str | None = None,
                  trace=None) -> GenerateOutput:
-        """Decode ``max_new_tokens`` after ``input_ids [B, T]``. ``trace``: a path to write a Chrome
-        trace-event JSON timeline of this call to (Perfetto, chrome://tracing), or True to keep it
-        only in ``out.trace`` (see :mod:`saguaro.runtime.trace`)."""
+        """Decode ``max_new_tokens`` after ``input_ids [B, T]`` (left-padded, ``attention_mask``) in
+        ``mode`` (default: the configured one). ``trace``: a path to write a Chrome trace-event JSON
+        timeline of this call to (Perfetto, chrome://tracing), or True to keep it only in ``out.trace``
+        (see :mod:`saguaro.runtime.trace`). Concurrent calls wait for each other (one lock per Program);
+        ``seed=None`` draws the seed from torch's global generator, advancing it as a sampling call of
+        ``transformers`` does, without reseeding it."""
+        with self._lock:
+            return self._generate(input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode,
+                                  trace)
+
+    @torch.inference_mode()
+    def _generate(self, input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode, trace):
         mode = mode or self.config.mode
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not allowed: choose one of {', '.join(MODES)}")
@@ -158,16 +177,13 @@ class Program:
                 f"prompt length {T} + max_new_tokens {max_new_tokens} = {T + max_new_tokens} exceeds the maximum "
                 f"of {self.max_length} tokens (KV capacity / the models' max_position_embeddings)")
         if mode == "ssd":
-            try:
-                lane = self.lanes.lane()
-            except DraftLaneError as exc:  # no lane could start: SD gives the same tokens
-                warnings.warn(f"saguaro: {exc}; generating with SD instead (output stays exact)", RuntimeWarning,
-                              stacklevel=2)
+            lane = self.lanes.lane()
+            if lane is None:  # no lane can start (warned once): SD gives the same tokens
                 mode = "sd"
         padded_ids, padded_mask = self.shapes.pad_prompt(input_ids, attention_mask, self.pad_token_id)
         generator, base = None, None
         if temperature > 0:  # one generator per lane (the draft lane's is seeded base + 1)
-            base = seed if seed is not None else int(torch.seed() % (2**62))
+            base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long))
             generator = torch.Generator(device=device).manual_seed(base)
 
         self.prepare(mode, temperature)
@@ -199,7 +215,7 @@ class Program:
                                           self.pad_token_id, float(temperature), None if base is None else base + 1)
                 warm_up = functools.partial(self._warm_draft_lane, lane, draft_spec, first, float(temperature))
                 if not decode_ssd(self.target, self.draft, state, lane, draft_spec, first, warm_up):
-                    self.lanes.close()  # a failed lane is not reused
+                    self.lanes.drop()  # a lane that failed mid-generation is not reused
         else:
             self._prefill(state)
             if mode == "ar":

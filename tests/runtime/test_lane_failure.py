@@ -62,7 +62,7 @@ def test_dead_draft_process_finishes_with_sd():
         first = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
         assert torch.equal(first.sequences, expected) and first.stats["lane"] == "process"
         program.lanes.lane().process.kill()
-        program.lanes.lane().process.join()
+        program.lanes.lane().process.wait()
         with pytest.warns(RuntimeWarning, match="dead.*SD"):
             out = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
         assert torch.equal(out.sequences, expected) and out.stats["lane_failures"] == 1

@@ -57,7 +57,7 @@ def test_ssd_misses_only_with_fan_out_zero():
 
 
 def test_process_lane_is_exact_and_samples_like_the_thread_lane():
-    """The draft side in another process (gloo): greedy equals generate; sampling equals the thread lane's.
+    """The draft side in another process: greedy equals generate; sampling equals the thread lane's.
     The tree is pinned (geometric fan-out): the planner's trees follow each lane's own measured costs."""
     target, draft, _ = tiny_pair("qwen2")
     program = saguaro.compile(target, draft, k=3, mode="ssd", lane="process", fan_out="geometric", backend="eager")

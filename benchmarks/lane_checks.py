@@ -1,0 +1,103 @@
+"""Lane lifecycle checks on the default pair, as a user meets them (issue 14). Prints what it measures.
+
+1. An unguarded script (no ``if __name__ == "__main__":``) making three SSD calls with
+   ``lane="process"``: how often its top level ran, and each call's time, mode, lane and failures.
+2. Ctrl-C as a terminal sends it (SIGINT to the whole process group) while the process lane starts
+   and three times mid-generation, each caught as in a notebook: how soon control returns, and the
+   next call's time, mode and exactness; then a Ctrl-C that ends the script, and what is left running.
+
+    python benchmarks/lane_checks.py
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+UNGUARDED = """
+import time, saguaro
+open("marker.txt", "a").write("top level ran\\n")
+target, draft, tok = saguaro.default_pair()
+program = saguaro.compile(target, draft, mode="ssd", lane="process")
+ids = tok("def fibonacci(n):", return_tensors="pt").input_ids
+for call in range(3):
+    t = time.perf_counter()
+    s = program.generate(ids, max_new_tokens=64).stats
+    print(f"call {call}: {time.perf_counter() - t:.2f}s mode={s['mode']} lane={s['lane']} "
+          f"lane_failures={s['lane_failures']}", flush=True)
+"""
+
+INTERRUPTED = """
+import json, time, torch, saguaro
+target, draft, tok = saguaro.default_pair()
+program = saguaro.compile(target, draft, mode="ssd", lane="process")
+ids = tok("def fibonacci(n):", return_tensors="pt").input_ids
+ar = program.generate(ids, max_new_tokens=48, eos_token_id=None, mode="ar").sequences
+def timed(tag):
+    t = time.perf_counter()
+    out = program.generate(ids, max_new_tokens=48, eos_token_id=None)
+    print(json.dumps({"tag": tag, "s": round(time.perf_counter() - t, 2), "mode": out.stats["mode"],
+                      "lane": out.stats["lane"], "exact": torch.equal(out.sequences, ar)}), flush=True)
+for tag in ["start-up", "generate 1", "generate 2", "generate 3"]:
+    print("go", flush=True)
+    try:
+        program.generate(ids, max_new_tokens=240, eos_token_id=None)
+        print("not-interrupted", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", time.perf_counter(), flush=True)
+    timed("next call after Ctrl-C during " + tag)
+timed("a call with no interrupt before")
+print("pid", program.lanes.lane().pid, flush=True)
+while True:
+    program.generate(ids, max_new_tokens=200, eos_token_id=None)
+"""
+
+
+def run_unguarded(folder: Path) -> None:
+    (folder / "script.py").write_text(UNGUARDED)
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "script.py"], cwd=folder, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    print(textwrap.indent(out.stdout.strip(), "  "))
+    print(f"  top level ran {(folder / 'marker.txt').read_text().count('top level ran')} time(s); "
+          f"script wall {time.perf_counter() - started:.1f}s, exit code {out.returncode}")
+
+
+def run_interrupted(folder: Path) -> None:
+    (folder / "interrupted.py").write_text(INTERRUPTED)
+    proc = subprocess.Popen([sys.executable, "interrupted.py"], cwd=folder, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    for delay in (2.0, 0.5, 0.5, 0.5):  # the first lands in the lane's start-up (seconds long)
+        while proc.stdout.readline().strip() != "go":
+            pass
+        time.sleep(delay)
+        sent = time.perf_counter()
+        os.killpg(proc.pid, signal.SIGINT)
+        reply = proc.stdout.readline().split()
+        if reply and reply[0] == "interrupted":
+            print(f"  Ctrl-C returned control after {1000 * (float(reply[1]) - sent):.0f} ms")
+        print("  " + proc.stdout.readline().strip())
+    print("  " + proc.stdout.readline().strip())
+    pid = int(proc.stdout.readline().split()[1])
+    time.sleep(0.5)
+    sent = time.perf_counter()
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait()
+    print(f"  a Ctrl-C that ends the script: exited after {time.perf_counter() - sent:.2f}s")
+    time.sleep(0.5)
+    print(f"  draft process {pid} still running: {Path(f'/proc/{pid}').exists()}")
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as tmp:
+        print("unguarded script, three SSD calls, lane='process':")
+        run_unguarded(Path(tmp))
+        print("Ctrl-C to the process group, caught (as in a notebook):")
+        run_interrupted(Path(tmp))

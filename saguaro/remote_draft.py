@@ -1,0 +1,120 @@
+"""The draft model handed to a draft process without pickling the caller's objects.
+
+The caller writes the draft's config (``config.json``), its state (``model.safetensors``, tied
+tensors stored once and named as aliases) and every buffer as it is now (``buffers.safetensors``: non-persistent buffers
+such as rotary frequencies, in the dtype the model holds them) to a private temporary folder, and
+sends a small description: the model and config classes by import path, dtype, device, backend. The
+draft process imports those classes (never the caller's ``__main__``), rebuilds the model without
+random initialisation and loads the files, so its forward equals the caller's bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from saguaro.core.errors import SaguaroError
+
+
+
+class RemoteDraftError(SaguaroError):
+    """The draft cannot be rebuilt in another process (for example its class is defined in ``__main__``)."""
+
+
+def class_path(cls: type) -> tuple[str, str]:
+    """``(module, qualname)`` of a class another process can import, or ``RemoteDraftError``."""
+    module, name = cls.__module__, cls.__qualname__
+    if module == "__main__" or "<locals>" in name:
+        where = "the script's __main__" if module == "__main__" else f"a function body ({name})"
+        raise RemoteDraftError(
+            f"draft class {cls.__name__} is defined in {where}, which the draft process does not import; "
+            "define it in an importable module to use lane='process'")
+    return module, name
+
+
+def import_class(module: str, name: str) -> type:
+    try:
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise RemoteDraftError(f"the draft process cannot import {module}.{name}: {exc}") from exc
+    return obj
+
+
+class RemoteDraft:
+    """What a process lane rebuilds the draft side from: the model (kept here, in the caller), the
+    backend and attention choice."""
+
+    def __init__(self, model: torch.nn.Module, backend: str, attention: str):
+        self.model, self.backend, self.attention = model, backend, attention
+
+    def save(self, directory: str) -> dict:
+        """Write the draft to ``directory``; return the description the draft process loads it from."""
+        from safetensors.torch import save_file
+
+        model = self.model
+        state, aliases, seen = {}, {}, {}
+        for name, tensor in model.state_dict().items():  # tied weights: stored once, the others aliased
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                   tensor.stride(), tensor.dtype)
+            if key in seen:
+                aliases[name] = seen[key]
+            else:
+                seen[key] = name
+                state[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        description = {
+            "model_class": class_path(type(model)), "config_class": class_path(type(model.config)),
+            "directory": directory, "backend": self.backend, "attention": self.attention, "aliases": aliases,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "device": str(next(model.parameters()).device),
+        }
+        model.config.to_json_file(os.path.join(directory, "config.json"))
+        save_file(state, os.path.join(directory, "model.safetensors"))
+        buffers = {name: b.detach().to("cpu", copy=True).contiguous() for name, b in model.named_buffers()}
+        save_file(buffers, os.path.join(directory, "buffers.safetensors"))
+        return description
+
+
+def load_draft(description: dict) -> torch.nn.Module:
+    """Rebuild the draft model a :meth:`RemoteDraft.save` wrote (in the draft process)."""
+    from safetensors.torch import load_file
+
+    model_cls = import_class(*description["model_class"])
+    config_cls = import_class(*description["config_class"])
+    directory, device = description["directory"], torch.device(description["device"])
+    dtype = getattr(torch, description["dtype"])
+    config = config_cls.from_json_file(os.path.join(directory, "config.json"))
+    with _no_init_weights():
+        model = model_cls._from_config(config, dtype=dtype)
+    model.tie_weights()  # as the caller's model is, where the config ties them
+    model.to(device)
+    state = load_file(os.path.join(directory, "model.safetensors"), device=str(device))
+    state.update({alias: state[name] for alias, name in description["aliases"].items()})
+    model.load_state_dict(state, strict=True)
+    for name, buffer in load_file(os.path.join(directory, "buffers.safetensors"), device=str(device)).items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        module._buffers[attr] = buffer  # the caller's exact buffer: value and dtype
+    return model.eval()
+
+
+def _no_init_weights():
+    """Skip random initialisation (every weight is loaded next); a no-op where transformers lacks it."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - older transformers
+        from contextlib import nullcontext
+        return nullcontext()
+    return no_init_weights()
+
+
+def draft_server(description: dict, config):
+    """In the draft process: the draft rebuilt from ``description``, captured, and its speculation server."""
+    from saguaro.compile import build_runner
+    from saguaro.runtime.draft_server import SpeculationServer
+
+    runner = build_runner("draft", load_draft(description), description["backend"], description["attention"])
+    return SpeculationServer(runner, config)
