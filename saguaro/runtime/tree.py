@@ -76,10 +76,14 @@ class TreeBuild:
         req, device = self.req, self.device
         self.store.invalidate_from(req.index[:, 0])  # drop last round's glue tail and tree scratch
         self.rows, ranks = branch_layout(req.fan_out, device)  # [MQ], [MQ]
-        # the glue stage returns the fork's candidates [B, MQ] and each row's ranked tokens [B, K+1, W]
-        self.candidates, self.ranked = self.draft.run(DRAFT_GLUE, self.store, req.ids, req.positions, req.index,
-                                                      req.draft_tokens, self.rows, ranks)
         MQ = self.rows.numel()
+        # the glue stage returns the fork's candidates [B, MQ] and each row's ranked tokens [B, K+1, W]; with no
+        # branches (an SD round) it forks one candidate that nobody uses, so the stage never sees MQ = 0 (a
+        # shape of its own for a compiler, and outside an exported stage's range)
+        layout = (self.rows, ranks) if MQ else branch_layout([1], device)
+        candidates, self.ranked = self.draft.run(DRAFT_GLUE, self.store, req.ids, req.positions, req.index,
+                                                 req.draft_tokens, *layout)
+        self.candidates = candidates[:, :MQ]
         self.branch = (torch.arange(MQ, device=device) + 1).expand(self.B, MQ)  # [B, MQ]
         self.fork_pos = req.positions[:, :1] + self.rows[None, :]  # [B, MQ]: position of x_j, the last shared
         self.first_scratch = req.index[:, -1:] + 1  # [B, 1]
