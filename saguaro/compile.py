@@ -16,6 +16,7 @@ from saguaro.lower import attention_implementation, lower_graph, shape_policy
 from saguaro.passes import run_pipeline
 from saguaro.passes.pipeline import build_stage
 from saguaro.remote_draft import RemoteDraft
+from saguaro.runtime.draft_server import SpeculationServer
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.program import Program
 from saguaro.tensor_math.fork import RANK_WIDTH
@@ -103,3 +104,12 @@ def check_pair(target_spec, draft_spec) -> None:
     if target_spec.dtype != draft_spec.dtype:
         raise ValueError(f"draft dtype {draft_spec.dtype} differs from the target's {target_spec.dtype}; "
                          "load both in the same dtype")
+
+
+def draft_server(description: dict, config: SaguaroConfig) -> SpeculationServer:
+    """In a process lane's draft process: the draft rebuilt from the files ``RemoteDraft.save`` wrote,
+    captured, and its speculation server."""
+    from saguaro.remote_draft import load_draft
+
+    runner = build_runner("draft", load_draft(description), description["backend"], description["attention"])
+    return SpeculationServer(runner, config)

@@ -49,7 +49,7 @@ def main(argv: list) -> int:
     sys.path.extend(p for p in parent_path if p not in sys.path)  # the model class's module, if the caller's
     try:
         # the description names the function that builds the server: a captured draft, or a loaded artifact's
-        module, name = description.get("server", "saguaro.remote_draft:draft_server").split(":")
+        module, name = description.get("server", "saguaro.compile:draft_server").split(":")
         server = getattr(importlib.import_module(module), name)(description, config)
     except Exception as exc:  # noqa: BLE001 - reported to the caller, which then uses the thread lane
         send(conn, (seq, False, f"{type(exc).__name__}: {exc}"))

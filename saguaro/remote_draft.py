@@ -109,12 +109,3 @@ def _no_init_weights():
         from contextlib import nullcontext
         return nullcontext()
     return no_init_weights()
-
-
-def draft_server(description: dict, config):
-    """In the draft process: the draft rebuilt from ``description``, captured, and its speculation server."""
-    from saguaro.compile import build_runner
-    from saguaro.runtime.draft_server import SpeculationServer
-
-    runner = build_runner("draft", load_draft(description), description["backend"], description["attention"])
-    return SpeculationServer(runner, config)
