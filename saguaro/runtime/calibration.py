@@ -1,12 +1,16 @@
-"""Costs measured before a generation: the target's verify alone, with the draft lane idle.
+"""Costs measured before an SSD generation, outside its timed rounds (and its trace).
 
-SSD's ideal is a round that costs the verify alone, so ``overlap_efficiency`` is measured against
-it. During SSD rounds the verify shares the machine with the draft lane and slows down, so it is
-timed here, on a scratch store, before the lane starts working.
+The target's verify alone, with the draft lane idle: SSD's ideal is a round that costs just that, so
+``overlap_efficiency`` is measured against it (during SSD rounds the verify shares the machine with
+the draft lane and slows down). And the draft lane's warm-up: every stage shape the generation may
+use called once (a compiling backend compiles them now, not inside a round or against the lane's
+timeout), then the planner's stage costs measured, the verify timed while the lane builds each
+candidate tree. Both once per lane and shape.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -42,3 +46,34 @@ def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, te
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - started)
     return best
+
+
+WARM_UP_TIMEOUT_S = 3600.0  # compiling every draft stage shape may take minutes on a small CPU
+
+
+class Calibration:
+    """The measured costs of one Program's SSD generations, per (lane, batch, capacity, sampled)."""
+
+    def __init__(self, target: ModelRunner, k: int):
+        self.target, self.k = target, k
+        self._costs: dict = {}
+
+    def ready(self, lane, spec) -> tuple:
+        """``(verify_alone_s, plan_costs)`` for a generation like ``spec`` (a ``GenerateSpec``) on ``lane``,
+        warming the lane up first if this shape is new. ``plan_costs`` is None without a planner. A lane
+        failure raises ``DraftLaneError``."""
+        batch, temperature = spec.input_ids.shape[0], spec.temperature
+        key = (id(lane), batch, spec.capacity, temperature > 0)
+        if key not in self._costs:
+            verify = lambda repeats=REPEATS: time_verify_alone(  # noqa: E731
+                self.target, batch, spec.capacity, self.k, temperature, self.target.spec.vocab_size, repeats)
+            alone = verify()
+            costs = copy.deepcopy(lane.call("warm_up", spec, spec.input_ids[:, -1], timeout_s=WARM_UP_TIMEOUT_S))
+            if costs is not None:
+                for budget in sorted(costs.tree_s) + [0]:
+                    for _ in range(2):
+                        lane.post("build_budget", budget)
+                        costs.observe_verify(budget, verify(1))
+                        lane.call("finished")  # waits for the build
+            self._costs[key] = (alone, costs)
+        return self._costs[key]

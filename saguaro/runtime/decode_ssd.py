@@ -23,15 +23,12 @@ from saguaro.runtime.trace import traced
 
 
 def decode_ssd(target: ModelRunner, draft: ModelRunner, state: DecodeState, lane, spec: GenerateSpec,
-               first_tokens: torch.Tensor, warm_up=None) -> bool:
+               first_tokens: torch.Tensor) -> bool:
     """Run SSD rounds until every row finishes. Returns False when the lane failed.
 
-    ``warm_up()``, if given, readies the lane first (compiles and measures its stages). On a draft-lane
-    failure the generation finishes exactly with SD on a fresh draft store.
+    On a draft-lane failure the generation finishes exactly with SD on a fresh draft store.
     """
     try:
-        if warm_up is not None:
-            warm_up()
         started = time.perf_counter()
         with traced(state.recorder, "host", "wait: first speculation"):
             lane.call("open", spec)  # the draft prefills the prompt ...

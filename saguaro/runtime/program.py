@@ -4,8 +4,6 @@ and the recipe of a remote draft; the Program never imports the passes or the lo
 
 from __future__ import annotations
 
-import copy
-import functools
 import logging
 import threading
 import time
@@ -17,14 +15,15 @@ from saguaro.core.config import MODES, SaguaroConfig
 from saguaro.core.errors import SaguaroError
 from saguaro.core.schedule import critical_path, expected_overlap, round_schedule
 from saguaro.core.stages import DRAFT_PREFILL, TARGET_PREFILL, stages_for
-from saguaro.runtime.calibration import time_verify_alone
+from saguaro.core.warnings_at_caller import warn_at_caller
+from saguaro.runtime.calibration import Calibration
 from saguaro.runtime.decode_ar import decode_ar
 from saguaro.runtime.decode_sd import decode_sd
 from saguaro.runtime.decode_ssd import decode_ssd
 from saguaro.runtime.draft_server import GenerateSpec
 from saguaro.runtime.inputs import check_generate_args
 from saguaro.runtime.lane_owner import LaneOwner
-from saguaro.runtime.lanes import one_thread_per_lane
+from saguaro.runtime.lanes import DraftLaneError, one_thread_per_lane
 from saguaro.runtime.model_runner import ModelRunner
 from saguaro.runtime.sequences import SequenceBatch
 from saguaro.runtime.state import DecodeState
@@ -34,7 +33,6 @@ from saguaro.tensor_math.verification import sample_tokens
 
 log = logging.getLogger(__name__)
 
-WARM_UP_TIMEOUT_S = 3600.0  # compiling every draft stage shape may take minutes on a small CPU
 
 
 @dataclass
@@ -67,8 +65,7 @@ class Program:
         self.exporter = exporter  # writes this program's artifact (saguaro.compile sets it; see export)
         self.lanes = LaneOwner(config, draft, remote_draft) if draft is not None else None
         self._variants: dict = {}
-        self._verify_alone_s: dict = {}  # (batch, capacity, sampled) -> seconds
-        self._warmed: dict = {}  # (lane, batch, capacity, sampled) -> the planner's measured costs
+        self.calibration = Calibration(target, config.k)
         self._lock = lock if lock is not None else threading.Lock()
 
     @property
@@ -187,19 +184,34 @@ class Program:
             generator = torch.Generator(device=device).manual_seed(base)
 
         self.prepare(mode, temperature)
+        calibrated = None
+        if mode == "ssd":  # before the trace and the clock start: a new shape warms the lane up
+            try:
+                with one_thread_per_lane(device):
+                    calibrated = self.calibration.ready(lane, self._draft_spec(
+                        padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base))
+            except DraftLaneError as exc:
+                warn_at_caller(f"saguaro: {exc}; generating with SD instead (output stays exact)")
+                self.lanes.drop()
+                mode = "sd"
         runners = [self.target] + ([self.draft] if mode == "sd" else [])
         with GenerationTrace(trace, runners, lane if mode == "ssd" else None) as tracing:
             start = time.perf_counter()
             out = self._decode(mode, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator,
-                               base, tracing.recorder, lane if mode == "ssd" else None)
+                               base, tracing.recorder, lane if mode == "ssd" else None, calibrated)
             wall = since(start)
         sequences = out.seqs.result()[:, padded_ids.shape[1] - T:]  # without the bucket's padding columns
         stats = summarize(out.counters, mode, int(out.seqs.generated.sum()), B, wall, self.lane_kind,
                           self._schedule_stats(temperature > 0) if mode == "ssd" else None)
         return GenerateOutput(sequences=sequences, stats=stats, counters=out.counters, trace=tracing.finish(stats))
 
+    def _draft_spec(self, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base) -> GenerateSpec:
+        capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, "ssd")
+        return GenerateSpec(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id,
+                            float(temperature), None if base is None else base + 1)
+
     def _decode(self, mode, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator, base,
-                recorder, lane) -> DecodeState:
+                recorder, lane, calibrated) -> DecodeState:
         B, device = padded_ids.shape[0], self.target.spec.device
         capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, mode)
         seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id)
@@ -209,12 +221,11 @@ class Program:
             temperature=float(temperature), generator=generator, k=self.config.k, recorder=recorder)
         if mode == "ssd":
             with one_thread_per_lane(device):
-                state.counters.verify_alone_s = self._verify_alone(B, capacity, float(temperature))
+                state.counters.verify_alone_s, plan_costs = calibrated
                 first = self._prefill(state)
-                draft_spec = GenerateSpec(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids,
-                                          self.pad_token_id, float(temperature), None if base is None else base + 1)
-                warm_up = functools.partial(self._warm_draft_lane, lane, draft_spec, first, float(temperature))
-                if not decode_ssd(self.target, self.draft, state, lane, draft_spec, first, warm_up):
+                draft_spec = self._draft_spec(padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base)
+                draft_spec.plan_costs = plan_costs
+                if not decode_ssd(self.target, self.draft, state, lane, draft_spec, first):
                     self.lanes.drop()  # a lane that failed mid-generation is not reused
         else:
             self._prefill(state)
@@ -244,35 +255,6 @@ class Program:
         traces with ``torch.fx``, which must not overlap a lane running graphs."""
         for stage in stages_for(mode, temperature):
             self.runner(stage.model).stage(stage)
-
-    def _warm_draft_lane(self, lane, spec: GenerateSpec, first_tokens: torch.Tensor, temperature: float) -> None:
-        """Once per lane and shape: the draft lane calls every stage shape this generation may use
-        (``SpeculationServer.warm_up``: a compiling backend compiles them now, not inside a round or
-        against the lane's timeout) and measures its stage costs, to which the target's verify is added,
-        timed while the lane builds each candidate tree; the planner starts from these costs. A failure
-        here is the lane's (the generation then finishes with SD)."""
-        key = (id(lane), spec.input_ids.shape[0], spec.capacity, spec.temperature > 0)
-        if key not in self._warmed:
-            costs = copy.deepcopy(lane.call("warm_up", spec, first_tokens, timeout_s=WARM_UP_TIMEOUT_S))
-            if costs is not None:
-                for budget in sorted(costs.tree_s) + [0]:
-                    for _ in range(2):
-                        lane.post("build_budget", budget)
-                        costs.observe_verify(budget, time_verify_alone(
-                            self.target, spec.input_ids.shape[0], spec.capacity, self.config.k, temperature,
-                            self.target.spec.vocab_size, repeats=1))
-                        lane.call("finished")  # waits for the build
-            self._warmed[key] = costs
-        spec.plan_costs = self._warmed[key]
-
-    def _verify_alone(self, batch: int, capacity: int, temperature: float) -> float:
-        """The target's verify with the draft lane idle, measured once per shape (see
-        :mod:`saguaro.runtime.calibration`)."""
-        key = (batch, capacity, temperature > 0)
-        if key not in self._verify_alone_s:
-            self._verify_alone_s[key] = time_verify_alone(self.target, batch, capacity, self.config.k, temperature,
-                                                          self.target.spec.vocab_size)
-        return self._verify_alone_s[key]
 
     def _prefill(self, state: DecodeState) -> torch.Tensor:
         """Prefill the target's store (and the draft's, for SD) with the prompt and decide the first
