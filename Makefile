@@ -27,8 +27,9 @@ test-deps:
 	      graphviz chromium >/dev/null ) || \
 	  echo "make test-deps: could not install graphviz/chromium; their tests will be skipped"
 
+# Two workers, one per core: every test runs torch with one intra-op thread (tests/conftest.py).
 test: $(STAMP) test-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 bench: $(STAMP)
 	$(VENV)/bin/saguaro bench

@@ -30,8 +30,9 @@ def failing_after(calls, exc=None, sleep_s=None):
 def test_exception_on_draft_lane_finishes_with_sd(monkeypatch):
     target, draft, _ = tiny_pair("llama")
     program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", backend="eager")
-    monkeypatch.setattr(tree, "build_speculations", failing_after(2, RuntimeError("draft device lost")))
     ids, mask = prompts(3, 8, seed=5, pad_rows={0: 2})
+    program.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)  # the lane's warm-up
+    monkeypatch.setattr(tree, "build_speculations", failing_after(2, RuntimeError("draft device lost")))
     with pytest.warns(RuntimeWarning, match="draft device lost.*SD"):
         out = program.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
     assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 20))
@@ -41,8 +42,9 @@ def test_exception_on_draft_lane_finishes_with_sd(monkeypatch):
 def test_timeout_on_draft_lane_finishes_with_sd_on_a_fresh_store(monkeypatch):
     target, draft, _ = tiny_pair("llama")
     program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", lane_timeout_s=0.2, backend="eager")
-    monkeypatch.setattr(tree, "build_speculations", failing_after(1, sleep_s=1.0))
     ids, mask = prompts(1, 8, seed=6)
+    program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)  # the lane's warm-up
+    monkeypatch.setattr(tree, "build_speculations", failing_after(1, sleep_s=1.0))
     with pytest.warns(RuntimeWarning, match="no answer within.*SD"):
         out = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
     assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 16))

@@ -177,8 +177,9 @@ def test_ctrl_c_during_generate_leaves_the_lane_in_step(process_program, lane):
         assert draft_children() == {draft_lane.pid}
 
 
-def test_ctrl_c_during_lane_start_up_leaves_no_child_and_no_files(process_program):
+def test_ctrl_c_during_lane_start_up_leaves_no_child_and_no_files(process_program, monkeypatch, tmp_path):
     program = process_program[1].reconfigure()  # the same stages, a lane of its own (not started)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this lane's folder, apart from other tests'
     before = draft_children()
     folders = set(Path(tempfile.gettempdir()).glob("saguaro-draft-*"))
     ids, mask = prompts(1, 6, seed=3)
@@ -253,12 +254,13 @@ def test_a_lane_failure_mid_generation_warns_at_the_callers_line(process_program
 
     target, program = process_program
     program = program.reconfigure(lane="thread")
+    ids, mask = prompts(1, 6, seed=12)
+    program.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)  # the lane's warm-up
 
     def broken(*args):
         raise RuntimeError("draft device lost")
 
     monkeypatch.setattr(tree, "build_speculations", broken)
-    ids, mask = prompts(1, 6, seed=12)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = program.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)

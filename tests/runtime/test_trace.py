@@ -22,7 +22,8 @@ def _names(trace, track):
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_trace_is_valid_and_names_every_stage_call(mode, tmp_path):
     target, draft, _ = tiny_pair("llama")
-    program = saguaro.compile(target, draft, k=K, mode=mode, lane="thread", backend="eager")
+    # a fixed tree, so every SSD round builds one (the planner may choose SD rounds)
+    program = saguaro.compile(target, draft, k=K, mode=mode, lane="thread", fan_out="geometric", backend="eager")
     ids, mask = prompts(2, 7, seed=3, pad_rows={1: 2})
     path = tmp_path / "run.json"
     out = program.generate(ids, attention_mask=mask, max_new_tokens=14, eos_token_id=None, trace=str(path))
