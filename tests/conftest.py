@@ -17,7 +17,7 @@ def tiny_pair(arch: str, k: int = 4, backend: str = "eager"):
     """``(target, draft, program)`` for one architecture; captured once per test session."""
     target = tiny_target(arch)
     draft = truncated_draft(target)
-    return target, draft, saguaro.compile(target, draft, k=k, mode="sd", backend=backend)
+    return target, draft, saguaro.compile(target, draft, k=k, mode="sd", backend=backend, sd_when_faster=False)
 
 
 @pytest.fixture(params=sorted(ARCHITECTURES))

@@ -47,6 +47,9 @@ class SaguaroConfig:
         inline for Inductor.
     lane_timeout_s: seconds the target waits for one answer of the draft lane, during a generation,
         before finishing that generation with SD.
+    sd_when_faster: with ``fan_out="auto"``, an SSD generation whose warm-up measures that no tree pays
+        on the lanes' share of the cores (one intra-op thread each on CPU) runs as plain SD on every
+        core instead (``stats["planned_sd"]``); False always runs SSD's rounds.
     lane_start_timeout_s: seconds a process lane may take to start (a new Python process imports
         torch and Saguaro and captures the draft); past it the lane is given up for the Program's
         life (until ``close()``) and SSD uses the thread lane.
@@ -63,6 +66,7 @@ class SaguaroConfig:
     lane: str = "auto"
     lane_timeout_s: float = 60.0
     lane_start_timeout_s: float = 120.0
+    sd_when_faster: bool = True
     attention: str = "auto"
 
     def __post_init__(self):
@@ -83,6 +87,8 @@ class SaguaroConfig:
             raise ConfigError(f"lane={self.lane!r} is not allowed: choose one of {', '.join(LANES)}")
         if not isinstance(self.lane_timeout_s, (int, float)) or not self.lane_timeout_s > 0:
             raise ConfigError(f"lane_timeout_s={self.lane_timeout_s!r} is not allowed: it must be > 0 seconds")
+        if not isinstance(self.sd_when_faster, bool):
+            raise ConfigError(f"sd_when_faster={self.sd_when_faster!r} is not allowed: it must be True or False")
         start = self.lane_start_timeout_s
         if isinstance(start, bool) or not isinstance(start, (int, float)) or not start > 0:
             raise ConfigError(f"lane_start_timeout_s={start!r} is not allowed: it must be > 0 seconds")

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from saguaro.core.stages import TARGET_VERIFY
+from saguaro.core.stages import DRAFT_STEP, TARGET_VERIFY
 from saguaro.runtime.model_runner import ModelRunner
 
 REPEATS = 3
@@ -51,12 +51,40 @@ def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, te
 WARM_UP_TIMEOUT_S = 3600.0  # compiling every draft stage shape may take minutes on a small CPU
 
 
+@torch.inference_mode()
+def time_sd_round(target: ModelRunner, draft: ModelRunner, batch: int, capacity: int, k: int,
+                  temperature: float) -> float:
+    """Seconds of an SD round timed alone, with the caller's threads: one verify and ``k`` draft steps
+    (each the least of :data:`REPEATS`)."""
+    device = draft.spec.device
+    store = draft.new_store(batch, capacity)
+    index = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [B, 1]
+    stage = DRAFT_STEP.at(temperature)
+    extra = ()
+    if temperature > 0:
+        extra = (torch.tensor(1.0 / temperature, device=device), torch.full((batch,), 0.5, device=device))
+    best = float("inf")
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        draft.run(stage, store, index, index, index, *extra)
+        best = min(best, time.perf_counter() - started)
+    return time_verify_alone(target, batch, capacity, k, temperature, target.spec.vocab_size) + k * best
+
+
 class Calibration:
     """The measured costs of one Program's SSD generations, per (lane, batch, capacity, sampled)."""
 
-    def __init__(self, target: ModelRunner, k: int):
-        self.target, self.k = target, k
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None, k: int):
+        self.target, self.draft, self.k = target, draft, k
         self._costs: dict = {}
+        self._sd_round_s: dict = {}
+
+    def sd_round_s(self, batch: int, capacity: int, temperature: float) -> float:
+        """An SD round timed alone with the caller's threads, once per shape (:func:`time_sd_round`)."""
+        key = (batch, capacity, temperature > 0)
+        if key not in self._sd_round_s:
+            self._sd_round_s[key] = time_sd_round(self.target, self.draft, batch, capacity, self.k, temperature)
+        return self._sd_round_s[key]
 
     def ready(self, lane, spec) -> tuple:
         """``(verify_alone_s, plan_costs)`` for a generation like ``spec`` (a ``GenerateSpec``) on ``lane``,

@@ -138,3 +138,17 @@ class Planner:
             if best is None or plan.rate > best.rate:
                 best = plan
         return best
+
+
+PRIOR_ALPHA, PRIOR_RHO = 0.8, 1.5  # the outcomes assumed before a generation has seen any
+
+
+def ssd_pays(costs: StageCosts, sd_round_s: float, k: int, cap: int) -> bool:
+    """Whether SSD's best plan, costed with a lane's warm-up ``costs`` (each lane on its share of the
+    cores), beats plain SD, whose round ``sd_round_s`` (verify + ``k`` draft steps, with every core)
+    was timed alone, under the prior outcomes :data:`PRIOR_ALPHA` and :data:`PRIOR_RHO`."""
+    planner = Planner(k, [0, *costs.tree_s], cap)
+    planner.costs = costs
+    plan = planner.plan(PRIOR_ALPHA, lambda j, f: (f + 1.0) ** (-PRIOR_RHO))
+    tokens = sum(p * (j + 1) for j, p in enumerate(outcome_probabilities(PRIOR_ALPHA, k)))
+    return plan.rate > tokens / sd_round_s

@@ -25,6 +25,7 @@ from saguaro.runtime.inputs import check_generate_args
 from saguaro.runtime.lane_owner import LaneOwner
 from saguaro.runtime.lanes import DraftLaneError, one_thread_per_lane
 from saguaro.runtime.model_runner import ModelRunner
+from saguaro.runtime.planner import ssd_pays
 from saguaro.runtime.sequences import SequenceBatch
 from saguaro.runtime.state import DecodeState
 from saguaro.runtime.stats import Counters, since, summarize
@@ -65,7 +66,7 @@ class Program:
         self.exporter = exporter  # writes this program's artifact (saguaro.compile sets it; see export)
         self.lanes = LaneOwner(config, draft, remote_draft) if draft is not None else None
         self._variants: dict = {}
-        self.calibration = Calibration(target, config.k)
+        self.calibration = Calibration(target, draft, config.k)
         self._lock = lock if lock is not None else threading.Lock()
 
     @property
@@ -184,25 +185,33 @@ class Program:
             generator = torch.Generator(device=device).manual_seed(base)
 
         self.prepare(mode, temperature)
-        calibrated = None
+        calibrated, planned_sd = None, False
         if mode == "ssd":  # before the trace and the clock start: a new shape warms the lane up
+            spec = self._draft_spec(padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base)
             try:
+                sd_round_s = self.calibration.sd_round_s(B, spec.capacity, temperature)  # every core
                 with one_thread_per_lane(device):
-                    calibrated = self.calibration.ready(lane, self._draft_spec(
-                        padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base))
+                    calibrated = self.calibration.ready(lane, spec)
             except DraftLaneError as exc:
                 warn_at_caller(f"saguaro: {exc}; generating with SD instead (output stays exact)")
                 self.lanes.drop()
                 mode = "sd"
-        runners = [self.target] + ([self.draft] if mode == "sd" else [])
-        with GenerationTrace(trace, runners, lane if mode == "ssd" else None) as tracing:
+            else:  # where no tree pays on the lanes' share of the cores, plain SD on every core is faster
+                planned_sd = (self.config.sd_when_faster and calibrated[1] is not None
+                              and not ssd_pays(calibrated[1], sd_round_s, self.config.k, self.draft.width))
+        run_mode = "sd" if planned_sd else mode  # the rounds run; the stats stay those of the mode asked for
+        self.prepare(run_mode, temperature)
+        runners = [self.target] + ([self.draft] if run_mode == "sd" else [])
+        with GenerationTrace(trace, runners, lane if run_mode == "ssd" else None) as tracing:
             start = time.perf_counter()
-            out = self._decode(mode, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator,
-                               base, tracing.recorder, lane if mode == "ssd" else None, calibrated)
+            out = self._decode(run_mode, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator,
+                               base, tracing.recorder, lane if run_mode == "ssd" else None, calibrated)
             wall = since(start)
         sequences = out.seqs.result()[:, padded_ids.shape[1] - T:]  # without the bucket's padding columns
         stats = summarize(out.counters, mode, int(out.seqs.generated.sum()), B, wall, self.lane_kind,
                           self._schedule_stats(temperature > 0) if mode == "ssd" else None)
+        if mode == "ssd":
+            stats["planned_sd"] = planned_sd  # True: the planner measured that no tree pays here, SD ran
         return GenerateOutput(sequences=sequences, stats=stats, counters=out.counters, trace=tracing.finish(stats))
 
     def _draft_spec(self, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base) -> GenerateSpec:
@@ -228,6 +237,8 @@ class Program:
                 if not decode_ssd(self.target, self.draft, state, lane, draft_spec, first):
                     self.lanes.drop()  # a lane that failed mid-generation is not reused
         else:
+            if calibrated is not None:  # an SSD generation the planner runs as SD
+                state.counters.verify_alone_s = calibrated[0]
             self._prefill(state)
             if mode == "ar":
                 decode_ar(self.target, state)

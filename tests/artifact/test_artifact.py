@@ -36,7 +36,7 @@ def exported(tmp_path_factory):
     # a fixed tree: the planner's sampled plans follow each program's own warm-up costs, so a seed fixes the
     # tokens within one program, not across the original and the loaded one
     program = saguaro.compile(target, draft, k=4, mode="sd", attention="inline", lane="thread", fan_out="geometric",
-                              backend="eager")
+                              backend="eager", sd_when_faster=False)
     program.export(root / "portable", native=False)
     program.export(root / "native", modes=["ar"], sampling=False)
     return target, program, root / "portable", root / "native"
@@ -165,7 +165,7 @@ def test_inputs_outside_the_exported_ranges_are_refused(exported):
 
 def test_python_only_custom_op_is_refused(tmp_path):
     target = tiny_target("llama")
-    program = saguaro.compile(target, k=2, mode="ar", attention="op", backend="eager")
+    program = saguaro.compile(target, k=2, mode="ar", attention="op", backend="eager", sd_when_faster=False)
     with pytest.raises(ArtifactError, match=r"target.prefill.*custom op saguaro.attention"):
         program.export(tmp_path / "out", native=False, modes=["ar"], sampling=False)
     assert not (tmp_path / "out").exists()
@@ -178,7 +178,7 @@ torch.set_num_threads(1)
 import saguaro
 from tests.models import tiny_target, truncated_draft
 target = tiny_target("llama")
-program = saguaro.compile(target, truncated_draft(target), k=2, attention="inline", lane="thread", backend="eager")
+program = saguaro.compile(target, truncated_draft(target), k=2, attention="inline", lane="thread", backend="eager", sd_when_faster=False)
 program.export(sys.argv[1], native=False, modes=["sd"], sampling=False, announce=lambda line: print(line, flush=True))
 print("finished", flush=True)
 """

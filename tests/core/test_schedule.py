@@ -42,7 +42,7 @@ def test_critical_path_and_overlap_follow_costs():
 def test_runtime_builds_in_schedule_order(monkeypatch):
     target, draft, _ = tiny_pair("llama")
     # a fixed tree (the planner's first rounds may build none)
-    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", fan_out="geometric", backend="eager")
+    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", fan_out="geometric", backend="eager", sd_when_faster=False)
     seen = []
     real_glue, real_depth = tree.TreeBuild.glue, tree.TreeBuild.depth
     monkeypatch.setattr(tree.TreeBuild, "glue", lambda self: (seen.append("draft.glue"), real_glue(self))[1])

@@ -130,3 +130,34 @@ def test_planning_miss_function_fits_the_observed_ranks_per_position():
     # and the planner moves branches to the position that misses
     fan, _ = best_fan_out([0.3, 0.3, 0.4], miss, 9, 9)
     assert fan[0] > fan[2]
+
+
+def test_ssd_pays_only_where_its_best_plan_beats_plain_sd():
+    from saguaro.runtime.planner import StageCosts, ssd_pays
+
+    cheap = StageCosts(glue_s=1e-3, step_s=2e-3, tree_s={6: 0.5e-3, 12: 0.6e-3}, verify_s={0: 10e-3, 6: 10e-3, 12: 10e-3})
+    assert ssd_pays(cheap, sd_round_s=20e-3, k=5, cap=64)  # the tree hides behind a 10 ms verify; SD takes 20
+    assert not ssd_pays(cheap, sd_round_s=6e-3, k=5, cap=64)  # SD on every core is faster than any SSD round
+    dear = StageCosts(glue_s=3e-3, step_s=2e-3, tree_s={6: 4e-3, 12: 5e-3}, verify_s={0: 10e-3, 6: 12e-3, 12: 13e-3})
+    assert not ssd_pays(dear, sd_round_s=18e-3, k=5, cap=64)  # 23+ ms of draft work per round
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_a_generation_no_tree_pays_for_runs_as_sd_and_says_so(monkeypatch, pays):
+    import saguaro
+    from saguaro.runtime import program as program_module
+    from tests.conftest import tiny_pair
+    from tests.models import prompts, reference_greedy
+
+    target, draft, _ = tiny_pair("llama")
+    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", backend="eager")  # sd_when_faster
+    monkeypatch.setattr(program_module, "ssd_pays", lambda *args: pays)
+    ids, mask = prompts(2, 8, seed=2, pad_rows={1: 3})
+    try:
+        out = program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
+    finally:
+        program.close()
+    assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 12))
+    assert out.stats["mode"] == "ssd" and out.stats["planned_sd"] is (not pays)
+    if not pays:  # SD's rounds: no lookup, the draft decoded on the caller's thread
+        assert out.stats["cache_hit_rate"] == 0.0 and out.stats["draft_s"] > 0 and out.stats["verify_alone_s"] > 0

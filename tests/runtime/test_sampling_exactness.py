@@ -19,7 +19,7 @@ PROMPT = torch.tensor([[3, 7, 11, 4]])
 def sampling_setup():
     target = tiny_target("llama", vocab_size=VOCAB, logit_scale=12.0, seed=5)
     draft = truncated_draft(target, noise=0.8)
-    program = saguaro.compile(target, draft, k=2, mode="sd", backend="eager")
+    program = saguaro.compile(target, draft, k=2, mode="sd", backend="eager", sd_when_faster=False)
     return target, draft, program
 
 
@@ -67,7 +67,7 @@ def test_chi_square_rejects_a_biased_verifier(monkeypatch):
     target, draft, _ = sampling_setup()
     # the fuse_verification pass splices whatever verify_sampled is when the stage is built
     monkeypatch.setattr(verification, "verify_sampled", greedy_comparison_verifier)
-    program = saguaro.compile(target, draft, k=2, mode="sd", backend="eager")
+    program = saguaro.compile(target, draft, k=2, mode="sd", backend="eager", sd_when_faster=False)
     counts = sampled_joint(program)
     assert chi_square_pvalue(counts, exact_joint(target)) < 1e-6
 

@@ -23,7 +23,7 @@ def _names(trace, track):
 def test_trace_is_valid_and_names_every_stage_call(mode, tmp_path):
     target, draft, _ = tiny_pair("llama")
     # a fixed tree, so every SSD round builds one (the planner may choose SD rounds)
-    program = saguaro.compile(target, draft, k=K, mode=mode, lane="thread", fan_out="geometric", backend="eager")
+    program = saguaro.compile(target, draft, k=K, mode=mode, lane="thread", fan_out="geometric", backend="eager", sd_when_faster=False)
     ids, mask = prompts(2, 7, seed=3, pad_rows={1: 2})
     path = tmp_path / "run.json"
     out = program.generate(ids, attention_mask=mask, max_new_tokens=14, eos_token_id=None, trace=str(path))
@@ -92,7 +92,7 @@ def test_process_lane_trace_holds_both_processes_and_its_overlap_matches_the_dra
     loaded machine stretches: the 10 % must hold on one of three runs; the draft's exposed work alone
     never exceeds the wait (+10 %) on any run."""
     target, draft, _ = tiny_pair("llama")
-    program = saguaro.compile(target, draft, k=5, mode="ssd", lane="process", fan_out="geometric", backend="eager")
+    program = saguaro.compile(target, draft, k=5, mode="ssd", lane="process", fan_out="geometric", backend="eager", sd_when_faster=False)
     ids, mask = prompts(2, 8, seed=5)
     try:
         agreed = []
