@@ -222,7 +222,8 @@ class Program:
     def _decode(self, mode, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator, base,
                 recorder, lane, calibrated) -> DecodeState:
         B, device = padded_ids.shape[0], self.target.spec.device
-        capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, mode)
+        # an SSD generation run as SD keeps SSD's store: the shapes the warm-up compiled and timed
+        capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, "ssd" if calibrated else mode)
         seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id)
         state = DecodeState(
             seqs=seqs, target_store=self.target.new_store(B, capacity),
