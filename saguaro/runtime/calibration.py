@@ -48,6 +48,7 @@ def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, te
     return best
 
 
+REMEASURE_EVERY = 8  # an SSD shape run as SD runs SSD again every this many generations
 WARM_UP_TIMEOUT_S = 3600.0  # compiling every draft stage shape may take minutes on a small CPU
 
 
@@ -78,6 +79,31 @@ class Calibration:
         self.target, self.draft, self.k = target, draft, k
         self._costs: dict = {}
         self._sd_round_s: dict = {}
+        self._ssd_round_s: dict = {}  # key -> mean round seconds of the last SSD generation of that shape
+        self._planned_sd: dict = {}  # key -> SSD generations run as SD since SSD was last measured
+
+    @staticmethod
+    def key(lane, spec) -> tuple:
+        return (id(lane), spec.input_ids.shape[0], spec.capacity, spec.temperature > 0)
+
+    def run_as_sd(self, key, sd_round_s: float, prior_pays: bool) -> bool:
+        """Whether an SSD generation of this shape should run as SD: by the mean round time of the last
+        SSD generation of the shape against an SD round timed alone, or before any, by the planner's
+        prior estimate. Every :data:`REMEASURE_EVERY` th generation runs SSD again, so the choice
+        follows the machine."""
+        measured = self._ssd_round_s.get(key)
+        if measured is None:
+            return not prior_pays
+        if measured <= sd_round_s:
+            return False
+        done = self._planned_sd.get(key, 0)
+        self._planned_sd[key] = (done + 1) % REMEASURE_EVERY
+        return done + 1 < REMEASURE_EVERY
+
+    def record_ssd(self, key, round_s: list) -> None:
+        """The rounds of an SSD generation of this shape (seconds each)."""
+        if round_s:
+            self._ssd_round_s[key] = sum(round_s) / len(round_s)
 
     def sd_round_s(self, batch: int, capacity: int, temperature: float) -> float:
         """An SD round timed alone with the caller's threads, once per shape (:func:`time_sd_round`)."""
@@ -91,7 +117,7 @@ class Calibration:
         warming the lane up first if this shape is new. ``plan_costs`` is None without a planner. A lane
         failure raises ``DraftLaneError``."""
         batch, temperature = spec.input_ids.shape[0], spec.temperature
-        key = (id(lane), batch, spec.capacity, temperature > 0)
+        key = self.key(lane, spec)
         if key not in self._costs:
             verify = lambda repeats=REPEATS: time_verify_alone(  # noqa: E731
                 self.target, batch, spec.capacity, self.k, temperature, self.target.spec.vocab_size, repeats)

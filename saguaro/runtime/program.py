@@ -197,8 +197,9 @@ class Program:
                 self.lanes.drop()
                 mode = "sd"
             else:  # where no tree pays on the lanes' share of the cores, plain SD on every core is faster
-                planned_sd = (self.config.sd_when_faster and calibrated[1] is not None
-                              and not ssd_pays(calibrated[1], sd_round_s, self.config.k, self.draft.width))
+                key = self.calibration.key(lane, spec)
+                planned_sd = (self.config.sd_when_faster and calibrated[1] is not None and self.calibration.run_as_sd(
+                    key, sd_round_s, ssd_pays(calibrated[1], sd_round_s, self.config.k, self.draft.width)))
         run_mode = "sd" if planned_sd else mode  # the rounds run; the stats stay those of the mode asked for
         self.prepare(run_mode, temperature)
         runners = [self.target] + ([self.draft] if run_mode == "sd" else [])
@@ -212,6 +213,8 @@ class Program:
                           self._schedule_stats(temperature > 0) if mode == "ssd" else None)
         if mode == "ssd":
             stats["planned_sd"] = planned_sd  # True: the planner measured that no tree pays here, SD ran
+            if run_mode == "ssd" and not out.counters.lane_failures:
+                self.calibration.record_ssd(key, out.counters.round_s)
         return GenerateOutput(sequences=sequences, stats=stats, counters=out.counters, trace=tracing.finish(stats))
 
     def _draft_spec(self, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base) -> GenerateSpec:

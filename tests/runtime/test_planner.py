@@ -161,3 +161,17 @@ def test_a_generation_no_tree_pays_for_runs_as_sd_and_says_so(monkeypatch, pays)
     assert out.stats["mode"] == "ssd" and out.stats["planned_sd"] is (not pays)
     if not pays:  # SD's rounds: no lookup, the draft decoded on the caller's thread
         assert out.stats["cache_hit_rate"] == 0.0 and out.stats["draft_s"] > 0 and out.stats["verify_alone_s"] > 0
+
+
+def test_ssd_shapes_follow_their_measured_rounds_and_are_measured_again():
+    from saguaro.runtime.calibration import REMEASURE_EVERY, Calibration
+
+    calibration = Calibration(None, None, 5)
+    key = ("lane", 1, 256, False)
+    assert calibration.run_as_sd(key, 10e-3, prior_pays=True) is False  # nothing measured: the prior decides
+    assert calibration.run_as_sd(key, 10e-3, prior_pays=False) is True
+    calibration.record_ssd(key, [8e-3, 9e-3])  # SSD's rounds beat SD's: SSD
+    assert calibration.run_as_sd(key, 10e-3, prior_pays=False) is False
+    calibration.record_ssd(key, [14e-3, 16e-3])  # slower than SD: SD, but SSD again every REMEASURE_EVERY
+    choices = [calibration.run_as_sd(key, 10e-3, prior_pays=True) for _ in range(2 * REMEASURE_EVERY)]
+    assert choices.count(False) == 2 and choices[REMEASURE_EVERY - 1] is False and all(choices[:REMEASURE_EVERY - 1])
