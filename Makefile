@@ -27,9 +27,11 @@ test-deps:
 	      graphviz chromium >/dev/null ) || \
 	  echo "make test-deps: could not install graphviz/chromium; their tests will be skipped"
 
-# Two workers, one per core: every test runs torch with one intra-op thread (tests/conftest.py).
+# Two workers, one per core: every test runs torch with one intra-op thread (tests/conftest.py); the
+# tests that send real signals and count child processes then run in a pytest process of their own.
 test: $(STAMP) test-deps
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 -m "not isolated"
+	$(PY) -m pytest -q -m isolated
 
 bench: $(STAMP)
 	$(VENV)/bin/saguaro bench

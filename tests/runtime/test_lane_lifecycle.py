@@ -27,6 +27,9 @@ from tests.models import prompts, reference_greedy
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parent / "scripts" / "unguarded_ssd.py"
 
+# real signals and child processes: run in a pytest process of its own (see the Makefile)
+pytestmark = pytest.mark.isolated
+
 
 def process_state(pid: int) -> str | None:
     """The state letter of ``pid`` in /proc (``Z``: defunct), or None when it does not exist."""
@@ -74,8 +77,10 @@ def listening_sockets(pid: int) -> list:
 
 
 def interrupt_after(fn, delay_s: float) -> bool:
-    """Run ``fn`` with a real SIGINT sent to this (main) thread after ``delay_s``; True if it was interrupted."""
+    """Run ``fn`` with a real SIGINT sent to this (main) thread after ``delay_s``; True if it was interrupted.
+    Python's own SIGINT handler is in place, as in a user's script (a test worker may hold another)."""
     timer = threading.Timer(delay_s, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         timer.start()
         fn()
@@ -85,6 +90,8 @@ def interrupt_after(fn, delay_s: float) -> bool:
     except KeyboardInterrupt:
         timer.cancel()
         return True
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="module")
