@@ -83,6 +83,7 @@ def test_bad_trace_argument_names_it():
         program.generate(prompts(1, 5, seed=1)[0], max_new_tokens=2, trace=42)
 
 
+@pytest.mark.isolated  # compares two clocks' figures within 10 %: run apart from the other tests' load (make test)
 def test_process_lane_trace_holds_both_processes_and_its_overlap_matches_the_draft_wait():
     """The draft process's slices come back on the caller's clock. The draft work and transport that no
     target work hid, read from the slices of both processes, is what the host waited for
