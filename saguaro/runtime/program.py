@@ -201,7 +201,6 @@ class Program:
                 planned_sd = (self.config.sd_when_faster and calibrated[1] is not None and self.calibration.run_as_sd(
                     key, sd_round_s, ssd_pays(calibrated[1], sd_round_s, self.config.k, self.draft.width)))
         run_mode = "sd" if planned_sd else mode  # the rounds run; the stats stay those of the mode asked for
-        self.prepare(run_mode, temperature)
         runners = [self.target] + ([self.draft] if run_mode == "sd" else [])
         with GenerationTrace(trace, runners, lane if run_mode == "ssd" else None) as tracing:
             start = time.perf_counter()
