@@ -28,9 +28,12 @@ def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, te
     ``repeats`` calls: the machine's own noise only ever adds time)."""
     device = target.spec.device
     store = target.new_store(batch, capacity)
-    index = torch.arange(k + 1, device=device).expand(batch, k + 1)  # [B, k+1]
+    # distinct, contiguous tensors, as the rounds pass them: an aliased or expanded argument would make
+    # a compiling backend guard on it and compile the stage a second time
+    positions = torch.arange(k + 1, device=device).repeat(batch, 1)  # [B, k+1]
+    slots = positions.clone()  # [B, k+1]
     ids = torch.zeros(batch, k + 1, dtype=torch.long, device=device)
-    draft_tokens = ids[:, 1:]  # [B, k]
+    draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=device)  # [B, k]
     stage = TARGET_VERIFY.at(temperature)
     extra = (draft_tokens,)
     if temperature > 0:
@@ -41,7 +44,7 @@ def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, te
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
-        target.run(stage, store, ids, index, index, *extra)
+        target.run(stage, store, ids, positions, slots, *extra)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - started)
@@ -53,13 +56,13 @@ WARM_UP_TIMEOUT_S = 3600.0  # compiling every draft stage shape may take minutes
 
 
 @torch.inference_mode()
-def time_sd_round(target: ModelRunner, draft: ModelRunner, batch: int, capacity: int, k: int,
-                  temperature: float) -> float:
+def time_sd_round(target: ModelRunner, draft: ModelRunner, batch: int, target_capacity: int, draft_capacity: int,
+                  k: int, temperature: float) -> float:
     """Seconds of an SD round timed alone, with the caller's threads: one verify and ``k`` draft steps
-    (each the least of :data:`REPEATS`)."""
+    (each the least of :data:`REPEATS`), on stores of the capacities the generation uses."""
     device = draft.spec.device
-    store = draft.new_store(batch, capacity)
-    index = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [B, 1]
+    store = draft.new_store(batch, draft_capacity)
+    ids, positions, slots = (torch.zeros(batch, 1, dtype=torch.long, device=device) for _ in range(3))  # [B, 1]
     stage = DRAFT_STEP.at(temperature)
     extra = ()
     if temperature > 0:
@@ -67,9 +70,9 @@ def time_sd_round(target: ModelRunner, draft: ModelRunner, batch: int, capacity:
     best = float("inf")
     for _ in range(REPEATS):
         started = time.perf_counter()
-        draft.run(stage, store, index, index, index, *extra)
+        draft.run(stage, store, ids, positions, slots, *extra)
         best = min(best, time.perf_counter() - started)
-    return time_verify_alone(target, batch, capacity, k, temperature, target.spec.vocab_size) + k * best
+    return time_verify_alone(target, batch, target_capacity, k, temperature, target.spec.vocab_size) + k * best
 
 
 class Calibration:
@@ -105,22 +108,24 @@ class Calibration:
         if round_s:
             self._ssd_round_s[key] = sum(round_s) / len(round_s)
 
-    def sd_round_s(self, batch: int, capacity: int, temperature: float) -> float:
+    def sd_round_s(self, batch: int, target_capacity: int, draft_capacity: int, temperature: float) -> float:
         """An SD round timed alone with the caller's threads, once per shape (:func:`time_sd_round`)."""
-        key = (batch, capacity, temperature > 0)
+        key = (batch, target_capacity, draft_capacity, temperature > 0)
         if key not in self._sd_round_s:
-            self._sd_round_s[key] = time_sd_round(self.target, self.draft, batch, capacity, self.k, temperature)
+            self._sd_round_s[key] = time_sd_round(self.target, self.draft, batch, target_capacity, draft_capacity,
+                                                  self.k, temperature)
         return self._sd_round_s[key]
 
-    def ready(self, lane, spec) -> tuple:
-        """``(verify_alone_s, plan_costs)`` for a generation like ``spec`` (a ``GenerateSpec``) on ``lane``,
+    def ready(self, lane, spec, target_capacity: int) -> tuple:
+        """``(verify_alone_s, plan_costs)`` for a generation like ``spec`` (a ``GenerateSpec``; the target's
+        store holds ``target_capacity`` slots) on ``lane``,
         warming the lane up first if this shape is new. ``plan_costs`` is None without a planner. A lane
         failure raises ``DraftLaneError``."""
         batch, temperature = spec.input_ids.shape[0], spec.temperature
         key = self.key(lane, spec)
         if key not in self._costs:
             verify = lambda repeats=REPEATS: time_verify_alone(  # noqa: E731
-                self.target, batch, spec.capacity, self.k, temperature, self.target.spec.vocab_size, repeats)
+                self.target, batch, target_capacity, self.k, temperature, self.target.spec.vocab_size, repeats)
             alone = verify()
             costs = copy.deepcopy(lane.call("warm_up", spec, spec.input_ids[:, -1], timeout_s=WARM_UP_TIMEOUT_S))
             if costs is not None:

@@ -134,10 +134,10 @@ class Program:
             return self.config.budget
         return (self.config.k + 1) * f if isinstance(f, int) else sum(f)
 
-    def _store_capacity(self, prompt_len: int, max_new_tokens: int, mode: str) -> int:
+    def _store_capacity(self, prompt_len: int, max_new_tokens: int, tree: bool = False) -> int:
         # the last round may speculate k tokens past the budget, and r sits one slot after them
         capacity = prompt_len + max_new_tokens + self.config.k + 2
-        if mode == "ssd":  # tree scratch: k depths of at most MQ branches after the glue
+        if tree:  # SSD's draft store: tree scratch, k depths of at most MQ branches after the glue
             capacity += self.config.k * self.max_branches
         return self.shapes.capacity(capacity)
 
@@ -189,9 +189,10 @@ class Program:
         if mode == "ssd":  # before the trace and the clock start: a new shape warms the lane up
             spec = self._draft_spec(padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base)
             try:
-                sd_round_s = self.calibration.sd_round_s(B, spec.capacity, temperature)  # every core
+                target_capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens)
+                sd_round_s = self.calibration.sd_round_s(B, target_capacity, spec.capacity, temperature)  # every core
                 with one_thread_per_lane(device):
-                    calibrated = self.calibration.ready(lane, spec)
+                    calibrated = self.calibration.ready(lane, spec, target_capacity)
             except DraftLaneError as exc:
                 warn_at_caller(f"saguaro: {exc}; generating with SD instead (output stays exact)")
                 self.lanes.drop()
@@ -217,19 +218,21 @@ class Program:
         return GenerateOutput(sequences=sequences, stats=stats, counters=out.counters, trace=tracing.finish(stats))
 
     def _draft_spec(self, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base) -> GenerateSpec:
-        capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, "ssd")
+        capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, tree=True)
         return GenerateSpec(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id,
                             float(temperature), None if base is None else base + 1)
 
     def _decode(self, mode, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator, base,
                 recorder, lane, calibrated) -> DecodeState:
         B, device = padded_ids.shape[0], self.target.spec.device
-        # an SSD generation run as SD keeps SSD's store: the shapes the warm-up compiled and timed
-        capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, "ssd" if calibrated else mode)
+        # the target's store never holds a tree; the draft's store of an SSD generation run as SD keeps SSD's
+        # capacity: the shapes the warm-up compiled and timed
+        capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens)
+        draft_capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, tree=calibrated is not None)
         seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id)
         state = DecodeState(
             seqs=seqs, target_store=self.target.new_store(B, capacity),
-            draft_store=self.draft.new_store(B, capacity) if mode == "sd" else None,
+            draft_store=self.draft.new_store(B, draft_capacity) if mode == "sd" else None,
             temperature=float(temperature), generator=generator, k=self.config.k, recorder=recorder)
         if mode == "ssd":
             with one_thread_per_lane(device):

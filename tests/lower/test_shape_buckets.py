@@ -25,6 +25,6 @@ def test_inductor_pads_prompts_and_capacities_to_buckets_and_eager_does_not():
     assert not bool(padded_mask[:, :-7].any())  # the added columns are masked padding
     same_ids, same_mask = eager.shapes.pad_prompt(ids, mask, eager.pad_token_id)
     assert same_ids is ids and same_mask is mask
-    for mode in ("sd", "ssd"):
-        capacity = inductor._store_capacity(PROMPT_BUCKET, 20, mode)
-        assert capacity % CAPACITY_BUCKET == 0 and capacity >= eager._store_capacity(PROMPT_BUCKET, 20, mode)
+    for tree in (False, True):  # the stores without and with SSD's tree scratch
+        capacity = inductor._store_capacity(PROMPT_BUCKET, 20, tree)
+        assert capacity % CAPACITY_BUCKET == 0 and capacity >= eager._store_capacity(PROMPT_BUCKET, 20, tree)
