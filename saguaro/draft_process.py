@@ -52,9 +52,9 @@ def main(argv: list) -> int:
         module, name = description.get("server", "saguaro.compile:draft_server").split(":")
         server = getattr(importlib.import_module(module), name)(description, config)
     except Exception as exc:  # noqa: BLE001 - reported to the caller, which then uses the thread lane
-        send(conn, (seq, False, f"{type(exc).__name__}: {exc}"))
+        send(conn, (seq, False, f"{type(exc).__name__}: {exc}", None))
         return 1
-    send(conn, (seq, True, os.getpid()))
+    send(conn, (seq, True, os.getpid(), None))
     serve(conn, server)
     sys.stdout.flush()
     sys.stderr.flush()

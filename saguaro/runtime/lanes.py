@@ -101,6 +101,12 @@ class ThreadLane:
             if raise_errors:
                 raise DraftLaneError(f"draft lane failed: {type(exc).__name__}: {exc}") from exc
 
+    def take_trace(self) -> list[dict]:
+        """The worker's events of a traced generation (it has settled: ``decode_ssd`` waits for the
+        last build); recording stops."""
+        part = self.call("trace_take")
+        return [part] if part is not None else []
+
     def close(self) -> None:
         self.settle()
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -9,7 +9,9 @@ without a main guard, ``python -c`` and a notebook run once — and waits, up to
 Transport: one anonymous ``socket.socketpair`` inherited by the child (``pass_fds``), framed by
 ``multiprocessing.connection``. Nothing listens on any address, so there is no port to reach and no
 peer to authenticate: only the two processes hold the pair. A message is a pickled
-``(seq, method, args, reply?)``; a reply is ``(seq, ok, value)``. The caller writes and reads whole
+``(seq, method, args, reply?)``; a reply is ``(seq, ok, value, events)``: ``events``, while a traced
+generation runs, are the draft process's trace events recorded since its last reply
+(``TraceRecorder.take``), so a trace never waits for the draft process to finish work nobody needs. The caller writes and reads whole
 messages with SIGINT deferred, and waits for replies in short interruptible polls, so Ctrl-C never
 leaves half a message on the wire; a reply to a call that an interrupt abandoned carries an old
 ``seq`` and is dropped, so the next call finds the lane in step (no restart, no timeout).
@@ -98,11 +100,31 @@ def serve(conn: Connection, server) -> None:
             except Exception as exc:  # noqa: BLE001 - reported to the caller, which finishes with SD
                 failure = exc
                 if reply:
-                    send(conn, (seq, False, f"{type(exc).__name__}: {exc}"))
+                    send(conn, (seq, False, f"{type(exc).__name__}: {exc}", _events(server)))
                 continue
             if reply:
-                with traced(server.draft.recorder, "draft", f"send {method}"):
-                    send(conn, (seq, True, result))
+                recorder = server.draft.recorder
+                if recorder is None:
+                    send(conn, (seq, True, result, None))
+                    continue
+                with traced(recorder, "draft", f"send {method}"):  # serialising the result
+                    payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+                send(conn, (seq, True, _Pickled(payload), _events(server)))
+
+
+class _Pickled:
+    """A reply value pickled beforehand (its ``send`` slice must end before the events travel)."""
+
+    __slots__ = ("payload",)
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+
+
+def _events(server) -> dict | None:
+    """The draft side's trace events since the last reply (None when it is not recording)."""
+    recorder = server.draft.recorder
+    return None if recorder is None else recorder.take()
 
 
 DRAFT_ENTRY_POINT = "saguaro.draft_process"  # the module the draft process runs (``python -m`` style)
@@ -123,6 +145,7 @@ class ProcessLane:
         self.process: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._seq = 0
+        self._trace_parts: list[dict] = []  # the draft process's events that came back with replies
         started = time.perf_counter()
         directory = tempfile.mkdtemp(prefix="saguaro-draft-")  # 0700: private to this user
         try:
@@ -185,7 +208,11 @@ class ProcessLane:
             except (EOFError, OSError) as exc:
                 raise self._dead() from exc
             with traced(self.recorder, "host", "recv"):
-                got, ok, value = pickle.loads(data)
+                got, ok, value, events = pickle.loads(data)
+                if isinstance(value, _Pickled):
+                    value = pickle.loads(value.payload)
+            if events is not None and events["events"]:
+                self._trace_parts.append(events)
             if got != seq:
                 continue  # the answer to a call an interrupt abandoned
             if not ok:
@@ -210,6 +237,14 @@ class ProcessLane:
 
     def settle(self) -> None:
         """Nothing to wait for here: the draft process's unneeded build ends on its own."""
+
+    def take_trace(self) -> list[dict]:
+        """The draft process's events of a traced generation, as they came back with the replies; the
+        draft process stops recording (a posted message: nothing waits for its last, unneeded build,
+        whose events are dropped)."""
+        self.post("trace_take")
+        parts, self._trace_parts = self._trace_parts, []
+        return parts
 
     def close(self) -> None:
         """Ask the draft process to exit; kill it if it has not within two seconds; reap it."""

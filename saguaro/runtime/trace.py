@@ -104,7 +104,8 @@ class GenerationTrace:
     """Records one ``generate`` call when ``trace`` is a path or True (a context manager).
 
     ``runners`` (ModelRunners of this process) and ``lane`` get the recorder for the duration; the
-    lane (SSD) is also asked to record on its side and to send its events back at the end.
+    lane (SSD) is also asked to record on its side and to send its events back (a process lane sends
+    them with its replies; the last round's build, which no outcome needs, is not waited for).
     :meth:`finish` assembles the trace (with the stats) and writes it when ``trace`` is a path.
     """
 
@@ -131,14 +132,13 @@ class GenerationTrace:
             return
         for owner in self.owners:
             owner.recorder = None
-        remote = None
+        remote = []
         if self.lane is not None:
             try:
-                self.lane.settle()
-                remote = self.lane.call("trace_take")
+                remote = self.lane.take_trace()
             except Exception:  # noqa: BLE001 - a failed lane loses its events, not the caller's
-                remote = None
-        self.parts = [self.recorder.take()] + ([remote] if remote is not None else [])
+                remote = []
+        self.parts = [self.recorder.take()] + remote
 
     def finish(self, stats: dict | None = None) -> dict | None:
         """The trace-event object (None when not tracing), written to the path given."""
