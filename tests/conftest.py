@@ -12,6 +12,12 @@ from tests.models import ARCHITECTURES, tiny_target, truncated_draft
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The heavy tests first (stable order otherwise): pytest-xdist hands tests out in this order, so the
+    long ones start at once, on both workers, instead of leaving one worker a long tail."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
 @functools.lru_cache(maxsize=None)
 def tiny_pair(arch: str, k: int = 4, backend: str = "eager"):
     """``(target, draft, program)`` for one architecture; captured once per test session."""

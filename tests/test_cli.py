@@ -78,6 +78,7 @@ def table_rows(out: str) -> list[str]:
     return [line.split()[0] for line in lines[start:] if line and not line.startswith(("wrote", "skipped"))]
 
 
+@pytest.mark.heavy
 def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
     target_dir, draft_dir = saved_pair
     path = tmp_path / "out" / "bench.json"
@@ -110,6 +111,7 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
     assert rows["ar"]["speedup_vs_ar"] == 1.0 and rows["ar"]["mean_accepted_len"] == 1.0
 
 
+@pytest.mark.heavy
 def test_bench_rows_without_a_draft(saved_pair, capsys):
     target_dir, _ = saved_pair
     rc, out, err = run_cli(["bench", "--target", target_dir, "--modes", "ar,hf", "--prompts", "1",

@@ -4,6 +4,7 @@
 import json
 import re
 
+import pytest
 import pydot
 
 from saguaro.core.stages import STAGES
@@ -27,6 +28,7 @@ def test_generate_writes_a_trace(saved_pair, capsys, tmp_path):  # noqa: F811
     assert {"target.prefill", "target.verify_greedy", "draft.step_greedy"} <= {s.name for s in slices(trace)}
 
 
+@pytest.mark.heavy
 def test_bench_writes_one_trace_per_row(saved_pair, capsys, tmp_path):  # noqa: F811
     rc, out, err = run_cli(["bench", "--modes", "ar,ssd", "--prompts", "1", "--max-new-tokens", "8",
                             "--trace", str(tmp_path / "traces"), *pair_args(saved_pair)], capsys)

@@ -50,6 +50,7 @@ def run_loader(runs):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.heavy
 def test_loaded_program_generates_the_original_tokens_compiling_nothing(exported):
     target, program, portable, native = exported
     runs = [dict(path=str(native), mode="ar", temperature=0.0)]
@@ -184,6 +185,7 @@ print("finished", flush=True)
 """
 
 
+@pytest.mark.heavy
 def test_export_killed_midway_leaves_nothing_loadable(tmp_path):
     dest = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(REPO))

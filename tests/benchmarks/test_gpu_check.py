@@ -20,6 +20,7 @@ def _run(*args, tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.heavy
 def test_tiny_cpu_run_reports_every_figure(tmp_path):
     report_path = tmp_path / "check.json"
     done = _run("--scale", "tiny", "--device", "cpu", "--backend", "eager", "--k", "3", "--prompt-len", "12",

@@ -26,6 +26,7 @@ def tiny_default_pair(monkeypatch):
     return pair
 
 
+@pytest.mark.heavy
 def test_demo_prints_completion_table_and_bench_hint(demo_main, tiny_default_pair, capsys):
     assert demo_main(["--prompt", "def f(x):", "--max-new-tokens", "6", "--prompts", "2", "--k", "3",
                       "--backend", "eager"]) == 0

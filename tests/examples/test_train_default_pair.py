@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -46,6 +47,7 @@ def test_help_documents_every_option():
         assert action.help, f"{action.option_strings} has no help text"
 
 
+@pytest.mark.heavy
 def test_tiny_run_writes_loadable_pair_and_resumes(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     proc = _run(*TINY, "--out", str(out), "--workdir", str(work))

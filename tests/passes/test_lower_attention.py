@@ -91,6 +91,7 @@ def test_lower_attention_rejects_unknown_implementations_and_lowered_graphs():
         lower_attention(gm, "inline")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("attention", ["inline", "flex"])
 def test_programs_with_lowered_attention_give_the_reference_tokens(attention):
     import saguaro

@@ -4,6 +4,7 @@ exact joint of two generated tokens, which a target without final softcapping fa
 
 import functools
 
+import pytest
 import torch
 
 import saguaro
@@ -52,6 +53,7 @@ def test_sd_sampling_matches_the_gemma2_joint_and_final_softcap_matters():
     assert chi_square_pvalue(counts, exact_joint(uncapped)) < 1e-6, "the test cannot see final softcapping"
 
 
+@pytest.mark.heavy
 def test_ssd_cache_hits_sample_the_gemma2_joint():
     """``k = 1`` and every outcome cached: tokens 3 and 4 come from rounds served by cache hits."""
     target, draft = models()

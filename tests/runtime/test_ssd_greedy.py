@@ -56,6 +56,7 @@ def test_ssd_misses_only_with_fan_out_zero():
     assert out.stats["cache_hit_rate"] == 0.0 and out.stats["fallbacks"]["neural"] > 0
 
 
+@pytest.mark.heavy
 def test_process_lane_is_exact_and_samples_like_the_thread_lane():
     """The draft side in another process: greedy equals generate; sampling equals the thread lane's.
     The tree is pinned (geometric fan-out): the planner's trees follow each lane's own measured costs."""

@@ -61,6 +61,7 @@ PATHS = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_ssd_sampling_matches_target_distribution(path):
     counts, stats = sampled_late_joint(**PATHS[path])
