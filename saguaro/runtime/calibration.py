@@ -51,7 +51,8 @@ def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, te
     return best
 
 
-REMEASURE_EVERY = 8  # an SSD shape run as SD runs SSD again every this many generations
+REMEASURE_EVERY = 8  # an SSD shape run as SD runs SSD again after this many generations ...
+REMEASURE_MOST = 64  # ... and after twice as many each time SSD measures slower again, up to this many
 WARM_UP_TIMEOUT_S = 3600.0  # compiling every draft stage shape may take minutes on a small CPU
 
 
@@ -84,6 +85,7 @@ class Calibration:
         self._sd_round_s: dict = {}
         self._ssd_round_s: dict = {}  # key -> mean round seconds of the last SSD generation of that shape
         self._planned_sd: dict = {}  # key -> SSD generations run as SD since SSD was last measured
+        self._remeasure: dict = {}  # key -> generations run as SD before SSD is measured again
 
     @staticmethod
     def key(lane, spec) -> tuple:
@@ -92,16 +94,24 @@ class Calibration:
     def run_as_sd(self, key, sd_round_s: float, prior_pays: bool) -> bool:
         """Whether an SSD generation of this shape should run as SD: by the mean round time of the last
         SSD generation of the shape against an SD round timed alone, or before any, by the planner's
-        prior estimate. Every :data:`REMEASURE_EVERY` th generation runs SSD again, so the choice
-        follows the machine."""
+        prior estimate. After :data:`REMEASURE_EVERY` generations run as SD, one runs SSD again, so the
+        choice follows the machine; each time SSD measures slower again the interval doubles (up to
+        :data:`REMEASURE_MOST`), so a machine where SSD never pays spends ever fewer generations on it."""
         measured = self._ssd_round_s.get(key)
         if measured is None:
             return not prior_pays
         if measured <= sd_round_s:
+            self._planned_sd.pop(key, None)
+            self._remeasure.pop(key, None)
             return False
-        done = self._planned_sd.get(key, 0)
-        self._planned_sd[key] = (done + 1) % REMEASURE_EVERY
-        return done + 1 < REMEASURE_EVERY
+        interval = self._remeasure.get(key, REMEASURE_EVERY)
+        done = self._planned_sd.get(key, 0) + 1
+        if done <= interval:
+            self._planned_sd[key] = done
+            return True
+        self._planned_sd[key] = 0  # this generation measures SSD again
+        self._remeasure[key] = min(2 * interval, REMEASURE_MOST)
+        return False
 
     def record_ssd(self, key, round_s: list) -> None:
         """The rounds of an SSD generation of this shape (seconds each)."""

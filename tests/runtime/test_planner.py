@@ -164,7 +164,7 @@ def test_a_generation_no_tree_pays_for_runs_as_sd_and_says_so(monkeypatch, pays)
 
 
 def test_ssd_shapes_follow_their_measured_rounds_and_are_measured_again():
-    from saguaro.runtime.calibration import REMEASURE_EVERY, Calibration
+    from saguaro.runtime.calibration import REMEASURE_EVERY, REMEASURE_MOST, Calibration
 
     calibration = Calibration(None, None, 5)
     key = ("lane", 1, 256, False)
@@ -172,6 +172,15 @@ def test_ssd_shapes_follow_their_measured_rounds_and_are_measured_again():
     assert calibration.run_as_sd(key, 10e-3, prior_pays=False) is True
     calibration.record_ssd(key, [8e-3, 9e-3])  # SSD's rounds beat SD's: SSD
     assert calibration.run_as_sd(key, 10e-3, prior_pays=False) is False
-    calibration.record_ssd(key, [14e-3, 16e-3])  # slower than SD: SD, but SSD again every REMEASURE_EVERY
-    choices = [calibration.run_as_sd(key, 10e-3, prior_pays=True) for _ in range(2 * REMEASURE_EVERY)]
-    assert choices.count(False) == 2 and choices[REMEASURE_EVERY - 1] is False and all(choices[:REMEASURE_EVERY - 1])
+    calibration.record_ssd(key, [14e-3, 16e-3])  # slower than SD: SD, then SSD again after REMEASURE_EVERY ...
+    choices = [calibration.run_as_sd(key, 10e-3, prior_pays=True) for _ in range(1000)]
+    ssd_at = [i for i, as_sd in enumerate(choices) if not as_sd]
+    gaps = [b - a - 1 for a, b in zip([-1] + ssd_at, ssd_at)]  # generations run as SD before each SSD one
+    # ... and after twice as many each time SSD stays slower, up to REMEASURE_MOST
+    assert gaps[:4] == [REMEASURE_EVERY, 2 * REMEASURE_EVERY, 4 * REMEASURE_EVERY, 8 * REMEASURE_EVERY]
+    assert max(gaps) == REMEASURE_MOST and gaps[-1] == REMEASURE_MOST
+    calibration.record_ssd(key, [8e-3, 9e-3])  # the machine changed: SSD pays again, SSD at once and after
+    assert [calibration.run_as_sd(key, 10e-3, prior_pays=False) for _ in range(3)] == [False] * 3
+    calibration.record_ssd(key, [14e-3, 16e-3])  # slower once more: the interval starts again from the first
+    choices = [calibration.run_as_sd(key, 10e-3, prior_pays=True) for _ in range(REMEASURE_EVERY + 1)]
+    assert all(choices[:REMEASURE_EVERY]) and choices[REMEASURE_EVERY] is False
