@@ -43,7 +43,7 @@ def parse_args(argv=None):
 
 
 def recorded_calls(threads: int) -> dict:
-    """``{stage key: (runner, stage, store, args)}``: the last call of each stage in an SD and an SSD
+    """``{stage key: (runner, stage, store, args, kwargs)}``: the last call of each stage in an SD and an SSD
     generation of the default pair (tree stages at the planner's largest budget)."""
     torch.set_num_threads(threads)
     import saguaro
@@ -55,9 +55,9 @@ def recorded_calls(threads: int) -> dict:
     prompt = bench_prompts(tokenizer, 1, target.config.vocab_size, 0)[0]
     calls, original = {}, ModelRunner.run
 
-    def run(runner, stage, store, *args):
-        calls[stage.qualified] = (runner, stage, store, args)
-        return original(runner, stage, store, *args)
+    def run(runner, stage, store, *args, **kwargs):
+        calls[stage.qualified] = (runner, stage, store, args, kwargs)
+        return original(runner, stage, store, *args, **kwargs)
 
     ModelRunner.run = run
     try:
@@ -84,8 +84,8 @@ def per_call_ms(fn, calls: int) -> float:
 
 
 def call_of(calls: dict, key: str):
-    runner, stage, store, args = calls[key]
-    return lambda: runner.run(stage, store, *args)
+    runner, stage, store, args, kwargs = calls[key]
+    return lambda: runner.run(stage, store, *args, **kwargs)
 
 
 def build_of(calls: dict):
