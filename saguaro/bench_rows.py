@@ -178,6 +178,8 @@ def _ssd_summary(calls: list[dict], rounds: int) -> dict:
     mean = lambda key: sum(c[key] * c["rounds"] for c in calls) / lookups if lookups else 0.0  # noqa: E731
     return {
         "cache_hit_rate": mean("cache_hit_rate"),
+        # the timed generations the planner ran as plain SD on every core (sd_when_faster)
+        "planned_sd_fraction": sum(bool(c.get("planned_sd")) for c in calls) / len(calls) if calls else None,
         "draft_wait_ms_per_round": 1000 * sum(c["draft_wait_s"] for c in calls) / max(rounds, 1),
         "verify_ms_per_round": 1000 * sum(c["verify_s"] for c in calls) / max(rounds, 1),
         "fallback_ms_per_round": 1000 * sum(c["fallback_s"] for c in calls) / max(rounds, 1),
