@@ -27,12 +27,12 @@ test-deps:
 	      graphviz chromium >/dev/null ) || \
 	  echo "make test-deps: could not install graphviz/chromium; their tests will be skipped"
 
-# Two workers, one per core: every test runs torch with one intra-op thread (tests/conftest.py); the
-# heavy tests come first and are handed out one at a time (--maxschedchunk 1), so both workers end
-# together; the tests that send real signals and count child processes then run in a pytest process
-# of their own.
+# Two workers, one per core: every test runs torch with one intra-op thread (tests/conftest.py); tests
+# are handed out one at a time, the heavy ones first, so both workers end together, and the tests of one
+# xdist_group (a costly session fixture) go to one worker (--dist loadgroup); the tests that send real
+# signals and count child processes then run in a pytest process of their own.
 test: $(STAMP) test-deps
-	$(PY) -m pytest -q -n 2 --maxschedchunk 1 -m "not isolated"
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not isolated"
 	$(PY) -m pytest -q -m isolated
 
 bench: $(STAMP)

@@ -14,7 +14,7 @@ torch.set_num_threads(1)
 
 def pytest_collection_modifyitems(config, items):
     """The heavy tests first (stable order otherwise): pytest-xdist hands tests out in this order (one at
-    a time with ``--maxschedchunk 1``, as ``make test`` runs it), so the long ones start at once, on
+    a time with ``--dist loadgroup``, as ``make test`` runs it), so the long ones start at once, on
     both workers, instead of leaving one worker a long tail."""
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 

@@ -25,6 +25,9 @@ from saguaro.core.errors import ArtifactError
 from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
 
 REPO = Path(__file__).resolve().parents[2]
+# one pytest-xdist worker runs this file (make test: --dist loadgroup), so the session's export, about a
+# minute of torch.export and AOTInductor work, is built once rather than once per worker
+pytestmark = pytest.mark.xdist_group("exported_artifact")
 
 
 @pytest.fixture(scope="session")
