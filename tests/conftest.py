@@ -1,13 +1,8 @@
 import functools
 import logging
-import os
 
-# Inductor compiles each stage's C++ in this process: a pool of compile workers (each importing torch) costs
-# more than it saves on two cores shared by two pytest workers, where every graph is one C++ file anyway
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 import saguaro
 from tests.models import ARCHITECTURES, tiny_target, truncated_draft
