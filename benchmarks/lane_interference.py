@@ -44,22 +44,17 @@ def parse_args(argv=None):
 
 def recorded_calls(threads: int) -> dict:
     """``{stage key: (runner, stage, store, args, kwargs)}``: the last call of each stage in an SD and an SSD
-    generation of the default pair (tree stages at the planner's largest budget)."""
+    generation of the default pair (tree stages at the planner's largest budget, ``stage_costs.Recorder``'s
+    keys)."""
     torch.set_num_threads(threads)
     import saguaro
+    from benchmarks.stage_costs import Recorder
     from saguaro.bench_rows import bench_prompts
-    from saguaro.runtime.model_runner import ModelRunner
 
     target, draft, tokenizer = saguaro.default_pair()
     program = saguaro.compile(target, draft, k=K, mode="ssd", backend="inductor", lane="thread")
     prompt = bench_prompts(tokenizer, 1, target.config.vocab_size, 0)[0]
-    calls, original = {}, ModelRunner.run
-
-    def run(runner, stage, store, *args, **kwargs):
-        calls[stage.qualified] = (runner, stage, store, args, kwargs)
-        return original(runner, stage, store, *args, **kwargs)
-
-    ModelRunner.run = run
+    recorder = Recorder()
     try:
         program.generate(prompt, max_new_tokens=64, mode="sd", eos_token_id=None)
         budget = program.config.budget  # the whole budget every round: the planner's largest tree
@@ -67,8 +62,8 @@ def recorded_calls(threads: int) -> dict:
         program.reconfigure(fan_out=per, sd_when_faster=False).generate(prompt, max_new_tokens=64, mode="ssd",
                                                                         eos_token_id=None)
     finally:
-        ModelRunner.run = original
-    return calls
+        recorder.restore()
+    return recorder.calls
 
 
 def per_call_ms(fn, calls: int) -> float:
@@ -91,7 +86,9 @@ def call_of(calls: dict, key: str):
 def build_of(calls: dict):
     """The draft lane's per-round work: the glue, then each tree depth (the last depth's call stands for
     every depth: they differ only in the slots they write)."""
-    glue, tree = call_of(calls, "draft.glue"), call_of(calls, "draft.tree_greedy")
+    widest = max((key for key in calls if key.startswith("draft.tree_greedy@MQ=")),
+                 key=lambda key: int(key.split("=")[1]))
+    glue, tree = call_of(calls, "draft.glue"), call_of(calls, widest)
 
     def build():
         glue()
