@@ -1,15 +1,15 @@
-"""What tracing costs: tokens/s of the same generations with and without ``trace=``, interleaved.
+"""What tracing costs: tokens/s of the same generations with and without ``trace=``, in adjacent pairs.
 
-    python benchmarks/trace_overhead.py --mode ssd --reps 6 --prompts 4 --max-new-tokens 64
+    python benchmarks/trace_overhead.py --mode ssd --lane thread --reps 12 --prompts 4 --max-new-tokens 48
 
-Each repetition decodes the prompts once untraced and once traced, as two blocks (which goes first
-alternates), on the default pair (eager, one intra-op thread per lane). A block starts with one
-unmeasured generation: in SSD the draft lane ends each generation with a build nobody needs, which
-the next generation's first call waits for; a traced generation waits for it at its end instead (to
-collect the draft side's events), so only back-to-back generations of one kind compare fairly. The
-table shows the median tokens/s of each and the median of the per-repetition ratios (the two blocks
-are adjacent in time, so a loaded machine's drift mostly cancels). Traced wall time includes
-collecting the events and writing the JSON file. ``--json`` writes it all.
+Each pair decodes one prompt twice, back to back: once untraced and once traced to a JSON file (which
+goes first alternates from pair to pair), on the default pair (one intra-op thread per lane). Pairs are
+a fraction of a second apart, so a loaded machine's drift mostly cancels within one; the table shows
+the median of the per-pair ratios (traced tokens/s over untraced), its interquartile range, and the
+ratio of the totals. Every prompt's shape bucket is compiled and both kinds run once before timing.
+The draft lane's last, unneeded build of a generation is waited for by the next call, traced or not
+(neither kind waits for it at its end), so each kind inherits the other's about equally. Traced wall
+time includes collecting the draft lane's events and writing the file. ``--json`` writes it all.
 """
 
 from __future__ import annotations
@@ -33,45 +33,48 @@ def measure(mode: str, reps: int, prompts: int, max_new_tokens: int, k: int, lan
     # sd_when_faster=False: SSD rounds on the lane even where the planner measures SD faster (it may here)
     program = saguaro.compile(target, draft, k=k, mode=mode, lane=lane, sd_when_faster=False)
     ids = bench_prompts(tokenizer, prompts, target.config.vocab_size, seed=0)
-    rates, ratios = {"off": [], "on": []}, []
+    seconds, tokens, ratios = {"off": 0.0, "on": 0.0}, {"off": 0, "on": 0}, []
     with tempfile.TemporaryDirectory() as tmp:
-        for p in ids[:2]:  # warm-up: stages built, lane started
-            program.generate(p, max_new_tokens=max_new_tokens, eos_token_id=None, trace=Path(tmp) / "warm.json")
+        for p in ids:  # warm-up: every prompt's shape bucket compiled, the lane started, both kinds run
+            for trace in (None, Path(tmp) / "warm.json"):
+                program.generate(p, max_new_tokens=max_new_tokens, eos_token_id=None, trace=trace)
         for rep in range(reps):
-            pair = {}
-            for kind in (("off", "on") if rep % 2 == 0 else ("on", "off")):
-                tokens, wall = 0, 0.0
-                for i, p in enumerate([ids[-1]] + ids):  # the first one settles the lane: unmeasured
+            for i, p in enumerate(ids):
+                rate = {}
+                for kind in (("off", "on") if (rep * len(ids) + i) % 2 == 0 else ("on", "off")):
                     trace = Path(tmp) / f"{rep}-{i}.json" if kind == "on" else None
                     started = time.perf_counter()
                     out = program.generate(p, max_new_tokens=max_new_tokens, eos_token_id=None, trace=trace)
-                    if i > 0:
-                        wall += time.perf_counter() - started
-                        tokens += out.stats["new_tokens"]
-                pair[kind] = tokens / wall
-                rates[kind].append(pair[kind])
-            ratios.append(pair["on"] / pair["off"])
+                    wall = time.perf_counter() - started
+                    seconds[kind] += wall
+                    tokens[kind] += out.stats["new_tokens"]
+                    rate[kind] = out.stats["new_tokens"] / wall
+                ratios.append(rate["on"] / rate["off"])
     program.close()
-    off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
-    return {"mode": mode, "lane": program.lane_kind, "reps": reps, "prompts": prompts,
-            "max_new_tokens": max_new_tokens, "tokens_per_s_off": off, "tokens_per_s_on": on,
-            "on_over_off": statistics.median(ratios), "samples": rates, "ratios": ratios}
+    quartiles = statistics.quantiles(ratios, n=4)
+    return {"mode": mode, "lane": program.lane_kind, "reps": reps, "prompts": prompts, "pairs": len(ratios),
+            "max_new_tokens": max_new_tokens, "tokens_per_s_off": tokens["off"] / seconds["off"],
+            "tokens_per_s_on": tokens["on"] / seconds["on"], "on_over_off": statistics.median(ratios),
+            "on_over_off_q1": quartiles[0], "on_over_off_q3": quartiles[2],
+            "total_on_over_off": (tokens["on"] / seconds["on"]) / (tokens["off"] / seconds["off"]), "ratios": ratios}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"])
-    parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--reps", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--lane", default="auto", choices=["auto", "thread", "process"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     result = measure(args.mode, args.reps, args.prompts, args.max_new_tokens, args.k, args.lane)
-    print(f"{'mode':<6}{'lane':<9}{'off tok/s':>11}{'on tok/s':>11}{'on/off (median of pairs)':>26}")
-    print(f"{result['mode']:<6}{result['lane']:<9}{result['tokens_per_s_off']:>11.1f}"
-          f"{result['tokens_per_s_on']:>11.1f}{result['on_over_off']:>26.3f}")
+    print(f"{'mode':<6}{'lane':<9}{'pairs':>6}{'off tok/s':>11}{'on tok/s':>11}{'on/off median':>15}"
+          f"{'IQR':>15}{'totals':>8}")
+    print(f"{result['mode']:<6}{result['lane']:<9}{result['pairs']:>6}{result['tokens_per_s_off']:>11.1f}"
+          f"{result['tokens_per_s_on']:>11.1f}{result['on_over_off']:>15.3f}"
+          f"{result['on_over_off_q1']:>8.3f}-{result['on_over_off_q3']:.3f}{result['total_on_over_off']:>8.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
