@@ -19,6 +19,20 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 
+def pytest_configure(config):
+    """With ``--dist loadgroup`` (``make test``), the tests of one ``xdist_group`` must reach one worker:
+    the artifact tests' session fixture costs a minute and a half of torch.export and AOTInductor per
+    worker that builds it. pytest-xdist 3.8 groups by rewriting ``Item._nodeid``, which pytest 9.2
+    ignores (its node ids come from ``Item._id``): the grouping would be lost without a word."""
+    if getattr(config.option, "dist", None) != "loadgroup":
+        return
+    version = tuple(int(part) for part in pytest.__version__.split(".")[:2] if part.isdigit())
+    if version >= (9, 1):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} loses pytest-xdist's --dist loadgroup grouping (tests of one "
+            "xdist_group run on several workers); install the pytest that pyproject.toml pins (<9.1)")
+
+
 @functools.lru_cache(maxsize=None)
 def tiny_pair(arch: str, k: int = 4, backend: str = "eager"):
     """``(target, draft, program)`` for one architecture; captured once per test session."""
