@@ -5,6 +5,10 @@ import torch
 
 from tests.models import prompts, reference_greedy
 
+# the arch-parametrized tests of test_greedy_exactness.py and test_ssd_greedy.py share tiny_pair's captures
+# (about 3 s each): one pytest-xdist worker runs both files (make test: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("tiny_pairs_every_arch")
+
 BATCHES = {
     1: [dict(batch=1, length=5, pad_rows=None), dict(batch=1, length=13, pad_rows=None)],
     3: [dict(batch=3, length=9, pad_rows={1: 4, 2: 1}), dict(batch=3, length=4, pad_rows={0: 2})],

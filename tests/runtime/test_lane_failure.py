@@ -7,7 +7,7 @@ import torch
 
 import saguaro
 from saguaro.runtime import tree
-from tests.conftest import tiny_pair
+from tests.conftest import tiny_pair, tiny_program
 from tests.models import prompts, reference_greedy
 
 
@@ -28,8 +28,7 @@ def failing_after(calls, exc=None, sleep_s=None):
 
 
 def test_exception_on_draft_lane_finishes_with_sd(monkeypatch):
-    target, draft, _ = tiny_pair("llama")
-    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", backend="eager", sd_when_faster=False)
+    target, _, program = tiny_program("llama", k=3, mode="ssd", lane="thread")
     ids, mask = prompts(3, 8, seed=5, pad_rows={0: 2})
     program.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)  # the lane's warm-up
     monkeypatch.setattr(tree, "build_speculations", failing_after(2, RuntimeError("draft device lost")))
@@ -40,8 +39,7 @@ def test_exception_on_draft_lane_finishes_with_sd(monkeypatch):
 
 
 def test_timeout_on_draft_lane_finishes_with_sd_on_a_fresh_store(monkeypatch):
-    target, draft, _ = tiny_pair("llama")
-    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", lane_timeout_s=0.2, backend="eager", sd_when_faster=False)
+    target, _, program = tiny_program("llama", k=3, mode="ssd", lane="thread", lane_timeout_s=0.2)
     ids, mask = prompts(1, 8, seed=6)
     program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)  # the lane's warm-up
     monkeypatch.setattr(tree, "build_speculations", failing_after(1, sleep_s=1.0))
@@ -56,8 +54,7 @@ def test_timeout_on_draft_lane_finishes_with_sd_on_a_fresh_store(monkeypatch):
 
 
 def test_dead_draft_process_finishes_with_sd():
-    target, draft, _ = tiny_pair("llama")
-    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="process", lane_timeout_s=30, backend="eager", sd_when_faster=False)
+    target, _, program = tiny_program("llama", k=3, mode="ssd", lane="process", lane_timeout_s=30)
     ids, mask = prompts(2, 8, seed=7, pad_rows={1: 3})
     expected = reference_greedy(target, ids, mask, 16)
     try:
@@ -73,17 +70,16 @@ def test_dead_draft_process_finishes_with_sd():
 
 
 def test_auto_lane_is_the_process_lane_for_eager_on_cpu_and_the_thread_lane_for_inductor():
-    target, draft, _ = tiny_pair("llama")
-    assert saguaro.compile(target, draft, mode="ssd", backend="eager", sd_when_faster=False).lane_kind == "process"
+    target, draft, eager = tiny_pair("llama")  # compiled with the default lane ("auto")
+    assert eager.reconfigure(mode="ssd").lane_kind == "process"
     assert saguaro.compile(target, draft, mode="ssd", backend="inductor", sd_when_faster=False).lane_kind == "thread"
-    assert saguaro.compile(target, draft, mode="ssd", lane="thread", backend="eager", sd_when_faster=False).lane_kind == "thread"
+    assert eager.reconfigure(mode="ssd", lane="thread").lane_kind == "thread"
 
 
 def test_a_lane_that_cannot_start_falls_back_to_sd(monkeypatch):
     from saguaro.runtime import lane_owner, lanes
 
-    target, draft, _ = tiny_pair("llama")
-    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", backend="eager", sd_when_faster=False)
+    target, _, program = tiny_program("llama", k=3, mode="ssd", lane="thread")
 
     def broken(*args, **kwargs):
         raise lanes.DraftLaneError("draft process exited during start-up (exit code 1)")

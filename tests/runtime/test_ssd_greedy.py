@@ -6,14 +6,17 @@ import pytest
 import torch
 
 import saguaro
-from tests.conftest import tiny_pair
+from tests.conftest import tiny_program
 from tests.models import prompts, reference_greedy
+
+# the arch-parametrized tests of test_greedy_exactness.py and test_ssd_greedy.py share tiny_pair's captures
+# (about 3 s each): one pytest-xdist worker runs both files (make test: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("tiny_pairs_every_arch")
 
 
 @functools.lru_cache(maxsize=None)
 def ssd_program(arch: str, fallback: str):
-    target, draft, _ = tiny_pair(arch)
-    return saguaro.compile(target, draft, k=4, mode="ssd", fallback=fallback, fan_out="geometric", lane="thread", backend="eager", sd_when_faster=False)
+    return tiny_program(arch, mode="ssd", fallback=fallback, fan_out="geometric", lane="thread")[2]
 
 
 @pytest.mark.parametrize("fallback", ["neural", "fast", "auto"])
@@ -48,8 +51,7 @@ def test_ssd_eos_stops_one_sequence_early(arch_pair, fallback):
 
 def test_ssd_misses_only_with_fan_out_zero():
     """Fan-out 0 builds no tree: every lookup misses and the fallback carries the whole generation."""
-    target, draft, _ = tiny_pair("llama")
-    program = saguaro.compile(target, draft, k=3, mode="ssd", fan_out=0, fallback="neural", lane="thread", backend="eager", sd_when_faster=False)
+    target, _, program = tiny_program("llama", k=3, mode="ssd", fan_out=0, fallback="neural", lane="thread")
     ids, mask = prompts(2, 6, seed=4)
     out = program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
     assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 12))
@@ -60,8 +62,7 @@ def test_ssd_misses_only_with_fan_out_zero():
 def test_process_lane_is_exact_and_samples_like_the_thread_lane():
     """The draft side in another process: greedy equals generate; sampling equals the thread lane's.
     The tree is pinned (geometric fan-out): the planner's trees follow each lane's own measured costs."""
-    target, draft, _ = tiny_pair("qwen2")
-    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="process", fan_out="geometric", backend="eager", sd_when_faster=False)
+    target, _, program = tiny_program("qwen2", k=3, mode="ssd", lane="process", fan_out="geometric")
     try:
         ids, mask = prompts(3, 8, seed=9, pad_rows={0: 3})
         out = program.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
@@ -81,8 +82,7 @@ def test_process_lane_is_exact_and_samples_like_the_thread_lane():
 def test_planner_sampling_is_repeatable_for_a_seed():
     """With the planner (fan_out="auto"), sampled plans follow the warm-up's costs and the seed's outcomes
     only, so the same seed gives the same tokens, call after call."""
-    target, draft, _ = tiny_pair("llama")
-    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", backend="eager", sd_when_faster=False)
+    _, _, program = tiny_program("llama", k=3, mode="ssd", lane="thread")
     try:
         ids, mask = prompts(2, 8, seed=4, pad_rows={1: 2})
         runs = [program.generate(ids, attention_mask=mask, max_new_tokens=16, temperature=1.0, seed=11,

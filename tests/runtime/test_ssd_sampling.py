@@ -42,9 +42,21 @@ def exact_late_joint() -> torch.Tensor:
     return joint.reshape(V, V, V, V).sum(dim=(0, 1))  # [V(t3), V(t4)]
 
 
-def sampled_late_joint(**config):
+@functools.lru_cache(maxsize=None)
+def captured_program():
+    """One capture for every path: each path's options are runtime ones (``Program.reconfigure``)."""
     target, draft = models()
-    program = saguaro.compile(target, draft, k=1, mode="ssd", lane="thread", **config, backend="eager", sd_when_faster=False)
+    return saguaro.compile(target, draft, k=1, mode="ssd", lane="thread", backend="eager", sd_when_faster=False)
+
+
+def sampled_late_joint(fresh: bool = False, **config):
+    """``fresh``: a program of its own, so a patched verifier is spliced when its stages are built."""
+    if fresh:
+        target, draft = models()
+        program = saguaro.compile(target, draft, k=1, mode="ssd", lane="thread", **config, backend="eager",
+                                  sd_when_faster=False)
+    else:
+        program = captured_program().reconfigure(**config)
     out = program.generate(PROMPT.expand(SAMPLES, -1), max_new_tokens=4, temperature=1.0, seed=0,
                            eos_token_id=None)
     t3, t4 = out.sequences[:, -2], out.sequences[:, -1]
@@ -80,5 +92,5 @@ def test_ssd_sampling_matches_target_distribution(path):
 def test_biased_fast_fallback_verification_is_caught(monkeypatch):
     """Accepting fast-fallback tokens by greedy comparison (the reference implementation) is biased."""
     monkeypatch.setattr(verification, "verify_sampled", greedy_comparison_verifier)
-    counts, _ = sampled_late_joint(**PATHS["fast_misses"])
+    counts, _ = sampled_late_joint(fresh=True, **PATHS["fast_misses"])
     assert chi_square_pvalue(counts, exact_late_joint()) < 1e-6
