@@ -29,8 +29,8 @@ test-deps:
 
 # Two workers, one per core: every test runs torch with one intra-op thread (tests/conftest.py); tests
 # are handed out one at a time, the heavy ones first, so both workers end together, and the tests of one
-# xdist_group (a costly session fixture) go to one worker (--dist loadgroup); the tests that send real
-# signals and count child processes then run in a pytest process of their own.
+# xdist_group (a costly session fixture) go to one worker (--dist loadgroup); the tests marked isolated
+# (figures compared across two clocks, which a loaded machine skews) then run in a pytest process of their own.
 test: $(STAMP) test-deps
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not isolated"
 	$(PY) -m pytest -q -m isolated

@@ -27,8 +27,10 @@ from tests.models import prompts, reference_greedy
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parent / "scripts" / "unguarded_ssd.py"
 
-# real signals and child processes: run in a pytest process of its own (see the Makefile)
-pytestmark = pytest.mark.isolated
+# one pytest-xdist worker runs this module (make test: --dist loadgroup), so its process lane and its
+# unguarded script run once. Its signals go to this process's main thread and to its own children only, and
+# it counts its own children only, so it shares the machine with the other worker's tests.
+pytestmark = pytest.mark.xdist_group("lane_lifecycle")
 
 
 def process_state(pid: int) -> str | None:
