@@ -30,9 +30,10 @@ def test_generate_writes_a_trace(saved_pair, capsys, tmp_path):  # noqa: F811
 
 @pytest.mark.heavy
 def test_bench_writes_one_trace_per_row(saved_pair, capsys, tmp_path):  # noqa: F811
-    # ssd-uniform: SSD rounds whatever the timings (the planner's row may measure SD faster and run it)
+    # ssd-uniform: SSD rounds whatever the timings (the planner's row may measure SD faster and run it);
+    # --same-process: the rows' own processes are test_cli.py's subject (two Python start-ups saved here)
     rc, out, err = run_cli(["bench", "--modes", "ar,ssd-uniform", "--prompts", "1", "--max-new-tokens", "8",
-                            "--trace", str(tmp_path / "traces"), *pair_args(saved_pair)], capsys)
+                            "--same-process", "--trace", str(tmp_path / "traces"), *pair_args(saved_pair)], capsys)
     assert rc == 0, err
     written = sorted(p.name for p in (tmp_path / "traces").iterdir())
     assert written == ["ar-eager.json", "ssd-uniform-eager.json"]
