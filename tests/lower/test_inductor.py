@@ -3,8 +3,8 @@ the eager tokens for AR, SD and SSD, greedy and sampled (one seed, the same unif
 zero graph breaks, the attention math (masks per kind, softcap) inlined for Inductor to fuse, and
 ``saguaro inspect kernels`` over what it generated.
 
-The one test of the suite that compiles stage graphs with Inductor (C++ on CPU, about ten seconds per
-graph); it is slow by nature, so it covers every mode and both verifications in one go. Gemma 2's
+The suite's test of Inductor-compiled generation (C++ on CPU, about ten seconds per stage graph); it is
+slow by nature, so it covers every mode and both verifications in one go. Gemma 2's
 layers hold what a Llama's do (global attention, RoPE, GQA) and more (sliding windows, softcaps); the
 AOTInductor packages of ``tests/artifact`` compile a Llama's AR stages.
 """
