@@ -62,7 +62,7 @@ def measure(mode: str, reps: int, prompts: int, max_new_tokens: int, k: int, lan
         for rep in range(reps):
             for i, p in enumerate(ids):
                 rate = {}
-                for kind in (("off", "on") if (rep * len(ids) + i) % 2 == 0 else ("on", "off")):
+                for kind in (("off", "on") if (rep + i) % 2 == 0 else ("on", "off")):  # each prompt both ways
                     trace = Path(tmp) / f"{rep}-{i}.json" if kind == "on" else None
                     started = time.perf_counter()
                     out = program.generate(p, max_new_tokens=max_new_tokens, eos_token_id=None, trace=trace)
