@@ -11,10 +11,11 @@ Transport: one anonymous ``socket.socketpair`` inherited by the child (``pass_fd
 peer to authenticate: only the two processes hold the pair. A message is a pickled
 ``(seq, method, args, reply?)``; a reply is ``(seq, ok, value, events)``: ``events``, while a traced
 generation runs, are the draft process's trace events recorded since its last reply
-(``TraceRecorder.take``), so a trace never waits for the draft process to finish work nobody needs. The caller writes and reads whole
-messages with SIGINT deferred, and waits for replies in short interruptible polls, so Ctrl-C never
-leaves half a message on the wire; a reply to a call that an interrupt abandoned carries an old
-``seq`` and is dropped, so the next call finds the lane in step (no restart, no timeout).
+(``TraceRecorder.take``), so a trace never waits for the draft process to finish work nobody needs.
+The caller writes and reads whole messages with SIGINT deferred, and waits for replies in short
+interruptible polls, so Ctrl-C never leaves half a message on the wire; a reply to a call that an
+interrupt abandoned carries an old ``seq`` and is dropped, so the next call finds the lane in step (no
+restart, no timeout).
 
 The draft process ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the caller
 decides), exits on end-of-file of its socket, and exits within half a second when its parent dies

@@ -5,7 +5,6 @@ import functools
 import pytest
 import torch
 
-import saguaro
 from tests.conftest import tiny_program
 from tests.models import prompts, reference_greedy
 

@@ -42,21 +42,18 @@ def exact_late_joint() -> torch.Tensor:
     return joint.reshape(V, V, V, V).sum(dim=(0, 1))  # [V(t3), V(t4)]
 
 
-@functools.lru_cache(maxsize=None)
-def captured_program():
-    """One capture for every path: each path's options are runtime ones (``Program.reconfigure``)."""
+def compiled_program():
     target, draft = models()
     return saguaro.compile(target, draft, k=1, mode="ssd", lane="thread", backend="eager", sd_when_faster=False)
 
 
+captured_program = functools.lru_cache(maxsize=None)(compiled_program)  # one capture for every path
+
+
 def sampled_late_joint(fresh: bool = False, **config):
-    """``fresh``: a program of its own, so a patched verifier is spliced when its stages are built."""
-    if fresh:
-        target, draft = models()
-        program = saguaro.compile(target, draft, k=1, mode="ssd", lane="thread", **config, backend="eager",
-                                  sd_when_faster=False)
-    else:
-        program = captured_program().reconfigure(**config)
+    """Each path's options are runtime ones (``Program.reconfigure``). ``fresh``: a program of its own,
+    so a patched verifier is spliced when its stages are built."""
+    program = (compiled_program() if fresh else captured_program()).reconfigure(**config)
     out = program.generate(PROMPT.expand(SAMPLES, -1), max_new_tokens=4, temperature=1.0, seed=0,
                            eos_token_id=None)
     t3, t4 = out.sequences[:, -2], out.sequences[:, -1]
