@@ -6,7 +6,7 @@ Example: ``python benchmarks/bench.py --prompts 8 --max-new-tokens 64 --json ben
 
 import sys
 
-from saguaro.cli import main
+from saguaro.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

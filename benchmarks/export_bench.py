@@ -39,7 +39,7 @@ def timed_generations(program, prompts, mode, max_new_tokens):
 
 
 def prompts_for(tokenizer, count):
-    from saguaro.bench_rows import bench_prompts
+    from saguaro.bench.rows import bench_prompts
 
     return bench_prompts(tokenizer, count, tokenizer.vocab_size, 0)
 

@@ -97,7 +97,7 @@ class StageRecorder:
     (``draft.tree_greedy@1`` .. ``@k``, counted from the round's glue)."""
 
     def __init__(self):
-        from saguaro.runtime.model_runner import ModelRunner
+        from saguaro.runtime.base.model_runner import ModelRunner
 
         self.runner_cls, self.original, self.calls, self.depth = ModelRunner, ModelRunner.run, {}, 0
         recorder = self

@@ -53,7 +53,7 @@ for tag in ["start-up", "generate 1", "generate 2", "generate 3"]:
         print("interrupted", time.perf_counter(), flush=True)
     timed("next call after Ctrl-C during " + tag)
 timed("a call with no interrupt before")
-print("pid", program.lanes.lane().pid, flush=True)
+print("pid", program.lanes.lane().lane.pid, flush=True)
 while True:
     program.generate(ids, max_new_tokens=200, eos_token_id=None)
 """

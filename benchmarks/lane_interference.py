@@ -49,7 +49,7 @@ def recorded_calls(threads: int) -> dict:
     torch.set_num_threads(threads)
     import saguaro
     from benchmarks.stage_costs import Recorder
-    from saguaro.bench_rows import bench_prompts
+    from saguaro.bench.rows import bench_prompts
 
     target, draft, tokenizer = saguaro.default_pair()
     program = saguaro.compile(target, draft, k=K, mode="ssd", backend="inductor", lane="thread")

@@ -34,7 +34,7 @@ class Recorder:
     """Keeps the last call of each (stage, query width) during generations."""
 
     def __init__(self):
-        from saguaro.runtime.model_runner import ModelRunner
+        from saguaro.runtime.base.model_runner import ModelRunner
 
         self.cls, self.original, self.calls = ModelRunner, ModelRunner.run, {}
         recorder = self
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     import saguaro
-    from saguaro.bench_rows import bench_prompts
+    from saguaro.bench.rows import bench_prompts
 
     target, draft, tokenizer = saguaro.default_pair()
     program = saguaro.compile(target, draft, k=args.k, mode="ssd", backend=args.backend, lane="thread")

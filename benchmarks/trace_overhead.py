@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 import saguaro
-from saguaro.bench_rows import bench_prompts
-from saguaro.runtime.trace import GenerationTrace
+from saguaro.bench.rows import bench_prompts
+from saguaro.runtime.base.trace import GenerationTrace
 
 
 def timing_calls(cls, names: list[str], spent: list[float]) -> None:

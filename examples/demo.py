@@ -11,8 +11,8 @@ import argparse
 import sys
 
 import saguaro
-from saguaro.bench_report import format_table
-from saguaro.bench_rows import bench_prompts, compile_for, run_rows
+from saguaro.bench.report import format_table
+from saguaro.bench.rows import bench_prompts, compile_for, run_rows
 
 TRAIN_COMMAND = "python examples/train_default_pair.py"
 

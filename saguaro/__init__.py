@@ -12,7 +12,7 @@ from saguaro.load import load  # noqa: E402
 # the module, is what ``saguaro.default_pair`` names (a later import of the submodule rebinds nothing).
 from saguaro import default_pair as _default_pair_module  # noqa: E402
 
-from saguaro.inspector import inspect  # noqa: E402
+from saguaro.inspection.inspector import inspect  # noqa: E402
 
 __version__ = "0.1.0"
 

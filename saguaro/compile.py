@@ -12,12 +12,12 @@ from saguaro.capture import capture, model_spec
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import SaguaroError
 from saguaro.core.stages import Stage
-from saguaro.lower import attention_implementation, lower_graph, shape_policy
+from saguaro.lower.lowering import attention_implementation, lower_graph, shape_policy
 from saguaro.passes import run_pipeline
 from saguaro.passes.pipeline import build_stage
-from saguaro.remote_draft import RemoteDraft
-from saguaro.runtime.draft_server import SpeculationServer
-from saguaro.runtime.model_runner import ModelRunner
+from saguaro.runtime.lanes.draft_files import RemoteDraft
+from saguaro.runtime.draft.server import SpeculationServer
+from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.program import Program
 from saguaro.tensor_math.fork import RANK_WIDTH
 
@@ -109,7 +109,7 @@ def check_pair(target_spec, draft_spec) -> None:
 def draft_server(description: dict, config: SaguaroConfig) -> SpeculationServer:
     """In a process lane's draft process: the draft rebuilt from the files ``RemoteDraft.save`` wrote,
     captured, and its speculation server."""
-    from saguaro.remote_draft import load_draft
+    from saguaro.runtime.lanes.draft_files import load_draft
 
     runner = build_runner("draft", load_draft(description), description["backend"], description["attention"])
     return SpeculationServer(runner, config)

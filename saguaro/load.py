@@ -7,7 +7,7 @@ import logging
 import time
 
 from saguaro.artifact.load import load_artifact
-from saguaro.lower import ShapePolicy
+from saguaro.lower.lowering import ShapePolicy
 from saguaro.runtime.program import Program
 
 log = logging.getLogger(__name__)

@@ -11,6 +11,8 @@ from saguaro.core.stages import STAGES
 
 PACKAGE = Path(__file__).resolve().parents[1] / "saguaro"
 MAX_LINES = 300
+MAX_MODULES_PER_FOLDER = 12
+MAX_TOP_LEVEL = 6  # __init__ included
 
 
 def module_name(path: Path) -> str:
@@ -50,17 +52,51 @@ def import_graph() -> nx.DiGraph:
 
 
 def folder(module: str) -> str:
-    """``saguaro.runtime.program`` → ``saguaro.runtime``; top-level modules form one folder."""
+    """The package a module lives in: ``saguaro.runtime.decode.ssd`` → ``saguaro.runtime.decode``; a
+    package's ``__init__`` belongs to the package; modules directly in ``saguaro/`` form one folder."""
     parts = module.split(".")
     is_package = (PACKAGE.parent.joinpath(*parts) / "__init__.py").exists()
-    if len(parts) >= 3 or (len(parts) == 2 and is_package):
-        return ".".join(parts[:2])
-    return "saguaro (top level)"
+    name = module if is_package else ".".join(parts[:-1])
+    return "saguaro (top level)" if name == "saguaro" else name
+
+
+TOP = "saguaro (top level)"
+# What each folder may import (besides itself): the direction its __init__ docstring states.
+ALLOWED = {
+    "saguaro.core": set(),
+    "saguaro.tensor_math": set(),
+    "saguaro.capture": {"saguaro.core"},
+    "saguaro.lower": {"saguaro.core"},
+    "saguaro.passes": {"saguaro.core", "saguaro.capture", "saguaro.tensor_math"},
+    "saguaro.runtime.base": {"saguaro.core", "saguaro.capture", "saguaro.tensor_math"},
+    "saguaro.runtime.draft": {"saguaro.runtime.base", "saguaro.core", "saguaro.tensor_math"},
+    "saguaro.runtime.lanes": {"saguaro.runtime.draft", "saguaro.runtime.base", "saguaro.core"},
+    "saguaro.runtime.decode": {"saguaro.runtime.lanes", "saguaro.runtime.draft", "saguaro.runtime.base",
+                               "saguaro.core", "saguaro.tensor_math"},
+    "saguaro.runtime": {"saguaro.runtime.decode", "saguaro.runtime.lanes", "saguaro.runtime.draft",
+                        "saguaro.runtime.base", "saguaro.core", "saguaro.capture", "saguaro.tensor_math"},
+    "saguaro.artifact": {"saguaro.core", "saguaro.capture", "saguaro.passes", "saguaro.lower", "saguaro.runtime",
+                         "saguaro.runtime.base", "saguaro.runtime.draft", "saguaro.runtime.lanes"},
+    "saguaro.inspection": {"saguaro.core", "saguaro.passes", "saguaro.lower", "saguaro.runtime.base", TOP},
+    "saguaro.bench": {"saguaro.runtime.base", TOP},
+    TOP: {"saguaro.core", "saguaro.capture", "saguaro.passes", "saguaro.lower", "saguaro.tensor_math",
+          "saguaro.artifact", "saguaro.runtime", "saguaro.runtime.base", "saguaro.runtime.draft",
+          "saguaro.runtime.lanes"},
+}
+FOLDERS_ANYWHERE = {"saguaro.cli"}  # the command line may import any folder; nothing imports it
+
+
+def folder_graph() -> nx.DiGraph:
+    g = import_graph()
+    folders = nx.DiGraph()
+    folders.add_nodes_from(folder(m) for m in g if m != "saguaro")
+    folders.add_edges_from((folder(a), folder(b)) for a, b in g.edges if folder(a) != folder(b) and a != "saguaro")
+    return folders
 
 
 def test_the_import_graph_sees_function_level_imports():
     g = import_graph()
-    assert g.has_edge("saguaro.runtime.lane_owner", "saguaro.runtime.process_lane")  # imported inside a method
+    assert g.has_edge("saguaro.runtime.lanes.owner", "saguaro.runtime.lanes.process")  # imported inside a function
     assert g.has_edge("saguaro.compile", "saguaro.passes.pipeline")
 
 
@@ -70,17 +106,56 @@ def test_no_cycle_between_modules():
 
 
 def test_no_cycle_between_folders():
-    g = import_graph()
-    folders = nx.DiGraph()
-    folders.add_edges_from((folder(a), folder(b)) for a, b in g.edges if folder(a) != folder(b))
-    cycles = list(nx.simple_cycles(folders))
-    assert not cycles, f"folder import cycles: {cycles}; edges: {sorted(folders.edges)}"
+    cycles = list(nx.simple_cycles(folder_graph()))
+    assert not cycles, f"folder import cycles: {cycles}; edges: {sorted(folder_graph().edges)}"
+
+
+def test_every_folder_imports_only_what_it_may():
+    folders = folder_graph()
+    unknown = set(folders) - set(ALLOWED) - FOLDERS_ANYWHERE
+    assert not unknown, f"folders without a declared direction (add them to ALLOWED and their __init__): {unknown}"
+    wrong = {(a, b) for a, b in folders.edges if a not in FOLDERS_ANYWHERE and b not in ALLOWED[a]}
+    assert not wrong, f"imports against the declared direction: {sorted(wrong)}"
+    assert not [a for a, b in folders.edges if b in FOLDERS_ANYWHERE], "the library imports the CLI"
+
+
+def test_every_folder_says_what_lives_there_and_what_it_may_import():
+    for package in sorted(PACKAGE.rglob("__init__.py")):
+        if package.parent == PACKAGE:
+            continue
+        doc = ast.get_docstring(ast.parse(package.read_text())) or ""
+        assert "import" in doc.lower() and len(doc.splitlines()) <= 4, f"{package.relative_to(PACKAGE.parent)}: {doc!r}"
+
+
+def test_folders_stay_small():
+    counts = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            counts[path.parent] = counts.get(path.parent, 0) + 1
+    big = {str(d.relative_to(PACKAGE.parent)): n for d, n in counts.items() if n > MAX_MODULES_PER_FOLDER}
+    assert not big, f"folders with more than {MAX_MODULES_PER_FOLDER} modules: {big}"
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} modules directly in saguaro/: {top}"
+
+
+def test_only_the_lanes_name_server_methods():
+    """Outside ``runtime/lanes/``, nothing posts or calls a lane with a method given as a string."""
+    offenders = []
+    for module, path in modules().items():
+        if module.startswith("saguaro.runtime.lanes"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in {"post", "call"} and node.args
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                offenders.append(f"{module}:{node.lineno} {node.func.attr}({node.args[0].value!r})")
+    assert not offenders, offenders
 
 
 def test_runtime_imports_neither_passes_nor_lowering_nor_compile():
     g = import_graph()
     runtime = [m for m in g if m.startswith("saguaro.runtime")]
-    forbidden = {m for m in g if m.startswith("saguaro.passes")} | {"saguaro.lower", "saguaro.compile"}
+    forbidden = {m for m in g if m.startswith("saguaro.passes")} | {"saguaro.lower.lowering", "saguaro.compile"}
     reached = {t for m in runtime for t in nx.descendants(g, m)} & forbidden
     assert not reached, f"the runtime reaches {sorted(reached)}"
 

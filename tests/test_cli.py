@@ -1,4 +1,4 @@
-"""``saguaro generate`` and ``saguaro bench`` through ``saguaro.cli.main``, and the console script once.
+"""``saguaro generate`` and ``saguaro bench`` through ``saguaro.cli.main.main``, and the console script once.
 
 A tiny target/draft pair and a character tokenizer are saved to a temporary folder. Tests check
 structure and losslessness, never wall-clock time.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from saguaro.cli import main
+from saguaro.cli.main import main
 from saguaro.core.errors import SaguaroError
 from tests.models import EOS, reference_greedy, tiny_target, truncated_draft
 from tests.tiny_tokenizer import tiny_tokenizer

@@ -1,5 +1,5 @@
 """``saguaro generate --trace``, ``saguaro bench --trace``, ``saguaro inspect ...`` through
-``saguaro.cli.main`` on a tiny saved pair (``tests/test_report.py`` renders the report in a browser)."""
+``saguaro.cli.main.main`` on a tiny saved pair (``tests/test_report.py`` renders the report in a browser)."""
 
 import json
 import re
@@ -8,7 +8,7 @@ import pytest
 import pydot
 
 from saguaro.core.stages import STAGES
-from saguaro.runtime.trace_read import check_trace, slices
+from saguaro.runtime.base.trace_read import check_trace, slices
 from tests.test_cli import run_cli, saved_pair  # noqa: F401 - the fixture
 
 

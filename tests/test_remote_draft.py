@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from saguaro.remote_draft import RemoteDraft, RemoteDraftError, load_draft
+from saguaro.runtime.lanes.draft_files import RemoteDraft, RemoteDraftError, load_draft
 from tests.models import tiny_config, tiny_target, truncated_draft
 
 

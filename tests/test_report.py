@@ -13,7 +13,7 @@ import torch
 
 import saguaro
 from saguaro.inspection.graph_view import have_dot
-from saguaro.report import write_report
+from saguaro.inspection.report import write_report
 from tests.conftest import tiny_pair
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")

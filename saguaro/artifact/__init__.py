@@ -1,1 +1,2 @@
-"""Exported programs: ``program.export(path)`` writes an artifact directory, ``saguaro.load(path)`` loads it."""
+"""Exported programs: ``program.export(path)`` writes an artifact directory, ``saguaro.load(path)``
+loads it. May import core, capture, passes, lower and runtime; the runtime never imports it."""

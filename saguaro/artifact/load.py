@@ -20,8 +20,8 @@ from saguaro.capture.export import CapturedModel, ModelSpec
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ArtifactError
 from saguaro.core.stages import BY_QUALIFIED_NAME, Stage
-from saguaro.runtime.draft_server import SpeculationServer
-from saguaro.runtime.model_runner import ModelRunner
+from saguaro.runtime.draft.server import SpeculationServer
+from saguaro.runtime.base.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import torch
 
 from saguaro.core.stages import Stage, stages_for
 from saguaro.passes.pipeline import build_stage
-from saguaro.runtime.model_runner import ModelRunner
+from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.program import Program
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ class SaguaroConfig:
     backend: ``"inductor"`` (``torch.compile`` of every stage, the default, as ``torch.compile`` compiles
         by default) or ``"eager"`` (the stage GraphModules themselves: quick to start, for debugging).
     fallback: on an SSD cache miss, ``"neural"``, ``"fast"`` or ``"auto"``.
-    fan_out: ``"auto"`` (the planner, :mod:`saguaro.runtime.planner`, picks each round's branch count
+    fan_out: ``"auto"`` (the planner, :mod:`saguaro.runtime.draft.planner`, picks each round's branch count
         among the multiples of ``k+1`` up to the budget, 0 meaning an SD round, and its fan-out from
         measured costs and outcomes), ``"geometric"`` (always the whole budget, split geometrically),
         an int (uniform; 0 disables the tree) or a list of ``k+1`` ints.
@@ -31,9 +31,9 @@ class SaguaroConfig:
     saguaro_c: Saguaro sampling down-weighting constant in (0, 1]; 1 disables it.
     max_seq_len: the most tokens (prompt + new) per sequence; default the target's maximum positions.
         The KV store also holds each round's speculation slots (and SSD's tree scratch), and with
-        inductor its capacity is rounded up to the shape bucket (``saguaro.lower.CAPACITY_BUCKET``).
+        inductor its capacity is rounded up to the shape bucket (``saguaro.lower.lowering.CAPACITY_BUCKET``).
     lane: where SSD's draft side runs: ``"thread"`` (a worker thread), ``"process"`` (another
-        process over an anonymous socket pair, ``saguaro.runtime.process_lane``) or ``"auto"``: the
+        process over an anonymous socket pair, ``saguaro.runtime.lanes.process``) or ``"auto"``: the
         thread lane (its own CUDA stream on GPU) except for the eager backend on CPU, where the GIL,
         held while FX graphs are interpreted, makes a thread lane slow the target's verification, so
         the process lane wins (measured on the default pair, 2-core CPU, greedy, one ``saguaro bench
@@ -43,7 +43,7 @@ class SaguaroConfig:
     attention: how the stages run attention (the ``lower_attention`` pass): ``"op"`` (the
         ``saguaro::attention`` custom op), ``"inline"`` (its math inline, so Inductor fuses the KV
         write), ``"flex"`` (FlexAttention under a block mask built in the graph; opt-in, see
-        :func:`saguaro.lower.attention_implementation`) or ``"auto"``: op for the eager backend,
+        :func:`saguaro.lower.lowering.attention_implementation`) or ``"auto"``: op for the eager backend,
         inline for Inductor.
     lane_timeout_s: seconds the target waits for one answer of the draft lane, during a generation,
         before finishing that generation with SD.

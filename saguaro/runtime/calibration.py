@@ -16,7 +16,7 @@ import time
 import torch
 
 from saguaro.core.stages import DRAFT_STEP, TARGET_VERIFY
-from saguaro.runtime.model_runner import ModelRunner
+from saguaro.runtime.base.model_runner import ModelRunner
 
 REPEATS = 3
 
@@ -137,12 +137,12 @@ class Calibration:
             verify = lambda repeats=REPEATS: time_verify_alone(  # noqa: E731
                 self.target, batch, target_capacity, self.k, temperature, self.target.spec.vocab_size, repeats)
             alone = verify()
-            costs = copy.deepcopy(lane.call("warm_up", spec, spec.input_ids[:, -1], timeout_s=WARM_UP_TIMEOUT_S))
+            costs = copy.deepcopy(lane.warm_up(spec, spec.input_ids[:, -1], timeout_s=WARM_UP_TIMEOUT_S))
             if costs is not None:
                 for budget in sorted(costs.tree_s) + [0]:
                     for _ in range(2):
-                        lane.post("build_budget", budget)
+                        lane.build_budget(budget)
                         costs.observe_verify(budget, verify(1))
-                        lane.call("finished")  # waits for the build
+                        lane.finished()  # waits for the build
             self._costs[key] = (alone, costs)
         return self._costs[key]

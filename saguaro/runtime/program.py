@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -15,21 +16,18 @@ from saguaro.core.config import MODES, SaguaroConfig
 from saguaro.core.errors import SaguaroError
 from saguaro.core.schedule import critical_path, expected_overlap, round_schedule
 from saguaro.core.stages import DRAFT_PREFILL, TARGET_PREFILL, stages_for
-from saguaro.core.warnings_at_caller import warn_at_caller
 from saguaro.runtime.calibration import Calibration
-from saguaro.runtime.decode_ar import decode_ar
-from saguaro.runtime.decode_sd import decode_sd
-from saguaro.runtime.decode_ssd import decode_ssd
-from saguaro.runtime.draft_server import GenerateSpec
-from saguaro.runtime.inputs import check_generate_args
-from saguaro.runtime.lane_owner import LaneOwner
-from saguaro.runtime.lanes import DraftLaneError, one_thread_per_lane
-from saguaro.runtime.model_runner import ModelRunner
-from saguaro.runtime.planner import ssd_pays
-from saguaro.runtime.sequences import SequenceBatch
-from saguaro.runtime.state import DecodeState
-from saguaro.runtime.stats import Counters, since, summarize
-from saguaro.runtime.trace import GenerationTrace
+from saguaro.runtime.generation_plan import GenerationPlan, plan_generation
+from saguaro.runtime.decode import DECODERS
+from saguaro.runtime.draft.server import GenerateSpec
+from saguaro.runtime.base.inputs import check_generate_args
+from saguaro.runtime.lanes.owner import LaneOwner
+from saguaro.runtime.lanes.protocol import one_thread_per_lane
+from saguaro.runtime.base.model_runner import ModelRunner
+from saguaro.runtime.base.sequences import SequenceBatch
+from saguaro.runtime.base.state import DecodeState
+from saguaro.runtime.base.stats import Counters, since, summarize
+from saguaro.runtime.base.trace import GenerationTrace
 from saguaro.tensor_math.verification import sample_tokens
 
 log = logging.getLogger(__name__)
@@ -71,7 +69,7 @@ class Program:
 
     @property
     def lane_kind(self) -> str:
-        """The lane SSD uses (see :func:`saguaro.runtime.lane_owner.lane_kind`)."""
+        """The lane SSD uses (see :func:`saguaro.runtime.lanes.owner.lane_kind`)."""
         return self.lanes.kind if self.lanes is not None else "thread"
 
     def variant(self, **changes) -> "Program":
@@ -147,7 +145,7 @@ class Program:
         """Decode ``max_new_tokens`` after ``input_ids [B, T]`` (left-padded, ``attention_mask``) in
         ``mode`` (default: the configured one). ``trace``: a path to write a Chrome trace-event JSON
         timeline of this call to (Perfetto, chrome://tracing), or True to keep it only in ``out.trace``
-        (see :mod:`saguaro.runtime.trace`). Concurrent calls wait for each other (one lock per Program);
+        (see :mod:`saguaro.runtime.base.trace`). Concurrent calls wait for each other (one lock per Program);
         ``seed=None`` draws the seed from torch's global generator, advancing it as a sampling call of
         ``transformers`` does, without reseeding it."""
         with self._lock:
@@ -156,6 +154,38 @@ class Program:
 
     @torch.inference_mode()
     def _generate(self, input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode, trace):
+        mode, input_ids, attention_mask, eos_ids = self._validate(input_ids, max_new_tokens, temperature,
+                                                                  eos_token_id, seed, attention_mask, mode)
+        B, T = input_ids.shape
+        padded_ids, padded_mask = self.shapes.pad_prompt(input_ids, attention_mask, self.pad_token_id)
+        generator, base = None, None
+        if temperature > 0:  # one generator per lane (the draft lane's is seeded base + 1)
+            base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long))
+            generator = torch.Generator(device=self.target.spec.device).manual_seed(base)
+        self.prepare("sd" if mode == "ssd" and self.lanes.lane() is None else mode, temperature)
+        # before the trace and the clock start: a new shape warms the lane up
+        spec = self._draft_spec(padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base)
+        plan = plan_generation(self, mode, spec if mode == "ssd" else None,
+                               self._store_capacity(padded_ids.shape[1], max_new_tokens))
+        runners = [self.target] + ([self.draft] if plan.run == "sd" else [])
+        with GenerationTrace(trace, runners, plan.lane if plan.run == "ssd" else None) as tracing:
+            start = time.perf_counter()
+            state = self._decode(plan, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator,
+                                 tracing.recorder)
+            wall = since(start)
+        sequences = state.seqs.result()[:, padded_ids.shape[1] - T:]  # without the bucket's padding columns
+        stats = summarize(state.counters, plan.mode, int(state.seqs.generated.sum()), B, wall, self.lane_kind,
+                          self._schedule_stats(temperature > 0) if plan.mode == "ssd" else None)
+        stats["plan"] = plan.why
+        if plan.mode == "ssd":
+            stats["planned_sd"] = plan.planned_sd  # True: the planner measured that no tree pays here, SD ran
+            if plan.run == "ssd" and not state.counters.lane_failures:
+                self.calibration.record_ssd(self.calibration.key(plan.lane, plan.spec), state.counters.round_s)
+        return GenerateOutput(sequences=sequences, stats=stats, counters=state.counters,
+                              trace=tracing.finish(stats))
+
+    def _validate(self, input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode):
+        """The call's mode, its checked ``input_ids [B, T]`` and mask on the target's device, and eos ids."""
         mode = mode or self.config.mode
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not allowed: choose one of {', '.join(MODES)}")
@@ -163,93 +193,43 @@ class Program:
             raise ValueError(f"mode={mode!r} needs a draft model; compile with draft=... or use mode='ar'")
         if eos_token_id == "default":
             eos_token_id = self.eos_token_id
-        device = self.target.spec.device
         input_ids, attention_mask, eos_ids = check_generate_args(
-            input_ids, attention_mask, max_new_tokens, temperature, seed, eos_token_id, device)
+            input_ids, attention_mask, max_new_tokens, temperature, seed, eos_token_id, self.target.spec.device)
         vocab = self.target.spec.vocab_size
         if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
             raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")
-        B, T = input_ids.shape
+        T = input_ids.shape[1]
         if T + max_new_tokens > self.max_length:
             raise ValueError(
                 f"prompt length {T} + max_new_tokens {max_new_tokens} = {T + max_new_tokens} exceeds the maximum "
                 f"of {self.max_length} tokens (KV capacity / the models' max_position_embeddings)")
-        if mode == "ssd":
-            lane = self.lanes.lane()
-            if lane is None:  # no lane can start (warned once): SD gives the same tokens
-                mode = "sd"
-        padded_ids, padded_mask = self.shapes.pad_prompt(input_ids, attention_mask, self.pad_token_id)
-        generator, base = None, None
-        if temperature > 0:  # one generator per lane (the draft lane's is seeded base + 1)
-            base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long))
-            generator = torch.Generator(device=device).manual_seed(base)
-
-        self.prepare(mode, temperature)
-        calibrated, planned_sd = None, False
-        if mode == "ssd":  # before the trace and the clock start: a new shape warms the lane up
-            spec = self._draft_spec(padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base)
-            try:
-                target_capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens)
-                sd_round_s = self.calibration.sd_round_s(B, target_capacity, spec.capacity, temperature)  # every core
-                with one_thread_per_lane(device):
-                    calibrated = self.calibration.ready(lane, spec, target_capacity)
-            except DraftLaneError as exc:
-                warn_at_caller(f"saguaro: {exc}; generating with SD instead (output stays exact)")
-                self.lanes.drop()
-                mode = "sd"
-            else:  # where no tree pays on the lanes' share of the cores, plain SD on every core is faster
-                key = self.calibration.key(lane, spec)
-                planned_sd = (self.config.sd_when_faster and calibrated[1] is not None and self.calibration.run_as_sd(
-                    key, sd_round_s, ssd_pays(calibrated[1], sd_round_s, self.config.k, self.draft.width)))
-        run_mode = "sd" if planned_sd else mode  # the rounds run; the stats stay those of the mode asked for
-        runners = [self.target] + ([self.draft] if run_mode == "sd" else [])
-        with GenerationTrace(trace, runners, lane if run_mode == "ssd" else None) as tracing:
-            start = time.perf_counter()
-            out = self._decode(run_mode, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator,
-                               base, tracing.recorder, lane if run_mode == "ssd" else None, calibrated)
-            wall = since(start)
-        sequences = out.seqs.result()[:, padded_ids.shape[1] - T:]  # without the bucket's padding columns
-        stats = summarize(out.counters, mode, int(out.seqs.generated.sum()), B, wall, self.lane_kind,
-                          self._schedule_stats(temperature > 0) if mode == "ssd" else None)
-        if mode == "ssd":
-            stats["planned_sd"] = planned_sd  # True: the planner measured that no tree pays here, SD ran
-            if run_mode == "ssd" and not out.counters.lane_failures:
-                self.calibration.record_ssd(key, out.counters.round_s)
-        return GenerateOutput(sequences=sequences, stats=stats, counters=out.counters, trace=tracing.finish(stats))
+        return mode, input_ids, attention_mask, eos_ids
 
     def _draft_spec(self, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base) -> GenerateSpec:
         capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, tree=True)
         return GenerateSpec(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id,
                             float(temperature), None if base is None else base + 1)
 
-    def _decode(self, mode, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator, base,
-                recorder, lane, calibrated) -> DecodeState:
-        B, device = padded_ids.shape[0], self.target.spec.device
+    def _decode(self, plan: GenerationPlan, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature,
+                generator, recorder) -> DecodeState:
+        B = padded_ids.shape[0]
         # the target's store never holds a tree; the draft's store of an SSD generation run as SD keeps SSD's
         # capacity: the shapes the warm-up compiled and timed
         capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens)
-        draft_capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, tree=calibrated is not None)
+        draft_capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, tree=plan.calibrated is not None)
         seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id)
         state = DecodeState(
             seqs=seqs, target_store=self.target.new_store(B, capacity),
-            draft_store=self.draft.new_store(B, draft_capacity) if mode == "sd" else None,
+            draft_store=self.draft.new_store(B, draft_capacity) if plan.run == "sd" else None,
             temperature=float(temperature), generator=generator, k=self.config.k, recorder=recorder)
-        if mode == "ssd":
-            with one_thread_per_lane(device):
-                state.counters.verify_alone_s, plan_costs = calibrated
-                first = self._prefill(state)
-                draft_spec = self._draft_spec(padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base)
-                draft_spec.plan_costs = plan_costs
-                if not decode_ssd(self.target, self.draft, state, lane, draft_spec, first):
-                    self.lanes.drop()  # a lane that failed mid-generation is not reused
-        else:
-            if calibrated is not None:  # an SSD generation the planner runs as SD
-                state.counters.verify_alone_s = calibrated[0]
-            self._prefill(state)
-            if mode == "ar":
-                decode_ar(self.target, state)
-            else:
-                decode_sd(self.target, self.draft, state)
+        if plan.calibrated is not None:  # SSD's ideal round: the verify alone (also for SSD run as SD)
+            state.counters.verify_alone_s = plan.calibrated[0]
+        ssd = plan.run == "ssd"
+        with one_thread_per_lane(self.target.spec.device) if ssd else nullcontext():
+            first = self._prefill(state)
+            DECODERS[plan.run](self.target, self.draft, state, plan, first)
+        if ssd and state.counters.lane_failures:
+            self.lanes.drop()  # a lane that failed mid-generation is not reused
         return state
 
     @property

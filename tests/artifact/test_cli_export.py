@@ -4,7 +4,7 @@ the test stays fast; ``test_artifact.py`` covers the AOTInductor packages)."""
 
 import torch
 
-from saguaro.cli import main
+from saguaro.cli.main import main
 from tests.models import EOS, reference_greedy, tiny_target
 from tests.tiny_tokenizer import tiny_tokenizer
 

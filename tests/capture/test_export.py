@@ -6,7 +6,7 @@ import torch
 from saguaro.capture import capture
 from saguaro.capture.attention_op import ATTENTION_OP
 from saguaro.core.errors import CaptureError, SaguaroError
-from saguaro.runtime.kv_store import KVStore
+from saguaro.runtime.base.kv_store import KVStore
 from tests.models import ARCHITECTURES, LlamaForCausalLM, tiny_config, tiny_target
 
 

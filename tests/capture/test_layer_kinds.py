@@ -9,7 +9,7 @@ from saguaro.capture import capture, model_spec
 from saguaro.capture.attention_op import ATTENTION_OP, MASK_OP, VARIANTS_OP
 from saguaro.capture.layer_kinds import LayerKind, layer_kinds
 from saguaro.core.errors import CaptureError
-from saguaro.runtime.kv_store import KVStore
+from saguaro.runtime.base.kv_store import KVStore
 from tests.models import FAMILIES, WINDOW, tiny_config, tiny_family_config, tiny_family_target
 
 FULL, SLIDING = LayerKind(), LayerKind(window=WINDOW)

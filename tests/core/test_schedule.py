@@ -4,7 +4,7 @@ import networkx as nx
 import pytest
 
 import saguaro
-from saguaro.runtime import tree
+from saguaro.runtime.draft import tree
 from saguaro.core.schedule import critical_path, expected_overlap, lane_order, round_schedule
 from tests.conftest import tiny_pair
 from tests.models import prompts

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from saguaro.core.errors import SaguaroError
-from saguaro.lower import lower_graph
+from saguaro.lower.lowering import lower_graph
 
 
 def host_round_trip(x):

@@ -4,7 +4,7 @@ dropped from the result), KV capacities rounded up to CAPACITY_BUCKET slots; eag
 import torch
 
 import saguaro
-from saguaro.lower import CAPACITY_BUCKET, PROMPT_BUCKET, bucketed
+from saguaro.lower.lowering import CAPACITY_BUCKET, PROMPT_BUCKET, bucketed
 from tests.models import tiny_target, truncated_draft
 
 

@@ -8,7 +8,7 @@ import torch
 
 from saguaro.capture import capture
 from saguaro.passes import run_pipeline
-from saguaro.runtime.kv_store import KVStore
+from saguaro.runtime.base.kv_store import KVStore
 from tests.models import tiny_target
 
 

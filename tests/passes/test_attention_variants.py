@@ -13,7 +13,7 @@ from saguaro.capture.attention_op import ATTENTION_OP, MASK_OP, VARIANTS_OP
 from saguaro.passes import run_pipeline
 from saguaro.passes.lower_attention import attention_flex, attention_inline, flex_block_mask, lower_attention
 from saguaro.passes.specialize_attention import specialize_attention
-from saguaro.runtime.kv_store import KVStore
+from saguaro.runtime.base.kv_store import KVStore
 from tests.models import WINDOW, tiny_family_target
 
 PROMPT = torch.tensor([[5, 9, 17, 33, 41, 8, 100, 23, 61, 70], [7, 7, 3, 90, 12, 44, 19, 120, 6, 31]])  # [2, 10]

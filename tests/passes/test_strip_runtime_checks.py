@@ -6,7 +6,7 @@ import torch
 
 from saguaro.capture import capture
 from saguaro.passes.strip_runtime_checks import ASSERT_OPS, TO_DTYPE, strip_runtime_checks
-from saguaro.runtime.kv_store import KVStore
+from saguaro.runtime.base.kv_store import KVStore
 from tests.models import tiny_target
 
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from saguaro.runtime.fan_out import OutcomeEstimator, geometric_fan_out, resolve_fan_out
+from saguaro.runtime.draft.fan_out import OutcomeEstimator, geometric_fan_out, resolve_fan_out
 
 
 @settings(max_examples=200, deadline=None)

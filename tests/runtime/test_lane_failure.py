@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import saguaro
-from saguaro.runtime import tree
+from saguaro.runtime.draft import tree
 from tests.conftest import tiny_pair, tiny_program
 from tests.models import prompts, reference_greedy
 
@@ -60,8 +60,8 @@ def test_dead_draft_process_finishes_with_sd():
     try:
         first = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
         assert torch.equal(first.sequences, expected) and first.stats["lane"] == "process"
-        program.lanes.lane().process.kill()
-        program.lanes.lane().process.wait()
+        program.lanes.lane().lane.process.kill()
+        program.lanes.lane().lane.process.wait()
         with pytest.warns(RuntimeWarning, match="dead.*SD"):
             out = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
         assert torch.equal(out.sequences, expected) and out.stats["lane_failures"] == 1
@@ -77,7 +77,8 @@ def test_auto_lane_is_the_process_lane_for_eager_on_cpu_and_the_thread_lane_for_
 
 
 def test_a_lane_that_cannot_start_falls_back_to_sd(monkeypatch):
-    from saguaro.runtime import lane_owner, lanes
+    from saguaro.runtime.lanes import owner as lane_owner
+    from saguaro.runtime.lanes import thread as lanes
 
     target, _, program = tiny_program("llama", k=3, mode="ssd", lane="thread")
 

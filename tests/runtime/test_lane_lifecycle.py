@@ -18,8 +18,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from saguaro.remote_draft import RemoteDraft
-from saguaro.runtime import lane_owner, lanes
+from saguaro.runtime.lanes.draft_files import RemoteDraft
+from saguaro.runtime.lanes import owner as lane_owner
+from saguaro.runtime.lanes import thread as lanes
 from saguaro.runtime.program import Program
 from tests.conftest import tiny_pair
 from tests.models import prompts, reference_greedy
@@ -54,7 +55,7 @@ def draft_children(parent: int | None = None) -> set:
             cmdline = (entry / "cmdline").read_bytes()
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
-        if ppid == parent and (b"saguaro.draft_process" in cmdline or process_state(int(entry.name)) == "Z"):
+        if ppid == parent and (b"saguaro.runtime.lanes.draft_process" in cmdline or process_state(int(entry.name)) == "Z"):
             found.add(int(entry.name))
     return found
 
@@ -177,13 +178,13 @@ def test_ctrl_c_during_generate_leaves_the_lane_in_step(process_program, lane):
         for _ in range(5))
     assert interrupted >= 3
     if lane == "process":
-        os.kill(draft_lane.pid, signal.SIGINT)
+        os.kill(draft_lane.lane.pid, signal.SIGINT)
     out = program.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None)
     assert torch.equal(out.sequences, expected)
     assert out.stats["mode"] == "ssd" and out.stats["lane_failures"] == 0 and program.lanes.lane() is draft_lane
     assert torch.get_num_threads() == threads
     if lane == "process":
-        assert draft_children() == {draft_lane.pid}
+        assert draft_children() == {draft_lane.lane.pid}
 
 
 def test_ctrl_c_during_lane_start_up_leaves_no_child_and_no_files(process_program, monkeypatch, tmp_path):
@@ -259,7 +260,7 @@ def test_a_thread_lane_that_cannot_start_is_tried_once(process_program, monkeypa
 
 
 def test_a_lane_failure_mid_generation_warns_at_the_callers_line(process_program, monkeypatch):
-    from saguaro.runtime import tree
+    from saguaro.runtime.draft import tree
 
     target, program = process_program
     program = program.reconfigure(lane="thread")

@@ -6,8 +6,8 @@ import itertools
 import pytest
 import torch
 
-from saguaro.runtime.fan_out import OutcomeEstimator, outcome_probabilities
-from saguaro.runtime.planner import Planner, best_fan_out
+from saguaro.runtime.draft.fan_out import OutcomeEstimator, outcome_probabilities
+from saguaro.runtime.draft.planner import Planner, best_fan_out
 
 
 def power_miss(rho, per_position=None):
@@ -133,7 +133,7 @@ def test_planning_miss_function_fits_the_observed_ranks_per_position():
 
 
 def test_ssd_pays_only_where_its_best_plan_beats_plain_sd():
-    from saguaro.runtime.planner import StageCosts, ssd_pays
+    from saguaro.runtime.draft.planner import StageCosts, ssd_pays
 
     cheap = StageCosts(glue_s=1e-3, step_s=2e-3, tree_s={6: 0.5e-3, 12: 0.6e-3}, verify_s={0: 10e-3, 6: 10e-3, 12: 10e-3})
     assert ssd_pays(cheap, sd_round_s=20e-3, k=5, cap=64)  # the tree hides behind a 10 ms verify; SD takes 20
@@ -145,13 +145,13 @@ def test_ssd_pays_only_where_its_best_plan_beats_plain_sd():
 @pytest.mark.parametrize("pays", [False, True])
 def test_a_generation_no_tree_pays_for_runs_as_sd_and_says_so(monkeypatch, pays):
     import saguaro
-    from saguaro.runtime import program as program_module
+    from saguaro.runtime import generation_plan
     from tests.conftest import tiny_pair
     from tests.models import prompts, reference_greedy
 
     target, draft, _ = tiny_pair("llama")
     program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", backend="eager")  # sd_when_faster
-    monkeypatch.setattr(program_module, "ssd_pays", lambda *args: pays)
+    monkeypatch.setattr(generation_plan, "ssd_pays", lambda *args: pays)
     ids, mask = prompts(2, 8, seed=2, pad_rows={1: 3})
     try:
         out = program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
@@ -159,6 +159,7 @@ def test_a_generation_no_tree_pays_for_runs_as_sd_and_says_so(monkeypatch, pays)
         program.close()
     assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 12))
     assert out.stats["mode"] == "ssd" and out.stats["planned_sd"] is (not pays)
+    assert ("no tree pays here" in out.stats["plan"]) is (not pays)  # the plan says why, in words
     if not pays:  # SD's rounds: no lookup, the draft decoded on the caller's thread
         assert out.stats["cache_hit_rate"] == 0.0 and out.stats["draft_s"] > 0 and out.stats["verify_alone_s"] > 0
 

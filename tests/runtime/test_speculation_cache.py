@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from saguaro.runtime import tree
+from saguaro.runtime.draft import tree
 from tests.conftest import tiny_pair
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import saguaro
-from saguaro.runtime.trace_read import check_trace, counters, lane_overlap, slices, stage_costs
+from saguaro.runtime.base.trace_read import check_trace, counters, lane_overlap, slices, stage_costs
 from tests.conftest import tiny_pair
 from tests.models import prompts, reference_greedy
 
@@ -101,7 +101,7 @@ def test_process_lane_trace_holds_both_processes_and_its_overlap_matches_the_dra
             out = program.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=None, trace=True)
             trace = out.trace
             check_trace(trace)
-            draft_pid = program.lanes.lane().process.pid
+            draft_pid = program.lanes.lane().lane.process.pid
             by_pid = {pid: {s.track for s in slices(trace) if s.pid == pid} for pid in (os.getpid(), draft_pid)}
             assert by_pid[os.getpid()] == {"host", "target"} and by_pid[draft_pid] == {"draft"}
             assert {"build", "match", "recv"} <= set(_names(trace, "draft"))

@@ -25,7 +25,7 @@ for call in range(3):
     print(json.dumps({"call": call, "seconds": round(time.perf_counter() - started, 3), "mode": out.stats["mode"],
                       "lane": out.stats["lane"], "lane_failures": out.stats["lane_failures"],
                       "exact": torch.equal(out.sequences, expected)}), flush=True)
-print(json.dumps({"draft_pid": program.lanes.lane().pid}), flush=True)
+print(json.dumps({"draft_pid": program.lanes.lane().lane.pid}), flush=True)
 if "--hold" in sys.argv:
     sys.stdin.readline()
 program.close()

@@ -1,0 +1,96 @@
+"""``saguaro inspect passes|graph STAGE|schedule|kernels`` and ``saguaro report OUT.html``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from saguaro.cli.args import add_model_args
+from saguaro.core.config import MODES
+
+
+def add_inspect_parsers(sub) -> None:
+    ins = sub.add_parser("inspect", help="what the compiler built: pass pipeline, stage graphs, the round "
+                                         "schedule, Inductor's kernels")
+    views = ins.add_subparsers(dest="view", required=True)
+    passes = views.add_parser("passes", help="per stage: each pass and the node-count change; --pass: its diff")
+    passes.add_argument("--stage", help="one stage, e.g. target.verify_greedy or verify_greedy (default: all)")
+    passes.add_argument("--pass", dest="pass_name", help="print the unified diff of the graph code before/after "
+                                                         "this pass (needs --stage)")
+    graph = views.add_parser("graph", help="a stage's graph as text, DOT or SVG")
+    graph.add_argument("stage", help="e.g. target.verify_greedy, draft.glue")
+    graph.add_argument("--format", default="text", choices=["text", "dot", "svg"])
+    graph.add_argument("--expand", action="store_true", help="every node (default: one box per decoder layer)")
+    schedule = views.add_parser("schedule", help="the round DAG of a mode (lanes as clusters, measured costs, "
+                                                 "critical path in red)")
+    schedule.add_argument("--mode", default="ssd", choices=list(MODES))
+    schedule.add_argument("--format", default="dot", choices=["text", "dot", "svg"])
+    schedule.add_argument("--no-measure", action="store_true", help="skip the short run that measures stage costs")
+    kernels = views.add_parser("kernels", help="Inductor's generated kernels and compile time per stage")
+    kernels.add_argument("--mode", default="ssd", choices=list(MODES))
+    for view in (passes, graph, schedule, kernels):
+        view.add_argument("--out", metavar="FILE", help="write here instead of stdout")
+        add_model_args(view)
+    report = sub.add_parser("report", help="one self-contained HTML page: schedule, timeline, acceptance, "
+                                           "cache hits, fan-out, stats, stage graphs")
+    report.add_argument("out", metavar="OUT.html")
+    report.add_argument("--prompt", default=None, help="text to complete (default: the start of a Python script)")
+    add_model_args(report)
+
+
+def _program(args, backend=None):
+    from saguaro.compile import compile as saguaro_compile
+    from saguaro.models_io import DTYPES, load_pair
+
+    target, draft, tokenizer = load_pair(args.target, args.draft, need_draft=True, dtype=DTYPES[args.dtype],
+                                         device=args.device)
+    program = saguaro_compile(target, draft, k=args.k, mode="ssd", backend=backend or args.backend)
+    return program, tokenizer
+
+
+def _emit(text: str, out: str | None) -> None:
+    if out:
+        Path(out).write_text(text)
+        sys.stdout.write(f"wrote {out}\n")
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def cmd_inspect(args) -> int:
+    from saguaro.inspection.inspector import Inspector, format_kernels, resolve_stage
+
+    if args.view == "passes" and args.pass_name and not args.stage:
+        raise ValueError("--pass needs --stage: the diff is of one stage's graph")
+    stage = getattr(args, "stage", None)
+    if stage:
+        resolve_stage(stage)  # a bad name fails before any model loads
+    program, _ = _program(args)
+    inspector = Inspector(program)
+    try:
+        if args.view == "passes":
+            text = (inspector.pass_diff(args.stage, args.pass_name) if args.pass_name
+                    else inspector.passes(args.stage))
+        elif args.view == "graph":
+            text = inspector.graph(args.stage, format=args.format, expand=args.expand)
+        elif args.view == "schedule":
+            text = inspector.schedule(args.mode, format=args.format, measure=not args.no_measure)
+        else:
+            text = format_kernels(inspector.kernels(args.mode))
+    finally:
+        program.close()
+    _emit(text, args.out)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from saguaro.inspection.report import write_report
+
+    program, tokenizer = _program(args)
+    try:
+        prompt = {"prompt": args.prompt} if args.prompt else {}
+        path = write_report(program, args.out, tokenizer=tokenizer, **prompt,
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    finally:
+        program.close()
+    sys.stdout.write(f"wrote {path}\n")
+    return 0

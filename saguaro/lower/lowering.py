@@ -1,0 +1,153 @@
+"""Lowering: a stage GraphModule → a callable on a backend (eager or inductor)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from saguaro.core.errors import SaguaroError
+from saguaro.lower.kernel_log import capture_output_code
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("eager", "inductor")
+
+# Inductor options per device type (per compile, never set globally). On CPU the C++ wrapper calls the
+# generated kernels without a Python wrapper in between: the stages of a small draft are bound by
+# per-call overhead, not FLOPs.
+INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True}, "cuda": {}}
+COMPILE_LOG_S = 1.0  # a stage call this slow compiled (a new shape bucket, say): log it
+# Shape buckets of the inductor backend: the runtime left-pads prompts to a multiple of PROMPT_BUCKET
+# columns and rounds KV capacities up to a multiple of CAPACITY_BUCKET slots, so requests of nearby
+# sizes run one static-shape compilation of each stage.
+PROMPT_BUCKET = 16
+CAPACITY_BUCKET = 64
+
+
+def bucketed(n: int, step: int) -> int:
+    """``n`` rounded up to a multiple of ``step``."""
+    return -(-n // step) * step
+
+
+@dataclass(frozen=True)
+class ShapePolicy:
+    """The shapes the runtime feeds a backend's stages: prompts left-padded to a multiple of
+    ``prompt_bucket`` columns (masked; the runtime drops them from the result) and KV capacities
+    rounded up to a multiple of ``capacity_bucket`` slots. Lowering owns it; ``saguaro.compile``
+    hands it to the runtime."""
+
+    prompt_bucket: int = 1
+    capacity_bucket: int = 1
+
+    def capacity(self, slots: int) -> int:
+        return bucketed(slots, self.capacity_bucket)
+
+    def pad_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int):
+        """``input_ids, attention_mask [B, T]`` left-padded to the bucket: ``[B, T']``, ``T' >= T``."""
+        T = input_ids.shape[1]
+        extra = bucketed(T, self.prompt_bucket) - T
+        if extra == 0:
+            return input_ids, attention_mask
+        pad = input_ids.new_full((input_ids.shape[0], extra), pad_token_id)  # [B, extra]
+        return torch.cat([pad, input_ids], dim=1), torch.cat([torch.zeros_like(pad), attention_mask], dim=1)
+
+
+def shape_policy(backend: str) -> ShapePolicy:
+    """Inductor compiles one static shape per bucket, not per request; eager takes any shape."""
+    return ShapePolicy(PROMPT_BUCKET, CAPACITY_BUCKET) if backend == "inductor" else ShapePolicy()
+
+
+def attention_implementation(backend: str, requested: str = "auto") -> str:
+    """How the ``lower_attention`` pass lowers the attention nodes: ``requested`` unless ``"auto"``; then
+    the custom op for the eager backend and the op's math inline for Inductor (it fuses the KV write;
+    the attention is one SDPA call per layer over the store, all ``MQ`` tree queries of a KV head in
+    one call, so each tile of the shared prefix is read once for all branches). ``"flex"``
+    (FlexAttention under an in-graph block mask) is opt-in: with torch 2.13 Inductor on CPU compiles
+    it for multi-token stages but not for one-token steps, and it awaits a check on CUDA
+    (``benchmarks/gpu_check.sh``). See ``passes/lower_attention.py``."""
+    if requested != "auto":
+        return requested
+    return "inline" if backend == "inductor" else "op"
+
+
+class LoweringError(SaguaroError):
+    """A stage graph could not be compiled; the message names the stage and the FX node."""
+
+
+def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: str = "cpu"):
+    """``eager`` runs the GraphModule itself; ``inductor`` compiles it with ``torch.compile``
+    (``fullgraph=True``: a graph break is an error). The first shape bucket a stage sees (the runtime
+    pads prompts and KV capacities to :data:`PROMPT_BUCKET` / :data:`CAPACITY_BUCKET` multiples)
+    compiles with static shapes; a second one recompiles the stage once with those dimensions dynamic
+    (dynamo's automatic dynamic shapes), which then serves every later bucket, so a stage compiles at
+    most twice per batch size and never hits dynamo's recompile limit. Inductor's FX graph cache (on
+    by default) serves repeated compiles of the same graph, in this process and the next.
+    ``device_type`` picks the per-device Inductor options (:data:`INDUCTOR_OPTIONS`)."""
+    if backend == "eager":
+        return gm
+    if backend == "inductor":
+        log.info("lowering %s with inductor (compiled on its first call per shape)", name)
+        # compile the generated forward itself: GraphModule.__call__'s error wrapper walks tracebacks
+        # with a generator, which hides the real error of a failed compile under "trace generator"
+        options = dict(INDUCTOR_OPTIONS.get(device_type, {}))
+        # the stage's weights are the captured model's and never change shape: no guards on them
+        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        compiled = torch.compile(gm.forward, backend="inductor", fullgraph=True, dynamic=None, options=options)
+        return CompiledStage(gm, compiled, name)
+    raise ValueError(f"backend={backend!r} is not allowed: choose one of {', '.join(BACKENDS)}")
+
+
+class CompiledStage:
+    """A compiled stage: logs each compilation and turns compiler failures into ``LoweringError``."""
+
+    def __init__(self, gm: torch.fx.GraphModule, compiled, name: str):
+        self.gm, self.compiled, self.name = gm, compiled, name
+        self.calls = 0
+        self.compile_s: float | None = None  # the first call, compile included
+        self.output_code: list[dict] = []  # what Inductor generated on the first call (kernel_log)
+
+    def __call__(self, *args):
+        self.calls += 1
+        started = time.perf_counter()
+        try:
+            if self.calls == 1:
+                with capture_output_code() as files:
+                    out = self.compiled(*args)
+                self.output_code, self.compile_s = files, time.perf_counter() - started
+            else:
+                out = self.compiled(*args)
+        except Exception as exc:
+            from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError, Unsupported
+
+            if isinstance(exc, (BackendCompilerFailed, TorchRuntimeError, Unsupported)):
+                node = responsible_node(self.gm, exc)
+                where = f" at FX node {node!r}" if node else ""
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise LoweringError(f"inductor could not compile stage {self.name}{where}: {first}") from exc
+            raise
+        elapsed = time.perf_counter() - started
+        if self.calls == 1 or elapsed > COMPILE_LOG_S:  # the first compile, and any later recompile
+            log.info("stage %s: call %d (compile included) took %.1fs", self.name, self.calls, elapsed)
+        return out
+
+
+def responsible_node(gm: torch.fx.GraphModule, exc: BaseException) -> str | None:
+    """The FX node whose generated line the failure passed through last, if any."""
+    lines = gm.code.splitlines()
+    names = {n.name for n in gm.graph.nodes}
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if frame.filename.startswith("<eval_with_key>") and 0 < frame.lineno <= len(lines):
+            match = re.match(r"\s*(\w+)\s*=", lines[frame.lineno - 1])
+            if match and match.group(1) in names:
+                found = match.group(1)
+    text = str(exc)
+    for name in sorted(names, key=len, reverse=True):  # dynamo quotes the user code line it stopped at
+        if found is None and re.search(rf"\b{re.escape(name)} = ", text):
+            found = name
+    return found

@@ -1,0 +1,116 @@
+"""Mode ``ssd``: speculative speculative decoding (``docs/design.md``, "The algorithm").
+
+While the target verifies a speculation on the caller's thread, the draft lane runs glue, fork and
+tree decode for it. When the outcome ``(a, r')`` arrives, a hit gives the next speculation at once; a
+miss uses the neural or fast fallback. :func:`ssd_round` is one round, top to bottom; the draft side
+is a :class:`~saguaro.runtime.draft.server.SpeculationServer` reached through a typed
+:class:`~saguaro.runtime.lanes.protocol.DraftClient`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from saguaro.core.warnings_at_caller import warn_at_caller
+from saguaro.runtime.decode.sd import commit, sd_rounds, verify
+from saguaro.runtime.draft.server import Speculation
+from saguaro.runtime.lanes.protocol import DraftClient, DraftLaneError
+from saguaro.runtime.base.model_runner import ModelRunner
+from saguaro.runtime.base.state import DecodeState
+from saguaro.runtime.base.stats import SOURCES, Counters, since
+from saguaro.runtime.base.trace import traced
+
+
+def decode_ssd(target: ModelRunner, draft: ModelRunner, state: DecodeState, plan,
+               first_tokens: torch.Tensor) -> None:
+    """Run SSD rounds on ``plan.lane`` until every row finishes.
+
+    On a draft-lane failure the generation finishes exactly with SD on a fresh draft store
+    (``state.counters.lane_failures`` counts it; the caller drops the lane).
+    """
+    lane: DraftClient = plan.lane
+    state.counters.verify_alone_s, plan_costs = plan.calibrated
+    try:
+        started = time.perf_counter()
+        with traced(state.recorder, "host", "wait: first speculation"):
+            lane.open(replace(plan.spec, plan_costs=plan_costs))  # the draft prefills the prompt ...
+            speculation = lane.start(first_tokens)  # ... and decodes the first speculation
+        state.counters.draft_s += since(started)
+        while speculation is not None:
+            with traced(state.recorder, "host", "round", {"round": state.counters.rounds + 1}):
+                speculation = ssd_round(target, state, lane, speculation)
+    except DraftLaneError as exc:
+        _finish_with_sd(target, draft, state, exc)
+    finally:
+        lane.settle()  # the last round's build, which no outcome needs, ends before generate returns
+
+
+def ssd_round(target: ModelRunner, state: DecodeState, lane: DraftClient, speculation: Speculation) -> Speculation | None:
+    """One round: verify ∥ build, match the outcome, hit or fallback, and the next speculation (None
+    once every row has finished)."""
+    seqs, counters, recorder = state.seqs, state.counters, state.recorder
+    active = seqs.active.clone()
+    round_started = time.perf_counter()
+    # the draft lane builds the speculation cache for this speculation ...
+    lane.build()
+    # ... while the target verifies it
+    verify_before = counters.verify_s
+    accepted, next_token = verify(target, state, speculation.tokens, speculation.probs)  # [B], [B]
+    with traced(recorder, "host", "commit"):
+        decided = commit(state, speculation.tokens, accepted, next_token)
+        _count_by_source(counters, speculation.source, accepted, active)
+    if seqs.all_finished():
+        counters.end_round(since(round_started), decided)
+        return None
+    # the outcome (a, r') against the cache: waits for what is left of the build
+    started = time.perf_counter()
+    with traced(recorder, "host", "wait: match"):
+        lookup = lane.match(accepted, next_token, counters.verify_s - verify_before)
+    counters.draft_wait_s += since(started)
+    missed = seqs.active & ~lookup.hit  # [B]
+    _count_lookup(counters, lookup.hit & seqs.active, accepted, seqs.active)
+    if recorder is not None:
+        hits = int((lookup.hit & seqs.active).sum())
+        recorder.counter("host", "cache", hits=hits, misses=int(missed.sum()))
+    if not bool(missed.any()):
+        counters.end_round(since(round_started), decided)
+        return lookup.speculation  # every row hit: no draft latency on the critical path
+    # a miss: the draft decodes now (neural) or a free n-gram proposal (fast)
+    started = time.perf_counter()
+    with traced(recorder, "host", "wait: fallback"):
+        fallen_back = lane.fallback(missed)
+    counters.fallback_s += since(started)
+    counters.fallbacks[fallen_back.fallback_kind] += int(missed.sum())
+    counters.end_round(since(round_started), decided)
+    return fallen_back
+
+
+def _count_by_source(counters: Counters, source: torch.Tensor, accepted: torch.Tensor, active) -> None:
+    for code, name in enumerate(SOURCES):
+        rows = active & (source == code)
+        if bool(rows.any()):
+            counters.by_source[name].tokens += int((accepted[rows] + 1).sum())
+            counters.by_source[name].rounds += int(rows.sum())
+
+
+def _count_lookup(counters: Counters, hit: torch.Tensor, accepted: torch.Tensor, active) -> None:
+    counters.lookups += int(active.sum())
+    counters.hits += int(hit.sum())
+    for a in accepted[hit].tolist():
+        counters.hits_at[a] += 1
+
+
+def _finish_with_sd(target: ModelRunner, draft: ModelRunner, state: DecodeState, exc: Exception) -> None:
+    """The draft lane failed: prefill a fresh draft store on this thread and finish exactly with SD."""
+    warn_at_caller(f"saguaro: {exc}; finishing this generation with SD (output stays exact)")
+    state.counters.lane_failures += 1
+    seqs = state.seqs
+    state.draft_store = draft.new_store(seqs.batch, state.target_store.capacity)
+    width = int(seqs.lengths.max()) - 1  # every decided token but the pending one of the longest row
+    # shorter rows also write slots past their pending token; SD drops those before it drafts
+    index = torch.arange(width, device=seqs.tokens.device).expand(seqs.batch, width)
+    draft(state.draft_store, seqs.gather(index), seqs.positions(index).clamp_min(-1), index)
+    sd_rounds(target, draft, state)

@@ -1,0 +1,38 @@
+"""The draft's own decoding: ``k`` autoregressive steps (SD drafting and the neural fallback)."""
+
+from __future__ import annotations
+
+import torch
+
+from saguaro.core.stages import DRAFT_STEP
+from saguaro.runtime.base.kv_store import KVStore
+from saguaro.runtime.base.model_runner import ModelRunner
+
+
+def draft_decode(
+    draft: ModelRunner,
+    store: KVStore,
+    ids: torch.Tensor,  # [B, n]: tokens whose draft KV is missing, the last one being r
+    index: torch.Tensor,  # [B, n]: their slots (token indices)
+    positions: torch.Tensor,  # [B, n]
+    k: int,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode ``k`` tokens after ``ids``: ``tokens [B, k]`` and the distributions drawn from ``[B, k, V]``."""
+    store.invalidate_from(index[:, 0])
+    stage = DRAFT_STEP.at(temperature)
+    tokens, probs = [], []
+    inv_t = torch.tensor(1.0 / temperature, device=ids.device) if temperature > 0 else None
+    for _ in range(k):
+        if inv_t is None:
+            (token,) = draft.run(stage, store, ids, positions, index)  # [B]
+            prob = None
+        else:
+            u = torch.rand(ids.shape[0], generator=generator, device=ids.device)
+            token, prob = draft.run(stage, store, ids, positions, index, inv_t, u)  # [B], [B, V]
+        tokens.append(token)
+        probs.append(prob)
+        ids, index, positions = token[:, None], index[:, -1:] + 1, positions[:, -1:] + 1
+    stacked_probs = torch.stack(probs, dim=1) if probs[0] is not None else None  # [B, k, V]
+    return torch.stack(tokens, dim=1), stacked_probs  # [B, k]

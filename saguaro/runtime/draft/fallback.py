@@ -1,0 +1,95 @@
+"""Fallbacks on a speculation-cache miss: neural (the draft decodes now) or fast (a free proposal),
+and the policy that picks one for ``fallback="auto"``."""
+
+from __future__ import annotations
+
+import torch
+
+from saguaro.runtime.draft.decode import draft_decode
+from saguaro.runtime.base.stats import FALLBACK_KINDS
+from saguaro.runtime.base.kv_store import KVStore
+from saguaro.runtime.base.model_runner import ModelRunner
+from saguaro.runtime.base.sequences import SequenceBatch
+from saguaro.tensor_math.verification import one_hot_proposal
+
+
+def neural_fallback(draft: ModelRunner, store: KVStore, seqs: SequenceBatch, rows: torch.Tensor, k: int,
+                    temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The draft decodes ``k`` tokens from ``r'`` for ``rows [M]`` only.
+
+    Missed rows are copied out of the store; what they write is glue territory that the next glue
+    rewrites, so nothing is copied back.
+    """
+    sub = store if rows.numel() == seqs.batch else store.select_rows(rows)
+    index = seqs.tail_index(1)[rows]  # [M, 1]: r'
+    ids = seqs.tokens[rows].gather(1, index)
+    positions = index - seqs.padding[rows][:, None]
+    return draft_decode(draft, sub, ids, index, positions, k, temperature, generator)
+
+
+def fast_fallback(seqs: SequenceBatch, rows: torch.Tensor, k: int, vocab_size: int,
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An n-gram proposal from each row's own context: what followed the last earlier ``r'``.
+
+    Without a match, ``r'`` repeated. It is deterministic, so verification uses the one-hot
+    proposal ``δ_x`` and stays exact at temperature > 0.
+    """
+    proposals = []
+    for row in rows.tolist():
+        length = int(seqs.lengths[row])
+        context = seqs.tokens[row, :length]
+        last = context[-1]
+        earlier = (context[:-1] == last).nonzero().flatten()
+        if earlier.numel():
+            follow = context[int(earlier[-1]) + 1: int(earlier[-1]) + 1 + k]
+        else:
+            follow = context[:0]
+        pad = last.expand(k - follow.numel())
+        proposals.append(torch.cat([follow, pad]))
+    tokens = torch.stack(proposals) if proposals else torch.zeros(0, k, dtype=torch.long)  # [M, k]
+    probs = one_hot_proposal(tokens, vocab_size) if temperature > 0 else None
+    return tokens, probs
+
+
+AUTO_NEURAL_MAX_BATCH = 8  # the paper: neural fallback pays at small batch, fast at large
+
+
+class FallbackPolicy:
+    """``auto``: per round, the fallback with the higher expected tokens per second.
+
+    Neural: ``acc_neural / (T_verify + T_neural)``; fast: ``acc_fast / T_verify``. Costs and accepted
+    lengths are running means of what this generation measured. The first miss takes the kind the batch
+    size suggests (neural up to ``AUTO_NEURAL_MAX_BATCH`` rows), the next one tries the other kind once,
+    and from then on the measured rates decide.
+    """
+
+    def __init__(self, kind: str, batch: int, fixed_costs: tuple | None = None, timed: bool = True):
+        """``fixed_costs = (T_verify, T_neural)`` replaces measured times; ``timed=False`` without them
+        keeps the batch-size choice: either way the choice then depends on outcomes only (sampled
+        generations, so that a seed fixes the tokens)."""
+        self.kind = kind
+        self.batch = batch
+        self.fixed_costs = fixed_costs
+        self.timed = timed
+        self.accepted = {name: [] for name in FALLBACK_KINDS}
+        self.neural_s: list[float] = []
+        self.verify_s: list[float] = []
+
+    def choose(self) -> str:
+        if self.kind != "auto":
+            return self.kind
+        tried = {kind for kind, lengths in self.accepted.items() if lengths}
+        if not tried or (not self.timed and self.fixed_costs is None):
+            return "neural" if self.batch <= AUTO_NEURAL_MAX_BATCH else "fast"
+        if len(tried) == 1:  # explore the other kind once
+            return "fast" if "neural" in tried else "neural"
+        mean = lambda xs: sum(xs[-32:]) / len(xs[-32:])  # noqa: E731
+        if self.fixed_costs is not None:
+            t_verify, t_neural = self.fixed_costs
+        elif self.neural_s and self.verify_s:
+            t_verify, t_neural = mean(self.verify_s), mean(self.neural_s)
+        else:
+            return "neural"
+        neural_rate = mean(self.accepted["neural"]) / (t_verify + t_neural)
+        fast_rate = mean(self.accepted["fast"]) / t_verify
+        return "neural" if neural_rate >= fast_rate else "fast"

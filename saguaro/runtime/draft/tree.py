@@ -1,0 +1,130 @@
+"""The draft lane's work for one round: glue, fork and tree decode into a speculation cache."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from saguaro.core.schedule import build_steps, round_schedule
+from saguaro.core.stages import DRAFT_GLUE, DRAFT_TREE, Stage
+from saguaro.tensor_math.fork import branch_layout
+from saguaro.runtime.base.kv_store import KVStore
+from saguaro.runtime.base.model_runner import ModelRunner
+from saguaro.runtime.draft.speculation_cache import SpeculationCache
+
+
+@dataclass
+class GlueRequest:
+    """A snapshot of the speculation under verification, taken before the target commits it."""
+
+    ids: torch.Tensor  # [B, K+1]: r, x_1..x_K
+    index: torch.Tensor  # [B, K+1]: their slots
+    positions: torch.Tensor  # [B, K+1]
+    fan_out: list  # F_0..F_K
+    temperature: float
+    saguaro_c: float
+
+    @property
+    def draft_tokens(self) -> torch.Tensor:
+        return self.ids[:, 1:]  # [B, K]
+
+
+def build_speculations(draft: ModelRunner, store: KVStore, req: GlueRequest, generator: torch.Generator | None,
+                       nodes: list[dict] | None = None) -> SpeculationCache:
+    """Glue over ``[r, x_1..x_K]``, fork top-``F_j`` candidates, and decode every branch ``K`` deep.
+
+    ``nodes`` are the draft lane's build nodes of the round schedule in topological order (their
+    attributes: ``stage``, and ``depth`` for tree nodes); each tree depth is one batched draft
+    forward over all ``MQ`` branches of all sequences. Branch ``β`` (1-based) forked at glue row
+    ``j`` sees shared slots up to position ``P0 + j`` and its own slots. Without ``nodes``, those of
+    the SSD round schedule for this request.
+    """
+    if nodes is None:
+        schedule = round_schedule("ssd", req.ids.shape[1] - 1, sampled=req.temperature > 0)
+        nodes = [schedule.nodes[n] for n in build_steps(schedule)]
+    tree = TreeBuild(draft, store, req, generator)
+    for node in nodes:
+        stage = node["stage"]
+        started = time.perf_counter()
+        if stage is DRAFT_GLUE:
+            tree.glue()
+            tree.glue_s = time.perf_counter() - started
+        elif stage in DRAFT_TREE:
+            if req.fan_out and sum(req.fan_out):  # no branches: no tree depth runs
+                tree.depth(node["depth"], stage)
+                tree.depth_s.append(time.perf_counter() - started)
+        else:
+            raise ValueError(f"schedule node of stage {stage.qualified} is not a draft-lane build step")
+    cache = tree.cache()
+    cache.glue_s, cache.depth_s = tree.glue_s, tree.depth_s
+    return cache
+
+
+class TreeBuild:
+    """One round's glue and tree decode, one schedule node at a time."""
+
+    def __init__(self, draft: ModelRunner, store: KVStore, req: GlueRequest, generator):
+        self.draft, self.store, self.req, self.generator = draft, store, req, generator
+        self.B = req.ids.shape[0]
+        self.device = req.ids.device
+        self.tokens, self.probs = [], []
+        self.glue_s, self.depth_s = 0.0, []  # measured seconds of the glue and of each tree depth
+
+    def glue(self) -> None:
+        req, device = self.req, self.device
+        self.store.invalidate_from(req.index[:, 0])  # drop last round's glue tail and tree scratch
+        self.rows, ranks = branch_layout(req.fan_out, device)  # [MQ], [MQ]
+        MQ = self.rows.numel()
+        # the glue stage returns the fork's candidates [B, MQ] and each row's ranked tokens [B, K+1, W]; with no
+        # branches (an SD round) it forks one candidate that nobody uses, so the stage never sees MQ = 0 (a
+        # shape of its own for a compiler, and outside an exported stage's range)
+        layout = (self.rows, ranks) if MQ else branch_layout([1], device)
+        candidates, self.ranked = self.draft.run(DRAFT_GLUE, self.store, req.ids, req.positions, req.index,
+                                                 req.draft_tokens, *layout)
+        self.candidates = candidates[:, :MQ]
+        self.branch = (torch.arange(MQ, device=device) + 1).expand(self.B, MQ)  # [B, MQ]
+        self.fork_pos = req.positions[:, :1] + self.rows[None, :]  # [B, MQ]: position of x_j, the last shared
+        self.first_scratch = req.index[:, -1:] + 1  # [B, 1]
+        self.ids = self.candidates
+        if req.temperature > 0:
+            self.inv_t = torch.tensor(1.0 / req.temperature, device=device)
+            self.c = torch.tensor(float(req.saguaro_c), device=device)
+
+    def depth(self, depth: int, stage: Stage) -> None:
+        """Tree depth ``depth`` (1-based): one draft forward over every branch with ``stage`` (a
+        ``draft.tree`` variant)."""
+        MQ = self.rows.numel()
+        if MQ == 0:  # fan-out 0: glue only; every lookup misses
+            return
+        req, device, d = self.req, self.device, depth - 1
+        slots = self.first_scratch + d * MQ + torch.arange(MQ, device=device)[None, :]  # [B, MQ]
+        position = self.fork_pos + 1 + d
+        if req.temperature == 0.0:
+            (token,) = self.draft.run(stage, self.store, self.ids, position, slots, branch=self.branch,
+                                      limit=self.fork_pos, depth=depth)
+            prob = None
+        else:
+            # Saguaro sampling: this token is x_{d+1} of the next speculation, whose recovery would be
+            # looked up among the top-F_d candidates of the next glue's row d
+            top = torch.tensor(req.fan_out[d], device=device)
+            u = torch.rand(self.B, MQ, generator=self.generator, device=device)
+            token, prob = self.draft.run(stage, self.store, self.ids, position, slots, self.inv_t, top,
+                                         self.c, u, branch=self.branch, limit=self.fork_pos, depth=depth)
+        self.tokens.append(token)  # [B, MQ]
+        self.probs.append(prob)  # [B, MQ, V]
+        self.ids = token
+
+    def cache(self) -> SpeculationCache:
+        K = self.req.ids.shape[1] - 1
+        if self.rows.numel() == 0:
+            V = self.draft.spec.vocab_size
+            probs = torch.zeros(self.B, 0, K, V, device=self.device) if self.req.temperature > 0 else None
+            return SpeculationCache(branch_rows=self.rows, candidates=self.candidates,
+                                    tokens=self.candidates.new_zeros(self.B, 0, K), probs=probs,
+                                    ranked=self.ranked)
+        probs = torch.stack(self.probs, dim=2) if self.probs[0] is not None else None  # [B, MQ, K, V]
+        return SpeculationCache(
+            branch_rows=self.rows, candidates=self.candidates, tokens=torch.stack(self.tokens, dim=2),  # [B, MQ, K]
+            probs=probs, ranked=self.ranked)

@@ -1,0 +1,67 @@
+"""What one ``generate`` call runs, decided before its clock starts: a :class:`GenerationPlan`.
+
+AR and SD run as asked. SSD needs a draft lane (started on first use; none can start → SD, the same
+tokens), the lane warmed up for this shape and the costs measured (:mod:`saguaro.runtime.calibration`),
+and then the planner's verdict: where no tree pays on the lanes' share of the machine, plain SD on
+every core is faster, so the rounds run are SD's (``sd_when_faster``; the stats stay SSD's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from saguaro.core.warnings_at_caller import warn_at_caller
+from saguaro.runtime.draft.planner import ssd_pays
+from saguaro.runtime.draft.server import GenerateSpec
+from saguaro.runtime.lanes.protocol import DraftClient, DraftLaneError, one_thread_per_lane
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """``mode`` the stats report (the mode asked, or ``sd`` where SSD was asked but no lane could serve
+    it), ``run`` the rounds run (``ar``/``sd``/``ssd``), SSD's ``lane``, the ``tree_policy``
+    of its draft side, ``why`` in words; ``calibrated`` = ``(verify_alone_s, plan_costs)`` measured
+    for SSD (kept when it runs as SD: the verify cost and the draft store's shapes), ``spec`` what the
+    draft side is opened with."""
+
+    mode: str
+    run: str
+    why: str
+    lane: DraftClient | None = None
+    tree_policy: str = "none"
+    calibrated: tuple | None = None
+    spec: GenerateSpec | None = None
+
+    @property
+    def planned_sd(self) -> bool:
+        """SSD was asked and a lane was ready, and the planner ran SD's rounds instead."""
+        return self.mode == "ssd" and self.run == "sd" and self.calibrated is not None
+
+
+def plan_generation(program, mode: str, spec: GenerateSpec | None, target_capacity: int) -> GenerationPlan:
+    """The plan of one call of ``program`` in ``mode`` (``spec``: the draft side's, for SSD)."""
+    if mode != "ssd":
+        return GenerationPlan(mode, mode, f"mode {mode} asked")
+    lane = program.lanes.lane()
+    if lane is None:
+        return GenerationPlan("sd", "sd", f"ssd asked, but no draft lane can start ({program.lanes.failure}): SD "
+                                          "gives the same tokens")
+    config, batch = program.config, spec.input_ids.shape[0]
+    tree_policy = "planner" if config.fan_out == "auto" else f"fan_out={config.fan_out!r}"
+    try:
+        sd_round_s = program.calibration.sd_round_s(batch, target_capacity, spec.capacity, spec.temperature)
+        with one_thread_per_lane(spec.input_ids.device):
+            calibrated = program.calibration.ready(lane, spec, target_capacity)
+    except DraftLaneError as exc:
+        warn_at_caller(f"saguaro: {exc}; generating with SD instead (output stays exact)")
+        program.lanes.drop()
+        return GenerationPlan("sd", "sd", f"ssd asked, but the {lane.kind} lane failed while warming up: {exc}")
+    key = program.calibration.key(lane, spec)
+    costs = calibrated[1]
+    if config.sd_when_faster and costs is not None and program.calibration.run_as_sd(
+            key, sd_round_s, ssd_pays(costs, sd_round_s, config.k, program.draft.width)):
+        return GenerationPlan(mode, "sd", f"no tree pays here: an SD round on every core "
+                                          f"({1000 * sd_round_s:.2f} ms) is faster than SSD's on the lanes' "
+                                          "share (sd_when_faster=True)",
+                              tree_policy=tree_policy, calibrated=calibrated, spec=spec)
+    return GenerationPlan(mode, "ssd", f"SSD on the {lane.kind} lane", lane, tree_policy, calibrated, spec)

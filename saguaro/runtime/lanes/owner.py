@@ -1,0 +1,113 @@
+"""The lifecycle of a Program's SSD draft lane: which kind, started on first use, kept, stopped.
+
+Lanes are registered by kind (:data:`LANES`), each with the kind that stands in when it cannot start
+(``falls_back_to``; None: SD, which gives the same tokens). A lane that cannot start is remembered,
+with one warning, for the owner's life (until ``close()``), and the chain goes on to the next kind.
+An interrupt during start-up is not a failure: the next call tries again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+from saguaro.core.config import SaguaroConfig
+from saguaro.core.warnings_at_caller import warn_at_caller
+from saguaro.runtime.base.model_runner import ModelRunner
+from saguaro.runtime.draft.server import SpeculationServer
+from saguaro.runtime.lanes.protocol import DraftClient, DraftLane, DraftLaneError
+from saguaro.runtime.lanes.thread import ThreadLane
+
+
+@dataclass(frozen=True)
+class LaneKind:
+    """How to start one kind of lane for an owner, and which kind stands in when it cannot start."""
+
+    start: Callable[["LaneOwner"], DraftLane]
+    falls_back_to: str | None  # None: the generation runs as SD
+
+
+def _start_thread(owner: "LaneOwner") -> DraftLane:
+    return ThreadLane(SpeculationServer(owner.draft, owner.config), owner.draft.spec.device,
+                      owner.config.lane_timeout_s)
+
+
+def _start_process(owner: "LaneOwner") -> DraftLane:
+    from saguaro.runtime.lanes.process import ProcessLane  # subprocess machinery only when used
+
+    return ProcessLane(owner.remote_draft, owner.config, owner.config.lane_start_timeout_s,
+                       owner.config.lane_timeout_s)
+
+
+LANES: dict[str, LaneKind] = {
+    "thread": LaneKind(_start_thread, falls_back_to=None),
+    "process": LaneKind(_start_process, falls_back_to="thread"),
+}
+
+
+def register_lane(kind: str, start: Callable[["LaneOwner"], DraftLane], falls_back_to: str | None) -> None:
+    """Make ``lane=kind`` start lanes with ``start(owner)``; ``falls_back_to`` stands in when one cannot."""
+    if falls_back_to is not None and falls_back_to not in LANES:
+        raise ValueError(f"lane kind {kind!r} falls back to {falls_back_to!r}, which is not registered "
+                         f"(registered: {', '.join(sorted(LANES))})")
+    LANES[kind] = LaneKind(start, falls_back_to)
+
+
+def lane_kind(config: SaguaroConfig, device_type: str) -> str:
+    """The configured lane, or for ``"auto"`` the process lane for the eager backend on CPU (the GIL,
+    held while FX graphs are interpreted, makes a thread lane slow the target down) and the thread lane
+    otherwise (see :class:`~saguaro.core.config.SaguaroConfig`)."""
+    if config.lane != "auto":
+        return config.lane
+    return "process" if device_type == "cpu" and config.backend == "eager" else "thread"
+
+
+class LaneOwner:
+    """Owns at most one draft lane. ``remote_draft`` rebuilds the draft side in a draft process; the
+    thread lane serves the in-process ``draft`` runner."""
+
+    def __init__(self, config: SaguaroConfig, draft: ModelRunner, remote_draft):
+        self.config = config
+        self.draft = draft
+        self.remote_draft = remote_draft
+        self.configured_kind = lane_kind(config, draft.spec.device.type)
+        if self.configured_kind not in LANES:
+            raise ValueError(f"lane={self.configured_kind!r} is not a registered lane kind "
+                             f"(registered: {', '.join(sorted(LANES))})")
+        self.kind = self.configured_kind
+        self.failure: DraftLaneError | None = None  # why no lane can start (remembered until close)
+        self._client: DraftClient | None = None
+        self._finalizer = None
+
+    def lane(self) -> DraftClient | None:
+        """The lane's client, the lane started on first use (down the fallback chain when a kind cannot
+        start); None when no lane can start (SSD then runs as SD)."""
+        while self._client is None and self.failure is None:
+            try:
+                lane = LANES[self.kind].start(self)
+            except DraftLaneError as exc:
+                fallback = LANES[self.kind].falls_back_to
+                if fallback is None:
+                    self.failure = exc
+                    warn_at_caller(f"saguaro: {exc}; generating with SD instead (output stays exact)")
+                    return None
+                warn_at_caller(f"saguaro: the {self.kind} lane cannot start: {exc}; SSD uses the {fallback} "
+                               "lane instead until close()")
+                self.kind = fallback
+                continue
+            self._client = DraftClient(lane)
+            self._finalizer = weakref.finalize(self, lane.close)
+        return self._client
+
+    def drop(self) -> None:
+        """Stop a lane that failed mid-generation; the next :meth:`lane` starts a new one."""
+        if self._client is not None:
+            self._finalizer()
+            self._client = None
+
+    def close(self) -> None:
+        """Stop the lane and forget any start-up failure: the next :meth:`lane` starts the configured kind."""
+        self.drop()
+        self.failure = None
+        self.kind = self.configured_kind
