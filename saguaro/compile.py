@@ -14,7 +14,7 @@ from saguaro.core.errors import SaguaroError
 from saguaro.core.stages import Stage
 from saguaro.lower.lowering import attention_implementation, lower_graph, shape_policy
 from saguaro.passes import run_pipeline
-from saguaro.passes.pipeline import build_stage
+from saguaro.passes.pipeline import PipelineStages
 from saguaro.runtime.lanes.draft_files import RemoteDraft
 from saguaro.runtime.draft.server import SpeculationServer
 from saguaro.runtime.base.model_runner import ModelRunner
@@ -73,23 +73,22 @@ def build_runner(name: str, model: torch.nn.Module, backend: str, attention: str
     captured = capture(model)
     captured.graph_module = run_pipeline(captured.graph_module)
     width = min(captured.spec.vocab_size, RANK_WIDTH)  # fork / rank / Saguaro-sampling width
-    builder = StageBuilder(name, captured.graph_module, width, backend, attention, captured.spec.device.type)
+    builder = CompiledStages(name, captured.graph_module, width, backend, attention, captured.spec.device.type)
     return ModelRunner(name, captured, builder, width)
 
 
-class StageBuilder:
-    """Derives one model's stage graphs from its captured graph (the stage pass pipeline) and lowers
-    them for the backend; the runtime calls it on a stage's first use."""
+class CompiledStages(PipelineStages):
+    """The :class:`~saguaro.runtime.base.model_runner.StageBuilder` of a compiled model: each stage graph
+    derived from the captured graph by the stage pass pipeline, then lowered for the backend; the
+    runtime calls it on a stage's first use."""
 
     def __init__(self, model_name: str, graph_module: torch.fx.GraphModule, width: int, backend: str,
                  attention: str, device_type: str):
-        self.model_name, self.graph_module, self.width = model_name, graph_module, width
-        self.backend, self.device_type = backend, device_type
-        self.attention = attention_implementation(backend, attention)
+        super().__init__(graph_module, width, attention_implementation(backend, attention))
+        self.model_name, self.backend, self.device_type = model_name, backend, device_type
 
     def __call__(self, stage: Stage):
-        graph = build_stage(self.graph_module, stage, self.width, attention=self.attention)
-        return lower_graph(graph, self.backend, stage.qualified, self.device_type)
+        return lower_graph(self.stage_graph(stage), self.backend, stage.qualified, self.device_type)
 
 
 def check_pair(target_spec, draft_spec) -> None:

@@ -17,6 +17,7 @@ import json
 import logging
 import sysconfig
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -76,6 +77,15 @@ def document_ids(tokenizer, text: str) -> list[int]:
     return [tokenizer.eos_token_id] + tokenizer.encode(text, add_special_tokens=False)
 
 
+def heldout_sources(root: Path, heldout_percent: int = HELDOUT_PERCENT, max_file_bytes: int = MAX_FILE_BYTES):
+    """``(relative path, text)`` of each readable held-out file (:func:`is_heldout`), in sorted path order."""
+    for rel in corpus_files(root, max_file_bytes):
+        if is_heldout(rel, heldout_percent):
+            text = read_source(root, rel)
+            if text is not None:
+                yield rel, text
+
+
 def heldout_chunks(
     tokenizer,
     n_chunks: int,
@@ -92,18 +102,58 @@ def heldout_chunks(
     root = stdlib_root() if root is None else Path(root)
     need = n_chunks * seq_len
     ids: list[int] = []
-    for rel in corpus_files(root, max_file_bytes):
-        if not is_heldout(rel, heldout_percent):
-            continue
-        text = read_source(root, rel)
-        if text is None:
-            continue
+    for _, text in heldout_sources(root, heldout_percent, max_file_bytes):
         ids.extend(document_ids(tokenizer, text))
         if len(ids) >= need:
             break
     if len(ids) < need:
         raise ValueError(f"held-out files give {len(ids)} tokens, fewer than n_chunks*seq_len={need}")
     return torch.tensor(ids[:need], dtype=torch.long).view(n_chunks, seq_len)
+
+
+class HeldoutSnippet(NamedTuple):
+    """A prompt cut from a held-out file: its relative path, its first line (1-based) and its text."""
+
+    path: str
+    line: int
+    text: str
+
+
+def heldout_snippets(
+    count: int,
+    root: Path | None = None,
+    max_lines: int = 12,
+    max_chars: int = 400,
+    heldout_percent: int = HELDOUT_PERCENT,
+    max_file_bytes: int = MAX_FILE_BYTES,
+) -> list[HeldoutSnippet]:
+    """``count`` prompts of held-out source (text the default pair never trained on), deterministic.
+
+    The candidates are the top-level ``def`` / ``class`` lines of the held-out files (:func:`is_heldout`)
+    in sorted path order; prompt ``i`` is candidate ``i * n // count`` (spread over the files), from that
+    line for at most ``max_lines`` whole lines and ``max_chars`` characters (its first line always),
+    ending with a newline, never with a space (a byte-level BPE fuses a space to the next word).
+    Raises ``ValueError`` when there is no candidate (no stdlib sources under ``root``).
+    """
+    if count < 1:
+        raise ValueError(f"count={count} is not allowed: ask for at least one snippet")
+    root = stdlib_root() if root is None else Path(root)
+    candidates: list[tuple[str, int, list[str]]] = []
+    for rel, text in heldout_sources(root, heldout_percent, max_file_bytes):
+        lines = [line.rstrip() + "\n" for line in text.splitlines()]
+        candidates.extend((rel, i, lines) for i, line in enumerate(lines) if line.startswith(("def ", "class ")))
+    if not candidates:
+        raise ValueError(f"no held-out file under {root} has a top-level def or class (are the stdlib sources there?)")
+    snippets = []
+    for i in range(count):
+        rel, start, lines = candidates[i * len(candidates) // count]
+        taken = [lines[start]]
+        for line in lines[start + 1: start + max_lines]:
+            if sum(map(len, taken)) + len(line) > max_chars:
+                break
+            taken.append(line)
+        snippets.append(HeldoutSnippet(rel, start + 1, "".join(taken)))
+    return snippets
 
 
 def slice_digest(chunks: torch.Tensor) -> str:

@@ -93,6 +93,7 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
     assert f"wrote {path}" in out
     report = json.loads(path.read_text())
     assert report["config"]["k"] == 3 and report["config"]["prompts"] == 2
+    assert report["prompts"]["source"] == "fixed"  # a user's pair: not the default pair's held-out files
     rows = {row["mode"]: row for row in report["rows"]}
     assert list(rows) == table_modes
     for mode, row in rows.items():
@@ -102,9 +103,15 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
         assert row["new_tokens"] == 2 * 8, row  # eos is ignored: every row makes the same tokens
         if mode in ("ar", "sd", "ssd", "ssd-uniform", "ssd-process"):
             assert 1.0 <= row["mean_accepted_len"] <= 3 + 1, row
+            # a round decides at most k+1 tokens of each prompt (batch 1): fewer rounds means lost counts
+            assert row["rounds"] * (3 + 1) >= row["new_tokens"] and row["rounds"] <= row["new_tokens"], row
             assert 0 < row["round_ms_p50"] <= row["round_ms_p99"], row
             if mode.startswith("ssd"):
-                assert 0.0 <= row["cache_hit_rate"] <= 1.0 and row["draft_wait_ms_per_round"] >= 0, row
+                hits, misses = sum(row["hits_by_position"].values()), sum(row["fallbacks"].values())
+                if row["planned_sd_fraction"] == 0:  # only SSD rounds ran: every round but a call's last looks up
+                    assert hits + misses >= row["rounds"] - 2, row
+                assert (hits > 0) == (row["cache_hit_rate"] > 0), row
+                assert row["verify_ms_per_round"] > 0, row
                 assert row["overlap_efficiency"] > 0, row
         else:
             assert row["mean_accepted_len"] is None  # transformers does not report it

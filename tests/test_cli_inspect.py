@@ -46,12 +46,12 @@ def test_inspect_passes_table_and_diff(saved_pair, capsys):  # noqa: F811
     rc, out, err = run_cli(["inspect", "passes", *pair_args(saved_pair)], capsys)
     assert rc == 0, err
     for stage in STAGES:
-        assert re.search(rf"^{re.escape(stage.qualified)}\s+{stage.epilogue_pass}\s+\d+\s+[+-]\d+$", out, re.M)
-    rc, out, err = run_cli(["inspect", "passes", "--stage", "verify_greedy", "--pass", "fuse_verification",
+        assert re.search(rf"^{re.escape(stage.qualified)}\s+splice_epilogue\s+\d+\s+[+-]\d+$", out, re.M)
+    rc, out, err = run_cli(["inspect", "passes", "--stage", "verify_greedy", "--pass", "splice_epilogue",
                             *pair_args(saved_pair)], capsys)
     assert rc == 0, err
     assert out.startswith("--- target.verify_greedy after specialize_attention") and "+def forward(" in out
-    rc, out, err = run_cli(["inspect", "passes", "--pass", "fuse_verification", *pair_args(saved_pair)], capsys)
+    rc, out, err = run_cli(["inspect", "passes", "--pass", "splice_epilogue", *pair_args(saved_pair)], capsys)
     assert rc == 2 and "--pass needs --stage" in err
 
 

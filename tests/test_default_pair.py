@@ -93,7 +93,32 @@ def test_split_rule_is_fixed():
     assert dp.is_heldout("email/encoders.py")
     assert not dp.is_heldout("os.py") and not dp.is_heldout("json/decoder.py")
     files = dp.corpus_files()
+    if not files:
+        pytest.skip(f"this interpreter ships no stdlib sources under {dp.stdlib_root()}")
+    # the pinned paths are in the corpus (so the split above is about real files), sorted, packages excluded
+    assert {"_collections_abc.py", "decimal.py", "os.py", "json/decoder.py"} <= set(files)
     assert files == sorted(files) and all("site-packages" not in f for f in files)
+
+
+def test_heldout_snippets_come_from_heldout_files_only(tmp_path):
+    """On a corpus of one training file and two held-out ones: only held-out text, whole lines from a
+    top-level def or class, spread over both held-out files, capped in lines and characters."""
+    body = "".join(f"    x{i} = {i}   \n" for i in range(30))
+    (tmp_path / "email").mkdir()
+    (tmp_path / "os.py").write_text("def trained_on():\n" + body)  # not held out
+    (tmp_path / "decimal.py").write_text("import sys\n\nclass Decimal:\n" + body + "def other():\n    pass")
+    (tmp_path / "email" / "encoders.py").write_text("'''doc'''\ndef encode(msg):\n" + body)
+    snippets = dp.heldout_snippets(3, root=tmp_path, max_lines=5, max_chars=50)
+    assert [(s.path, s.line) for s in snippets] == [("decimal.py", 3), ("decimal.py", 34), ("email/encoders.py", 2)]
+    lines = [f"    x{i} = {i}\n" for i in range(30)]  # 11 characters each, trailing spaces dropped
+    assert snippets[0].text == "class Decimal:\n" + "".join(lines[:3])  # 48 characters: a 4th line makes 59
+    assert snippets[1].text == "def other():\n    pass\n"  # the file's last line, given its newline
+    assert snippets[2].text == "def encode(msg):\n" + "".join(lines[:3])  # 50 characters
+    assert dp.heldout_snippets(1, root=tmp_path, max_lines=3, max_chars=1000)[0].text == (
+        "class Decimal:\n" + "".join(lines[:2]))  # three lines
+    assert dp.heldout_snippets(3, root=tmp_path, max_lines=5, max_chars=50) == snippets
+    with pytest.raises(ValueError, match="no held-out file under"):
+        dp.heldout_snippets(2, root=tmp_path / "email" / "none")
 
 
 def test_missing_assets_raise_saguaro_error(monkeypatch, tmp_path):

@@ -75,7 +75,7 @@ def export_program(program, path, *, modes=None, sampling: bool = True, native: 
         models = {}
         for name, recorder in recorders.items():
             runner = program.runner(name)
-            aliases = save_weights(tmp / f"weights/{name}.safetensors", model_tensors(recorder.base))
+            aliases = save_weights(tmp / f"weights/{name}.safetensors", model_tensors(recorder.graph_module))
             models[name] = {"spec": _spec_dict(runner.spec), "width": runner.width, "weights":
                             f"weights/{name}.safetensors", "aliases": aliases}
             config = (model_configs or {}).get(name)
@@ -94,7 +94,7 @@ def export_program(program, path, *, modes=None, sampling: bool = True, native: 
                 say(f"[{i}/{len(stages)}] {stage.qualified}: same graph as {written[key]['stem']}, files shared")
                 continue
             entry = _export_stage(tmp, stage, gm, described, ranges, native, program.target.spec.device,
-                                  set(model_tensors(recorder.base)))
+                                  set(model_tensors(recorder.graph_module)))
             entries[stage.qualified] = written[key] = entry
             say(f"[{i}/{len(stages)}] {stage.qualified}: exported{' and compiled' if native else ''} in "
                 f"{time.perf_counter() - t0:.1f}s")

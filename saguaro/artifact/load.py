@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from saguaro.artifact.checks import resolve_device, verify_environment, verify_files
-from saguaro.artifact.loaded_stage import LoadedStage, stage_runner
+from saguaro.artifact.loaded_stage import LoadedStage, load_portable, stage_runner
 from saguaro.artifact.manifest import read_manifest
 from saguaro.artifact.signature import InputCheck
 from saguaro.artifact.weights import load_weights
@@ -42,8 +42,9 @@ class LoadedArtifact:
 
 
 class ArtifactStages:
-    """``build(stage)`` of a loaded model: the stage loaded from the artifact (stages with one graph share
-    one loaded callable), or an ``ArtifactError`` naming what was exported."""
+    """The :class:`~saguaro.runtime.base.model_runner.StageBuilder` of a loaded model: each stage loaded
+    from the artifact (stages with one graph share one loaded callable, and one deserialized portable
+    form), or an ``ArtifactError`` naming what was exported."""
 
     def __init__(self, root: Path, model: str, manifest: dict, tensors: dict, device: torch.device, rebuild: bool):
         self.root, self.model, self.manifest, self.tensors = root, model, manifest, tensors
@@ -51,29 +52,55 @@ class ArtifactStages:
         self.kind = "native" if self.native and not rebuild else ("rebuilt" if self.native else "portable")
         self.qualified = [q for q in manifest["stages"] if q.split(".")[0] == model]
         self._by_stem: dict = {}
+        self._programs: dict = {}  # stem -> its ExportedProgram, deserialized once
         self.workdir: list = []  # keeps a rebuild's packages alive as long as the runner
+
+    def _tensors(self, entry: dict) -> dict:
+        """The model's weights, and the stage's own constants when it has any."""
+        if not entry["stage_constants"]:
+            return self.tensors
+        from safetensors.torch import load_file
+
+        own = dict(self.tensors)
+        own.update(load_file(str(self.root / f"{entry['stem']}.constants.safetensors"), device=str(self.device)))
+        return own
+
+    def exported_program(self, qualified: str):
+        """The stage's portable form (its ExportedProgram, weights bound), deserialized on first use."""
+        entry = self.manifest["stages"][qualified]
+        if entry["stem"] not in self._programs:
+            self._programs[entry["stem"]] = load_portable(self.root, entry, self._tensors(entry))
+        return self._programs[entry["stem"]]
 
     def load(self, qualified: str) -> LoadedStage:
         entry = self.manifest["stages"][qualified]
         if entry["stem"] not in self._by_stem:
-            own = self.tensors
-            if entry["stage_constants"]:
-                from safetensors.torch import load_file
-
-                own = dict(self.tensors)
-                constants = self.root / f"{entry['stem']}.constants.safetensors"
-                own.update(load_file(str(constants), device=str(self.device)))
-            self._by_stem[entry["stem"]] = stage_runner(self.root, entry, own, self.device, self.native, self.rebuild,
-                                                        qualified, self.workdir)
+            self._by_stem[entry["stem"]] = stage_runner(self.root, entry, self._tensors(entry), self.device,
+                                                        self.native, self.rebuild, qualified, self.workdir,
+                                                        lambda: self.exported_program(qualified))
         run, kind = self._by_stem[entry["stem"]]
         return LoadedStage(qualified, run, InputCheck(qualified, entry["inputs"], self.manifest["ranges"]), kind)
 
-    def __call__(self, stage: Stage):
+    def _check_exported(self, stage: Stage) -> None:
         if stage.qualified not in self.qualified:
             raise ArtifactError(
                 f"{self.root}: stage {stage.qualified} was not exported (modes {self.manifest['modes']}, sampling "
                 f"{self.manifest['sampling']}); export with the modes and sampling you generate with")
+
+    def __call__(self, stage: Stage):
+        self._check_exported(stage)
         return self.load(stage.qualified)
+
+    def stage_graph(self, stage: Stage, observe=None) -> torch.fx.GraphModule:
+        """The stage's graph as exported, after every pass (from its portable form, which every artifact
+        holds). The passes themselves cannot be observed: the artifact holds no captured graph."""
+        if observe is not None:
+            raise ValueError(f"stage {stage.qualified}: this program was loaded from {self.root}, which holds each "
+                             "stage's graph as exported after every pass but no captured graph, so the per-pass "
+                             "views (passes, pass diffs) cannot be shown; its stage graphs, schedule and stages can. "
+                             "Inspect the program saguaro.compile returns for the passes")
+        self._check_exported(stage)
+        return self.exported_program(stage.qualified).module()
 
 
 def model_files(manifest: dict, model: str) -> set:

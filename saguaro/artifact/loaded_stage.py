@@ -82,11 +82,12 @@ def rebuild_native(qualified: str, ep, tensors: dict, device: torch.device, work
 
 
 def stage_runner(root: Path, entry: dict, tensors: dict, device: torch.device, native: bool, rebuild: bool,
-                 qualified: str, workdir_holder: list):
-    """The callable of one stage entry, per the artifact kind and ``rebuild``."""
+                 qualified: str, workdir_holder: list, exported):
+    """The callable of one stage entry, per the artifact kind and ``rebuild``; ``exported()`` gives the
+    stage's portable form (:func:`load_portable`) when it is needed."""
     if native and not rebuild:
         return load_native(root / entry["package"], tensors, device), "native"
-    ep = load_portable(root, entry, tensors)
+    ep = exported()
     if not native:
         return portable_runner(ep), "portable"
     if not workdir_holder:

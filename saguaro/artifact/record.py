@@ -11,25 +11,25 @@ from dataclasses import replace
 import torch
 
 from saguaro.core.stages import Stage, stages_for
-from saguaro.passes.pipeline import build_stage
+from saguaro.passes.pipeline import PipelineStages
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.program import Program
 
 log = logging.getLogger(__name__)
 
 
-class Recorder:
-    """``build(stage)`` for a :class:`ModelRunner`: the stage graph for export, which records the first
-    call's inputs."""
+class Recorder(PipelineStages):
+    """The :class:`~saguaro.runtime.base.model_runner.StageBuilder` of a recording runner: the stage
+    graph for export (the stage pass pipeline, not lowered), which records the first call's inputs."""
 
     def __init__(self, base: torch.fx.GraphModule, width: int, attention: str):
-        self.base, self.width, self.attention = base, width, attention
+        super().__init__(base, width, attention)
         self.graphs: dict[Stage, torch.fx.GraphModule] = {}
         self.inputs: dict[Stage, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def __call__(self, stage: Stage):
-        gm = build_stage(self.base, stage, self.width, attention=self.attention)
+        gm = self.stage_graph(stage)
         self.graphs[stage] = gm
 
         def run(*args):

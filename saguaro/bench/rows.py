@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from saguaro.bench.prompts import bench_prompts  # noqa: F401 - re-exported: the CLI, the demo and benchmarks/ use it
 from saguaro.runtime.base.stats import percentile
 
 log = logging.getLogger(__name__)
@@ -24,36 +25,6 @@ SAGUARO_MODES = ("ar", "sd", "ssd", "ssd-uniform", "ssd-process")
 HF_MODES = ("hf-assisted", "hf")
 ALL_MODES = SAGUARO_MODES + HF_MODES
 DRAFT_MODES = ("sd", "ssd", "ssd-uniform", "ssd-process", "hf-assisted")  # rows that run the draft
-# Code prompts without a trailing space: byte-level BPE fuses a space to the next word, so a prompt
-# ending in one ("def ") is tokenized unlike any training text and hurts every row alike.
-DEFAULT_PROMPTS = (
-    "def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\nimport sys\n\n\ndef main():\n",
-    "for i in range(10):\n", "if __name__ == \"__main__\":\n", "    def __repr__(self):\n        return",
-    "with open(path) as f:\n", "try:\n    import json\nexcept ImportError:\n", "from collections import",
-    "def read_lines(path):\n    \"\"\"Return the lines of a file.\"\"\"\n", "    raise ValueError(",
-    "def is_prime(n):\n",
-)
-
-
-def bench_prompts(tokenizer, count: int, vocab_size: int, seed: int) -> list[torch.Tensor]:
-    """Prompts as ``[1, T]`` id tensors: held-out text when a tokenizer exists, else seeded random ids."""
-    if tokenizer is not None:
-        texts = _heldout_prompts(count) or list(DEFAULT_PROMPTS)
-        return [tokenizer(texts[i % len(texts)], return_tensors="pt").input_ids for i in range(count)]
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab_size, (1, 8), generator=gen) for _ in range(count)]
-
-
-def _heldout_prompts(count: int) -> list[str]:
-    try:
-        from saguaro.default_pair import heldout_prompts
-    except ImportError:
-        return []
-    try:
-        return heldout_prompts(count)
-    except Exception as exc:  # the stdlib corpus may be absent; fall back to fixed prompts
-        log.warning("held-out prompts unavailable (%s); using fixed prompts", exc)
-        return []
 
 
 def _batches(prompts, batch, pad_id):

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from saguaro.bench.rows import ALL_MODES, DRAFT_MODES, HF_MODES, SAGUARO_MODES
-from saguaro.bench.worker import BenchParams, params_json, run_one
+from saguaro.bench.worker import BenchParams, params_json, run_one, run_prompts
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +53,17 @@ def run_row(params: BenchParams, mode: str, backend: str) -> dict:
 
 
 def run_bench(params: BenchParams, announce=lambda line: None) -> dict:
-    """Run the benchmark; ``announce(line)`` receives a progress line per row. Returns the report:
-    ``config``, ``machine``, ``rows``, ``compile_s`` and ``skipped``."""
+    """Run the benchmark; ``announce(line)`` receives a line saying which prompts, then a progress line
+    per row. Returns the report: ``config``, ``machine``, ``prompts`` (their source: ``heldout``,
+    ``fixed`` or ``random``, and why), ``rows``, ``compile_s`` and ``skipped``."""
     from saguaro.models_io import load_pair
 
     modes, skipped = bench_modes(params)
     # bad folders fail here, at once, not in a row's process
-    load_pair(params.target, params.draft, need_draft=any(m in DRAFT_MODES for m in modes), device="cpu")
+    target, _, tokenizer = load_pair(params.target, params.draft, need_draft=any(m in DRAFT_MODES for m in modes),
+                                     device="cpu")
+    prompts = run_prompts(params, tokenizer, target)
+    announce(f"prompts ({prompts.source}): {len(prompts.ids)} {prompts.detail}")
     backends = ["eager", "inductor"] if params.backend == "both" else [params.backend]
     rows, compile_s = [], {}
     for backend in backends:
@@ -80,10 +84,14 @@ def run_bench(params: BenchParams, announce=lambda line: None) -> dict:
     sd = next((r["tokens_per_s"] for r in rows if r["mode"] in ("sd", f"sd[{backends[-1]}]")), None)
     for row in rows:
         row["speedup_vs_sd"] = row["tokens_per_s"] / sd if sd else None
+    differ = [r["mode"] for r in rows if r.get("prompt_source") != prompts.source]
+    if differ:
+        log.warning("rows %s did not run on the %s prompts the report names", differ, prompts.source)
     config = asdict(params) | {"target": params.target or "default", "draft": params.draft or "default"}
     return {
         "config": config,
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "prompts": prompts.describe(),
         "rows": rows,
         "compile_s": compile_s,
         "skipped": skipped,

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from saguaro.bench.rows import DRAFT_MODES, SAGUARO_MODES, bench_prompts, compile_for, time_row
+from saguaro.bench.prompts import PromptSet, prompt_set
+from saguaro.bench.rows import DRAFT_MODES, SAGUARO_MODES, compile_for, time_row
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,15 @@ class BenchParams:
     trace_dir: str | None = None  # write one timeline per Saguaro row here
 
 
+def run_prompts(params: BenchParams, tokenizer, target) -> PromptSet:
+    """The run's prompts: held-out text for the default pair (no folders given), each short enough to
+    leave ``max_new_tokens`` positions; every row's process builds the same ones (deterministic)."""
+    default_pair = params.target is None and params.draft is None
+    positions = getattr(target.config, "max_position_embeddings", None)
+    room = positions - params.max_new_tokens if positions else None
+    return prompt_set(tokenizer, params.prompts, target.config.vocab_size, params.seed, default_pair, room)
+
+
 def run_one(params: BenchParams, mode: str, backend: str) -> dict:
     """Load the pair, compile for ``backend`` if the row is Saguaro's, warm up and time ``mode``."""
     from saguaro.models_io import DTYPES, load_pair
@@ -49,13 +59,13 @@ def run_one(params: BenchParams, mode: str, backend: str) -> dict:
     target, draft, tokenizer = load_pair(params.target, params.draft, need_draft=need_draft,
                                          dtype=DTYPES[params.dtype], device=params.device)
     draft = draft if need_draft else None
-    prompts = bench_prompts(tokenizer, params.prompts, target.config.vocab_size, params.seed)
+    prompts = run_prompts(params, tokenizer, target)
     program, compile_s = None, None
     started = time.perf_counter()
     if mode in SAGUARO_MODES:
         program = compile_for(target, draft, params.k, backend)
     try:
-        row = time_row(target, draft, program, prompts, mode, params.k, params.max_new_tokens, params.temperature,
+        row = time_row(target, draft, program, prompts.ids, mode, params.k, params.max_new_tokens, params.temperature,
                        params.batch, params.seed, trace_dir=params.trace_dir, backend=backend)
     finally:
         if program is not None:
@@ -67,6 +77,7 @@ def run_one(params: BenchParams, mode: str, backend: str) -> dict:
     threads = torch.get_num_threads()
     row["threads"] = {"target": 1, "draft": 1} if ssd else {"target": threads, "draft": threads}
     row["setup_s"] = compile_s
+    row["prompt_source"] = prompts.source
     return row
 
 

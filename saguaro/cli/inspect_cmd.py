@@ -1,4 +1,5 @@
-"""``saguaro inspect passes|graph STAGE|schedule|kernels`` and ``saguaro report OUT.html``."""
+"""``saguaro inspect passes|graph STAGE|schedule|kernels``: what the compiler built, as text, DOT or SVG.
+(Not ``inspect.py``: run as a script, that name would shadow the standard library's ``inspect``.)"""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ import sys
 from pathlib import Path
 
 from saguaro.cli.args import add_model_args
+from saguaro.cli.program import compile_ssd_pair
+from saguaro.cli.registry import Subcommand
 from saguaro.core.config import MODES
 
 
-def add_inspect_parsers(sub) -> None:
-    ins = sub.add_parser("inspect", help="what the compiler built: pass pipeline, stage graphs, the round "
-                                         "schedule, Inductor's kernels")
+def add_arguments(ins) -> None:
     views = ins.add_subparsers(dest="view", required=True)
     passes = views.add_parser("passes", help="per stage: each pass and the node-count change; --pass: its diff")
     passes.add_argument("--stage", help="one stage, e.g. target.verify_greedy or verify_greedy (default: all)")
@@ -31,21 +32,6 @@ def add_inspect_parsers(sub) -> None:
     for view in (passes, graph, schedule, kernels):
         view.add_argument("--out", metavar="FILE", help="write here instead of stdout")
         add_model_args(view)
-    report = sub.add_parser("report", help="one self-contained HTML page: schedule, timeline, acceptance, "
-                                           "cache hits, fan-out, stats, stage graphs")
-    report.add_argument("out", metavar="OUT.html")
-    report.add_argument("--prompt", default=None, help="text to complete (default: the start of a Python script)")
-    add_model_args(report)
-
-
-def _program(args, backend=None):
-    from saguaro.compile import compile as saguaro_compile
-    from saguaro.models_io import DTYPES, load_pair
-
-    target, draft, tokenizer = load_pair(args.target, args.draft, need_draft=True, dtype=DTYPES[args.dtype],
-                                         device=args.device)
-    program = saguaro_compile(target, draft, k=args.k, mode="ssd", backend=backend or args.backend)
-    return program, tokenizer
 
 
 def _emit(text: str, out: str | None) -> None:
@@ -56,7 +42,7 @@ def _emit(text: str, out: str | None) -> None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
 
-def cmd_inspect(args) -> int:
+def run(args) -> int:
     from saguaro.inspection.inspector import Inspector, format_kernels, resolve_stage
 
     if args.view == "passes" and args.pass_name and not args.stage:
@@ -64,7 +50,7 @@ def cmd_inspect(args) -> int:
     stage = getattr(args, "stage", None)
     if stage:
         resolve_stage(stage)  # a bad name fails before any model loads
-    program, _ = _program(args)
+    program, _ = compile_ssd_pair(args)
     inspector = Inspector(program)
     try:
         if args.view == "passes":
@@ -82,15 +68,5 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def cmd_report(args) -> int:
-    from saguaro.inspection.report import write_report
-
-    program, tokenizer = _program(args)
-    try:
-        prompt = {"prompt": args.prompt} if args.prompt else {}
-        path = write_report(program, args.out, tokenizer=tokenizer, **prompt,
-                            max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    finally:
-        program.close()
-    sys.stdout.write(f"wrote {path}\n")
-    return 0
+COMMAND = Subcommand("inspect", "what the compiler built: pass pipeline, stage graphs, the round schedule, "
+                                "Inductor's kernels", add_arguments, run)

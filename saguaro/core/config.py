@@ -36,10 +36,8 @@ class SaguaroConfig:
         process over an anonymous socket pair, ``saguaro.runtime.lanes.process``) or ``"auto"``: the
         thread lane (its own CUDA stream on GPU) except for the eager backend on CPU, where the GIL,
         held while FX graphs are interpreted, makes a thread lane slow the target's verification, so
-        the process lane wins (measured on the default pair, 2-core CPU, greedy, one ``saguaro bench
-        --backend both`` run, with the earlier gloo transport: eager, process 221 vs thread 184
-        tokens/s; inductor, whose C++ wrapper runs the kernels without the GIL: thread 460 vs
-        process 382).
+        the process lane wins (Inductor's C++ wrapper runs the kernels without the GIL, so there the
+        thread lane wins; measured in ``benchmarks/README.md``, "Backends and lanes").
     attention: how the stages run attention (the ``lower_attention`` pass): ``"op"`` (the
         ``saguaro::attention`` custom op), ``"inline"`` (its math inline, so Inductor fuses the KV
         write), ``"flex"`` (FlexAttention under a block mask built in the graph; opt-in, see

@@ -28,20 +28,21 @@ class Stage:
     ``family``: what it does (``prefill``, ``step``, ``verify``, ``glue``, ``tree``).
     ``variant``: ``"greedy"`` / ``"sampled"`` for the stages whose epilogue depends on the
     temperature, ``None`` for the others. ``mask``: ``"causal"`` or ``"tree"`` (the
-    ``specialize_attention`` pass). ``epilogue_pass`` names the pass that splices ``epilogue`` (a
-    :mod:`saguaro.tensor_math` function of the logits, named ``"module.function"`` and looked up when the
-    stage is built) after the logits; ``inputs`` are the extra
-    graph inputs it appends, in call order; ``ranked`` marks epilogues that take the rank width
-    (``fork`` and Saguaro sampling: top-``W`` tokens) as a constant.
+    ``specialize_attention`` pass). ``epilogue``: the :mod:`saguaro.tensor_math` function of the
+    logits that the ``splice_epilogue`` pass splices after them, named ``"module.function"`` and looked
+    up when the stage is built; ``inputs`` are the extra graph inputs it appends, in call order;
+    ``outputs`` name what the epilogue returns, which the stage graph then returns, in order;
+    ``ranked`` marks epilogues that take the rank width (``fork`` and Saguaro sampling: top-``W``
+    tokens) as a constant.
     """
 
     model: str
     family: str
     variant: str | None
     mask: str
-    epilogue_pass: str
     epilogue: str
     inputs: tuple = ()
+    outputs: tuple = ()
     ranked: bool = False
 
     @property
@@ -82,25 +83,28 @@ class Variants:
 
 _SAMPLED_VERIFY_INPUTS = ("draft_tokens", "draft_probs", "inv_temperature", "accept_u", "resample_u")
 
-TARGET_PREFILL = Stage("target", "prefill", None, "causal", "fuse_sampling", "sampling.last_logits")
-TARGET_STEP = Stage("target", "step", None, "causal", "fuse_sampling", "sampling.last_logits")
+_LOGITS = ("logits",)  # [B, V]: the last row's
+TARGET_PREFILL = Stage("target", "prefill", None, "causal", "sampling.last_logits", outputs=_LOGITS)
+TARGET_STEP = Stage("target", "step", None, "causal", "sampling.last_logits", outputs=_LOGITS)
 TARGET_VERIFY = Variants(
-    Stage("target", "verify", "greedy", "causal", "fuse_verification", "verification.verify_greedy",
-          ("draft_tokens",)),
-    Stage("target", "verify", "sampled", "causal", "fuse_verification", "verification.verify_sampled",
-          _SAMPLED_VERIFY_INPUTS),
+    Stage("target", "verify", "greedy", "causal", "verification.verify_greedy", ("draft_tokens",),
+          ("accepted", "next_token")),  # [B], [B]
+    Stage("target", "verify", "sampled", "causal", "verification.verify_sampled", _SAMPLED_VERIFY_INPUTS,
+          ("accepted", "next_token")),
 )
-DRAFT_PREFILL = Stage("draft", "prefill", None, "causal", "fuse_sampling", "sampling.last_logits")
+DRAFT_PREFILL = Stage("draft", "prefill", None, "causal", "sampling.last_logits", outputs=_LOGITS)
 DRAFT_STEP = Variants(
-    Stage("draft", "step", "greedy", "causal", "fuse_sampling", "sampling.step_greedy"),
-    Stage("draft", "step", "sampled", "causal", "fuse_sampling", "sampling.step_sampled", ("inv_temperature", "u")),
+    Stage("draft", "step", "greedy", "causal", "sampling.step_greedy", outputs=("tokens",)),  # [B]
+    Stage("draft", "step", "sampled", "causal", "sampling.step_sampled", ("inv_temperature", "u"),
+          ("tokens", "q")),  # [B], [B, V]
 )
-DRAFT_GLUE = Stage("draft", "glue", None, "causal", "fuse_fork", "fork.fork_with_ranks",
-                   ("draft_tokens", "branch_rows", "branch_ranks"), ranked=True)
+DRAFT_GLUE = Stage("draft", "glue", None, "causal", "fork.fork_with_ranks",
+                   ("draft_tokens", "branch_rows", "branch_ranks"), ("candidates", "ranked"),  # [B, MQ], [B, K+1, W]
+                   ranked=True)
 DRAFT_TREE = Variants(
-    Stage("draft", "tree", "greedy", "tree", "fuse_sampling", "sampling.tree_greedy"),
-    Stage("draft", "tree", "sampled", "tree", "fuse_sampling", "sampling.tree_sampled",
-          ("inv_temperature", "top", "saguaro_c", "u"), ranked=True),
+    Stage("draft", "tree", "greedy", "tree", "sampling.tree_greedy", outputs=("tokens",)),  # [B, MQ]
+    Stage("draft", "tree", "sampled", "tree", "sampling.tree_sampled", ("inv_temperature", "top", "saguaro_c", "u"),
+          ("tokens", "q_saguaro"), ranked=True),  # [B, MQ], [B, MQ, V]
 )
 
 STAGES: tuple[Stage, ...] = (

@@ -50,12 +50,15 @@ def resolve_stage(name: str | Stage) -> Stage:
 
 
 class Inspector:
-    """Views of one Program. Stage graphs are rebuilt through the same pass pipeline the Program's
-    builder runs (the builder's graph, width and attention lowering), watching every pass."""
+    """Views of one Program. Stage graphs come from each model's stage builder (the runner's
+    :class:`~saguaro.runtime.base.model_runner.StageBuilder`): a compiled program's rebuilds them through
+    the same pass pipeline, watching every pass; a loaded program's reads them from its artifact, as
+    exported after every pass (the per-pass views then raise a ``ValueError`` saying so)."""
 
     def __init__(self, program):
         self.program = program
         self._steps: dict = {}
+        self._graphs: dict = {}
         self.costs: dict = {}  # seconds per stage call measured by traced runs (every process)
 
     def stages(self) -> list[Stage]:
@@ -72,9 +75,8 @@ class Inspector:
         """The stage pipeline of ``stage`` observed: ``captured`` then one step per pass."""
         stage = resolve_stage(stage)
         if stage not in self._steps:
-            runner = self._runner(stage)
-            builder = runner.build
-            self._steps[stage] = pass_steps(builder.graph_module, stage, builder.width, builder.attention)
+            self._steps[stage] = pass_steps(self._runner(stage).build, stage)
+            self._graphs[stage] = self._steps[stage][1]
         return self._steps[stage][0]
 
     def passes(self, stage=None) -> str:
@@ -89,8 +91,9 @@ class Inspector:
     def stage_graph(self, stage):
         """The stage's GraphModule after every pass."""
         stage = resolve_stage(stage)
-        self.pass_steps(stage)
-        return self._steps[stage][1]
+        if stage not in self._graphs:
+            self._graphs[stage] = self._runner(stage).build.stage_graph(stage)
+        return self._graphs[stage]
 
     def graph(self, stage, format: str = "text", expand: bool = False) -> str:  # noqa: A002
         """``stage``'s graph as ``text``, ``dot`` or ``svg`` (Graphviz ``dot`` needed); one box per

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.core.stages import Stage
-from saguaro.passes.pipeline import build_stage
+from saguaro.runtime.base.model_runner import StageBuilder
 
 
 @dataclass(frozen=True)
@@ -22,9 +22,9 @@ class PassStep:
     code: str  # the graph's Python code after this pass
 
 
-def pass_steps(base: torch.fx.GraphModule, stage: Stage, width: int, attention: str) -> tuple[list, object]:
-    """Run the stage pipeline of ``stage`` over ``base`` watching every pass (the pipeline's own
-    ``observe`` hook); returns ``(steps, the stage graph)``."""
+def pass_steps(builder: StageBuilder, stage: Stage) -> tuple[list, object]:
+    """Build ``stage`` with ``builder`` watching every pass (the pipeline's own ``observe`` hook);
+    returns ``(steps, the stage graph)``."""
     steps: list[PassStep] = []
 
     def observe(name: str, gm: torch.fx.GraphModule) -> None:
@@ -33,7 +33,7 @@ def pass_steps(base: torch.fx.GraphModule, stage: Stage, width: int, attention: 
         delta = nodes - steps[-1].nodes if steps else 0
         steps.append(PassStep(stage.qualified, name, nodes, delta, gm.code))
 
-    graph = build_stage(base, stage, width, attention=attention, observe=observe)
+    graph = builder.stage_graph(stage, observe=observe)
     return steps, graph
 
 

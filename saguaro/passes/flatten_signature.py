@@ -4,6 +4,7 @@ Requires: a GraphModule from ``ExportedProgram.module()`` (pytree in/out specs).
 Guarantees: the same nodes; called as ``gm(input_ids, positions, write_slots, query_branch,
 query_limit, slot_pos, slot_branch, *k_caches, *v_caches)`` and returning a tuple. Later passes can
 then append inputs and outputs, and calls skip pytree flattening.
+Contract (:mod:`~saguaro.passes.graph_pass`): requires nothing; guarantees ``flat_signature``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import logging
 
 import torch
 import torch.fx
+
+from saguaro.passes.graph_pass import FLAT_SIGNATURE, GraphPass
 
 log = logging.getLogger(__name__)
 
@@ -32,3 +35,13 @@ def flatten_signature(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     log.info("flatten_signature: %d placeholders, %d guard calls removed",
              sum(n.op == "placeholder" for n in gm.graph.nodes), len(guards))
     return gm
+
+
+class FlattenSignature(GraphPass):
+    name = "flatten_signature"
+    requires = frozenset()
+    requires_nothing_because = "any GraphModule: export's pytree signature is replaced, a flat one is left as is"
+    guarantees = frozenset({FLAT_SIGNATURE})
+
+    def run(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        return flatten_signature(gm)

@@ -1,4 +1,5 @@
-"""Helpers the passes share: trace a plain tensor function with ``torch.fx`` and inline it."""
+"""Helpers the passes share: trace a plain tensor function with ``torch.fx`` and inline it, append
+inputs, replace outputs; and :class:`PassError`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from saguaro.core.errors import SaguaroError
 
 
 class PassError(SaguaroError):
-    """A pass found a graph it cannot rewrite; the message names the pass and the FX node."""
+    """A pass found a graph it cannot rewrite (the message names the pass and the FX node), or was run
+    on a graph that lacks a fact it requires (the message names the pass and the fact)."""
 
 
 def add_inputs(gm: torch.fx.GraphModule, names: list[str]) -> list[torch.fx.Node]:
@@ -78,23 +80,3 @@ def logits_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
         raise PassError(f"FX node {out.name!r}: expected the graph to return only the logits, found {len(values)} "
                         "outputs (was an epilogue already spliced?)")
     return values[0]
-
-
-def splice_epilogue(gm: torch.fx.GraphModule, stage, width: int) -> int:
-    """Splice the stage's epilogue function after the logits: append ``stage.inputs`` as graph inputs, inline the
-    function over ``(logits, *inputs)`` (``width`` baked in for ranked epilogues) and make its results
-    the graph's outputs. Returns how many nodes the graph gained."""
-    logits = logits_node(gm)
-    extra = add_inputs(gm, list(stage.inputs))
-    constants = {"width": width} if stage.ranked else {}
-    before = len(gm.graph.nodes)
-    outputs = inline_function(gm, stage.epilogue_function, [logits, *extra], output_node(gm), **constants)
-    replace_outputs(gm, outputs)
-    return len(gm.graph.nodes) - before
-
-
-def check_epilogue_pass(stage, pass_name: str) -> None:
-    """A fuse pass applies only to the stages the table assigns it."""
-    if stage.epilogue_pass != pass_name:
-        raise PassError(f"{pass_name}: stage {stage.qualified} takes the {stage.epilogue_pass} epilogue pass, "
-                        f"not {pass_name}")

@@ -1,7 +1,10 @@
 """Pass: choose how each ``saguaro::attention`` node runs on the stage's backend.
 
-Requires: a stage graph (mask specialised, epilogue spliced) with the flat signature of
-``flatten_signature`` (``"flex"`` reads the mask inputs by name).
+Requires: a stage graph (mask specialised, epilogue spliced: this is the last pass, and its graph
+goes to the backend) with the flat signature of ``flatten_signature`` (``"flex"`` reads the mask
+inputs by name, and the masks' layer kinds from ``specialize_attention``'s metadata). Contract
+(:mod:`~saguaro.passes.graph_pass`): requires ``flat_signature``, ``stage_mask`` and
+``epilogue_spliced``; guarantees ``attention_lowered``.
 Guarantees, by ``implementation``:
 
 * ``"op"``: the nodes stay the ``saguaro::attention`` (or ``saguaro::attention_variants``) custom
@@ -34,6 +37,9 @@ import logging
 import torch
 
 from saguaro.capture.attention_op import ATTENTION_OP, ATTENTION_OPS, attention_reference, kind_allows
+from saguaro.passes.graph_pass import (
+    ATTENTION_LOWERED, EPILOGUE_SPLICED, FLAT_SIGNATURE, STAGE_MASK, GraphPass,
+)
 from saguaro.passes.graph_splice import PassError, keeps_mutations
 
 log = logging.getLogger(__name__)
@@ -137,10 +143,14 @@ def attention_flex(
     return (out * keep[..., None].to(out.dtype)).contiguous()
 
 
-def lower_attention(gm: torch.fx.GraphModule, implementation: str, window: int = 0) -> torch.fx.GraphModule:
+def check_implementation(implementation: str) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} is not allowed: choose one of "
                          f"{', '.join(IMPLEMENTATIONS)}")
+
+
+def lower_attention(gm: torch.fx.GraphModule, implementation: str, window: int = 0) -> torch.fx.GraphModule:
+    check_implementation(implementation)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
     if not nodes:
         raise PassError("lower_attention: no saguaro::attention node in the graph (already lowered?)")
@@ -175,3 +185,19 @@ def lower_attention(gm: torch.fx.GraphModule, implementation: str, window: int =
     gm.recompile()
     log.info("lower_attention(%s): rewrote %d attention node(s)", implementation, len(nodes))
     return gm
+
+
+class LowerAttention(GraphPass):
+    """The pass lowering to ``implementation``; ``window`` is the captured model's sliding window, for
+    masks without layer-kind metadata."""
+
+    name = "lower_attention"
+    requires = frozenset({FLAT_SIGNATURE, STAGE_MASK, EPILOGUE_SPLICED})
+    guarantees = frozenset({ATTENTION_LOWERED})
+
+    def __init__(self, implementation: str, window: int = 0):
+        check_implementation(implementation)
+        self.implementation, self.window = implementation, window
+
+    def run(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        return lower_attention(gm, self.implementation, window=self.window)

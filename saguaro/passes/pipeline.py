@@ -1,9 +1,13 @@
 """The ordered pass pipelines: the base pipeline every captured graph goes through once, and the
-stage pipeline that derives each stage's graph (of :mod:`saguaro.core.stages`) from it."""
+stage pipeline that derives each stage's graph (of :mod:`saguaro.core.stages`) from it. Both run
+through :class:`~saguaro.passes.graph_pass.PassManager`, which checks each pass's declared
+requirements against what the passes before it guarantee (the base graph's record carries over to
+every stage graph), so a pipeline in the wrong order fails before its first pass with the pass's
+name. :class:`PipelineStages` is the stage pipeline over one captured model, which the stage
+builders of ``saguaro.compile`` and the exporter share."""
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Callable
 
@@ -12,61 +16,47 @@ from torch._logging import trace_structured
 
 from saguaro.capture.attention_op import MASK_OP
 from saguaro.core.stages import Stage
-from saguaro.passes.flatten_signature import flatten_signature
-from saguaro.passes.fuse_fork import fuse_fork
-from saguaro.passes.fuse_sampling import fuse_sampling
-from saguaro.passes.fuse_verification import fuse_verification
-from saguaro.passes.lower_attention import lower_attention
-from saguaro.passes.specialize_attention import specialize_attention
-from saguaro.passes.strip_runtime_checks import strip_runtime_checks
+from saguaro.passes.flatten_signature import FlattenSignature
+from saguaro.passes.graph_pass import GraphPass, PassManager, copy_graph
+from saguaro.passes.lower_attention import LowerAttention
+from saguaro.passes.specialize_attention import SpecializeAttention
+from saguaro.passes.splice_epilogue import SpliceEpilogue
+from saguaro.passes.strip_runtime_checks import StripRuntimeChecks
 
 log = logging.getLogger(__name__)
 
-# Order matters: cleanup first (it removes nodes that would sit between pattern nodes), then a flat
-# signature (the stage passes append inputs and outputs).
-PIPELINE = (
-    strip_runtime_checks,
-    flatten_signature,
-)
-
-EPILOGUE_PASSES = {graph_pass.__name__: graph_pass for graph_pass in (fuse_verification, fuse_fork, fuse_sampling)}
+# Neither base pass requires the other's guarantee; cleanup runs first so that flatten_signature and
+# every stage pass see the smaller graph. The stage passes need flat_signature (they append inputs
+# and outputs).
+PIPELINE: tuple[GraphPass, ...] = (StripRuntimeChecks(), FlattenSignature())
 
 
 def run_pipeline(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Apply every pass of :data:`PIPELINE` in order."""
-    for graph_pass in PIPELINE:
-        gm = graph_pass(gm)
-    return gm
+    """Apply every pass of :data:`PIPELINE` in order to a captured graph."""
+    return PassManager(PIPELINE).run(gm)
 
 
-def stage_passes(stage: Stage, width: int, attention: str, window: int) -> list[tuple[str, Callable]]:
-    """The stage pipeline of ``stage``, in order, as ``(pass name, GraphModule -> GraphModule)``.
+def stage_passes(stage: Stage, width: int, attention: str, window: int) -> list[GraphPass]:
+    """The stage pipeline of ``stage``, in order.
 
-    Order matters: the mask is specialised before the epilogue is spliced (the epilogue pass must see
-    the final logits node as the only output), and attention is lowered last, so that it sees the
-    final graph, whose attention nodes all read one mask.
+    The mask specialisation and the epilogue splice touch different nodes (either order gives the same
+    graph); attention is lowered last (it requires both), so that it sees the final graph, whose
+    attention nodes all read one mask, and hands it to the backend.
     """
-    epilogue = EPILOGUE_PASSES[stage.epilogue_pass]
-    return [
-        ("specialize_attention", lambda gm: specialize_attention(gm, stage.mask)),
-        (stage.epilogue_pass, lambda gm: epilogue(gm, stage, width)),
-        ("lower_attention", lambda gm: lower_attention(gm, attention, window=window)),
-    ]
+    return [SpecializeAttention(stage.mask), SpliceEpilogue(stage, width), LowerAttention(attention, window=window)]
 
 
 def build_stage(base: torch.fx.GraphModule, stage: Stage, width: int, attention: str = "op",
                 observe: Callable[[str, torch.fx.GraphModule], None] | None = None) -> torch.fx.GraphModule:
-    """The graph of ``stage``: a copy of the base graph (sharing its parameters) through the stage
-    pipeline. ``attention`` is how ``lower_attention`` lowers attention (``"op"``, ``"inline"`` or
-    ``"flex"``). ``observe(pass_name, gm)``, when given, sees the graph before the first pass (name
-    ``"captured"``) and after each pass."""
-    gm = torch.fx.GraphModule(base, copy.deepcopy(base.graph))  # shares parameters, owns its graph
+    """The graph of ``stage``: a copy of the base graph (sharing its parameters, carrying its pass
+    record) through the stage pipeline. ``attention`` is how ``lower_attention`` lowers attention
+    (``"op"``, ``"inline"`` or ``"flex"``). ``observe(pass_name, gm)``, when given, sees the graph
+    before the first pass (name ``"captured"``) and after each pass."""
+    manager = PassManager(stage_passes(stage, width, attention, _sliding_window(base)))
+    gm = copy_graph(base)
     if observe is not None:
         observe("captured", gm)
-    for name, graph_pass in stage_passes(stage, width, attention, _sliding_window(base)):
-        gm = graph_pass(gm)
-        if observe is not None:
-            observe(name, gm)
+    gm = manager.run(gm, observe)
     log.info("stage %s: %d nodes", stage.qualified, len(gm.graph.nodes))
     # the stage graph beside Inductor's own artifacts in TORCH_TRACE (tlparse); free without a handler
     trace_structured("artifact", metadata_fn=lambda: {"name": f"saguaro_stage_{stage.qualified}",
@@ -74,6 +64,20 @@ def build_stage(base: torch.fx.GraphModule, stage: Stage, width: int, attention:
                      payload_fn=lambda: gm.print_readable(print_output=False, include_stride=True,
                                                           include_device=True), expect_trace_id=False)
     return gm
+
+
+class PipelineStages:
+    """Stage graphs of one captured model: ``graph_module`` (after :data:`PIPELINE`) through the stage
+    pipeline, with rank width ``width`` and attention lowered to ``attention``. Subclasses add
+    ``__call__(stage)``, the runnable stage a :class:`~saguaro.runtime.base.model_runner.ModelRunner`
+    asks for."""
+
+    def __init__(self, graph_module: torch.fx.GraphModule, width: int, attention: str):
+        self.graph_module, self.width, self.attention = graph_module, width, attention
+
+    def stage_graph(self, stage: Stage, observe: Callable[[str, torch.fx.GraphModule], None] | None = None):
+        """The graph of ``stage`` after every pass; ``observe`` as for :func:`build_stage`."""
+        return build_stage(self.graph_module, stage, self.width, attention=self.attention, observe=observe)
 
 
 def _sliding_window(base: torch.fx.GraphModule) -> int:

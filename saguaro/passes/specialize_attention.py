@@ -1,8 +1,7 @@
 """Pass: turn the generic attention mask node into the stage's own mask construction.
 
-Requires: a flat-signature graph (``flatten_signature``) with one ``saguaro::attention_mask`` node
-per distinct layer kind (full, sliding window, chunk), each shared by the ``saguaro::attention``
-nodes of its layers.
+Requires: one ``saguaro::attention_mask`` node per distinct layer kind (full, sliding window, chunk),
+each shared by the ``saguaro::attention`` nodes of its layers.
 Guarantees: every mask node is replaced by the stage kind's construction for its layer kind,
 inlined as plain tensor ops: ``causal`` (prefill, verify, glue, step: shared slots up to the query,
 no branch inputs read) or ``tree`` (fork point and branch ids: prefix + glue up to ``P0 + j``, then
@@ -10,6 +9,8 @@ the branch's own tokens), both narrowed by the layer kind's window or chunk. Out
 generic masks' on inputs the stage receives. The node that now yields each mask carries
 ``meta["saguaro_mask"] = {"window", "chunk"}`` (``lower_attention``'s flex lowering reads it). On
 CPU the attention op stays the reference implementation.
+Contract (:mod:`~saguaro.passes.graph_pass`): requires ``generic_mask``, which it invalidates;
+guarantees ``stage_mask``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import torch
 
 from saguaro.capture.attention_op import MASK_OP, causal_bias, tree_bias
+from saguaro.passes.graph_pass import GENERIC_MASK, STAGE_MASK, GraphPass
 from saguaro.passes.graph_splice import PassError, inline_function
 
 log = logging.getLogger(__name__)
@@ -26,9 +28,13 @@ log = logging.getLogger(__name__)
 KINDS = ("causal", "tree")
 
 
-def specialize_attention(gm: torch.fx.GraphModule, kind: str) -> torch.fx.GraphModule:
+def check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is not allowed: choose one of {', '.join(KINDS)}")
+
+
+def specialize_attention(gm: torch.fx.GraphModule, kind: str) -> torch.fx.GraphModule:
+    check_kind(kind)
     masks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is MASK_OP]
     if not masks:
         raise PassError("specialize_attention: no saguaro::attention_mask node in the graph (already specialised?)")
@@ -51,3 +57,19 @@ def specialize_attention(gm: torch.fx.GraphModule, kind: str) -> torch.fx.GraphM
     gm.recompile()
     log.info("specialize_attention(%s): rewrote %d mask node(s)", kind, len(masks))
     return gm
+
+
+class SpecializeAttention(GraphPass):
+    """The pass for a stage whose mask kind is ``kind`` (``causal`` or ``tree``)."""
+
+    name = "specialize_attention"
+    requires = frozenset({GENERIC_MASK})
+    guarantees = frozenset({STAGE_MASK})
+    invalidates = frozenset({GENERIC_MASK})
+
+    def __init__(self, kind: str):
+        check_kind(kind)
+        self.kind = kind
+
+    def run(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        return specialize_attention(gm, self.kind)

@@ -5,6 +5,7 @@ Requires: a GraphModule from :func:`saguaro.capture.capture` (export's training 
 ``aten.to.dtype`` nodes often convert a tensor to the dtype it already has (HF's RMSNorm upcasts).
 Guarantees: the same outputs, bit for bit; every removed ``to`` had an input of the target dtype
 (read from the node's ``val`` metadata), and its users now read that input directly.
+Contract (:mod:`~saguaro.passes.graph_pass`): requires nothing; guarantees ``no_runtime_checks``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from saguaro.passes.graph_pass import NO_RUNTIME_CHECKS, GraphPass
 
 log = logging.getLogger(__name__)
 
@@ -45,3 +48,13 @@ def strip_runtime_checks(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     log.info("strip_runtime_checks: removed %d metadata assertions and %d no-op conversions", removed_asserts,
              removed_conversions)
     return gm
+
+
+class StripRuntimeChecks(GraphPass):
+    name = "strip_runtime_checks"
+    requires = frozenset()
+    requires_nothing_because = "it removes only what each node's own dtype metadata proves redundant"
+    guarantees = frozenset({NO_RUNTIME_CHECKS})
+
+    def run(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        return strip_runtime_checks(gm)

@@ -1,5 +1,5 @@
 """Sampling epilogues of the draft stages (``draft.step`` and ``draft.tree``): plain tensor
-functions that the ``fuse_sampling`` pass splices into the graphs, so a stage returns tokens and the
+functions that the ``splice_epilogue`` pass splices into the graphs, so a stage returns tokens and the
 distributions verification needs instead of logits."""
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ def test_loaded_program_generates_the_original_tokens_compiling_nothing(exported
     result = run_loader(runs)
     ids, mask = prompts(2, 7, seed=1, pad_rows={1: 2})
     expected_greedy = reference_greedy(target, ids, mask, max_new_tokens=12)
+    assert len(result["tokens"]) == len(runs)
     for run, tokens in zip(runs, result["tokens"]):
         original = program.generate(ids, attention_mask=mask, max_new_tokens=12, mode=run["mode"],
                                     temperature=run["temperature"], seed=3, eos_token_id=None).sequences
@@ -160,6 +161,31 @@ def test_a_stage_not_exported_is_named(exported, tmp_path):
         program.generate(ids, max_new_tokens=3, mode="sd", temperature=1.0, seed=0)
 
 
+def test_the_inspector_shows_a_loaded_program_and_names_what_it_cannot(exported):
+    """A loaded program's stage graphs are the exported ones (after every pass); its schedule is the
+    program's; the per-pass views need the captured graphs, which an artifact does not hold."""
+    _, program, portable, _ = exported
+    loaded = saguaro.load(portable)
+    try:
+        inspector = saguaro.inspect(loaded)
+        text = inspector.graph("target.verify_greedy", expand=True)
+        assert "draft_tokens" in text and "accept_u" not in text  # the greedy verify epilogue's one input
+        glue = inspector.stage_graph("draft.glue")
+        outputs = next(n for n in reversed(glue.graph.nodes) if n.op == "output").args[0]
+        assert len(outputs) == 2  # candidates, ranked
+        layers = program.draft.spec.num_layers
+        assert inspector.graph("draft.glue").count("call_module[target=submod_") == layers + 2
+        lanes = lambda text: [line.split("\t")[:2] for line in text.splitlines()]  # noqa: E731
+        assert lanes(inspector.schedule("ssd", format="text")) == lanes(
+            saguaro.inspect(program).schedule("ssd", format="text"))
+        for view in (lambda: inspector.passes("target.verify_greedy"),
+                     lambda: inspector.pass_diff("target.verify_greedy", "splice_epilogue")):
+            with pytest.raises(ValueError, match=r"stage target.verify_greedy: this program was loaded from .*no "
+                                                 r"captured graph, so the per-pass views .* cannot be shown"):
+                view()
+    finally:
+        loaded.close()
+
 def test_inputs_outside_the_exported_ranges_are_refused(exported):
     program = saguaro.load(exported[3])
     ids = torch.randint(3, 100, (65, 4))  # max_batch defaults to 64
@@ -183,7 +209,11 @@ import saguaro
 from tests.models import tiny_target, truncated_draft
 target = tiny_target("llama")
 program = saguaro.compile(target, truncated_draft(target), k=2, attention="inline", lane="thread", backend="eager", sd_when_faster=False)
-program.export(sys.argv[1], native=False, modes=["sd"], sampling=False, announce=lambda line: print(line, flush=True))
+def announce(line):  # after the first stage, wait (on a stdin nobody writes) to be killed: never too late
+    print(line, flush=True)
+    if line.startswith("[1/"):
+        sys.stdin.readline()
+program.export(sys.argv[1], native=False, modes=["sd"], sampling=False, announce=announce)
 print("finished", flush=True)
 """
 
@@ -193,7 +223,7 @@ def test_export_killed_midway_leaves_nothing_loadable(tmp_path):
     dest = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     child = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(dest)], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, text=True)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     lines = []
     for line in child.stdout:
         lines.append(line)

@@ -30,7 +30,10 @@ def test_tiny_cpu_run_reports_every_figure(tmp_path):
     for key in ("verify_ms", "glue_ms", "draft_step_ms", "sd_round_ms", "ssd_round_ms", "compile_s"):
         assert report[key] > 0, key
     assert len(report["tree_ms_per_depth"]) == 3 and all(ms > 0 for ms in report["tree_ms_per_depth"])
-    assert report["rounds"]["ssd"]["rounds"] >= 1 and 0 <= report["rounds"]["ssd"]["cache_hit_rate"] <= 1
+    # SSD's own figures are reported for the SSD row only (their values depend on the planner's timings)
+    assert report["rounds"]["ssd"]["rounds"] >= 1
+    assert {"cache_hit_rate", "draft_wait_ms_per_round"} <= set(report["rounds"]["ssd"])
+    assert not {"cache_hit_rate", "draft_wait_ms_per_round"} & set(report["rounds"]["sd"])
     assert report["kernels"]["triton_count"] == 0  # the eager backend generates none
     assert report["shapes"]["target"]["num_hidden_layers"] == 3  # --target-layers overrides the shape's 2
     assert "verify_ms" in done.stdout and str(report_path) in done.stdout

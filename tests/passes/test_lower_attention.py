@@ -68,6 +68,7 @@ def test_lowered_attention_gives_the_op_outputs_and_kv_writes(stage, implementat
     op_out, op_caches = stage_results(stage, "op")
     out, caches = stage_results(stage, implementation)
     exact = implementation == "inline"  # flex sums in another order: equal up to float rounding
+    assert len(op_out) == len(out) and len(op_caches) == len(caches)
     for a, b in zip(op_out, out):
         if exact or a.dtype == torch.long:
             assert torch.equal(a, b), f"{implementation} changed a {stage} output"

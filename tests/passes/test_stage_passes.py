@@ -7,12 +7,10 @@ import pytest
 import torch
 
 from saguaro.capture.attention_op import ATTENTION_OP, MASK_OP
-from saguaro.passes.fuse_fork import fuse_fork
-from saguaro.passes.fuse_sampling import fuse_sampling
-from saguaro.passes.fuse_verification import fuse_verification
 from saguaro.core.stages import DRAFT_GLUE, DRAFT_STEP, DRAFT_TREE, STAGES, TARGET_PREFILL, TARGET_VERIFY
 from saguaro.passes.pipeline import build_stage
 from saguaro.passes.specialize_attention import specialize_attention
+from saguaro.passes.splice_epilogue import splice_epilogue
 from saguaro.tensor_math import sampling, verification
 from saguaro.tensor_math.fork import branch_layout, fork_with_ranks
 from tests.passes.stage_helpers import base_graph, call, count, prefilled_store
@@ -114,9 +112,9 @@ def test_tree_stage_equals_the_model_on_each_branch_sequence():
             assert int(tokens[b, beta]) == int(expected), f"row {b}, branch {beta + 1}"
 
 
-def test_fuse_verification_outputs_accepted_and_next_only():
+def test_splice_verification_outputs_accepted_and_next_only():
     model, captured = base_graph()
-    gm = fuse_verification(specialize_attention(fresh(captured.graph_module), "causal"), TARGET_VERIFY.greedy)
+    gm = splice_epilogue(specialize_attention(fresh(captured.graph_module), "causal"), TARGET_VERIFY.greedy)
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     assert len(out_node.args[0]) == 2
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"][-1] == "draft_tokens"
@@ -128,7 +126,7 @@ def test_fuse_verification_outputs_accepted_and_next_only():
     assert torch.equal(accepted, exp_acc) and torch.equal(nxt, exp_next)
 
 
-def test_fuse_verification_sampled_equals_eager_function():
+def test_splice_verification_sampled_equals_eager_function():
     model, captured = base_graph()
     gm = build_stage(captured.graph_module, TARGET_VERIFY.sampled, 8)
     gen = torch.Generator().manual_seed(0)
@@ -143,9 +141,9 @@ def test_fuse_verification_sampled_equals_eager_function():
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-def test_fuse_fork_returns_candidates_and_ranked_rows():
+def test_splice_fork_returns_candidates_and_ranked_rows():
     model, captured = base_graph()
-    gm = fuse_fork(specialize_attention(fresh(captured.graph_module), "causal"), DRAFT_GLUE, 8)
+    gm = splice_epilogue(specialize_attention(fresh(captured.graph_module), "causal"), DRAFT_GLUE, 8)
     rows, ranks = branch_layout([2, 1, 0, 3])
     store = prefilled_store(captured.spec, PROMPT)
     candidates, ranked = call(gm, store, SPEC, spec_index(), SPEC[:, 1:], rows, ranks)
@@ -164,9 +162,9 @@ STAGE_OF_EPILOGUE = {"last": TARGET_PREFILL, "step_greedy": DRAFT_STEP.greedy, "
 
 
 @pytest.mark.parametrize("epilogue", ["last", "step_greedy", "step_sampled"])
-def test_fuse_sampling_epilogues_equal_eager_functions(epilogue):
+def test_splice_sampling_epilogues_equal_eager_functions(epilogue):
     model, captured = base_graph()
-    gm = fuse_sampling(specialize_attention(fresh(captured.graph_module), "causal"), STAGE_OF_EPILOGUE[epilogue])
+    gm = splice_epilogue(specialize_attention(fresh(captured.graph_module), "causal"), STAGE_OF_EPILOGUE[epilogue])
     store = prefilled_store(captured.spec, PROMPT)
     extra = (torch.tensor(1.25), torch.tensor([0.3, 0.9])) if epilogue == "step_sampled" else ()
     got = call(gm, store, SPEC, spec_index(), *extra)
@@ -195,6 +193,6 @@ def test_pass_failures_name_the_fx_node():
     _, captured = base_graph()
     gm = build_stage(captured.graph_module, TARGET_VERIFY.greedy, 8)
     with pytest.raises(PassError, match="FX node 'output'.*only the logits"):
-        fuse_verification(gm, TARGET_VERIFY.greedy)  # its epilogue is already spliced
+        splice_epilogue(gm, TARGET_VERIFY.greedy)  # its epilogue is already spliced
     with pytest.raises(PassError, match="no saguaro::attention_mask node"):
         specialize_attention(gm, "causal")

@@ -1,27 +1,26 @@
 """A draft-lane failure mid-generation still yields the exact greedy output, with a warning."""
 
-import time
+import threading
 
 import pytest
 import torch
 
 import saguaro
+from saguaro.runtime.decode import ssd
 from saguaro.runtime.draft import tree
 from tests.conftest import tiny_pair, tiny_program
 from tests.models import prompts, reference_greedy
 
 
-def failing_after(calls, exc=None, sleep_s=None):
+def failing_after(calls, exc):
+    """``tree.build_speculations`` that raises ``exc`` from its ``calls + 1``-th call on."""
     real = tree.build_speculations
     count = {"n": 0}
 
     def build(*args):
         count["n"] += 1
         if count["n"] > calls:
-            if sleep_s:
-                time.sleep(sleep_s)
-            else:
-                raise exc
+            raise exc
         return real(*args)
 
     return build
@@ -39,12 +38,34 @@ def test_exception_on_draft_lane_finishes_with_sd(monkeypatch):
 
 
 def test_timeout_on_draft_lane_finishes_with_sd_on_a_fresh_store(monkeypatch):
+    """The second build of the generation never answers on its own: it is held on an event, released only
+    once the caller has given up on it and turned to SD (no race between a sleep and the timeout)."""
     target, _, program = tiny_program("llama", k=3, mode="ssd", lane="thread", lane_timeout_s=0.2)
     ids, mask = prompts(1, 8, seed=6)
     program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)  # the lane's warm-up
-    monkeypatch.setattr(tree, "build_speculations", failing_after(1, sleep_s=1.0))
-    with pytest.warns(RuntimeWarning, match="no answer within.*SD"):
-        out = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
+    real_build, real_finish = tree.build_speculations, ssd._finish_with_sd
+    held, release, count, gave_up = threading.Event(), threading.Event(), {"n": 0}, []
+
+    def build(*args):
+        count["n"] += 1
+        if count["n"] > 1:
+            held.set()
+            release.wait(timeout=120)  # a bound only so that a broken timeout fails the test, not hangs it
+        return real_build(*args)
+
+    def finish_with_sd(*args):
+        gave_up.append(held.is_set() and not release.is_set())  # the build was still running
+        release.set()  # the worker may end now (dropping the lane waits for it)
+        return real_finish(*args)
+
+    monkeypatch.setattr(tree, "build_speculations", build)
+    monkeypatch.setattr(ssd, "_finish_with_sd", finish_with_sd)
+    try:
+        with pytest.warns(RuntimeWarning, match="no answer within.*SD"):
+            out = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
+    finally:
+        release.set()
+    assert gave_up == [True]
     assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 16))
     assert out.stats["lane_failures"] == 1
     # the failed lane was dropped; the next generation gets a fresh one and runs SSD again

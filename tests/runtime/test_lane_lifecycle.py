@@ -1,11 +1,15 @@
 """Nothing runs twice, nothing is left behind: the draft lanes under scripts, threads, interrupts and
 a killed parent. One process lane (a tiny llama pair) serves the in-process tests; one run of an
-unguarded script (tests/runtime/scripts/unguarded_ssd.py) serves the script, socket and SIGKILL tests."""
+unguarded script (tests/runtime/scripts/unguarded_ssd.py) serves the script, socket and SIGKILL tests.
+
+Interrupts are real SIGINTs, sent to the main thread by a hook at a chosen call of the lane's protocol
+(the n-th ``match``, the send of a request, ...), never by a timer racing the generation: each lands
+where the test says, on a loaded machine as on an idle one."""
 
 import json
 import os
-import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +24,8 @@ from transformers import LlamaForCausalLM
 
 from saguaro.runtime.lanes.draft_files import RemoteDraft
 from saguaro.runtime.lanes import owner as lane_owner
+from saguaro.runtime.lanes import process as process_lane
+from saguaro.runtime.lanes import protocol
 from saguaro.runtime.lanes import thread as lanes
 from saguaro.runtime.program import Program
 from tests.conftest import tiny_pair
@@ -27,6 +33,7 @@ from tests.models import prompts, reference_greedy
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parent / "scripts" / "unguarded_ssd.py"
+SILENT_ENTRY_POINT = "tests.runtime.scripts.silent_draft"  # a draft process that never answers start-up
 
 # one pytest-xdist worker runs this module (make test: --dist loadgroup), so its process lane and its
 # unguarded script run once. Its signals go to this process's main thread and to its own children only, and
@@ -55,7 +62,8 @@ def draft_children(parent: int | None = None) -> set:
             cmdline = (entry / "cmdline").read_bytes()
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
-        if ppid == parent and (b"saguaro.runtime.lanes.draft_process" in cmdline or process_state(int(entry.name)) == "Z"):
+        entry_points = (process_lane.DRAFT_ENTRY_POINT.encode(), SILENT_ENTRY_POINT.encode())
+        if ppid == parent and (any(e in cmdline for e in entry_points) or process_state(int(entry.name)) == "Z"):
             found.add(int(entry.name))
     return found
 
@@ -79,22 +87,47 @@ def listening_sockets(pid: int) -> list:
     return found
 
 
-def interrupt_after(fn, delay_s: float) -> bool:
-    """Run ``fn`` with a real SIGINT sent to this (main) thread after ``delay_s``; True if it was interrupted.
-    Python's own SIGINT handler is in place, as in a user's script (a test worker may hold another)."""
-    timer = threading.Timer(delay_s, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+def interrupted(fn) -> bool:
+    """Run ``fn`` under Python's own SIGINT handler, as in a user's script (a test worker may hold
+    another); True if a KeyboardInterrupt ended it."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        timer.start()
         fn()
-        timer.join()
-        time.sleep(0.05)  # a signal that arrives after fn returned is raised here, inside the try
         return False
     except KeyboardInterrupt:
-        timer.cancel()
         return True
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def sigint_at(monkeypatch, owner, name: str, nth: int, after: bool = False, when=lambda *args: True) -> list:
+    """Patch ``owner.name`` so that its ``nth`` call among those ``when(*args)`` accepts sends a real
+    SIGINT to the main thread, before the call runs or once it has returned (``after``). The hooked
+    calls run on the caller's (main) thread, so the signal arrives before ``pthread_kill`` returns and
+    Python raises the KeyboardInterrupt right there, in the hook: none of the call has run, or all of it
+    has. Returns a list that holds ``name`` once the SIGINT was sent."""
+    real, seen, fired = getattr(owner, name), [0], []
+
+    def hooked(*args, **kwargs):
+        if when(*args):
+            seen[0] += 1
+        fire = seen[0] == nth and not fired
+        if fire and not after:
+            fired.append(name)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        result = real(*args, **kwargs)
+        if fire and after:
+            fired.append(name)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(owner, name, hooked)
+    return fired
+
+
+def sent(method):
+    """``when`` for ``process.send``: a request (a reply is awaited) of ``method``."""
+    return lambda conn, message: message[1] == method and message[3]
 
 
 @pytest.fixture(scope="module")
@@ -154,15 +187,28 @@ def test_concurrent_callers_get_the_ar_tokens(process_program, lane):
     for t in threads:
         t.join()
     assert not errors, errors
+    assert sorted(results) == list(range(len(jobs))) and all(len(outs) == 2 for outs in results.values())
     for i, outs in results.items():
         for out in outs:
             assert torch.equal(out.sequences, expected[i].sequences)
             assert out.stats["mode"] == "ssd" and out.stats["lane"] == lane and out.stats["lane_failures"] == 0
 
 
+def interrupt_points(lane: str) -> list:
+    """``(owner, name, nth, after, when)`` of each interrupt: before the first speculation is asked for,
+    with a build running (during a verify), before a lookup, while the caller waits for the lane (the
+    process lane: its request sent, the reply abandoned; the thread lane: the worker still building), and
+    after a lookup was answered (before its hit or fallback is used)."""
+    waiting = ((process_lane, "send", 8, True, sent(protocol.Method.MATCH)) if lane == "process" else
+               (lanes.ThreadLane, "settle", 8, False, lambda self, *args: self._posted is not None))
+    client, anyone = protocol.DraftClient, lambda *args: True
+    return [(client, "start", 1, False, anyone), (client, "build", 3, True, anyone),
+            (client, "match", 5, False, anyone), waiting, (client, "match", 20, True, anyone)]
+
+
 @pytest.mark.parametrize("lane", ["process", "thread"])
-def test_ctrl_c_during_generate_leaves_the_lane_in_step(process_program, lane):
-    """Real SIGINTs at random points of SSD generations; then the same lane (no restart, no timeout)
+def test_ctrl_c_during_generate_leaves_the_lane_in_step(process_program, lane, monkeypatch):
+    """Real SIGINTs at five points of SSD generations; then the same lane (no restart, no timeout)
     gives the AR tokens, and nothing else runs. A terminal's Ctrl-C also reaches the draft process,
     which ignores it."""
     target, program = process_program
@@ -171,12 +217,13 @@ def test_ctrl_c_during_generate_leaves_the_lane_in_step(process_program, lane):
     expected = program.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, mode="ar").sequences
     draft_lane = program.lanes.lane()
     threads = torch.get_num_threads()
-    rng = random.Random(0)
-    interrupted = sum(
-        interrupt_after(lambda: program.generate(ids, attention_mask=mask, max_new_tokens=200, eos_token_id=None),
-                        rng.uniform(0.0, 0.4))
-        for _ in range(5))
-    assert interrupted >= 3
+    for owner, name, nth, after, when in interrupt_points(lane):
+        with monkeypatch.context() as patch:
+            fired = sigint_at(patch, owner, name, nth, after, when)
+            # 200 tokens: at least 40 rounds (k=4), past every point above
+            stopped = interrupted(lambda: program.generate(ids, attention_mask=mask, max_new_tokens=200,
+                                                           eos_token_id=None))
+        assert fired == [name] and stopped, (name, nth, after, fired)
     if lane == "process":
         os.kill(draft_lane.lane.pid, signal.SIGINT)
     out = program.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None)
@@ -187,21 +234,31 @@ def test_ctrl_c_during_generate_leaves_the_lane_in_step(process_program, lane):
         assert draft_children() == {draft_lane.lane.pid}
 
 
-def test_ctrl_c_during_lane_start_up_leaves_no_child_and_no_files(process_program, monkeypatch, tmp_path):
+@pytest.mark.parametrize("point", ["spawned", "init sent"])
+def test_ctrl_c_during_lane_start_up_leaves_no_child_and_no_files(process_program, monkeypatch, tmp_path, point):
+    """Interrupted once the draft process exists: before it was sent its description, or while the caller
+    waits for it to build its server."""
     program = process_program[1].reconfigure()  # the same stages, a lane of its own (not started)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this lane's folder, apart from other tests'
     before = draft_children()
     folders = set(Path(tempfile.gettempdir()).glob("saguaro-draft-*"))
+    if point == "spawned":
+        fired = sigint_at(monkeypatch, process_lane.ProcessLane, "_spawn", 1, after=True)
+    else:
+        fired = sigint_at(monkeypatch, process_lane, "send", 1, after=True, when=sent(process_lane.INIT))
     ids, mask = prompts(1, 6, seed=3)
-    assert interrupt_after(lambda: program.generate(ids, attention_mask=mask, max_new_tokens=8), 1.0)
+    assert interrupted(lambda: program.generate(ids, attention_mask=mask, max_new_tokens=8)) and fired
     assert draft_children() == before
     assert set(Path(tempfile.gettempdir()).glob("saguaro-draft-*")) <= folders
     assert program.lanes.failure is None and program.lane_kind == "process"  # an interrupt is no failure
 
 
-def test_a_lane_start_past_its_limit_gives_way_to_the_thread_lane_once(process_program):
+def test_a_lane_start_past_its_limit_gives_way_to_the_thread_lane_once(process_program, monkeypatch):
+    """A draft process that never answers start-up (not merely a slow one, which a fast machine could
+    start within the limit)."""
     target, program = process_program
     program = program.reconfigure(lane_start_timeout_s=0.3)
+    monkeypatch.setattr(process_lane, "DRAFT_ENTRY_POINT", SILENT_ENTRY_POINT)
     ids, mask = prompts(1, 6, seed=4)
     expected = reference_greedy(target, ids, mask, 10)
     before = draft_children()
@@ -307,6 +364,9 @@ def test_a_script_without_main_guard_runs_once_and_gets_the_process_lane(unguard
 def test_the_process_lane_listens_on_no_address(unguarded):
     """No TCP listener in the caller or the draft process: the lane is an anonymous socket pair."""
     proc, _, lines = unguarded
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # the check sees a listener where there is one
+        port = f"{listener.getsockname()[1]:04X}"
+        assert port in [p for _, p in listening_sockets(os.getpid())]
     for pid in (proc.pid, lines[3]["draft_pid"]):
         assert listening_sockets(pid) == [], pid
 

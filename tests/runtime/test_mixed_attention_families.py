@@ -29,9 +29,11 @@ def family_program(family: str):
 def test_greedy_ar_sd_ssd_equal_generate_past_the_window(family, batch):
     target, program = family_program(family)
     shape = SHAPES[batch]
-    assert shape["length"] - 4 > WINDOW and NEW_TOKENS > 2 * WINDOW  # the window is really exercised
     ids, mask = prompts(shape["batch"], shape["length"], seed=batch, pad_rows=shape["pad_rows"])
     expected = reference_greedy(target, ids, mask, max_new_tokens=NEW_TOKENS)
+    # the window is really exercised: every row's real prompt (padding excluded) is longer than it, and
+    # the generation runs past two more windows
+    assert int(mask.sum(1).min()) > WINDOW and expected.shape[1] - ids.shape[1] > 2 * WINDOW
     for mode in ("ar", "sd", "ssd"):
         out = program.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, mode=mode, eos_token_id=None)
         assert torch.equal(out.sequences, expected), f"{family} {mode} diverged from target.generate"

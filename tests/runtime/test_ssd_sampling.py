@@ -74,7 +74,6 @@ PATHS = {
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_ssd_sampling_matches_target_distribution(path):
     counts, stats = sampled_late_joint(**PATHS[path])
-    assert int(counts.sum()) == SAMPLES
     if path == "hits_only":
         assert stats["cache_hit_rate"] == 1.0 and stats["fallbacks"] == {"neural": 0, "fast": 0}
     elif path == "neural_misses":

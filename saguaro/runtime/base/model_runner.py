@@ -1,8 +1,9 @@
 """Run one captured model's stages over its KV store.
 
-Each stage (:mod:`saguaro.core.stages`) is built by the builder ``saguaro.compile`` hands over (the
-stage pass pipeline, then lowering) on its first use, so a program only builds (and, with inductor,
-compiles) the stages its modes call. The runtime never imports the passes or the lowering.
+Each stage (:mod:`saguaro.core.stages`) is built on its first use by the runner's
+:class:`StageBuilder` (``saguaro.compile``'s: the stage pass pipeline, then lowering; the exporter's
+recorder; a loaded artifact's), so a program only builds (and, with inductor, compiles) the stages its
+modes call. The runtime never imports the passes or the lowering.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import logging
 import threading
 import time
 
-import torch
+from typing import Callable, Protocol
 
-from typing import Callable
+import torch
 
 from saguaro.capture.export import CapturedModel
 from saguaro.core.stages import Stage
@@ -22,10 +23,22 @@ from saguaro.runtime.base.kv_store import KVStore
 log = logging.getLogger(__name__)
 
 
+class StageBuilder(Protocol):
+    """What builds one model's stages: the runtime calls it, the inspector asks it for graphs."""
+
+    def __call__(self, stage: Stage) -> Callable:
+        """The runnable ``stage``: ``fn(*flat inputs) -> tuple of outputs``."""
+
+    def stage_graph(self, stage: Stage, observe: Callable[[str, torch.fx.GraphModule], None] | None = None):
+        """``stage``'s ``torch.fx.GraphModule`` after every pass. ``observe(pass name, gm)``, when given,
+        sees the graph before the first pass (``"captured"``) and after each pass; a builder that holds
+        no captured graph (a loaded artifact's) raises a ``ValueError`` saying what it can show."""
+
+
 class ModelRunner:
     """A captured model, its lowered stages, and the bookkeeping every stage call shares."""
 
-    def __init__(self, name: str, captured: CapturedModel, build: Callable[[Stage], Callable], width: int):
+    def __init__(self, name: str, captured: CapturedModel, build: StageBuilder, width: int):
         self.name = name
         self.captured = captured
         self.spec = captured.spec

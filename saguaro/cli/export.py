@@ -1,5 +1,5 @@
-"""``saguaro export OUT`` and the ``--program DIR`` option of ``saguaro generate`` / ``saguaro bench``:
-compile once, export, and load the artifact elsewhere with nothing captured or compiled."""
+"""``saguaro export OUT``: compile a pair once and write it ahead of time (AOTInductor) to a folder that
+``saguaro.load`` and ``--program DIR`` load elsewhere with nothing captured or compiled."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ import sys
 import time
 
 from saguaro.cli.args import add_model_args, modes_arg
+from saguaro.cli.registry import Subcommand
 from saguaro.core.config import MODES
-from saguaro.core.errors import SaguaroError
 
 
-def add_export_parser(sub) -> None:
-    export = sub.add_parser("export", help="compile a pair ahead of time (AOTInductor) and write it to a folder that "
-                                           "`saguaro.load` / `--program DIR` load")
+def add_arguments(export) -> None:
     export.add_argument("out", metavar="OUT", help="folder to write (replaced atomically if it exists)")
     export.add_argument("--modes", type=_program_modes, default=None,
                         help="comma-separated modes to export, from ar, sd, ssd (default: all)")
@@ -26,11 +24,6 @@ def add_export_parser(sub) -> None:
     add_model_args(export)
 
 
-def add_program_arg(parser) -> None:
-    parser.add_argument("--program", metavar="DIR", default=None,
-                        help="load a program exported by `saguaro export` instead of compiling --target/--draft")
-
-
 def _program_modes(text: str) -> list[str]:
     modes = modes_arg(text)
     bad = [m for m in modes if m not in MODES]
@@ -39,7 +32,7 @@ def _program_modes(text: str) -> list[str]:
     return modes
 
 
-def cmd_export(args) -> int:
+def run(args) -> int:
     from saguaro.compile import compile as saguaro_compile
     from saguaro.models_io import DTYPES, load_pair
 
@@ -56,21 +49,5 @@ def cmd_export(args) -> int:
     return 0
 
 
-def load_program(args):
-    """``(program, tokenizer or None)`` from ``--program DIR``."""
-    import saguaro
-
-    started = time.perf_counter()
-    program = saguaro.load(args.program, device=None if args.device == "cpu" else args.device)
-    tokenizer = None
-    if program.tokenizer_path is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(program.tokenizer_path)
-    sys.stdout.write(f"loaded {args.program} in {time.perf_counter() - started:.2f}s\n")
-    return program, tokenizer
-
-
-def check_program_args(args) -> None:
-    if args.program is not None and (args.target is not None or args.draft is not None):
-        raise SaguaroError("--program DIR loads an exported program: do not give --target / --draft with it")
+COMMAND = Subcommand("export", "compile a pair ahead of time (AOTInductor) and write it to a folder that "
+                               "`saguaro.load` / `--program DIR` load", add_arguments, run)

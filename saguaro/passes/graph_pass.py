@@ -1,0 +1,146 @@
+"""Passes with contracts, in the spirit of ``torch.fx.passes.infra``'s ``PassBase`` and
+``PassManager``, with named facts about a graph in place of check functions.
+
+A :class:`GraphPass` declares the facts it ``requires`` of its input graph, the facts it
+``guarantees`` of its output and the facts it ``invalidates``. A graph carries a
+:class:`PassRecord` (the facts established so far and the passes that ran) in
+``gm.meta[RECORD_KEY]``; a graph without one is taken to be what :func:`saguaro.capture.capture`
+returns (:data:`CAPTURED`). A pass checks its requirements against the record before it touches the
+graph, and :class:`PassManager` checks a whole sequence before running its first pass, so a pass run
+out of order fails at once with a :class:`PassError` naming the pass and the missing facts.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Iterable
+
+import torch
+
+from saguaro.passes.graph_splice import PassError
+
+# The facts, what each means of a graph, and who establishes it.
+GENERIC_MASK = "generic_mask"
+LOGITS_OUTPUT = "logits_output"
+NO_RUNTIME_CHECKS = "no_runtime_checks"
+FLAT_SIGNATURE = "flat_signature"
+STAGE_MASK = "stage_mask"
+EPILOGUE_SPLICED = "epilogue_spliced"
+ATTENTION_LOWERED = "attention_lowered"
+FACTS = {
+    GENERIC_MASK: "one saguaro::attention_mask node per layer kind (capture)",
+    LOGITS_OUTPUT: "the logits [B, T, V] are the graph's only output (capture)",
+    NO_RUNTIME_CHECKS: "no metadata assertions or no-op dtype conversions (strip_runtime_checks)",
+    FLAT_SIGNATURE: "flat positional inputs, a tuple of outputs (flatten_signature)",
+    STAGE_MASK: "each mask built by the stage kind's own construction (specialize_attention)",
+    EPILOGUE_SPLICED: "the stage's epilogue follows the logits; its results are the outputs (splice_epilogue)",
+    ATTENTION_LOWERED: "attention nodes in the form the backend runs (lower_attention)",
+}
+
+RECORD_KEY = "saguaro_pass_record"
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """What the passes that ran on a graph established: ``facts``, the pass names in order, and which
+    pass invalidated each fact no longer held (``(fact, pass name)`` pairs)."""
+
+    facts: frozenset
+    ran: tuple = ()
+    invalidated: tuple = ()
+
+    def after(self, graph_pass: "GraphPass") -> "PassRecord":
+        dropped = tuple((f, graph_pass.name) for f in sorted(graph_pass.invalidates & self.facts))
+        kept = tuple((f, by) for f, by in self.invalidated if f not in graph_pass.guarantees)
+        return PassRecord((self.facts - graph_pass.invalidates) | graph_pass.guarantees,
+                          self.ran + (graph_pass.name,), kept + dropped)
+
+
+CAPTURED = PassRecord(frozenset({GENERIC_MASK, LOGITS_OUTPUT}))  # what saguaro.capture's graph holds
+
+
+def record_of(gm: torch.fx.GraphModule) -> PassRecord:
+    """The graph's record; :data:`CAPTURED` for a graph without one."""
+    return gm.meta.get(RECORD_KEY, CAPTURED)
+
+
+def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule that shares ``gm``'s parameters, owns a copy of its graph and carries its record."""
+    new = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    new.meta[RECORD_KEY] = record_of(gm)
+    return new
+
+
+class GraphPass(abc.ABC):
+    """A pass: ``run(gm) -> gm`` rewrites the graph; calling the pass checks ``requires`` against the
+    graph's record first and records the pass after. A pass that requires nothing says why in
+    ``requires_nothing_because``; every pass guarantees at least one fact."""
+
+    name: ClassVar[str]
+    requires: ClassVar[frozenset]
+    guarantees: ClassVar[frozenset]
+    invalidates: ClassVar[frozenset] = frozenset()
+    requires_nothing_because: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        declared = (getattr(cls, "name", None), getattr(cls, "requires", None), getattr(cls, "guarantees", None))
+        if None in declared or not cls.guarantees or not (cls.requires or cls.requires_nothing_because):
+            raise TypeError(f"pass class {cls.__name__}: declare name, guarantees (at least one fact) and requires "
+                            "(or requires_nothing_because)")
+        unknown = (cls.requires | cls.guarantees | cls.invalidates) - set(FACTS)
+        if unknown:
+            raise TypeError(f"pass {cls.name}: unknown facts {sorted(unknown)}; the facts are {', '.join(FACTS)}")
+
+    @abc.abstractmethod
+    def run(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        """The rewrite itself."""
+
+    def check(self, record: PassRecord) -> None:
+        """Raise a :class:`PassError` naming this pass and each required fact ``record`` lacks."""
+        missing = sorted(self.requires - record.facts)
+        if not missing:
+            return
+        by = dict(record.invalidated)
+        reasons = [f"{fact}, which {by[fact]} invalidated" if fact in by else
+                   f"{fact}, which no earlier pass guarantees" for fact in missing]
+        raise PassError(f"{self.name} requires {'; and '.join(reasons)} (passes before it: "
+                        f"{', '.join(record.ran) or 'none'})")
+
+    def __call__(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        record = record_of(gm)
+        self.check(record)
+        gm = self.run(gm)
+        gm.meta[RECORD_KEY] = record.after(self)
+        return gm
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class PassManager:
+    """Runs passes in order. Before the first pass touches the graph, the whole sequence is checked
+    against the graph's record, so a misordered pipeline fails before any work."""
+
+    def __init__(self, passes: Iterable[GraphPass]):
+        self.passes = tuple(passes)
+
+    def check(self, record: PassRecord) -> PassRecord:
+        """Check every pass in turn against the facts the earlier ones establish; returns the record
+        the sequence leaves."""
+        for graph_pass in self.passes:
+            graph_pass.check(record)
+            record = record.after(graph_pass)
+        return record
+
+    def run(self, gm: torch.fx.GraphModule,
+            observe: Callable[[str, torch.fx.GraphModule], None] | None = None) -> torch.fx.GraphModule:
+        """Apply the passes; ``observe(pass name, gm)``, when given, sees the graph after each."""
+        self.check(record_of(gm))
+        for graph_pass in self.passes:
+            gm = graph_pass(gm)
+            if observe is not None:
+                observe(graph_pass.name, gm)
+        return gm

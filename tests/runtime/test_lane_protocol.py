@@ -1,0 +1,101 @@
+"""The draft lane as a type: server methods travel as ``Method`` members, the draft process refuses
+anything else and keeps serving, and the lane fallback chain is data (``LANES``)."""
+
+import pickle
+import socket
+import threading
+import warnings
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+
+from saguaro.core.config import MODES
+from saguaro.runtime.decode import DECODERS
+from saguaro.runtime.lanes import owner as lane_owner
+from saguaro.runtime.lanes.protocol import DraftLane, DraftLaneError, Method, check_methods
+from saguaro.runtime.lanes.process import ProcessLane, serve
+from saguaro.runtime.lanes.thread import ThreadLane
+from tests.conftest import tiny_program
+from tests.models import prompts, reference_greedy
+
+
+def test_a_server_without_a_lane_method_is_refused_at_once():
+    class Incomplete:
+        def open(self, spec):
+            pass
+
+    with pytest.raises(TypeError, match=r"Incomplete lacks the lane methods \['start', 'build'"):
+        check_methods(Incomplete)
+
+
+def test_every_mode_has_a_decoder_and_the_lanes_satisfy_the_protocol():
+    assert set(DECODERS) == set(MODES)
+    members = {"kind", "recorder", "post", "call", "settle", "take_trace", "close"}
+    declared = set(DraftLane.__annotations__) | {n for n, v in vars(DraftLane).items()
+                                                 if callable(v) and not n.startswith("_")}
+    assert declared == members
+    for lane in (ThreadLane, ProcessLane):
+        assert not members - set(dir(lane)), lane
+
+
+class _FakeServer:
+    """Just enough of a SpeculationServer for the draft process's loop."""
+
+    class draft:  # noqa: N801 - the loop reads server.draft.recorder
+        recorder = None
+
+    def open(self, spec):
+        self.opened = spec
+
+    def finished(self):
+        return self.opened == "spec"
+
+
+def test_the_draft_process_refuses_a_method_given_as_a_string_and_keeps_serving():
+    ours, theirs = socket.socketpair()
+    caller, server_end = Connection(ours.detach()), Connection(theirs.detach())
+    loop = threading.Thread(target=serve, args=(server_end, _FakeServer()), daemon=True)
+    loop.start()
+    try:
+        caller.send_bytes(pickle.dumps((1, "finished", (), True)))  # a name, not a Method: refused
+        seq, ok, value, _ = pickle.loads(caller.recv_bytes())
+        assert (seq, ok) == (1, False) and "not a draft server method: 'finished'" in value
+        caller.send_bytes(pickle.dumps((2, Method.FINISHED, (), True)))
+        seq, ok, value, _ = pickle.loads(caller.recv_bytes())
+        assert (seq, ok) == (2, False)  # a failure stands until a generation opens afresh ...
+        caller.send_bytes(pickle.dumps((3, Method.OPEN, ("spec",), False)))  # ... as this one does
+        caller.send_bytes(pickle.dumps((4, Method.FINISHED, (), True)))
+        seq, ok, value, _ = pickle.loads(caller.recv_bytes())
+    finally:
+        caller.close()
+        loop.join(timeout=5)
+    assert (seq, ok, value) == (4, True, True)
+    assert not loop.is_alive()  # end-of-file ended the loop
+
+
+def test_a_lane_kind_that_cannot_start_gives_way_down_the_registered_chain(monkeypatch):
+    target, _, program = tiny_program("llama", k=3, mode="ssd", lane="process")
+    attempts = []
+
+    def broken(owner):
+        attempts.append(owner.kind)
+        raise DraftLaneError("no such device")
+
+    monkeypatch.setitem(lane_owner.LANES, "process", lane_owner.LaneKind(broken, falls_back_to="thread"))
+    ids, mask = prompts(1, 6, seed=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = program.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None)
+    program.close()
+    assert attempts == ["process"]
+    assert [str(w.message) for w in caught if "cannot start" in str(w.message)] == [
+        "saguaro: the process lane cannot start: no such device; SSD uses the thread lane instead until close()"]
+    assert out.stats["lane"] == "thread" and out.stats["mode"] == "ssd"
+    assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 10))
+
+
+def test_registering_a_lane_that_falls_back_to_an_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match="falls back to 'carrier pigeon', which is not registered"):
+        lane_owner.register_lane("remote", lambda owner: None, falls_back_to="carrier pigeon")
+    assert "remote" not in lane_owner.LANES
