@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-deps bench venv clean
+.PHONY: demo test test-deps test-compat bench venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,8 +35,28 @@ test: $(STAMP) test-deps
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not isolated"
 	$(PY) -m pytest -q -m isolated
 
+# The suite on the oldest stack pyproject.toml admits, the GPU machine's: torch 2.11 + transformers 5.17 (Python
+# 3.12 where pyenv has it). PyPI's torch 2.11 is its CUDA build, a multi-GB download, so this is not part of
+# `make test`; the CUDA libraries stay unused on a CPU machine. Results: README.md, "Supported versions".
+COMPAT_VENV := .venv-compat
+COMPAT_PYTHON ?= $(shell for p in $$HOME/.pyenv/versions/3.12*/bin/python3 $$(command -v python3.12) python3; do \
+                   $$p --version >/dev/null 2>&1 && echo $$p && break; done)
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
+
+$(COMPAT_STAMP): pyproject.toml
+	test -x $(COMPAT_VENV)/bin/python || $(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(COMPAT_VENV)/bin/python -m pip install --quiet "torch==2.11.0" "transformers==5.17.0"
+	$(COMPAT_VENV)/bin/python -m pip install --quiet -e ".[dev]"
+	touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP) test-deps
+	$(COMPAT_VENV)/bin/python -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	$(COMPAT_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup -m "not isolated"
+	$(COMPAT_VENV)/bin/python -m pytest -q -m isolated
+
 bench: $(STAMP)
 	$(VENV)/bin/saguaro bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache

@@ -10,13 +10,15 @@ import torch
 from saguaro.artifact.export import export_program
 from saguaro.capture import capture, model_spec
 from saguaro.core.config import SaguaroConfig
-from saguaro.core.errors import SaguaroError
+from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.stages import Stage
+from saguaro.lower.cuda_graphs import captures_stage, resolve_cuda_graphs
 from saguaro.lower.lowering import attention_implementation, lower_graph, shape_policy
 from saguaro.passes import run_pipeline
-from saguaro.passes.pipeline import PipelineStages
+from saguaro.passes.pipeline import PipelineStages, build_stage
 from saguaro.runtime.lanes.draft_files import RemoteDraft
 from saguaro.runtime.draft.server import SpeculationServer
+from saguaro.runtime.base.kv_store import KVPool
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.program import Program
 from saguaro.tensor_math.fork import RANK_WIDTH
@@ -53,9 +55,18 @@ def compile_program(target, draft, cfg: SaguaroConfig) -> Program:
         raise SaguaroError(f"draft must be a Hugging Face causal LM module, got {type(draft).__name__}")
     target_spec = model_spec(target)
     if draft is not None:
-        check_pair(target_spec, model_spec(draft))
-    runners = {name: build_runner(name, model, cfg.backend, cfg.attention)
-               for name, model in (("target", target), ("draft", draft)) if model is not None}
+        device = draft_device(cfg.draft_device, target_spec.device)  # checked before anything moves
+        check_pair(target_spec, model_spec(draft), another_device=device is not None)
+        if device is not None and device != target_spec.device and cfg.lane == "process":
+            raise ConfigError(f"lane='process' cannot serve draft_device={cfg.draft_device!r}: the draft process "
+                              f"runs on the target's device ({target_spec.device}); use lane='thread' or 'auto'")
+        if device is not None and model_spec(draft).device != device:
+            log.info("moving the draft to %s (draft_device=%r)", device, cfg.draft_device)
+            draft.to(device)
+    models = {name: model for name, model in (("target", target), ("draft", draft)) if model is not None}
+    graphs = {name: resolve_cuda_graphs(cfg.cuda_graphs, model_spec(model).device) for name, model in models.items()}
+    runners = {name: build_runner(name, model, cfg.backend, cfg.attention, graphs[name])
+               for name, model in models.items()}
     gen = getattr(target, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     pad = getattr(gen, "pad_token_id", None) if gen is not None else None
@@ -68,13 +79,16 @@ def compile_program(target, draft, cfg: SaguaroConfig) -> Program:
                    exporter=functools.partial(export_program, model_configs=configs))
 
 
-def build_runner(name: str, model: torch.nn.Module, backend: str, attention: str = "auto") -> ModelRunner:
-    """Capture ``model``, run the base pass pipeline, and wrap it with the builder of its stages."""
+def build_runner(name: str, model: torch.nn.Module, backend: str, attention: str = "auto",
+                 cuda_graphs: bool = False) -> ModelRunner:
+    """Capture ``model``, run the base pass pipeline, and wrap it with the builder of its stages
+    (``cuda_graphs``: fixed-shape stages replay CUDA graphs over KV stores kept at fixed addresses)."""
     captured = capture(model)
     captured.graph_module = run_pipeline(captured.graph_module)
     width = min(captured.spec.vocab_size, RANK_WIDTH)  # fork / rank / Saguaro-sampling width
-    builder = CompiledStages(name, captured.graph_module, width, backend, attention, captured.spec.device.type)
-    return ModelRunner(name, captured, builder, width)
+    builder = CompiledStages(name, captured.graph_module, width, backend, attention, captured.spec.device.type,
+                             cuda_graphs)
+    return ModelRunner(name, captured, builder, width, kv_pool=KVPool() if cuda_graphs else None)
 
 
 class CompiledStages(PipelineStages):
@@ -83,23 +97,54 @@ class CompiledStages(PipelineStages):
     runtime calls it on a stage's first use."""
 
     def __init__(self, model_name: str, graph_module: torch.fx.GraphModule, width: int, backend: str,
-                 attention: str, device_type: str):
+                 attention: str, device_type: str, cuda_graphs: bool = False):
         super().__init__(graph_module, width, attention_implementation(backend, attention))
         self.model_name, self.backend, self.device_type = model_name, backend, device_type
+        self.requested_attention, self.cuda_graphs = attention, cuda_graphs
+
+    def stage_graph(self, stage: Stage, observe=None):
+        """The stage's graph, its attention lowered as chosen for this stage's mask and device."""
+        attention = attention_implementation(self.backend, self.requested_attention, self.device_type, stage.mask)
+        return build_stage(self.graph_module, stage, self.width, attention=attention, observe=observe)
 
     def __call__(self, stage: Stage):
-        return lower_graph(self.stage_graph(stage), self.backend, stage.qualified, self.device_type)
+        return lower_graph(self.stage_graph(stage), self.backend, stage.qualified, self.device_type,
+                           cuda_graphs=self.cuda_graphs and captures_stage(stage))
 
 
-def check_pair(target_spec, draft_spec) -> None:
-    """Target and draft must share the vocabulary, the device and the dtype."""
+def draft_device(requested: str | None, target_device: torch.device) -> torch.device | None:
+    """The device ``draft_device=requested`` puts the draft on, for a target on ``target_device``; None
+    when not given (the draft stays where it is, which must be the target's device). A CPU target's
+    draft runs on the CPU; a CUDA target's on any CUDA device this process sees. Else ``ConfigError``
+    naming the value and what is allowed."""
+    if requested is None:
+        return None
+    device = torch.device(requested)
+    if target_device.type != "cuda":
+        if device.type != target_device.type:
+            why = "" if torch.cuda.is_available() else "; this machine has no CUDA device"
+            raise ConfigError(f"draft_device={requested!r} is not allowed: the target is on {target_device}, and a "
+                              f"draft on another device needs a CUDA target; use draft_device=None or "
+                              f"{str(target_device)!r}{why}")
+        return target_device
+    count = torch.cuda.device_count()
+    index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+    if device.type != "cuda" or index >= count:
+        raise ConfigError(f"draft_device={requested!r} is not allowed: the target is on {target_device}, so the "
+                          f"draft runs on a CUDA device of this process: 'cuda:0'..'cuda:{count - 1}'")
+    return torch.device("cuda", index)
+
+
+def check_pair(target_spec, draft_spec, another_device: bool = False) -> None:
+    """Target and draft must share the vocabulary and the dtype, and the device unless ``draft_device``
+    placed the draft (``another_device``)."""
     if target_spec.vocab_size != draft_spec.vocab_size:
         raise ValueError(
             f"vocabulary mismatch: target {target_spec.model_class} has {target_spec.vocab_size} tokens, draft "
             f"{draft_spec.model_class} has {draft_spec.vocab_size}; target and draft must share one vocabulary")
-    if target_spec.device != draft_spec.device:
+    if target_spec.device != draft_spec.device and not another_device:
         raise ValueError(f"draft is on device {draft_spec.device} but the target is on {target_spec.device}; "
-                         "put both on the same device")
+                         "put both on the same device, or (CUDA) name the draft's with draft_device=")
     if target_spec.dtype != draft_spec.dtype:
         raise ValueError(f"draft dtype {draft_spec.dtype} differs from the target's {target_spec.dtype}; "
                          "load both in the same dtype")
@@ -110,5 +155,7 @@ def draft_server(description: dict, config: SaguaroConfig) -> SpeculationServer:
     captured, and its speculation server."""
     from saguaro.runtime.lanes.draft_files import load_draft
 
-    runner = build_runner("draft", load_draft(description), description["backend"], description["attention"])
+    model = load_draft(description)
+    runner = build_runner("draft", model, description["backend"], description["attention"],
+                          resolve_cuda_graphs(config.cuda_graphs, next(model.parameters()).device))
     return SpeculationServer(runner, config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from saguaro.core.errors import ConfigError
@@ -12,6 +13,8 @@ FALLBACKS = ("auto", "neural", "fast")
 LANES = ("auto", "thread", "process")
 ATTENTIONS = ("auto", "op", "inline", "flex")
 MAX_K = 16
+DRAFT_DEVICE_TYPES = ("cpu", "cuda")
+_DEVICE = re.compile(r"([a-z_]+)(?::(\d+))?")  # a torch device string: type[:index]
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,17 @@ class SaguaroConfig:
         thread lane wins; measured in ``benchmarks/README.md``, "Backends and lanes").
     attention: how the stages run attention (the ``lower_attention`` pass): ``"op"`` (the
         ``saguaro::attention`` custom op), ``"inline"`` (its math inline, so Inductor fuses the KV
-        write), ``"flex"`` (FlexAttention under a block mask built in the graph; opt-in, see
-        :func:`saguaro.lower.lowering.attention_implementation`) or ``"auto"``: op for the eager backend,
-        inline for Inductor.
+        write, and SDPA over a dense mask), ``"flex"`` (FlexAttention under a block mask built in the
+        graph, every stage; opt-in, see :func:`saguaro.lower.lowering.attention_implementation`) or
+        ``"auto"``: op for the eager backend, inline for Inductor. The tree stage of Inductor on CUDA
+        is written to take flex under ``"auto"`` (``saguaro.lower.lowering.FLEX_TREE_ON_CUDA``, a
+        one-line switch), off until ``benchmarks/gpu_probe.py`` shows it exact and faster than SDPA.
+    cuda_graphs: run the fixed-shape stages (verify, glue, tree, step; not prefill) as CUDA graphs
+        (``saguaro.lower.cuda_graphs``: one replay instead of hundreds of Python kernel launches per
+        call, so two lanes do not contend for the GIL): True (CUDA only: on another device
+        ``saguaro.compile`` raises a ``ConfigError`` naming it), False, or ``"auto"``, the default: off
+        everywhere for now; on CUDA it follows ``saguaro.lower.cuda_graphs.CUDA_GRAPHS_AUTO``, a one-line
+        switch kept off until ``benchmarks/gpu_probe.py`` shows graphed stages exact on a GPU.
     lane_timeout_s: seconds the target waits for one answer of the draft lane, during a generation,
         before finishing that generation with SD.
     sd_when_faster: with ``fan_out="auto"``, an SSD generation whose warm-up measures that no tree pays
@@ -51,6 +62,11 @@ class SaguaroConfig:
     lane_start_timeout_s: seconds a process lane may take to start (a new Python process imports
         torch and Saguaro and captures the draft); past it the lane is given up for the Program's
         life (until ``close()``) and SSD uses the thread lane.
+    draft_device: where the draft and its lane run: None (the draft's own device, which must be the
+        target's), or a device of the target's type: on CPU only ``"cpu"``; with a CUDA target any CUDA
+        device of the process (``"cuda:1"``), where ``saguaro.compile`` moves the draft (``draft.to``) and
+        the thread lane runs it on a stream of that device, tensors crossing between the devices copied
+        without blocking, ordered by CUDA events. Kept as a string (a ``torch.device`` as ``str(device)``).
     """
 
     k: int = 5
@@ -66,6 +82,8 @@ class SaguaroConfig:
     lane_start_timeout_s: float = 120.0
     sd_when_faster: bool = True
     attention: str = "auto"
+    cuda_graphs: object = "auto"
+    draft_device: str | None = None
 
     def __post_init__(self):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
@@ -92,8 +110,27 @@ class SaguaroConfig:
             raise ConfigError(f"lane_start_timeout_s={start!r} is not allowed: it must be > 0 seconds")
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"attention={self.attention!r} is not allowed: choose one of {', '.join(ATTENTIONS)}")
+        graphs = self.cuda_graphs  # True, False or "auto"; not 1 or 0
+        if not isinstance(graphs, bool) and not (isinstance(graphs, str) and graphs == "auto"):
+            raise ConfigError(f"cuda_graphs={graphs!r} is not allowed: choose 'auto', True or False")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
             raise ConfigError(f"max_seq_len={self.max_seq_len!r} is not allowed: it must be an int >= 2")
+        self._check_draft_device()
+
+    def _check_draft_device(self):
+        """A torch device of type cpu or cuda, or None; which one the target allows, ``saguaro.compile``
+        checks (it knows the target's device)."""
+        value = self.draft_device
+        if value is None:
+            return
+        allowed = "None (the target's device), 'cpu', 'cuda' or 'cuda:N'"
+        text = str(value) if type(value).__name__ == "device" else value  # a torch.device, as its string
+        parsed = _DEVICE.fullmatch(text) if isinstance(text, str) else None
+        if parsed is None:
+            raise ConfigError(f"draft_device={value!r} is not allowed: it is not a torch device; use {allowed}")
+        if parsed.group(1) not in DRAFT_DEVICE_TYPES:
+            raise ConfigError(f"draft_device={value!r} is not allowed: the draft runs on {allowed}")
+        object.__setattr__(self, "draft_device", text)
 
     def _check_fan_out(self):
         f = self.fan_out

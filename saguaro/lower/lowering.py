@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.core.errors import SaguaroError
+from saguaro.core.errors import ConfigError, SaguaroError
+from saguaro.core.stages import DRAFT_TREE
+from saguaro.lower.cuda_graphs import GraphedStage
+from saguaro.lower.graph_inputs import mutated_inputs
 from saguaro.lower.kernel_log import capture_output_code
 
 log = logging.getLogger(__name__)
@@ -62,24 +65,40 @@ def shape_policy(backend: str) -> ShapePolicy:
     return ShapePolicy(PROMPT_BUCKET, CAPACITY_BUCKET) if backend == "inductor" else ShapePolicy()
 
 
-def attention_implementation(backend: str, requested: str = "auto") -> str:
-    """How the ``lower_attention`` pass lowers the attention nodes: ``requested`` unless ``"auto"``; then
+# attention="auto" for the tree stage of Inductor on CUDA: FlexAttention (one Triton kernel Inductor
+# generates for the tree's block mask, skipping the blocks no branch may see) instead of SDPA over the
+# dense additive mask. Off until benchmarks/gpu_probe.py shows flex exact and faster than SDPA there;
+# then this one line makes it the default (SDPA, "inline", stays the fallback everywhere else).
+FLEX_TREE_ON_CUDA = False
+
+
+def attention_implementation(backend: str, requested: str = "auto", device_type: str = "cpu",
+                             mask: str | None = None, flex_tree: bool | None = None) -> str:
+    """How the ``lower_attention`` pass lowers the attention nodes of a stage with attention mask
+    ``mask`` (``stage.mask``; None: any stage) on ``device_type``: ``requested`` unless ``"auto"``; then
     the custom op for the eager backend and the op's math inline for Inductor (it fuses the KV write;
     the attention is one SDPA call per layer over the store, all ``MQ`` tree queries of a KV head in
-    one call, so each tile of the shared prefix is read once for all branches). ``"flex"``
-    (FlexAttention under an in-graph block mask) is opt-in: with torch 2.13 Inductor on CPU compiles
-    it for multi-token stages but not for one-token steps, and it awaits a check on CUDA
-    (``benchmarks/gpu_check.sh``). See ``passes/lower_attention.py``."""
+    one call, so each tile of the shared prefix is read once for all branches), except the tree stage
+    of Inductor on CUDA when ``flex_tree`` (default :data:`FLEX_TREE_ON_CUDA`, off until measured):
+    ``"flex"`` there. ``"flex"`` (FlexAttention under an in-graph block mask) is opt-in for every stage:
+    with torch 2.13 Inductor on CPU compiles it for multi-token stages but not for one-token steps,
+    and it awaits a check on CUDA (``benchmarks/gpu_probe.py``). See ``passes/lower_attention.py``."""
     if requested != "auto":
         return requested
-    return "inline" if backend == "inductor" else "op"
+    if backend != "inductor":
+        return "op"
+    flex_tree = FLEX_TREE_ON_CUDA if flex_tree is None else flex_tree
+    if flex_tree and device_type == "cuda" and mask == DRAFT_TREE.greedy.mask:
+        return "flex"
+    return "inline"
 
 
 class LoweringError(SaguaroError):
     """A stage graph could not be compiled; the message names the stage and the FX node."""
 
 
-def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: str = "cpu"):
+def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: str = "cpu",
+                cuda_graphs: bool = False):
     """``eager`` runs the GraphModule itself; ``inductor`` compiles it with ``torch.compile``
     (``fullgraph=True``: a graph break is an error). The first shape bucket a stage sees (the runtime
     pads prompts and KV capacities to :data:`PROMPT_BUCKET` / :data:`CAPACITY_BUCKET` multiples)
@@ -87,9 +106,17 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
     (dynamo's automatic dynamic shapes), which then serves every later bucket, so a stage compiles at
     most twice per batch size and never hits dynamo's recompile limit. Inductor's FX graph cache (on
     by default) serves repeated compiles of the same graph, in this process and the next.
-    ``device_type`` picks the per-device Inductor options (:data:`INDUCTOR_OPTIONS`)."""
+    ``device_type`` picks the per-device Inductor options (:data:`INDUCTOR_OPTIONS`).
+    ``cuda_graphs`` (CUDA only; a fixed-shape stage, :func:`~saguaro.lower.cuda_graphs.captures_stage`)
+    replays the stage as CUDA graphs (:class:`~saguaro.lower.cuda_graphs.GraphedStage`), the inputs it
+    writes in place (the KV caches, :func:`~saguaro.lower.graph_inputs.mutated_inputs`) kept at their
+    addresses."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not allowed: choose one of {', '.join(BACKENDS)}")
+    if cuda_graphs and device_type != "cuda":
+        raise ConfigError(f"cuda_graphs=True needs a CUDA device, but stage {name} runs on {device_type}")
     if backend == "eager":
-        return gm
+        return GraphedStage(gm, name, mutated_inputs(gm)) if cuda_graphs else gm
     if backend == "inductor":
         log.info("lowering %s with inductor (compiled on its first call per shape)", name)
         # compile the generated forward itself: GraphModule.__call__'s error wrapper walks tracebacks
@@ -98,8 +125,9 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
         # the stage's weights are the captured model's and never change shape: no guards on them
         options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         compiled = torch.compile(gm.forward, backend="inductor", fullgraph=True, dynamic=None, options=options)
+        if cuda_graphs:  # inside CompiledStage, which maps compile errors and logs the kernels
+            compiled = GraphedStage(compiled, name, mutated_inputs(gm))
         return CompiledStage(gm, compiled, name)
-    raise ValueError(f"backend={backend!r} is not allowed: choose one of {', '.join(BACKENDS)}")
 
 
 class CompiledStage:

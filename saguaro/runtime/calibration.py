@@ -6,17 +6,21 @@ the draft lane and slows down). And the draft lane's warm-up: every stage shape 
 use called once (a compiling backend compiles them now, not inside a round or against the lane's
 timeout), then the planner's stage costs measured, the verify timed while the lane builds each
 candidate tree. Both once per lane and shape.
+
+Every time here is the device's (:class:`~saguaro.runtime.base.timing.Stopwatch`): on CUDA two events
+on the stream the stage runs on, waited for alone, so timing the verify never waits for the draft
+lane's stream (nor the lane for it), and the planner and ``sd_when_faster`` compare GPU times.
 """
 
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 
 from saguaro.core.stages import DRAFT_STEP, TARGET_VERIFY
 from saguaro.runtime.base.model_runner import ModelRunner
+from saguaro.runtime.base.timing import Stopwatch
 
 REPEATS = 3
 
@@ -25,7 +29,8 @@ REPEATS = 3
 def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, temperature: float,
                       vocab_size: int, repeats: int = REPEATS) -> float:
     """Seconds of one ``target.verify`` call at this batch, store capacity and temperature (the least of
-    ``repeats`` calls: the machine's own noise only ever adds time)."""
+    ``repeats`` calls: the machine's own noise only ever adds time). On CUDA the device time on the
+    target's current stream; only that stream's events are waited for, not a lane building meanwhile."""
     device = target.spec.device
     store = target.new_store(batch, capacity)
     # distinct, contiguous tensors, as the rounds pass them: an aliased or expanded argument would make
@@ -43,11 +48,9 @@ def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, te
                  uniforms[:, k])
     best = float("inf")
     for _ in range(repeats):
-        started = time.perf_counter()
+        watch = Stopwatch(device)
         target.run(stage, store, ids, positions, slots, *extra)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
+        best = min(best, watch.stop().seconds)
     return best
 
 
@@ -60,7 +63,8 @@ WARM_UP_TIMEOUT_S = 3600.0  # compiling every draft stage shape may take minutes
 def time_sd_round(target: ModelRunner, draft: ModelRunner, batch: int, target_capacity: int, draft_capacity: int,
                   k: int, temperature: float) -> float:
     """Seconds of an SD round timed alone, with the caller's threads: one verify and ``k`` draft steps
-    (each the least of :data:`REPEATS`), on stores of the capacities the generation uses."""
+    (each the least of :data:`REPEATS`), on stores of the capacities the generation uses; device time,
+    each model's on its own device's current stream."""
     device = draft.spec.device
     store = draft.new_store(batch, draft_capacity)
     ids, positions, slots = (torch.zeros(batch, 1, dtype=torch.long, device=device) for _ in range(3))  # [B, 1]
@@ -70,9 +74,9 @@ def time_sd_round(target: ModelRunner, draft: ModelRunner, batch: int, target_ca
         extra = (torch.tensor(1.0 / temperature, device=device), torch.full((batch,), 0.5, device=device))
     best = float("inf")
     for _ in range(REPEATS):
-        started = time.perf_counter()
+        watch = Stopwatch(device)
         draft.run(stage, store, ids, positions, slots, *extra)
-        best = min(best, time.perf_counter() - started)
+        best = min(best, watch.stop().seconds)
     return time_verify_alone(target, batch, target_capacity, k, temperature, target.spec.vocab_size) + k * best
 
 

@@ -84,9 +84,9 @@ class Program:
         """A Program over the same captured and lowered stages with some options changed.
 
         Only runtime options may change (mode, fallback, fan-out, saguaro_c, lane, lane timeout); ``k``,
-        ``backend`` and ``attention`` shape what was compiled.
+        ``backend``, ``attention``, ``draft_device`` and ``cuda_graphs`` shape what was compiled.
         """
-        fixed = {"k", "backend", "attention"} & set(changes)
+        fixed = {"k", "backend", "attention", "draft_device", "cuda_graphs"} & set(changes)
         if fixed:
             raise ValueError(f"{sorted(fixed)} cannot change after compile; call saguaro.compile again")
         return Program(replace(self.config, **changes), self.target, self.draft, self.pad_token_id,
@@ -160,7 +160,7 @@ class Program:
         padded_ids, padded_mask = self.shapes.pad_prompt(input_ids, attention_mask, self.pad_token_id)
         generator, base = None, None
         if temperature > 0:  # one generator per lane (the draft lane's is seeded base + 1)
-            base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long))
+            base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long, device="cpu"))
             generator = torch.Generator(device=self.target.spec.device).manual_seed(base)
         self.prepare("sd" if mode == "ssd" and self.lanes.lane() is None else mode, temperature)
         # before the trace and the clock start: a new shape warms the lane up
@@ -174,7 +174,8 @@ class Program:
                                  tracing.recorder)
             wall = since(start)
         sequences = state.seqs.result()[:, padded_ids.shape[1] - T:]  # without the bucket's padding columns
-        stats = summarize(state.counters, plan.mode, int(state.seqs.generated.sum()), B, wall, self.lane_kind,
+        new_tokens = sum(state.seqs.host_lengths) - B * state.seqs.prompt_len  # the host view: no read
+        stats = summarize(state.counters, plan.mode, new_tokens, B, wall, self.lane_kind,
                           self._schedule_stats(temperature > 0) if plan.mode == "ssd" else None)
         stats["plan"] = plan.why
         if plan.mode == "ssd":
@@ -267,6 +268,7 @@ class Program:
         state.counters.prefill_s += since(started)
         first, _ = sample_tokens(logits, state.temperature, state.generator)
         seqs.append(first[:, None], torch.ones_like(first))
+        seqs.read()  # the host view the rounds start from (a row may finish on its first token)
         return first
 
     def _schedule_stats(self, sampled: bool) -> dict:

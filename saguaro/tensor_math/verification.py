@@ -112,5 +112,5 @@ def verify_speculation(
         raise ValueError("draft_probs is required at temperature > 0: verification needs the proposal distribution")
     B, K = draft_tokens.shape
     accept_u, resample_u = verification_uniforms(B, K, generator, target_logits.device)
-    inv_t = torch.tensor(1.0 / temperature, device=target_logits.device)
+    inv_t = torch.full((), 1.0 / temperature, device=target_logits.device)
     return verify_sampled(target_logits, draft_tokens, draft_probs, inv_t, accept_u, resample_u)

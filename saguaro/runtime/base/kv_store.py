@@ -3,17 +3,29 @@
 Slot ``i`` of row ``b`` holds token ``i`` of that row's token buffer (left padding included), so a
 token's slot equals its index; tree scratch slots follow the glue. ``slot_pos`` is -1 for empty,
 padding and rolled-back slots; ``slot_branch`` is 0 for shared slots, ``β`` for tree branch ``β``.
+
+A store made with a :class:`KVPool` keeps its tensors at fixed addresses across generations: when it
+is garbage collected its tensors go back to the pool, and the next store of the same shape takes
+them, reset to a fresh store's contents (zero caches, every slot empty). A CUDA graph captured over
+the caches (``saguaro.lower.cuda_graphs``: they are in-place graph inputs, so their addresses are
+part of the graph) then replays in every later generation of that shape instead of capturing again.
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
 
 import torch
 
 from saguaro.capture.export import ModelSpec
 
+MAX_FREE = 4  # free tensor sets a pool keeps (the least recently freed go first): stores of other shapes
 
-class KVStore:
-    """Per-layer caches ``[B, Hkv, S, D]`` and the mask description of their slots."""
+
+class _Tensors:
+    """One store's tensors: caches ``[B, Hkv, S, D]`` per layer and the slot metadata ``[B, S]``."""
 
     def __init__(self, spec: ModelSpec, batch: int, capacity: int):
         shape = (batch, spec.num_kv_heads, capacity, spec.head_dim)
@@ -22,8 +34,87 @@ class KVStore:
         self.v_caches = [torch.zeros(shape, dtype=spec.dtype, device=dev) for _ in range(spec.num_layers)]
         self.slot_pos = torch.full((batch, capacity), -1, dtype=torch.long, device=dev)  # [B, S]
         self.slot_branch = torch.zeros(batch, capacity, dtype=torch.long, device=dev)  # [B, S]
+        self.slot_index = torch.arange(capacity, device=dev)  # [S]
+
+    def reset(self) -> None:
+        """Back to a fresh store's contents (stale cache values are masked, but zeros keep it exact)."""
+        for cache in (*self.k_caches, *self.v_caches):
+            cache.zero_()
+        self.slot_pos.fill_(-1)
+        self.slot_branch.zero_()
+
+
+def _stream_key(device: torch.device):
+    """The current CUDA stream of ``device`` (None off CUDA). Like the caching allocator, a pool hands
+    tensors back only on the stream that freed them, so the reset is ordered after their last use."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+class KVPool:
+    """Free store tensors by shape (device, dtype, geometry, batch, capacity, stream, inference mode),
+    handed to the next :class:`KVStore` of that shape: the same addresses, generation after generation.
+    Thread-safe (two lanes make stores at once); it keeps at most ``max_free`` free sets."""
+
+    def __init__(self, max_free: int = MAX_FREE):
+        if isinstance(max_free, bool) or not isinstance(max_free, int) or max_free < 0:
+            raise ValueError(f"max_free={max_free!r} is not allowed: it must be an int >= 0")
+        self.max_free = max_free
+        self._free: OrderedDict = OrderedDict()  # (key, serial) -> _Tensors, least recently freed first
+        self._serial = 0
+        self._lock = threading.RLock()  # re-entrant: a garbage collection inside take() may give
+        self.reused = 0  # stores that took pooled tensors (tests, logs)
+
+    @staticmethod
+    def key(spec: ModelSpec, batch: int, capacity: int) -> tuple:
+        # inference tensors can be written in place only under inference mode, normal ones anywhere:
+        # a store takes tensors made in the same mode
+        return (str(spec.device), spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, batch, capacity,
+                _stream_key(spec.device), torch.is_inference_mode_enabled())
+
+    def take(self, key: tuple) -> _Tensors | None:
+        with self._lock:
+            for entry in list(self._free):  # a copy: a collected store may give tensors back meanwhile
+                tensors = self._free.pop(entry, None) if entry[0] == key else None
+                if tensors is not None:
+                    self.reused += 1
+                    return tensors
+            return None
+
+    def give(self, key: tuple, tensors: _Tensors) -> None:
+        with self._lock:
+            self._serial += 1
+            self._free[(key, self._serial)] = tensors
+            while len(self._free) > self.max_free:
+                self._free.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+
+class KVStore:
+    """Per-layer caches ``[B, Hkv, S, D]`` and the mask description of their slots. With ``pool``, its
+    tensors come from (and, once the store is garbage collected, go back to) the pool."""
+
+    def __init__(self, spec: ModelSpec, batch: int, capacity: int, pool: KVPool | None = None):
+        tensors = None
+        if pool is not None:
+            key = KVPool.key(spec, batch, capacity)
+            tensors = pool.take(key)
+            if tensors is not None:
+                tensors.reset()
+        if tensors is None:
+            tensors = _Tensors(spec, batch, capacity)
+        self.k_caches = tensors.k_caches
+        self.v_caches = tensors.v_caches
+        self.slot_pos = tensors.slot_pos  # [B, S]
+        self.slot_branch = tensors.slot_branch  # [B, S]
         self.capacity = capacity
-        self._slot_index = torch.arange(capacity, device=dev)  # [S]
+        self._slot_index = tensors.slot_index  # [S]
+        if pool is not None:
+            # holds the tensors, not the store; never at exit (the pool dies with the process)
+            weakref.finalize(self, pool.give, key, tensors).atexit = False
 
     def claim(self, write_slots: torch.Tensor, positions: torch.Tensor, branch: torch.Tensor) -> None:
         """Mark ``write_slots [B, T]`` as holding tokens at ``positions`` on ``branch`` (all ``[B, T]``)."""
@@ -37,7 +128,7 @@ class KVStore:
         self.slot_branch.masked_fill_(beyond, 0)
 
     def select_rows(self, rows: torch.Tensor) -> "KVStore":
-        """A copy of the store restricted to ``rows [M]`` (caches and slot metadata)."""
+        """A copy of the store restricted to ``rows [M]`` (caches and slot metadata; never pooled)."""
         sub = KVStore.__new__(KVStore)
         sub.k_caches = [c.index_select(0, rows) for c in self.k_caches]
         sub.v_caches = [c.index_select(0, rows) for c in self.v_caches]

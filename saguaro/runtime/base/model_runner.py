@@ -4,6 +4,12 @@ Each stage (:mod:`saguaro.core.stages`) is built on its first use by the runner'
 :class:`StageBuilder` (``saguaro.compile``'s: the stage pass pipeline, then lowering; the exporter's
 recorder; a loaded artifact's), so a program only builds (and, with inductor, compiles) the stages its
 modes call. The runtime never imports the passes or the lowering.
+
+A runner may live on another device of the process than its callers (``draft_device``): a stage
+call's tensors are then copied to the runner's device and its outputs back to the device of
+``input_ids`` (non-blocking; a copy between devices runs on the source's current stream and the
+destination's current stream waits for it), so a decoder on the target's device calls a draft on
+another one unchanged. Stage costs are device time (:mod:`saguaro.runtime.base.timing`).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-
+from collections import deque
 from typing import Callable, Protocol
 
 import torch
@@ -19,8 +25,12 @@ import torch
 from saguaro.capture.export import CapturedModel
 from saguaro.core.stages import Stage
 from saguaro.runtime.base.kv_store import KVStore
+from saguaro.runtime.base.timing import Interval, Stopwatch
 
 log = logging.getLogger(__name__)
+
+COST_WEIGHT = 0.1  # weight of a new call in a stage's running mean cost
+MAX_PENDING = 1024  # stage timings in flight on a device before a call waits for the oldest
 
 
 class StageBuilder(Protocol):
@@ -38,20 +48,39 @@ class StageBuilder(Protocol):
 class ModelRunner:
     """A captured model, its lowered stages, and the bookkeeping every stage call shares."""
 
-    def __init__(self, name: str, captured: CapturedModel, build: StageBuilder, width: int):
+    def __init__(self, name: str, captured: CapturedModel, build: StageBuilder, width: int, kv_pool=None):
         self.name = name
         self.captured = captured
         self.spec = captured.spec
         self.build = build  # Stage -> the lowered callable
         self.width = width  # fork / rank / Saguaro-sampling width
+        self.kv_pool = kv_pool  # a KVPool: stores of one shape reuse their tensors (fixed addresses: CUDA graphs)
         self._stages: dict = {}
         self._lock = threading.Lock()  # two lanes may ask for stages of one model at once
         self.stage_build_s: dict = {}
-        self.stage_cost_s: dict = {}  # running mean seconds per call, the schedule's node costs
+        self._stage_cost_s: dict = {}  # running mean seconds per call, the schedule's node costs
+        self._timings: deque = deque()  # (stage name, Interval) not folded into the means yet
+        self._timings_lock = threading.Lock()  # a lane's worker and the caller may both fold
         self.recorder = None  # a runtime.trace.TraceRecorder while a traced generate runs
 
     def new_store(self, batch: int, capacity: int) -> KVStore:
-        return KVStore(self.spec, batch, capacity)
+        return RunnerStore(self.spec, batch, capacity, pool=self.kv_pool)
+
+    @property
+    def stage_cost_s(self) -> dict:
+        """``{stage name: running mean seconds per call}`` (device time: the CUDA events of each call on
+        its stream). Reading it waits for the stage calls still running on the device, nothing else."""
+        self._fold(wait_for_all=True)
+        return self._stage_cost_s
+
+    def _fold(self, wait_for_all: bool) -> None:
+        """Fold finished stage timings into the running means, in call order (all when asked)."""
+        with self._timings_lock:
+            while self._timings and (wait_for_all or self._timings[0][1].ready()):
+                key, interval = self._timings.popleft()
+                elapsed, previous = interval.seconds, self._stage_cost_s.get(key)
+                self._stage_cost_s[key] = elapsed if previous is None else (
+                    (1 - COST_WEIGHT) * previous + COST_WEIGHT * elapsed)
 
     def stage(self, stage: Stage):
         """The lowered callable of ``stage``, built on first use."""
@@ -83,27 +112,43 @@ class ModelRunner:
         limit: torch.Tensor | None = None,  # [B, T]; None: the query's own position
         depth: int | None = None,  # tree depth, named in traces
     ):
-        """Call ``stage`` on the store; returns the stage's outputs (a tuple)."""
+        """Call ``stage`` on the store; returns the stage's outputs (a tuple), on ``input_ids``' device."""
+        caller, home = input_ids.device, self.spec.device
+        if elsewhere(caller, home):  # a caller on another device of this process (draft_device)
+            input_ids, positions, write_slots, branch, limit = (
+                to_device(t, home) for t in (input_ids, positions, write_slots, branch, limit))
+            extra = tuple(to_device(t, home) for t in extra)
         args = self._graph_args(store, input_ids, positions, write_slots, branch, limit)
         fn = self.stage(stage)
-        started = time.perf_counter()
+        watch = Stopwatch(home)  # on the device's current stream: a lane's own, on a lane
         if self.recorder is None:
             out = fn(*args, *extra)
+            self._timed(stage.qualified, watch.stop())
         else:  # a slice named by the stage on this model's track
             name = stage.qualified if depth is None else f"{stage.qualified} depth {depth}"
-            with self.recorder.slice(self.name, name, {"rows": int(input_ids.shape[0]),
-                                                       "tokens": int(input_ids.shape[1])}):
+            slice_args = {"rows": int(input_ids.shape[0]), "tokens": int(input_ids.shape[1])}
+            with self.recorder.slice(self.name, name, slice_args):
                 out = fn(*args, *extra)
-        elapsed = time.perf_counter() - started
-        key = stage.qualified
-        previous = self.stage_cost_s.get(key)
-        self.stage_cost_s[key] = elapsed if previous is None else 0.9 * previous + 0.1 * elapsed
+            interval = watch.stop()
+            self._timed(stage.qualified, interval)
+            if watch.stream is not None:  # CUDA: the slice spans the launch; the device's time rides along
+                slice_args["device_ms"] = interval  # read when the trace is taken
+        if elsewhere(caller, home):
+            out = tuple(to_device(t, caller) for t in out)
         return out
 
+    def _timed(self, key: str, interval: Interval) -> None:
+        with self._timings_lock:
+            self._timings.append((key, interval))
+        # on CPU every interval is ready, so the means are current after each call; on CUDA the finished
+        # ones are folded without waiting, and a queue past MAX_PENDING waits for its oldest
+        self._fold(wait_for_all=len(self._timings) > MAX_PENDING)
+
     def __call__(self, store: KVStore, input_ids, positions, write_slots, branch=None, limit=None) -> torch.Tensor:
-        """The captured graph itself: logits ``[B, T, V]`` (tests and recovery use it)."""
-        return self.captured.graph_module(*self._graph_args(store, input_ids, positions, write_slots, branch,
-                                                            limit))[0]
+        """The captured graph itself: logits ``[B, T, V]`` on ``input_ids``' device (tests and recovery)."""
+        caller, home = input_ids.device, self.spec.device
+        inputs = tuple(to_device(t, home) for t in (input_ids, positions, write_slots, branch, limit))
+        return to_device(self.captured.graph_module(*self._graph_args(store, *inputs))[0], caller)
 
     @staticmethod
     def _graph_args(store: KVStore, input_ids, positions, write_slots, branch, limit) -> tuple:
@@ -115,3 +160,24 @@ class ModelRunner:
         store.claim(write_slots, positions, branch)
         return (input_ids, positions, write_slots, branch, limit, store.slot_pos, store.slot_branch,
                 *store.k_caches, *store.v_caches)
+
+
+class RunnerStore(KVStore):
+    """A runner's KV store: a :class:`KVStore` whose roll-back may name its lengths on the caller's
+    device (SD drafting on the target's device with a draft on another one)."""
+
+    def invalidate_from(self, lengths: torch.Tensor) -> None:
+        super().invalidate_from(to_device(lengths, self.slot_pos.device))
+
+
+def to_device(value, device: torch.device):
+    """``value`` on ``device`` when it is a tensor elsewhere (a non-blocking copy); anything else as is."""
+    if isinstance(value, torch.Tensor) and elsewhere(value.device, device):
+        return value.to(device, non_blocking=True)
+    return value
+
+
+def elsewhere(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are different devices (``cuda`` without an index is not told apart from
+    an indexed one: it means the current device)."""
+    return a.type != b.type or (a.index is not None and b.index is not None and a.index != b.index)

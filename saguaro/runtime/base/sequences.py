@@ -1,8 +1,19 @@
-"""Per-sequence token buffers, lengths, EOS and budgets for one ``generate`` call."""
+"""Per-sequence token buffers, lengths, EOS and budgets for one ``generate`` call, and the one
+device→host read each round makes of them."""
 
 from __future__ import annotations
 
 import torch
+
+
+def host_to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (host bookkeeping: row indices, outcomes) on ``device`` without a host sync: on
+    CUDA it is pinned and copied ``non_blocking`` (a pageable copy waits for the stream); elsewhere the
+    tensor itself or a plain copy."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
 
 
 class SequenceBatch:
@@ -10,6 +21,11 @@ class SequenceBatch:
 
     Row ``b`` holds ``lengths[b]`` tokens; the last one is the pending token ``r`` (decided, not yet in
     any KV store). Finished rows (EOS or ``max_new_tokens`` reached) are never extended.
+
+    The buffers live on the device; the host keeps a view of ``finished`` and ``lengths`` as of the
+    last :meth:`read` (one device→host transfer, the round's outcome read with them), so the host's
+    questions (:meth:`all_finished`, :attr:`host_active`) cost no sync. :meth:`append` makes the view
+    stale; a question asked then reads once.
     """
 
     def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
@@ -25,7 +41,10 @@ class SequenceBatch:
         self.padding = self.pad_mask.sum(dim=1)  # [B] left-pad counts
         self.lengths = torch.full((B,), T, dtype=torch.long, device=dev)  # [B]
         self.finished = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
-        self.eos = torch.tensor(eos_token_ids, dtype=torch.long, device=dev)  # [E]
+        self.eos = host_to_device(torch.tensor(eos_token_ids, dtype=torch.long, device="cpu"), dev)  # [E]
+        # the step index every tail / forward index slices ([0, C)): no arange per call
+        self._steps = torch.arange(capacity, device=dev)  # [C]
+        self._host: tuple[list, list] | None = ([False] * B, [T] * B)  # (finished, lengths) on the host
 
     @property
     def batch(self) -> int:
@@ -39,8 +58,30 @@ class SequenceBatch:
     def active(self) -> torch.Tensor:
         return ~self.finished  # [B]
 
+    def read(self, *extra: torch.Tensor) -> list[list[int]]:
+        """The one device→host read: refresh the host view of ``finished`` and ``lengths`` and return
+        the ``extra`` integer tensors ``[B]`` as lists, all in one transfer."""
+        packed = torch.stack([self.finished.long(), self.lengths, *(e.long() for e in extra)]).tolist()  # [2+E, B]
+        self._host = ([bool(f) for f in packed[0]], packed[1])
+        return packed[2:]
+
+    def _host_view(self) -> tuple[list, list]:
+        if self._host is None:
+            self.read()
+        return self._host
+
+    @property
+    def host_active(self) -> list[bool]:
+        """Which rows are still active ``[B]``, on the host (reads once if an append made it stale)."""
+        return [not f for f in self._host_view()[0]]
+
+    @property
+    def host_lengths(self) -> list[int]:
+        """Tokens per row ``[B]``, on the host (reads once if an append made it stale)."""
+        return list(self._host_view()[1])
+
     def all_finished(self) -> bool:
-        return bool(self.finished.all())
+        return all(self._host_view()[0])
 
     def positions(self, index: torch.Tensor) -> torch.Tensor:
         """Model positions of token indices ``[B, T]``: index minus left padding; -1 on padding.
@@ -49,14 +90,18 @@ class SequenceBatch:
         """
         return index - self.padding[:, None]  # padding indices come out negative
 
-
     def prompt_positions(self) -> torch.Tensor:
-        index = torch.arange(self.prompt_len, device=self.tokens.device).expand(self.batch, -1)
+        index = self._steps[:self.prompt_len].expand(self.batch, -1)
         return self.positions(index).clamp_min(-1)  # [B, T]
 
     def tail_index(self, count: int) -> torch.Tensor:
         """Indices of the last ``count`` tokens of each row, ``[B, count]``."""
-        return self.lengths[:, None] - count + torch.arange(count, device=self.tokens.device)[None, :]
+        return self.lengths[:, None] - count + self._steps[None, :count]
+
+    def forward_index(self, count: int) -> torch.Tensor:
+        """Indices of the pending token and the ``count - 1`` slots after it, ``[B, count]`` (a
+        speculation ``[r, x_1..x_K]`` under verification or glue)."""
+        return self.lengths[:, None] - 1 + self._steps[None, :count]
 
     def gather(self, index: torch.Tensor) -> torch.Tensor:
         return self.tokens.gather(1, index)
@@ -65,9 +110,10 @@ class SequenceBatch:
         """Append the first ``counts[b]`` of ``candidates [B, n]`` to each active row.
 
         Stops at EOS (kept) and at ``max_new_tokens``; returns how many tokens each row took ``[B]``.
+        Device work only: the host view is stale until the next :meth:`read`.
         """
         B, n = candidates.shape
-        idx = torch.arange(n, device=candidates.device)[None, :]  # [1, n]
+        idx = self._steps[None, :n] if n <= self._steps.numel() else torch.arange(n, device=candidates.device)[None]
         remaining = (self.max_new_tokens - self.generated)[:, None]  # [B, 1]
         take = (idx < counts[:, None]) & (idx < remaining) & self.active[:, None]  # [B, n]
         is_eos = torch.isin(candidates, self.eos) & take
@@ -80,8 +126,9 @@ class SequenceBatch:
         taken = take.sum(dim=1)  # [B]
         self.lengths += taken
         self.finished |= has_eos | (self.generated >= self.max_new_tokens)
+        self._host = None
         return taken
 
     def result(self) -> torch.Tensor:
         """``[B, T + max generated]`` with finished rows padded, as ``transformers.generate`` returns."""
-        return self.tokens[:, : int(self.lengths.max())].clone()
+        return self.tokens[:, : max(self.host_lengths)].clone()

@@ -5,7 +5,9 @@ off when no recorder exists: the runtime keeps ``recorder = None`` and checks it
 Every process stamps its events with ``time.monotonic_ns()`` (``CLOCK_MONOTONIC``, shared by all
 processes of one host), so the draft process's events, sent back through the lane, share the caller's
 clock. Tracks are named: ``target`` and ``draft`` (the models' stage calls, on the lane that runs
-them) and ``host`` (rounds, waits for the draft lane, transport, commits).
+them) and ``host`` (rounds, waits for the draft lane, transport, commits). On CUDA a stage slice
+spans the stage's launch on the host; its ``device_ms`` argument is the device's time for it
+(:mod:`~saguaro.runtime.base.timing`), read when the events are taken.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+
+from saguaro.runtime.base.timing import Interval
 
 TRACKS = ("host", "target", "draft")  # the order tracks are shown in
 
@@ -49,8 +53,15 @@ class TraceRecorder:
         self.events.append(("i", track, name, time.monotonic_ns(), args))
 
     def take(self) -> dict:
-        """This process's events so far (a picklable dict) and a fresh start."""
+        """This process's events so far (a picklable dict: device timings read as milliseconds) and a
+        fresh start."""
         events, self.events = self.events, []
+        for event in events:
+            args = event[4]
+            if args:
+                for key, value in args.items():
+                    if isinstance(value, Interval):
+                        args[key] = 1000.0 * value.seconds
         return {"pid": self.pid, "process": self.process, "events": events}
 
 

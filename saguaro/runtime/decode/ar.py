@@ -24,7 +24,7 @@ def decode_ar(target: ModelRunner, draft: ModelRunner | None, state: DecodeState
                                index)  # [B, V]
         counters.verify_s += since(started)
         token, _ = sample_tokens(logits, state.temperature, state.generator)
-        decided = [1] * int(seqs.active.sum())
+        decided = [1] * sum(seqs.host_active)  # fresh: all_finished() above read it
         seqs.append(token[:, None], torch.ones_like(token))
         counters.accepted_lengths.extend(decided)
         counters.rounds += 1

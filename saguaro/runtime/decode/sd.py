@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +15,7 @@ from saguaro.runtime.draft.decode import draft_decode
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import since
+from saguaro.runtime.base.timing import Stopwatch
 from saguaro.runtime.base.trace import traced
 from saguaro.tensor_math import verification
 
@@ -34,36 +36,58 @@ def verify(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor,
            draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One target call over ``[r, x_1..x_k]`` with verification fused in: ``(accepted [B], next [B])``."""
     seqs, k = state.seqs, state.k
-    index = seqs.tail_index(1) + torch.arange(k + 1, device=draft_tokens.device)[None, :]  # [B, k+1]
+    index = seqs.forward_index(k + 1)  # [B, k+1]
     ids = torch.cat([seqs.gather(index[:, :1]), draft_tokens], dim=1)  # [B, k+1]
     state.target_store.invalidate_from(index[:, 0])  # drop the previous round's rejected slots
     positions = seqs.positions(index)
     stage = TARGET_VERIFY.at(state.temperature)
-    started = time.perf_counter()
+    watch = Stopwatch(ids.device)  # device time: on CUDA, events on the caller's stream
     if state.temperature == 0.0:
         accepted, next_token = target.run(stage, state.target_store, ids, positions, index, draft_tokens)
     else:
         accept_u, resample_u = verification.verification_uniforms(seqs.batch, k, state.generator, ids.device)
-        inv_t = torch.tensor(1.0 / state.temperature, device=ids.device)
+        inv_t = torch.full((), 1.0 / state.temperature, device=ids.device)  # a fill: no host copy, no sync
         accepted, next_token = target.run(stage, state.target_store, ids, positions, index, draft_tokens,
                                           draft_probs, inv_t, accept_u, resample_u)
-    state.counters.verify_s += since(started)
+    state.counters.verify_s += watch.stop().seconds
     return accepted, next_token
 
 
+@dataclass
+class Outcome:
+    """A round's outcome on the host, from the round's one device→host read: ``accepted [B]`` and
+    ``next_token [B]`` (``r'``) of every row, and which rows were ``active`` (unfinished) before it."""
+
+    active: list
+    accepted: list
+    next_token: list
+
+    @property
+    def decided(self) -> list:
+        """Tokens decided (accepted + 1) per row that was active."""
+        return [a + 1 for a, on in zip(self.accepted, self.active) if on]
+
+    @property
+    def accepted_if_active(self) -> list:
+        """``accepted [B]`` with None on the rows that were not active (what the draft server is told)."""
+        return [a if on else None for a, on in zip(self.accepted, self.active)]
+
+
 def commit(state: DecodeState, draft_tokens: torch.Tensor, accepted: torch.Tensor,
-           next_token: torch.Tensor) -> list:
-    """Append ``x_1..x_a, r'`` to each active row and record the accepted length; returns the tokens
-    decided per active row."""
-    active = state.seqs.active.clone()
-    state.seqs.append(verification.outcome_tokens(draft_tokens, accepted, next_token), accepted + 1)
-    decided = (accepted[active] + 1).tolist()
+           next_token: torch.Tensor) -> Outcome:
+    """Append ``x_1..x_a, r'`` to each active row, record the accepted lengths, and read the outcome
+    (with the rows' finished flags and lengths) to the host: the round's one device→host sync."""
+    seqs = state.seqs
+    active = seqs.host_active  # before this append: from the previous round's read
+    seqs.append(verification.outcome_tokens(draft_tokens, accepted, next_token), accepted + 1)
+    host_accepted, host_next = seqs.read(accepted, next_token)
+    outcome = Outcome(active, host_accepted, host_next)
+    decided = outcome.decided
     state.counters.accepted_lengths.extend(decided)
     state.counters.rounds += 1
     if state.recorder is not None:
-        lengths = accepted[active] + 1
-        state.recorder.counter("host", "accepted length", mean=float(lengths.float().mean()) if len(lengths) else 0.0)
-    return decided
+        state.recorder.counter("host", "accepted length", mean=sum(decided) / len(decided) if decided else 0.0)
+    return outcome
 
 
 def decode_sd(target: ModelRunner, draft: ModelRunner, state: DecodeState, plan, first_tokens) -> None:
@@ -80,4 +104,4 @@ def sd_rounds(target: ModelRunner, draft: ModelRunner, state: DecodeState) -> No
             draft_tokens, draft_probs = draft_speculation(draft, state)
             state.counters.draft_s += since(started)
             accepted, next_token = verify(target, state, draft_tokens, draft_probs)
-            state.counters.end_round(since(started), commit(state, draft_tokens, accepted, next_token))
+            state.counters.end_round(since(started), commit(state, draft_tokens, accepted, next_token).decided)

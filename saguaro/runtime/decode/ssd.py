@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from saguaro.core.warnings_at_caller import warn_at_caller
-from saguaro.runtime.decode.sd import commit, sd_rounds, verify
+from saguaro.runtime.decode.sd import Outcome, commit, sd_rounds, verify
 from saguaro.runtime.draft.server import Speculation
 from saguaro.runtime.lanes.protocol import DraftClient, DraftLaneError
 from saguaro.runtime.base.model_runner import ModelRunner
@@ -50,9 +50,12 @@ def decode_ssd(target: ModelRunner, draft: ModelRunner, state: DecodeState, plan
 
 def ssd_round(target: ModelRunner, state: DecodeState, lane: DraftClient, speculation: Speculation) -> Speculation | None:
     """One round: verify ∥ build, match the outcome, hit or fallback, and the next speculation (None
-    once every row has finished)."""
+    once every row has finished).
+
+    Host syncs: one, :func:`commit` reading the outcome with the rows' finished flags. Everything the
+    host decides after it (finished, hits, misses, counters) is host data: the lane answers a match with
+    host ``hit`` flags, and the speculation's ``source`` is a host list."""
     seqs, counters, recorder = state.seqs, state.counters, state.recorder
-    active = seqs.active.clone()
     round_started = time.perf_counter()
     # the draft lane builds the speculation cache for this speculation ...
     lane.build()
@@ -60,47 +63,50 @@ def ssd_round(target: ModelRunner, state: DecodeState, lane: DraftClient, specul
     verify_before = counters.verify_s
     accepted, next_token = verify(target, state, speculation.tokens, speculation.probs)  # [B], [B]
     with traced(recorder, "host", "commit"):
-        decided = commit(state, speculation.tokens, accepted, next_token)
-        _count_by_source(counters, speculation.source, accepted, active)
+        outcome = commit(state, speculation.tokens, accepted, next_token)  # the round's one device→host read
+        _count_by_source(counters, speculation.source, outcome)
     if seqs.all_finished():
-        counters.end_round(since(round_started), decided)
+        counters.end_round(since(round_started), outcome.decided)
         return None
     # the outcome (a, r') against the cache: waits for what is left of the build
     started = time.perf_counter()
     with traced(recorder, "host", "wait: match"):
-        lookup = lane.match(accepted, next_token, counters.verify_s - verify_before)
+        lookup = lane.match(outcome.accepted_if_active, outcome.next_token, counters.verify_s - verify_before)
     counters.draft_wait_s += since(started)
-    missed = seqs.active & ~lookup.hit  # [B]
-    _count_lookup(counters, lookup.hit & seqs.active, accepted, seqs.active)
+    active = seqs.host_active  # [B] after this round's append
+    hit = [on and h for on, h in zip(active, lookup.hit)]  # [B]
+    missed = [on and not h for on, h in zip(active, lookup.hit)]  # [B]
+    _count_lookup(counters, hit, outcome.accepted, active)
     if recorder is not None:
-        hits = int((lookup.hit & seqs.active).sum())
-        recorder.counter("host", "cache", hits=hits, misses=int(missed.sum()))
-    if not bool(missed.any()):
-        counters.end_round(since(round_started), decided)
+        recorder.counter("host", "cache", hits=sum(hit), misses=sum(missed))
+    if not any(missed):
+        counters.end_round(since(round_started), outcome.decided)
         return lookup.speculation  # every row hit: no draft latency on the critical path
     # a miss: the draft decodes now (neural) or a free n-gram proposal (fast)
     started = time.perf_counter()
     with traced(recorder, "host", "wait: fallback"):
         fallen_back = lane.fallback(missed)
     counters.fallback_s += since(started)
-    counters.fallbacks[fallen_back.fallback_kind] += int(missed.sum())
-    counters.end_round(since(round_started), decided)
+    counters.fallbacks[fallen_back.fallback_kind] += sum(missed)
+    counters.end_round(since(round_started), outcome.decided)
     return fallen_back
 
 
-def _count_by_source(counters: Counters, source: torch.Tensor, accepted: torch.Tensor, active) -> None:
-    for code, name in enumerate(SOURCES):
-        rows = active & (source == code)
-        if bool(rows.any()):
-            counters.by_source[name].tokens += int((accepted[rows] + 1).sum())
-            counters.by_source[name].rounds += int(rows.sum())
+def _count_by_source(counters: Counters, source: list, outcome: Outcome) -> None:
+    """Tokens decided and rounds by where each active row's speculation came from (host lists)."""
+    for code, a, on in zip(source, outcome.accepted, outcome.active):
+        if on:
+            tally = counters.by_source[SOURCES[code]]
+            tally.tokens += a + 1
+            tally.rounds += 1
 
 
-def _count_lookup(counters: Counters, hit: torch.Tensor, accepted: torch.Tensor, active) -> None:
-    counters.lookups += int(active.sum())
-    counters.hits += int(hit.sum())
-    for a in accepted[hit].tolist():
-        counters.hits_at[a] += 1
+def _count_lookup(counters: Counters, hit: list, accepted: list, active: list) -> None:
+    counters.lookups += sum(active)
+    counters.hits += sum(hit)
+    for a, h in zip(accepted, hit):
+        if h:
+            counters.hits_at[a] += 1
 
 
 def _finish_with_sd(target: ModelRunner, draft: ModelRunner, state: DecodeState, exc: Exception) -> None:
@@ -109,7 +115,7 @@ def _finish_with_sd(target: ModelRunner, draft: ModelRunner, state: DecodeState,
     state.counters.lane_failures += 1
     seqs = state.seqs
     state.draft_store = draft.new_store(seqs.batch, state.target_store.capacity)
-    width = int(seqs.lengths.max()) - 1  # every decided token but the pending one of the longest row
+    width = max(seqs.host_lengths) - 1  # every decided token but the pending one of the longest row
     # shorter rows also write slots past their pending token; SD drops those before it drafts
     index = torch.arange(width, device=seqs.tokens.device).expand(seqs.batch, width)
     draft(state.draft_store, seqs.gather(index), seqs.positions(index).clamp_min(-1), index)

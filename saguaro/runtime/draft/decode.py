@@ -23,7 +23,7 @@ def draft_decode(
     store.invalidate_from(index[:, 0])
     stage = DRAFT_STEP.at(temperature)
     tokens, probs = [], []
-    inv_t = torch.tensor(1.0 / temperature, device=ids.device) if temperature > 0 else None
+    inv_t = torch.full((), 1.0 / temperature, device=ids.device) if temperature > 0 else None  # a fill: no sync
     for _ in range(k):
         if inv_t is None:
             (token,) = draft.run(stage, store, ids, positions, index)  # [B]

@@ -31,22 +31,19 @@ def fast_fallback(seqs: SequenceBatch, rows: torch.Tensor, k: int, vocab_size: i
                   temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An n-gram proposal from each row's own context: what followed the last earlier ``r'``.
 
-    Without a match, ``r'`` repeated. It is deterministic, so verification uses the one-hot
-    proposal ``δ_x`` and stays exact at temperature > 0.
+    Without a match, and past the end of the context, ``r'`` repeated. It is deterministic, so
+    verification uses the one-hot proposal ``δ_x`` and stays exact at temperature > 0. All rows at
+    once on the device: no host sync.
     """
-    proposals = []
-    for row in rows.tolist():
-        length = int(seqs.lengths[row])
-        context = seqs.tokens[row, :length]
-        last = context[-1]
-        earlier = (context[:-1] == last).nonzero().flatten()
-        if earlier.numel():
-            follow = context[int(earlier[-1]) + 1: int(earlier[-1]) + 1 + k]
-        else:
-            follow = context[:0]
-        pad = last.expand(k - follow.numel())
-        proposals.append(torch.cat([follow, pad]))
-    tokens = torch.stack(proposals) if proposals else torch.zeros(0, k, dtype=torch.long)  # [M, k]
+    context = seqs.tokens[rows]  # [M, C]
+    last_index = (seqs.lengths[rows] - 1)[:, None]  # [M, 1]: r'
+    last = context.gather(1, last_index)  # [M, 1]
+    steps = torch.arange(context.shape[1], device=context.device)[None, :]  # [1, C]
+    earlier = (context == last) & (steps < last_index)  # [M, C]: earlier occurrences of r'
+    at = torch.where(earlier, steps, -1).amax(dim=1, keepdim=True)  # [M, 1]: the last one, -1 if none
+    follow = at + 1 + steps[:, :k]  # [M, k]: the tokens after the last earlier r'
+    valid = (at >= 0) & (follow <= last_index)  # within the context, r' included
+    tokens = torch.where(valid, context.gather(1, follow.clamp_max(context.shape[1] - 1)), last)  # [M, k]
     probs = one_hot_proposal(tokens, vocab_size) if temperature > 0 else None
     return tokens, probs
 

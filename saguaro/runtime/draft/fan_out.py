@@ -69,20 +69,33 @@ class OutcomeEstimator:
         self.accepted = alpha_prior * prior_weight
         self.rejected = (1 - alpha_prior) * prior_weight
         self.rho_prior = rho_prior
-        self.rank_counts = torch.zeros(RANK_BINS + 1, dtype=torch.float64)  # last bin: rank >= RANK_BINS
-        self.rank_counts_at = torch.zeros(k + 1, RANK_BINS + 1, dtype=torch.float64)  # [K+1, bins]: by position a
+        # host statistics: CPU tensors (the server hands this class host lists, never device tensors)
+        self.rank_counts = torch.zeros(RANK_BINS + 1, dtype=torch.float64, device="cpu")  # last bin: rank >= RANK_BINS
+        self.rank_counts_at = torch.zeros(k + 1, RANK_BINS + 1, dtype=torch.float64, device="cpu")  # [K+1, bins]
+        self._ranks_seen = 0
         self._fitted_at, self._fitted = -1.0, None
 
-    def observe(self, accepted: torch.Tensor, ranks: torch.Tensor | None = None) -> None:
-        """Record outcomes: ``accepted [N]`` in ``0..K`` and the ranks of ``r'`` ``[N]`` (0 = top)."""
+    def observe(self, accepted, ranks=None) -> None:
+        """Record outcomes: ``accepted [N]`` in ``0..K`` and the ranks of ``r'`` ``[N]`` (0 = top), as
+        lists or tensors (a device tensor is read here: the runtime passes lists)."""
+        accepted = torch.as_tensor(accepted, dtype=torch.long, device="cpu")
         self.accepted += float(accepted.sum())
         self.rejected += float((accepted < self.k).sum())
-        if ranks is not None and ranks.numel():
-            bins = ranks.clamp(0, RANK_BINS).long().cpu()
-            self.rank_counts += torch.bincount(bins, minlength=RANK_BINS + 1)
-            if accepted.numel() == bins.numel():
-                self.rank_counts_at.index_put_((accepted.long().cpu(), bins), torch.ones_like(bins, dtype=torch.float64),
-                                               accumulate=True)
+        if ranks is not None:
+            self.observe_ranks(accepted, ranks)
+
+    def observe_ranks(self, accepted, ranks) -> None:
+        """Record the ranks of ``r'`` ``[N]`` (0 = top) alone (``accepted [N]``, their positions, were
+        observed already): the server learns them one round after the accepted counts."""
+        bins = torch.as_tensor(ranks, dtype=torch.long, device="cpu").clamp(0, RANK_BINS)
+        if not bins.numel():
+            return
+        accepted = torch.as_tensor(accepted, dtype=torch.long, device="cpu")
+        self.rank_counts += torch.bincount(bins, minlength=RANK_BINS + 1)
+        self._ranks_seen += bins.numel()
+        if accepted.numel() == bins.numel():
+            self.rank_counts_at.index_put_((accepted, bins), torch.ones_like(bins, dtype=torch.float64),
+                                           accumulate=True)
 
     @property
     def alpha(self) -> float:
@@ -92,7 +105,7 @@ class OutcomeEstimator:
         """``miss(F) = P(rank >= F)`` for ``F = 1..RANK_BINS``."""
         total = self.rank_counts.sum()
         if total == 0:
-            return torch.zeros(0, dtype=torch.float64)
+            return torch.zeros(0, dtype=torch.float64, device="cpu")
         tail = self.rank_counts.flip(0).cumsum(0).flip(0) / total  # tail[i] = P(rank >= i)
         return tail[1:RANK_BINS + 1]
 
@@ -102,7 +115,7 @@ class OutcomeEstimator:
         than :data:`MIN_RANKS` ranks (the prior ``ρ`` before any). ``miss(j, 0) = 1``, convex and
         decreasing in ``F``, so the planner's greedy allocation is optimal under it, and branches go to
         the positions that miss. Refitted every :data:`REFIT_EVERY` observations."""
-        total = float(self.rank_counts.sum())
+        total = float(self._ranks_seen)
         if self._fitted is None or total - self._fitted_at >= REFIT_EVERY:
             overall = _planning_miss_fit(self.rank_counts, self.rho_prior)
             self._fitted = [_planning_miss_fit(counts, overall) for counts in self.rank_counts_at]
@@ -115,7 +128,7 @@ class OutcomeEstimator:
         miss = self.miss_curve()
         if miss.numel() == 0 or self.rank_counts.sum() < 16:
             return self.rho_prior
-        f = torch.arange(1, miss.numel() + 1, dtype=torch.float64)
+        f = torch.arange(1, miss.numel() + 1, dtype=torch.float64, device="cpu")
         keep = miss > 0
         if int(keep.sum()) < 2:
             return self.rho_prior
@@ -135,7 +148,7 @@ def _planning_miss_fit(counts: torch.Tensor, prior: float) -> float:
     if total < MIN_RANKS:
         return prior
     miss = (counts.flip(0).cumsum(0).flip(0) / total)[1:RANK_BINS + 1]  # P(rank >= F), F = 1..
-    x = torch.log(torch.arange(2, miss.numel() + 2, dtype=torch.float64))  # log(F + 1)
+    x = torch.log(torch.arange(2, miss.numel() + 2, dtype=torch.float64, device="cpu"))  # log(F + 1)
     keep = miss > 0
     if not bool(keep.any()):
         return 10.0

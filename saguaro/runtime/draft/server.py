@@ -5,7 +5,11 @@ first speculation; ``build`` runs glue, fork and tree decode for the speculation
 verification (this is what overlaps the target); ``match`` takes the outcome ``(a, r')``, commits it
 and looks it up in the speculation cache; ``fallback`` makes the next speculation of the rows that
 missed. The server keeps its own mirror of the sequences, so a lane can run it unchanged on a worker
-thread or in another process: a lane only ever calls these methods by name with tensor arguments.
+thread or in another process: a lane only ever calls these methods by name.
+
+Host and device: outcomes arrive and hits leave as host lists (the caller has read the outcome once;
+the server copies what it needs to its device without a sync). Each build reads its candidate table
+to the host once, at its end, off the critical path, so matching an outcome is host work.
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ from saguaro.runtime.draft.fallback import FallbackPolicy, fast_fallback, neural
 from saguaro.runtime.draft.fan_out import OutcomeEstimator, geometric_fan_out, resolve_fan_out
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.draft.planner import Planner, StageCosts
-from saguaro.runtime.base.sequences import SequenceBatch
-from saguaro.runtime.base.stats import SOURCES, since
+from saguaro.runtime.base.sequences import SequenceBatch, host_to_device
+from saguaro.runtime.base.stats import SOURCES
+from saguaro.runtime.base.timing import Stopwatch
 from saguaro.runtime.base.trace import TraceRecorder, traced
 from saguaro.tensor_math.fork import ranks_from_ranked
 from saguaro.tensor_math.verification import outcome_tokens
 
-HIT = SOURCES.index("hit")
+HIT, NEURAL = SOURCES.index("hit"), SOURCES.index("neural")
+MAX_LAYOUTS = 64  # branch layouts (index tensors per fan-out) a server keeps on its device
 
 
 @dataclass
@@ -54,7 +60,7 @@ class Speculation:
 
     tokens: torch.Tensor  # [B, K]
     probs: torch.Tensor | None  # [B, K, V]; None when greedy
-    source: torch.Tensor  # [B] long, index into SOURCES
+    source: list  # [B] host ints, index into SOURCES
     fallback_kind: str | None = None  # the fallback the missed rows took, if any
 
 
@@ -63,7 +69,7 @@ class Lookup:
     """The speculation cache's answer to an outcome: ``hit [B]`` and the cached speculation (rows that
     missed hold filler until :meth:`SpeculationServer.fallback` replaces it)."""
 
-    hit: torch.Tensor  # [B] bool
+    hit: list  # [B] host bools; False on rows not looked up (finished before this round)
     speculation: Speculation
 
 
@@ -75,19 +81,23 @@ class SpeculationServer:
         self.config = config
         self.k = config.k
         self.vocab = draft.spec.vocab_size
+        self.device = draft.spec.device  # where the draft's stages run: the mirror and every index live here
+        self._layouts: dict = {}  # fan-out -> its branch layout on the device (GlueRequest.layouts)
 
     def open(self, spec: GenerateSpec) -> None:
         with traced(self.draft.recorder, "draft", "open (prefill)"):
             self._open(spec)
 
     def _open(self, spec: GenerateSpec) -> None:
-        self.seqs = SequenceBatch(spec.input_ids, spec.attention_mask, spec.max_new_tokens, spec.capacity,
-                                  spec.eos_token_ids, spec.pad_token_id)
+        device = self.device
+        self.seqs = SequenceBatch(spec.input_ids.to(device), spec.attention_mask.to(device), spec.max_new_tokens,
+                                  spec.capacity, spec.eos_token_ids, spec.pad_token_id)
+        self.store = None  # the last generation's store goes back to the KV pool before this one is made
         self.store = self.draft.new_store(self.seqs.batch, spec.capacity)
         self.temperature = spec.temperature
         self.generator = None
         if spec.temperature > 0:
-            self.generator = torch.Generator(device=spec.input_ids.device).manual_seed(spec.seed)
+            self.generator = torch.Generator(device=device).manual_seed(spec.seed)
         self.estimator = OutcomeEstimator(self.k)
         schedule = round_schedule("ssd", self.k, sampled=spec.temperature > 0)
         self.build_nodes = [schedule.nodes[n] for n in build_steps(schedule)]
@@ -100,8 +110,9 @@ class SpeculationServer:
             self.planner.costs = copy.deepcopy(costs)
             self.planner.adaptive = not sampled
         self.cache = None
+        self._pending_ranks = None  # (accepted [B] host, ranks [B] device) of the last outcome, for ρ
         T = self.seqs.prompt_len
-        index = torch.arange(T, device=spec.input_ids.device).expand(self.seqs.batch, T)
+        index = torch.arange(T, device=device).expand(self.seqs.batch, T)
         self.draft.run(DRAFT_PREFILL, self.store, self.seqs.tokens[:, :T], self.seqs.prompt_positions(), index)
 
     def start(self, first_tokens: torch.Tensor) -> Speculation:
@@ -110,17 +121,17 @@ class SpeculationServer:
             return self._start(first_tokens)
 
     def _start(self, first_tokens: torch.Tensor) -> Speculation:
+        first_tokens = first_tokens.to(self.device)
         self.seqs.append(first_tokens[:, None], torch.ones_like(first_tokens))
-        rows = torch.arange(self.seqs.batch, device=first_tokens.device)
+        rows = torch.arange(self.seqs.batch, device=self.device)
         tokens, probs = neural_fallback(self.draft, self.store, self.seqs, rows, self.k, self.temperature,
                                         self.generator)
-        self.current = Speculation(tokens, probs, torch.zeros(self.seqs.batch, dtype=torch.long))
+        self.current = Speculation(tokens, probs, [NEURAL] * self.seqs.batch)
         return self.current
 
     def build(self, fan_out: list | None = None) -> None:
         """Glue, fork and tree decode for the speculation under verification (overlaps the target), with
         the planner's fan-out (or the configured one), unless ``fan_out`` is given."""
-        seqs, k = self.seqs, self.k
         if fan_out is not None:
             self.fan_out = list(fan_out)
         elif self.planner is not None:
@@ -138,58 +149,66 @@ class SpeculationServer:
 
     def _build(self) -> None:
         seqs, k = self.seqs, self.k
-        index = seqs.tail_index(1) + torch.arange(k + 1, device=seqs.tokens.device)[None, :]  # [B, k+1]
+        index = seqs.forward_index(k + 1)  # [B, k+1]
+        if len(self._layouts) > MAX_LAYOUTS:
+            self._layouts.clear()
         request = tree.GlueRequest(
             ids=torch.cat([seqs.gather(index[:, :1]), self.current.tokens], dim=1), index=index,
             positions=seqs.positions(index), fan_out=self.fan_out, temperature=self.temperature,
-            saguaro_c=float(self.config.saguaro_c))
+            saguaro_c=float(self.config.saguaro_c), layouts=self._layouts)
         self.cache = tree.build_speculations(self.draft, self.store, request, self.generator, self.build_nodes)
+        self._read_build()
         if self.planner is not None:
             depths = self.cache.depth_s
             self.planner.measured.observe_build(sum(self.fan_out), self.cache.glue_s,
                                  sum(depths) / len(depths) if depths else None)
 
-    def match(self, accepted: torch.Tensor, outcome: torch.Tensor, verify_s: float) -> Lookup:
-        """Commit the outcome ``(a [B], r' [B])`` and look it up in the cache the last build made."""
+    def match(self, accepted: list, outcome: list, verify_s: float) -> Lookup:
+        """Commit the outcome ``(a [B], r' [B])``, host ints (``a`` None on rows that were not active),
+        and look it up in the cache the last build made."""
         with traced(self.draft.recorder, "draft", "match"):
             return self._match(accepted, outcome, verify_s)
 
-    def _match(self, accepted: torch.Tensor, outcome: torch.Tensor, verify_s: float) -> Lookup:
+    def _match(self, accepted: list, outcome: list, verify_s: float) -> Lookup:
         seqs = self.seqs
-        self._learn(accepted, outcome, seqs.active.clone(), verify_s)
-        seqs.append(outcome_tokens(self.current.tokens, accepted, outcome), accepted + 1)
+        hit, branch = self.cache.match_host(accepted, outcome)  # host work: the build read its table
+        counts = [0 if a is None else a for a in accepted]  # rows no longer active take nothing anyway
+        host = torch.tensor([counts, outcome, branch], dtype=torch.long, device="cpu")  # [3, B]
+        accepted_d, outcome_d, branch_d = host_to_device(host, self.device)  # one copy, no sync
+        self._learn(accepted, accepted_d, outcome_d, verify_s)
+        seqs.append(outcome_tokens(self.current.tokens, accepted_d, outcome_d), accepted_d + 1)
         self.store.invalidate_from(seqs.lengths - 1)  # keep r .. x_a of the glue, drop the rest
-        hit, branch = self.cache.match(accepted, outcome)
-        hit &= seqs.active
-        tokens, probs = self.cache.speculation(branch)
+        tokens, probs = self.cache.speculation(branch_d)
         if self.temperature == 0.0:
             probs = None  # greedy verification needs no proposal distribution
-        self.current = Speculation(tokens, probs, torch.where(hit, HIT, 0))
+        self.current = Speculation(tokens, probs, [HIT if h else NEURAL for h in hit])
         return Lookup(hit, self.current)
 
-    def fallback(self, missed: torch.Tensor) -> Speculation:
-        """The next speculation with the rows ``missed [B]`` (bool) made by the fallback the policy picks."""
+    def fallback(self, missed: list) -> Speculation:
+        """The next speculation with the rows ``missed [B]`` (host bools) made by the fallback the policy picks."""
         kind = self.policy.choose()
         with traced(self.draft.recorder, "draft", f"fallback ({kind})"):
             return self._fallback(missed, kind)
 
-    def _fallback(self, missed: torch.Tensor, kind: str) -> Speculation:
-        rows = missed.nonzero().flatten()  # [M]
-        started = time.perf_counter()
+    def _fallback(self, missed: list, kind: str) -> Speculation:
+        missed_rows = [b for b, m in enumerate(missed) if m]
+        rows = host_to_device(torch.tensor(missed_rows, dtype=torch.long, device="cpu"), self.device)  # [M]
+        watch = Stopwatch(self.device)
         if kind == "neural":
             fb_tokens, fb_probs = neural_fallback(self.draft, self.store, self.seqs, rows, self.k, self.temperature,
                                                   self.generator)
-            self.policy.neural_s.append(since(started))
+            self.policy.neural_s.append(watch.stop().seconds)  # device time: the caller waits for it anyway
             if self.planner is not None:
                 self.planner.measured.observe_step(self.policy.neural_s[-1] / self.k)
         else:
             fb_tokens, fb_probs = fast_fallback(self.seqs, rows, self.k, self.vocab, self.temperature)
-        tokens, probs, source = self.current.tokens.clone(), self.current.probs, self.current.source.clone()
+        tokens, probs, source = self.current.tokens.clone(), self.current.probs, list(self.current.source)
         tokens[rows] = fb_tokens
         if probs is not None:
             probs = probs.clone()
             probs[rows] = fb_probs
-        source[rows] = SOURCES.index(kind)
+        for b in missed_rows:
+            source[b] = SOURCES.index(kind)
         self.current = Speculation(tokens, probs, source, kind)
         return self.current
 
@@ -203,7 +222,7 @@ class SpeculationServer:
         self.open(spec)
         self.start(first_tokens)
         budgets = self.planner.budgets if self.planner is not None else [None]
-        rows = torch.arange(self.seqs.batch, device=first_tokens.device)
+        rows = torch.arange(self.seqs.batch, device=self.device)
         for missed in sorted({1, self.seqs.batch - 1} - {0}):  # the full batch already ran in start()
             neural_fallback(self.draft, self.store, self.seqs, rows[:missed], self.k, self.temperature, self.generator)
         for budget in budgets:
@@ -214,9 +233,9 @@ class SpeculationServer:
         for _ in range(2):
             for budget in budgets:
                 self.build_budget(budget)
-            started = time.perf_counter()
+            watch = Stopwatch(self.device)
             neural_fallback(self.draft, self.store, self.seqs, rows, self.k, self.temperature, self.generator)
-            self.planner.costs.observe_step(since(started) / self.k)
+            self.planner.costs.observe_step(watch.stop().seconds / self.k)
         return self.planner.costs
 
     def build_budget(self, budget: int | None) -> None:
@@ -249,14 +268,31 @@ class SpeculationServer:
     def finished(self) -> bool:
         return self.seqs.all_finished()
 
-    def _learn(self, accepted, outcome, active, verify_s) -> None:
-        """Online α, ρ and the fallback policy's accepted lengths by source."""
-        ranks = ranks_from_ranked(self.cache.ranked, accepted, outcome)
-        self.estimator.observe(accepted[active], ranks[active])
+    def _learn(self, accepted: list, accepted_d: torch.Tensor, outcome_d: torch.Tensor, verify_s: float) -> None:
+        """Online α, ρ and the fallback policy's accepted lengths by source (``accepted`` host, None on
+        rows that were not active). ρ needs the rank of ``r'`` among the glue's candidates, computed
+        here on the device and read with the next build's table (:meth:`_read_build`), so the match
+        never waits on it."""
+        self.estimator.observe([a for a in accepted if a is not None])
+        self._pending_ranks = (accepted, ranks_from_ranked(self.cache.ranked, accepted_d, outcome_d))  # [B]
         self.policy.verify_s.append(verify_s)
         if self.planner is not None:
             self.planner.measured.observe_verify(sum(self.fan_out), verify_s)
-        for code, name in enumerate(SOURCES):
-            rows = active & (self.current.source == code)
-            if name in self.policy.accepted and bool(rows.any()):
-                self.policy.accepted[name].extend((accepted[rows] + 1).tolist())
+        for code, a in zip(self.current.source, accepted):
+            name = SOURCES[code]
+            if a is not None and name in self.policy.accepted:
+                self.policy.accepted[name].append(a + 1)
+
+    def _read_build(self) -> None:
+        """The build's one device→host read, at its end (off the critical path): the candidate table
+        ``[B, MQ]``, so that :meth:`match` is host work, and the ranks of the last outcome's tokens."""
+        cache, pending = self.cache, self._pending_ranks
+        B, MQ = cache.candidates.shape
+        parts = [cache.candidates.reshape(-1)] + ([pending[1]] if pending is not None else [])
+        host = torch.cat(parts).tolist()  # [B * MQ (+ B)]
+        rows = [j for j, f in enumerate(self.fan_out) for _ in range(f)]  # [MQ]: glue row of each branch
+        cache.index_on_host(rows, [host[b * MQ:(b + 1) * MQ] for b in range(B)])
+        if pending is not None:
+            seen = [(a, r) for a, r in zip(pending[0], host[B * MQ:]) if a is not None]
+            self.estimator.observe_ranks([a for a, _ in seen], [r for _, r in seen])
+            self._pending_ranks = None

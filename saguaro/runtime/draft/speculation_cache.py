@@ -24,9 +24,29 @@ class SpeculationCache:
     ranked: torch.Tensor  # [B, K+1, W]
     glue_s: float = 0.0  # measured seconds of the glue that built it
     depth_s: list = field(default_factory=list)  # measured seconds of each tree depth
+    keys: list | None = None  # [B] host dicts (j, c) -> branch, from :meth:`index_on_host`
+
+    def index_on_host(self, branch_rows: list, candidates: list) -> None:
+        """Index the cache on the host from ``branch_rows [MQ]`` and ``candidates [B, MQ]`` (read once,
+        when the build ends), so that :meth:`match_host` costs no device work and no sync."""
+        self.keys = []
+        for row in candidates:
+            keys: dict = {}
+            for branch, key in enumerate(zip(branch_rows, row)):
+                keys.setdefault(key, branch)  # the first branch of an outcome, as :meth:`match` picks
+            self.keys.append(keys)
+
+    def match_host(self, accepted: list, outcome_tokens: list) -> tuple[list, list]:
+        """:meth:`match` on the host: outcomes ``(a [B], r' [B])`` as ints (``a`` None: the row is not
+        looked up, a miss) give ``hit [B]`` bools and the matching branch ``[B]`` (0 on a miss)."""
+        if self.keys is None:
+            raise RuntimeError("match_host needs the cache indexed on the host first (index_on_host)")
+        branch = [None if a is None else keys.get((a, c)) for keys, a, c in zip(self.keys, accepted, outcome_tokens)]
+        return [m is not None for m in branch], [m or 0 for m in branch]
 
     def match(self, accepted: torch.Tensor, outcome_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For outcomes ``(a [B], r' [B])``: ``hit [B]`` bool and the matching branch ``[B]``."""
+        """For outcomes ``(a [B], r' [B])`` on the device: ``hit [B]`` bool and the matching branch ``[B]``
+        (the device form of :meth:`match_host`)."""
         if self.candidates.shape[1] == 0:  # no tree this round
             return torch.zeros_like(accepted, dtype=torch.bool), torch.zeros_like(accepted)
         same = (self.branch_rows[None, :] == accepted[:, None]) & (self.candidates == outcome_tokens[:, None])

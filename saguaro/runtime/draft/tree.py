@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,7 +11,9 @@ from saguaro.core.schedule import build_steps, round_schedule
 from saguaro.core.stages import DRAFT_GLUE, DRAFT_TREE, Stage
 from saguaro.tensor_math.fork import branch_layout
 from saguaro.runtime.base.kv_store import KVStore
+from saguaro.runtime.base.timing import Interval, Stopwatch
 from saguaro.runtime.base.model_runner import ModelRunner
+from saguaro.runtime.base.sequences import host_to_device
 from saguaro.runtime.draft.speculation_cache import SpeculationCache
 
 
@@ -25,6 +27,7 @@ class GlueRequest:
     fan_out: list  # F_0..F_K
     temperature: float
     saguaro_c: float
+    layouts: dict = field(default_factory=dict)  # fan-out -> branch layout on the device, kept by the caller
 
     @property
     def draft_tokens(self) -> torch.Tensor:
@@ -47,18 +50,19 @@ def build_speculations(draft: ModelRunner, store: KVStore, req: GlueRequest, gen
     tree = TreeBuild(draft, store, req, generator)
     for node in nodes:
         stage = node["stage"]
-        started = time.perf_counter()
+        watch = Stopwatch(tree.device)  # device time (CUDA events on the lane's stream), read after the build
         if stage is DRAFT_GLUE:
             tree.glue()
-            tree.glue_s = time.perf_counter() - started
+            tree.glue_s = watch.stop()
         elif stage in DRAFT_TREE:
             if req.fan_out and sum(req.fan_out):  # no branches: no tree depth runs
                 tree.depth(node["depth"], stage)
-                tree.depth_s.append(time.perf_counter() - started)
+                tree.depth_s.append(watch.stop())
         else:
             raise ValueError(f"schedule node of stage {stage.qualified} is not a draft-lane build step")
-    cache = tree.cache()
-    cache.glue_s, cache.depth_s = tree.glue_s, tree.depth_s
+    cache = tree.cache()  # reads the build's results: its timings are ready too
+    cache.glue_s = tree.glue_s.seconds if isinstance(tree.glue_s, Interval) else tree.glue_s
+    cache.depth_s = [interval.seconds for interval in tree.depth_s]
     return cache
 
 
@@ -75,12 +79,12 @@ class TreeBuild:
     def glue(self) -> None:
         req, device = self.req, self.device
         self.store.invalidate_from(req.index[:, 0])  # drop last round's glue tail and tree scratch
-        self.rows, ranks = branch_layout(req.fan_out, device)  # [MQ], [MQ]
+        self.rows, ranks = self.layout(req.fan_out)  # [MQ], [MQ]
         MQ = self.rows.numel()
         # the glue stage returns the fork's candidates [B, MQ] and each row's ranked tokens [B, K+1, W]; with no
         # branches (an SD round) it forks one candidate that nobody uses, so the stage never sees MQ = 0 (a
         # shape of its own for a compiler, and outside an exported stage's range)
-        layout = (self.rows, ranks) if MQ else branch_layout([1], device)
+        layout = (self.rows, ranks) if MQ else self.layout([1])
         candidates, self.ranked = self.draft.run(DRAFT_GLUE, self.store, req.ids, req.positions, req.index,
                                                  req.draft_tokens, *layout)
         self.candidates = candidates[:, :MQ]
@@ -88,9 +92,18 @@ class TreeBuild:
         self.fork_pos = req.positions[:, :1] + self.rows[None, :]  # [B, MQ]: position of x_j, the last shared
         self.first_scratch = req.index[:, -1:] + 1  # [B, 1]
         self.ids = self.candidates
-        if req.temperature > 0:
-            self.inv_t = torch.tensor(1.0 / req.temperature, device=device)
-            self.c = torch.tensor(float(req.saguaro_c), device=device)
+        if req.temperature > 0:  # fills, not copies of host scalars: no sync
+            self.inv_t = torch.full((), 1.0 / req.temperature, device=device)
+            self.c = torch.full((), float(req.saguaro_c), device=device)
+
+    def layout(self, fan_out: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """``branch_layout(fan_out)`` on the device, built once per fan-out (``req.layouts``) and copied
+        without a sync: a round reuses the index tensors of the trees it has run before."""
+        key = tuple(fan_out)
+        if key not in self.req.layouts:
+            rows, ranks = branch_layout(fan_out, device="cpu")  # [MQ], [MQ] host
+            self.req.layouts[key] = (host_to_device(rows, self.device), host_to_device(ranks, self.device))
+        return self.req.layouts[key]
 
     def depth(self, depth: int, stage: Stage) -> None:
         """Tree depth ``depth`` (1-based): one draft forward over every branch with ``stage`` (a
@@ -108,7 +121,7 @@ class TreeBuild:
         else:
             # Saguaro sampling: this token is x_{d+1} of the next speculation, whose recovery would be
             # looked up among the top-F_d candidates of the next glue's row d
-            top = torch.tensor(req.fan_out[d], device=device)
+            top = torch.full((), req.fan_out[d], dtype=torch.long, device=device)
             u = torch.rand(self.B, MQ, generator=self.generator, device=device)
             token, prob = self.draft.run(stage, self.store, self.ids, position, slots, self.inv_t, top,
                                          self.c, u, branch=self.branch, limit=self.fork_pos, depth=depth)

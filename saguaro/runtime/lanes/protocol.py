@@ -109,10 +109,12 @@ class DraftClient:
         """Posted: glue, fork and tree decode run while the caller verifies."""
         self.lane.post(Method.BUILD)
 
-    def match(self, accepted: torch.Tensor, outcome: torch.Tensor, verify_s: float) -> Lookup:
+    def match(self, accepted: list, outcome: list, verify_s: float) -> Lookup:
+        """The outcome as host lists (``accepted[b]``: None for a finished row), from the round's one read."""
         return self.lane.call(Method.MATCH, accepted, outcome, verify_s)
 
-    def fallback(self, missed: torch.Tensor) -> Speculation:
+    def fallback(self, missed: list) -> Speculation:
+        """``missed[b]``: whether row ``b`` needs a fallback speculation (host list)."""
         return self.lane.call(Method.FALLBACK, missed)
 
     def warm_up(self, spec: GenerateSpec, first_tokens: torch.Tensor, timeout_s: float):

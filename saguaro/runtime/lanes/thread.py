@@ -1,7 +1,11 @@
 """The thread lane: the draft server on a worker thread of this process (a CUDA stream of its own on
-GPU). Posted methods run on the worker, overlapping the caller; a call waits for them, then runs on
-the caller's thread (the worker is idle then). On CPU each lane gets one intra-op thread for the
-duration of an SSD ``generate`` (:func:`~saguaro.runtime.lanes.protocol.one_thread_per_lane`).
+GPU, on the draft's device, which may be another one than the target's: ``draft_device``). Posted
+methods run on the worker, overlapping the caller; a call waits for them, then runs on the caller's
+thread (the worker is idle then). Every method's arguments and result cross between the caller's
+stream and the lane's through a :class:`~saguaro.runtime.lanes.streams.StreamHandoff`: copied to the
+receiving side's device and ordered by CUDA events, so nothing waits on the host for the lane's
+stream. On CPU each lane gets one intra-op thread for the duration of an SSD ``generate``
+(:func:`~saguaro.runtime.lanes.protocol.one_thread_per_lane`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 
 from saguaro.runtime.draft.server import SpeculationServer
 from saguaro.runtime.lanes.protocol import DraftLaneError, Method
+from saguaro.runtime.lanes.streams import StreamHandoff, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -27,29 +32,29 @@ class ThreadLane:
         self.server = server
         self.timeout_s = timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="saguaro-draft")
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.handoff = StreamHandoff(device)  # the lane's stream on CUDA, and the hand-offs to it
         self._posted = None
 
-    def _run(self, method: Method, args: tuple):
+    def _run(self, method: Method, ticket: Ticket):
         with torch.inference_mode():
-            if self._stream is None:
-                return method.bound_to(self.server)(*args)
-            with torch.cuda.stream(self._stream):
-                out = method.bound_to(self.server)(*args)
-            self._stream.synchronize()
-            return out
+            return self.handoff.serve(ticket, method.bound_to(self.server))
 
     def post(self, method: Method, *args) -> None:
-        """Start ``server.method(*args)`` on the worker and return at once."""
+        """Start ``server.method(*args)`` on the worker and return at once (the lane's stream waits for
+        what the caller's stream queued before this)."""
         self.settle(raise_errors=True)
-        self._posted = self._pool.submit(self._run, method, args)
+        try:
+            ticket = self.handoff.send(args)
+        except Exception as exc:
+            raise DraftLaneError(f"draft lane failed in {method.value}: {type(exc).__name__}: {exc}") from exc
+        self._posted = self._pool.submit(self._run, method, ticket)
 
     def call(self, method: Method, *args, timeout_s: float | None = None):
         """Wait for posted work, then run ``server.method(*args)`` (on this thread: the worker is idle, so
         ``timeout_s`` has nothing to bound)."""
         self.settle(raise_errors=True)
         try:
-            return self._run(method, args)
+            return self.handoff.receive(self._run(method, self.handoff.send(args)))
         except Exception as exc:
             raise DraftLaneError(f"draft lane failed in {method.value}: {type(exc).__name__}: {exc}") from exc
 
@@ -62,8 +67,9 @@ class ThreadLane:
         try:
             # an interrupt here keeps the work posted, so the next call still waits for it: the server
             # never runs on two threads at once
-            posted.result(timeout=self.timeout_s)
+            reply = posted.result(timeout=self.timeout_s)
             self._posted = None
+            self.handoff.receive(reply)  # the caller's stream is ordered after the posted work too
         except concurrent.futures.TimeoutError as exc:
             self._posted = None
             if raise_errors:

@@ -1,0 +1,49 @@
+"""attention="auto" per stage: op for eager, inline (SDPA over the dense mask) for Inductor, and flex for
+the tree stage of Inductor on CUDA behind FLEX_TREE_ON_CUDA, off until the GPU probe measures it."""
+
+import pytest
+
+from saguaro.core.stages import DRAFT_GLUE, DRAFT_TREE, STAGES, TARGET_VERIFY
+from saguaro.lower import lowering
+from saguaro.lower.lowering import attention_implementation
+from saguaro.passes.lower_attention import attention_flex, attention_inline
+from saguaro.passes.pipeline import build_stage
+from tests.passes.stage_helpers import base_graph, count
+
+TREE = DRAFT_TREE.greedy.mask
+
+
+def test_auto_keeps_todays_choice_everywhere():
+    assert lowering.FLEX_TREE_ON_CUDA is False  # the one-line switch, once benchmarks/gpu_probe.py measures it
+    for stage in STAGES:
+        for device in ("cpu", "cuda"):
+            assert attention_implementation("eager", "auto", device, stage.mask) == "op"
+            assert attention_implementation("inductor", "auto", device, stage.mask) == "inline"
+    assert attention_implementation("eager") == "op" and attention_implementation("inductor") == "inline"
+
+
+@pytest.mark.parametrize("requested", ["op", "inline", "flex"])
+def test_an_explicit_choice_is_kept_for_every_stage(requested):
+    for stage in STAGES:
+        assert attention_implementation("inductor", requested, "cuda", stage.mask, flex_tree=True) == requested
+
+
+def test_flex_tree_picks_flex_for_the_tree_stage_of_inductor_on_cuda_only(monkeypatch):
+    assert attention_implementation("inductor", "auto", "cuda", TREE, flex_tree=True) == "flex"
+    assert attention_implementation("inductor", "auto", "cuda", TARGET_VERIFY.greedy.mask, flex_tree=True) == "inline"
+    assert attention_implementation("inductor", "auto", "cpu", TREE, flex_tree=True) == "inline"
+    assert attention_implementation("eager", "auto", "cuda", TREE, flex_tree=True) == "op"
+    assert attention_implementation("inductor", "auto", "cuda", None, flex_tree=True) == "inline"  # no stage named
+    monkeypatch.setattr(lowering, "FLEX_TREE_ON_CUDA", True)  # what flipping the switch does
+    assert attention_implementation("inductor", "auto", "cuda", TREE) == "flex"
+    assert attention_implementation("inductor", "auto", "cuda", TREE, flex_tree=False) == "inline"
+
+
+def test_per_stage_choice_gives_flex_tree_graphs_and_inline_others():
+    _, captured = base_graph()
+    for stage in (DRAFT_TREE.greedy, DRAFT_TREE.sampled, DRAFT_GLUE, TARGET_VERIFY.greedy):
+        attention = attention_implementation("inductor", "auto", "cuda", stage.mask, flex_tree=True)
+        gm = build_stage(captured.graph_module, stage, 8, attention=attention)
+        flex, inline = count(gm, attention_flex), count(gm, attention_inline)
+        layers = captured.spec.num_layers
+        assert (flex, inline) == ((layers, 0) if stage.mask == TREE else (0, layers)), stage.qualified

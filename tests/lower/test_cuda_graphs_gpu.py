@@ -1,0 +1,44 @@
+"""On a GPU: real CUDA graphs over a tiny pair's fixed-shape stages (eager and Inductor) give exactly the
+ungraphed program's tokens, greedy and sampled, generation after generation, with every capture
+succeeding and later generations replaying. Skipped without CUDA (the CPU tests run the same logic
+over a fake ``torch.cuda``: test_cuda_graphs.py, test_cuda_graph_generation.py)."""
+
+import functools
+
+import pytest
+import torch
+
+import saguaro
+from saguaro.core.stages import TARGET_VERIFY
+from tests.lower.graphed_program import counts, graphed
+from tests.models import prompts, tiny_target, truncated_draft
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+OPTIONS = dict(k=3, fan_out="geometric", fallback="neural", lane="thread", sd_when_faster=False)
+
+
+@functools.lru_cache(maxsize=None)
+def pair():
+    target = tiny_target("llama", seed=5).to("cuda")
+    return target, truncated_draft(target).to("cuda")
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_cuda_graphs_give_the_ungraphed_tokens(backend, mode, temperature):
+    target, draft = pair()
+    ids, mask = (t.to("cuda") for t in prompts(2, 7, seed=3, pad_rows={1: 2}))
+    kwargs = dict(attention_mask=mask, max_new_tokens=14, temperature=temperature, eos_token_id=None, seed=0)
+    plain = saguaro.compile(target, draft, mode=mode, backend=backend, **OPTIONS)
+    want = plain.generate(ids, **kwargs).sequences
+    program = saguaro.compile(target, draft, mode=mode, backend=backend, **OPTIONS)
+    made = graphed(program, "cuda")
+    for _ in range(3):
+        assert torch.equal(program.generate(ids, **kwargs).sequences, want)
+    total = counts(made)
+    assert total["failed"] == 0, {name: s.counts for name, s in made["stages"].items()}
+    assert total["captures"] > 0 and total["replays"] > total["captures"] and total["passed"] == 0
+    verify = made["stages"][TARGET_VERIFY.at(temperature).qualified]
+    assert verify.counts["captures"] == 1, "the target store keeps its address: one verify graph"
