@@ -164,9 +164,10 @@ class Program:
             generator = torch.Generator(device=self.target.spec.device).manual_seed(base)
         self.prepare("sd" if mode == "ssd" and self.lanes.lane() is None else mode, temperature)
         # before the trace and the clock start: a new shape warms the lane up
-        spec = self._draft_spec(padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base)
-        plan = plan_generation(self, mode, spec if mode == "ssd" else None,
-                               self._store_capacity(padded_ids.shape[1], max_new_tokens))
+        spec = None  # what SSD's draft side is opened with; AR and SD have no draft lane
+        if mode == "ssd":
+            spec = self._draft_spec(padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base)
+        plan = plan_generation(self, mode, spec, self._store_capacity(padded_ids.shape[1], max_new_tokens))
         runners = [self.target] + ([self.draft] if plan.run == "sd" else [])
         with GenerationTrace(trace, runners, plan.lane if plan.run == "ssd" else None) as tracing:
             start = time.perf_counter()
