@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -17,6 +18,7 @@ from saguaro.lower.lowering import attention_implementation, lower_graph, shape_
 from saguaro.passes import run_pipeline
 from saguaro.passes.pipeline import PipelineStages, build_stage
 from saguaro.runtime.lanes.draft_files import RemoteDraft
+from saguaro.runtime.lanes.remote import RemoteEndpoint
 from saguaro.runtime.draft.server import SpeculationServer
 from saguaro.runtime.base.kv_store import KVPool
 from saguaro.runtime.base.model_runner import ModelRunner
@@ -45,14 +47,17 @@ def compile(target=None, draft=None, **config):  # noqa: A001 - mirrors torch.co
     return compile_program(target, draft, cfg)
 
 
-def compile_program(target, draft, cfg: SaguaroConfig) -> Program:
-    """Check the pair, capture both models, lower them, and build the Program."""
+def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
+    """Check the pair, capture both models, lower them, and build the Program (``shard``: a tensor-parallel
+    target rank's ``ShardTensorParallel`` pass, run on the target's graph)."""
     if not isinstance(target, torch.nn.Module):
         raise SaguaroError(f"target must be a Hugging Face causal LM module, got {type(target).__name__}")
-    if draft is None and cfg.mode != "ar":
+    if draft is None and cfg.mode != "ar" and cfg.lane != "remote":
         raise ValueError(f"mode={cfg.mode!r} needs a draft model; pass draft=... or use mode='ar'")
     if draft is not None and not isinstance(draft, torch.nn.Module):
         raise SaguaroError(f"draft must be a Hugging Face causal LM module, got {type(draft).__name__}")
+    if cfg.tensor_parallel is not None and shard is None:
+        return compile_tensor_parallel(target, draft, cfg)
     target_spec = model_spec(target)
     if draft is not None:
         device = draft_device(cfg.draft_device, target_spec.device)  # checked before anything moves
@@ -63,16 +68,18 @@ def compile_program(target, draft, cfg: SaguaroConfig) -> Program:
         if device is not None and model_spec(draft).device != device:
             log.info("moving the draft to %s (draft_device=%r)", device, cfg.draft_device)
             draft.to(device)
+    endpoint = remote_endpoint(cfg, target_spec, draft) if cfg.lane == "remote" else None
     models = {name: model for name, model in (("target", target), ("draft", draft)) if model is not None}
     graphs = {name: resolve_cuda_graphs(cfg.cuda_graphs, model_spec(model).device) for name, model in models.items()}
-    runners = {name: build_runner(name, model, cfg.backend, cfg.attention, graphs[name])
+    runners = {name: build_runner(name, model, cfg.backend, cfg.attention, graphs[name],
+                                  shard if name == "target" else None)
                for name, model in models.items()}
     gen = getattr(target, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     pad = getattr(gen, "pad_token_id", None) if gen is not None else None
     if pad is None:
         pad = eos[0] if isinstance(eos, (list, tuple)) and eos else (eos if isinstance(eos, int) else 0)
-    remote = RemoteDraft(draft, cfg.backend, cfg.attention) if draft is not None else None
+    remote = endpoint or (RemoteDraft(draft, cfg.backend, cfg.attention) if draft is not None else None)
     configs = {name: model.config for name, model in (("target", target), ("draft", draft)) if model is not None}
     return Program(cfg, runners["target"], runners.get("draft"), pad_token_id=int(pad), eos_token_id=eos,
                    shapes=shape_policy(cfg.backend), remote_draft=remote,
@@ -80,11 +87,14 @@ def compile_program(target, draft, cfg: SaguaroConfig) -> Program:
 
 
 def build_runner(name: str, model: torch.nn.Module, backend: str, attention: str = "auto",
-                 cuda_graphs: bool = False) -> ModelRunner:
+                 cuda_graphs: bool = False, shard=None) -> ModelRunner:
     """Capture ``model``, run the base pass pipeline, and wrap it with the builder of its stages
-    (``cuda_graphs``: fixed-shape stages replay CUDA graphs over KV stores kept at fixed addresses)."""
+    (``cuda_graphs``: fixed-shape stages replay CUDA graphs over KV stores kept at fixed addresses;
+    ``shard``: a ``ShardTensorParallel`` pass after the base pipeline, the runner's spec its rank's heads)."""
     captured = capture(model)
-    captured.graph_module = run_pipeline(captured.graph_module)
+    captured.graph_module = run_pipeline(captured.graph_module, (shard,) if shard is not None else ())
+    if shard is not None:
+        captured.spec = shard.local_spec
     width = min(captured.spec.vocab_size, RANK_WIDTH)  # fork / rank / Saguaro-sampling width
     builder = CompiledStages(name, captured.graph_module, width, backend, attention, captured.spec.device.type,
                              cuda_graphs)
@@ -110,6 +120,38 @@ class CompiledStages(PipelineStages):
     def __call__(self, stage: Stage):
         return lower_graph(self.stage_graph(stage), self.backend, stage.qualified, self.device_type,
                            cuda_graphs=self.cuda_graphs and captures_stage(stage))
+
+
+def compile_tensor_parallel(target, draft, cfg: SaguaroConfig):
+    """``tensor_parallel=N`` under ``torch.distributed`` (``saguaro.runtime.tensor_parallel``): on target rank
+    ``r < N`` the Program over shard ``r`` of the target (the draft replicated there for SD); on rank ``N``
+    the draft rank's program. Indivisible head counts fail before any rank joins a collective."""
+    from saguaro.passes.shard_tensor_parallel import Shard, ShardTensorParallel, check_divisible
+    from saguaro.runtime.tensor_parallel import DraftRankProgram, TensorParallelProgram, join_ranks
+
+    spec = model_spec(target)
+    check_divisible(spec, cfg.tensor_parallel)
+    ranks = join_ranks(cfg.tensor_parallel, spec.device)
+    if ranks.is_draft:
+        def make_server():
+            return SpeculationServer(build_runner("draft", draft, cfg.backend, cfg.attention), cfg)
+        return DraftRankProgram(cfg, ranks, make_server, spec.vocab_size)
+    shard = ShardTensorParallel(spec, Shard(ranks.rank, cfg.tensor_parallel, ranks.target_group.group_name))
+    # SSD's rounds always: choosing SD by measured time would need the ranks to agree on one measurement
+    target_cfg = dataclasses.replace(cfg, sd_when_faster=False)
+    return TensorParallelProgram(compile_program(target, draft, target_cfg, shard), ranks)
+
+
+def remote_endpoint(cfg: SaguaroConfig, target_spec, draft) -> RemoteEndpoint:
+    """``lane="remote"``: ask the draft server what it serves and check it against the target (vocabulary,
+    dtype, ``k``: a ``ConfigError`` naming both values); a server that cannot be reached raises."""
+    if draft is None and cfg.mode == "sd":
+        raise ConfigError(f"mode='sd' needs a local draft, and draft=None: the draft is the server at "
+                          f"{cfg.draft_address}; use mode='ssd' (exact AR when the server cannot serve), or pass "
+                          "draft=... as well")
+    endpoint = RemoteEndpoint(cfg, target_spec)
+    endpoint.probe(cfg.lane_start_timeout_s)
+    return endpoint
 
 
 def draft_device(requested: str | None, target_device: torch.device) -> torch.device | None:

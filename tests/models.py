@@ -128,10 +128,15 @@ def tiny_family_config(family: str, **overrides):
 def tiny_family_target(family: str, seed: int = 0, logit_scale: float = 1.0, attn_scale: float = 4.0,
                        **overrides) -> torch.nn.Module:
     """A random target of ``family`` (see :data:`FAMILIES`); ``attn_scale`` sharpens its attention and
-    GPT-OSS's sinks are drawn large enough to take a visible share of the softmax."""
+    GPT-OSS's sinks are drawn large enough to take a visible share of the softmax. A softcapped family
+    attends with transformers' eager attention, the one that applies the softcap (some releases default
+    Gemma 2 to SDPA, which ignores it: ``tests/capture/test_layer_kinds.py`` covers that case)."""
     _, model_cls, _ = _families()[family]
     torch.manual_seed(seed)
-    model = model_cls(tiny_family_config(family, **overrides)).eval()
+    config = tiny_family_config(family, **overrides)
+    if getattr(config, "attn_logit_softcapping", None):
+        config._attn_implementation = "eager"
+    model = model_cls(config).eval()
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(attn_scale)

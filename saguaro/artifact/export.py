@@ -18,6 +18,7 @@ killed leaves nothing loadable at ``path``.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -125,8 +126,6 @@ def _export_stage(tmp: Path, stage, gm, described, ranges, native: bool, device,
     """torch.export the stage graph, refuse Python-only custom ops, write its portable form and (native)
     its AOTInductor package; returns its manifest entry."""
     from safetensors.torch import save_file
-    from torch._export.serde.serialize import serialize
-
     with torch.no_grad():
         ep = torch.export.export(gm, examples(described, device), dynamic_shapes=dynamic_shapes(described, ranges),
                                  strict=False)
@@ -138,7 +137,7 @@ def _export_stage(tmp: Path, stage, gm, described, ranges, native: bool, device,
                 "compiled code could not run without Python registration. Compile with attention='inline' (or "
                 "'auto') so that attention is lowered to aten ops, then export")
     stem = f"stages/{stage.qualified}"
-    serialized = serialize(ep, serialize_state_dict=False, serialize_constants=False)
+    serialized = _serialize_graph(ep)
     (tmp / f"{stem}.ep").write_bytes(serialized.exported_program)
     (tmp / f"{stem}.inputs").write_bytes(serialized.example_inputs)
     # weights and non-persistent buffers come from the model's weights file; other constants (tensors
@@ -161,6 +160,17 @@ def _export_stage(tmp: Path, stage, gm, described, ranges, native: bool, device,
             raise ArtifactError(f"stage {stage.qualified}: AOTInductor could not compile it: {first}") from exc
         entry["package"] = f"{stem}.pt2"
     return entry
+
+
+def _serialize_graph(ep):
+    """torch.export's serialized form of ``ep`` (graph and example inputs; the weights go to safetensors).
+    torch 2.13's ``serialize`` can skip pickling the state dict and constants; torch 2.11's always pickles
+    them (time spent on bytes this function's callers drop)."""
+    from torch._export.serde.serialize import serialize
+
+    if "serialize_state_dict" in inspect.signature(serialize).parameters:
+        return serialize(ep, serialize_state_dict=False, serialize_constants=False)
+    return serialize(ep)
 
 
 def _ranges(program, max_batch: int) -> dict:

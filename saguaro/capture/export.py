@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.capture.attention_op import ATTENTION_OPS, saguaro_attention_mask
-from saguaro.capture.hf_hook import ACTIVE_CONTEXT, ATTN_IMPLEMENTATION, AttentionContext, register_attention
+from saguaro.capture.hf_hook import (ACTIVE_CONTEXT, ATTN_IMPLEMENTATION, AttentionContext, register_attention,
+                                     softcap_dropped_by)
 from saguaro.capture.layer_kinds import LayerKind, layer_kinds
 from saguaro.core.errors import CaptureError
 
@@ -42,9 +43,10 @@ class ModelSpec:
 class _StageForward(torch.nn.Module):
     """Wraps an HF model so its forward has the captured graph's signature."""
 
-    def __init__(self, model: torch.nn.Module, spec: "ModelSpec"):
+    def __init__(self, model: torch.nn.Module, spec: "ModelSpec", drop_softcap: bool = False):
         super().__init__()
         self.model = model
+        self.drop_softcap = drop_softcap
         self.groups = spec.num_heads // spec.num_kv_heads
         self.layer_kinds = spec.layer_kinds
 
@@ -55,7 +57,8 @@ class _StageForward(torch.nn.Module):
                                          kind.window, kind.chunk, self.groups, k_caches[0].dtype)
             for kind in sorted(set(self.layer_kinds))
         }
-        ctx = AttentionContext(list(k_caches), list(v_caches), write_slots, biases, self.layer_kinds)
+        ctx = AttentionContext(list(k_caches), list(v_caches), write_slots, biases, self.layer_kinds,
+                               self.drop_softcap)
         token = ACTIVE_CONTEXT.set(ctx)
         try:
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False)
@@ -156,6 +159,7 @@ def capture(model: torch.nn.Module) -> CapturedModel:
             "that do (Llama, Qwen2, Qwen3, Mistral, Gemma 2 / 3, GPT-OSS, Llama 4, ...)"
         )
     register_attention()
+    drop_softcap = softcap_dropped_by(model)  # before the switch: what the model computes as loaded
     previous = model.config._attn_implementation
     was_training = model.training
     model.eval()
@@ -164,7 +168,8 @@ def capture(model: torch.nn.Module) -> CapturedModel:
     try:
         with torch.no_grad():
             program = torch.export.export(
-                _StageForward(model, spec), example_inputs(spec), dynamic_shapes=_dynamic_shapes(spec.num_layers),
+                _StageForward(model, spec, drop_softcap), example_inputs(spec),
+                dynamic_shapes=_dynamic_shapes(spec.num_layers),
                 strict=False,
             )
     except CaptureError:

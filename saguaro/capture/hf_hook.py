@@ -10,6 +10,8 @@ description from a context variable (:data:`ACTIVE_CONTEXT`) that the capture wr
 from __future__ import annotations
 
 import contextvars
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,7 @@ from saguaro.capture.attention_op import saguaro_attention, saguaro_attention_va
 from saguaro.core.errors import CaptureError
 
 ATTN_IMPLEMENTATION = "saguaro"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,6 +32,7 @@ class AttentionContext:
     write_slots: torch.Tensor  # [B, T]
     biases: dict  # LayerKind -> [B, 1, G*T, S] additive mask, built once per forward per kind
     layer_kinds: tuple  # per layer: its LayerKind
+    drop_softcap: bool = False  # the model as loaded computes without its softcap (see sdpa_drops_softcap)
 
 
 ACTIVE_CONTEXT: contextvars.ContextVar[AttentionContext] = contextvars.ContextVar("saguaro_attention_context")
@@ -62,7 +66,7 @@ def saguaro_attention_forward(module, query, key, value, attention_mask, dropout
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
         raise CaptureError(f"{name} (layer {layer}): attention sinks of shape {tuple(sinks.shape)}; saguaro "
                            f"supports one sink logit per head ({query.shape[1]})")
-    softcap = float(kwargs.get("softcap") or 0.0)
+    softcap = 0.0 if ctx.drop_softcap else float(kwargs.get("softcap") or 0.0)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     args = (query, key, value, ctx.k_caches[layer], ctx.v_caches[layer], ctx.write_slots, ctx.biases[kind], scale)
     if softcap or sinks is not None:
@@ -70,6 +74,46 @@ def saguaro_attention_forward(module, query, key, value, attention_mask, dropout
     else:
         out = saguaro_attention(*args)  # [B, H, T, D]
     return out.transpose(1, 2), None  # HF expects [B, T, H, D]
+
+
+@functools.lru_cache(maxsize=None)
+def sdpa_drops_softcap() -> bool:
+    """Whether this ``transformers``' SDPA attention silently ignores a ``softcap`` (measured on tiny
+    tensors, not read from a version table). Some releases (5.17) let Gemma 2 default to SDPA, which then
+    computes without ``attn_logit_softcapping``; later ones refuse the softcap (an error) or the model no
+    longer defaults to SDPA. A model that drops it is what its own ``generate`` computes, so capture
+    follows it (:func:`softcap_dropped_by`)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    q = torch.linspace(-4.0, 4.0, 16).reshape(1, 1, 4, 4)  # [B, H, T, D]: logits far past a softcap of 1
+    try:
+        plain, _ = sdpa_attention_forward(module, q, q, q, None, scaling=1.0)
+        capped, _ = sdpa_attention_forward(module, q, q, q, None, scaling=1.0, softcap=1.0)
+    except Exception:  # noqa: BLE001 - refused: the model's own forward raises too, nothing is dropped
+        return False
+    return torch.equal(plain, capped)
+
+
+def softcap_dropped_by(model: torch.nn.Module) -> bool:
+    """True when ``model``, as loaded, attends with SDPA that ignores the softcap its config asks for."""
+    config = model.config
+    if not getattr(config, "attn_logit_softcapping", None) or config._attn_implementation != "sdpa":
+        return False
+    if not sdpa_drops_softcap():
+        return False
+    log.warning("%s: transformers %s's SDPA attention ignores attn_logit_softcapping=%s, so the model as loaded "
+                "(attn_implementation='sdpa') computes without it; Saguaro does the same, to give that model's "
+                "tokens (load it with attn_implementation='eager' for the softcapped model)", type(model).__name__,
+                _transformers_version(), config.attn_logit_softcapping)
+    return True
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _no_mask(*args, **kwargs):

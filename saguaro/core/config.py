@@ -10,7 +10,7 @@ from saguaro.core.errors import ConfigError
 MODES = ("ar", "sd", "ssd")
 BACKENDS = ("eager", "inductor")
 FALLBACKS = ("auto", "neural", "fast")
-LANES = ("auto", "thread", "process")
+LANES = ("auto", "thread", "process", "remote")
 ATTENTIONS = ("auto", "op", "inline", "flex")
 MAX_K = 16
 DRAFT_DEVICE_TYPES = ("cpu", "cuda")
@@ -40,7 +40,12 @@ class SaguaroConfig:
         thread lane (its own CUDA stream on GPU) except for the eager backend on CPU, where the GIL,
         held while FX graphs are interpreted, makes a thread lane slow the target's verification, so
         the process lane wins (Inductor's C++ wrapper runs the kernels without the GIL, so there the
-        thread lane wins; measured in ``benchmarks/README.md``, "Backends and lanes").
+        thread lane wins; measured in ``benchmarks/README.md``, "Backends and lanes"). ``"remote"``: a
+        ``saguaro draft-server`` at ``draft_address`` (``saguaro.runtime.lanes.remote``); ``"auto"`` with a
+        ``draft_address`` means ``"remote"``.
+    draft_address: ``"HOST:PORT"`` of the draft server of ``lane="remote"`` (None otherwise).
+    draft_secret_file: a file holding the secret shared with the draft server (None: the environment
+        variable ``SAGUARO_DRAFT_SECRET``, else no secret, which a server on loopback accepts).
     attention: how the stages run attention (the ``lower_attention`` pass): ``"op"`` (the
         ``saguaro::attention`` custom op), ``"inline"`` (its math inline, so Inductor fuses the KV
         write, and SDPA over a dense mask), ``"flex"`` (FlexAttention under a block mask built in the
@@ -67,6 +72,9 @@ class SaguaroConfig:
         device of the process (``"cuda:1"``), where ``saguaro.compile`` moves the draft (``draft.to``) and
         the thread lane runs it on a stream of that device, tensors crossing between the devices copied
         without blocking, ordered by CUDA events. Kept as a string (a ``torch.device`` as ``str(device)``).
+    tensor_parallel: None (one process holds the target), or ``N >= 1``: under ``torch.distributed`` with
+        ``N + 1`` ranks (``torchrun --nproc-per-node N+1``), ranks ``0..N-1`` hold the target's shards
+        (the ``shard_tensor_parallel`` pass) and rank ``N`` the draft (``saguaro.runtime.tensor_parallel``).
     """
 
     k: int = 5
@@ -84,6 +92,9 @@ class SaguaroConfig:
     attention: str = "auto"
     cuda_graphs: object = "auto"
     draft_device: str | None = None
+    draft_address: str | None = None
+    draft_secret_file: str | None = None
+    tensor_parallel: int | None = None
 
     def __post_init__(self):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
@@ -116,6 +127,24 @@ class SaguaroConfig:
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
             raise ConfigError(f"max_seq_len={self.max_seq_len!r} is not allowed: it must be an int >= 2")
         self._check_draft_device()
+        self._check_remote()
+        tp = self.tensor_parallel
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+            raise ConfigError(f"tensor_parallel={tp!r} is not allowed: use None or an int >= 1 (target ranks)")
+
+    def _check_remote(self):
+        """``lane="remote"`` and ``draft_address`` come together (``"auto"`` with an address is remote)."""
+        address, secret = self.draft_address, self.draft_secret_file
+        if address is not None and (not isinstance(address, str) or ":" not in address):
+            raise ConfigError(f"draft_address={address!r} is not allowed: give 'HOST:PORT'")
+        if secret is not None and not isinstance(secret, str):
+            raise ConfigError(f"draft_secret_file={secret!r} is not allowed: give a file path (a str) or None")
+        if address is not None and self.lane == "auto":
+            object.__setattr__(self, "lane", "remote")
+        if self.lane == "remote" and address is None:
+            raise ConfigError("lane='remote' needs draft_address='HOST:PORT' (where `saguaro draft-server` listens)")
+        if address is not None and self.lane != "remote":
+            raise ConfigError(f"draft_address={address!r} is only for lane='remote' (or 'auto'), not lane={self.lane!r}")
 
     def _check_draft_device(self):
         """A torch device of type cpu or cuda, or None; which one the target allows, ``saguaro.compile``

@@ -29,6 +29,7 @@ FLAT_SIGNATURE = "flat_signature"
 STAGE_MASK = "stage_mask"
 EPILOGUE_SPLICED = "epilogue_spliced"
 ATTENTION_LOWERED = "attention_lowered"
+TENSOR_PARALLEL = "tensor_parallel"
 FACTS = {
     GENERIC_MASK: "one saguaro::attention_mask node per layer kind (capture)",
     LOGITS_OUTPUT: "the logits [B, T, V] are the graph's only output (capture)",
@@ -37,6 +38,7 @@ FACTS = {
     STAGE_MASK: "each mask built by the stage kind's own construction (specialize_attention)",
     EPILOGUE_SPLICED: "the stage's epilogue follows the logits; its results are the outputs (splice_epilogue)",
     ATTENTION_LOWERED: "attention nodes in the form the backend runs (lower_attention)",
+    TENSOR_PARALLEL: "a rank's slice of each projection, an all-reduce per row-parallel one (shard_tensor_parallel)",
 }
 
 RECORD_KEY = "saguaro_pass_record"

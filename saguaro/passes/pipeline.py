@@ -31,9 +31,11 @@ log = logging.getLogger(__name__)
 PIPELINE: tuple[GraphPass, ...] = (StripRuntimeChecks(), FlattenSignature())
 
 
-def run_pipeline(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Apply every pass of :data:`PIPELINE` in order to a captured graph."""
-    return PassManager(PIPELINE).run(gm)
+def run_pipeline(gm: torch.fx.GraphModule, extra: tuple[GraphPass, ...] = ()) -> torch.fx.GraphModule:
+    """Apply every pass of :data:`PIPELINE` in order to a captured graph, then ``extra`` (a tensor-parallel
+    rank's ``shard_tensor_parallel``: it needs the base pipeline's facts, and every stage graph is
+    copied from its result, so the model is sharded once)."""
+    return PassManager(PIPELINE + tuple(extra)).run(gm)
 
 
 def stage_passes(stage: Stage, width: int, attention: str, window: int) -> list[GraphPass]:

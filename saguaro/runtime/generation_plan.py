@@ -8,6 +8,7 @@ every core is faster, so the rounds run are SD's (``sd_when_faster``; the stats 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from saguaro.core.warnings_at_caller import warn_at_caller
@@ -42,24 +43,26 @@ def plan_generation(program, mode: str, spec: GenerateSpec | None, target_capaci
     """The plan of one call of ``program`` in ``mode`` (``spec``: the draft side's, for SSD)."""
     if mode != "ssd":
         return GenerationPlan(mode, mode, f"mode {mode} asked")
-    lane = program.lanes.lane()
+    lane, alone = program.lanes.lane(), program.without_lane  # alone: SD, or AR with a remote draft only
     if lane is None:
-        return GenerationPlan("sd", "sd", f"ssd asked, but no draft lane can start ({program.lanes.failure}): SD "
-                                          "gives the same tokens")
+        return GenerationPlan(alone, alone, f"ssd asked, but no draft lane can start ({program.lanes.failure}): "
+                                            f"{alone.upper()} gives the same tokens")
     config, batch = program.config, spec.input_ids.shape[0]
     tree_policy = "planner" if config.fan_out == "auto" else f"fan_out={config.fan_out!r}"
+    sd_round_s = None  # SD on the target's machine (every core; no SD without a local draft)
     try:
-        sd_round_s = program.calibration.sd_round_s(batch, target_capacity, spec.capacity, spec.temperature)
-        with one_thread_per_lane(spec.input_ids.device):
+        if program.draft is not None:
+            sd_round_s = program.calibration.sd_round_s(batch, target_capacity, spec.capacity, spec.temperature)
+        with one_thread_per_lane(spec.input_ids.device) if program.lanes.shares_host else nullcontext():
             calibrated = program.calibration.ready(lane, spec, target_capacity)
     except DraftLaneError as exc:
-        warn_at_caller(f"saguaro: {exc}; generating with SD instead (output stays exact)")
+        warn_at_caller(f"saguaro: {exc}; generating with {alone.upper()} instead (output stays exact)")
         program.lanes.drop()
-        return GenerationPlan("sd", "sd", f"ssd asked, but the {lane.kind} lane failed while warming up: {exc}")
+        return GenerationPlan(alone, alone, f"ssd asked, but the {lane.kind} lane failed while warming up: {exc}")
     key = program.calibration.key(lane, spec)
     costs = calibrated[1]
-    if config.sd_when_faster and costs is not None and program.calibration.run_as_sd(
-            key, sd_round_s, ssd_pays(costs, sd_round_s, config.k, program.draft.width)):
+    if config.sd_when_faster and costs is not None and sd_round_s is not None and program.calibration.run_as_sd(
+            key, sd_round_s, ssd_pays(costs, sd_round_s, config.k, program.draft_width)):
         return GenerationPlan(mode, "sd", f"no tree pays here: an SD round on every core "
                                           f"({1000 * sd_round_s:.2f} ms) is faster than SSD's on the lanes' "
                                           "share (sd_when_faster=True)",

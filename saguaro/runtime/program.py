@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from saguaro.core.config import MODES, SaguaroConfig
-from saguaro.core.errors import SaguaroError
+from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.schedule import critical_path, expected_overlap, round_schedule
 from saguaro.core.stages import DRAFT_PREFILL, TARGET_PREFILL, stages_for
 from saguaro.runtime.calibration import Calibration
@@ -62,7 +62,8 @@ class Program:
         self.shapes = shapes  # the lowering's ShapePolicy: prompt padding and KV capacity buckets
         self.remote_draft = remote_draft  # what a process lane rebuilds the draft side from
         self.exporter = exporter  # writes this program's artifact (saguaro.compile sets it; see export)
-        self.lanes = LaneOwner(config, draft, remote_draft) if draft is not None else None
+        remote = config.lane == "remote"  # the draft may live only on the server (draft=None)
+        self.lanes = LaneOwner(config, draft, remote_draft) if draft is not None or remote else None
         self._variants: dict = {}
         self.calibration = Calibration(target, draft, config.k)
         self._lock = lock if lock is not None else threading.Lock()
@@ -120,9 +121,19 @@ class Program:
         limits = [self.target.spec.max_positions]
         if self.draft is not None:
             limits.append(self.draft.spec.max_positions)
+        elif self.lanes is not None:  # a remote draft only: its limit as the server described it
+            limits.append(self.remote_draft.max_positions)
         if self.config.max_seq_len is not None:
             limits.append(self.config.max_seq_len)
         return min(limits)
+
+    @property
+    def draft_width(self) -> int:
+        """The draft's fork / rank width (the server's, for a remote draft only)."""
+        return self.draft.width if self.draft is not None else self.remote_draft.width
+
+    without_lane = property(lambda self: "sd" if self.draft is not None else "ar",
+                            doc="What SSD runs when no lane serves it: SD, or AR where the only draft is remote.")
 
     @property
     def max_branches(self) -> int:
@@ -162,7 +173,9 @@ class Program:
         if temperature > 0:  # one generator per lane (the draft lane's is seeded base + 1)
             base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long, device="cpu"))
             generator = torch.Generator(device=self.target.spec.device).manual_seed(base)
-        self.prepare("sd" if mode == "ssd" and self.lanes.lane() is None else mode, temperature)
+        if mode == "ssd":
+            self.lanes.begin_call()  # a remote lane that failed to start is tried again on each call
+        self.prepare(self.without_lane if mode == "ssd" and self.lanes.lane() is None else mode, temperature)
         # before the trace and the clock start: a new shape warms the lane up
         spec = None  # what SSD's draft side is opened with; AR and SD have no draft lane
         if mode == "ssd":
@@ -191,7 +204,11 @@ class Program:
         mode = mode or self.config.mode
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not allowed: choose one of {', '.join(MODES)}")
-        if mode != "ar" and self.draft is None:
+        if mode != "ar" and self.draft is None and (mode != "ssd" or self.lanes is None):
+            if self.lanes is not None:
+                raise ConfigError(f"mode={mode!r} needs a local draft: this program's draft is the server at "
+                                  f"{self.config.draft_address} (draft=None); use mode='ssd' (exact AR when the "
+                                  "server cannot serve) or 'ar', or compile with draft=... as well")
             raise ValueError(f"mode={mode!r} needs a draft model; compile with draft=... or use mode='ar'")
         if eos_token_id == "default":
             eos_token_id = self.eos_token_id
@@ -227,7 +244,7 @@ class Program:
         if plan.calibrated is not None:  # SSD's ideal round: the verify alone (also for SSD run as SD)
             state.counters.verify_alone_s = plan.calibrated[0]
         ssd = plan.run == "ssd"
-        with one_thread_per_lane(self.target.spec.device) if ssd else nullcontext():
+        with one_thread_per_lane(self.target.spec.device) if ssd and self.lanes.shares_host else nullcontext():
             first = self._prefill(state)
             DECODERS[plan.run](self.target, self.draft, state, plan, first)
         if ssd and state.counters.lane_failures:
@@ -253,7 +270,8 @@ class Program:
         """Build (and lower) every stage ``mode`` needs now, on the caller's thread: stage building
         traces with ``torch.fx``, which must not overlap a lane running graphs."""
         for stage in stages_for(mode, temperature):
-            self.runner(stage.model).stage(stage)
+            if self.runner(stage.model) is not None:  # a remote draft builds its own
+                self.runner(stage.model).stage(stage)
 
     def _prefill(self, state: DecodeState) -> torch.Tensor:
         """Prefill the target's store (and the draft's, for SD) with the prompt and decide the first

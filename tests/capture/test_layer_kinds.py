@@ -88,6 +88,29 @@ def test_logits_equal_hf_forward_past_the_window(family):
     torch.testing.assert_close(torch.cat(got, 1), expected, rtol=1e-4, atol=1e-5)
 
 
+def test_a_softcap_that_sdpa_drops_is_dropped_and_one_it_refuses_is_kept():
+    """Gemma 2 loaded with SDPA: where this transformers' SDPA ignores the softcap (5.17), the model's own
+    forward computes without it and so does the capture; where SDPA refuses it (the forward raises), the
+    capture keeps the softcap of the model's definition (its eager forward)."""
+    from saguaro.capture.hf_hook import sdpa_drops_softcap
+
+    model = tiny_family_target("gemma2")
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        softcapped = model(ids).logits  # eager attention
+        model.config._attn_implementation_internal = "sdpa"
+        try:
+            as_loaded = model(ids).logits
+        except Exception:  # noqa: BLE001 - this transformers refuses a softcap under SDPA
+            as_loaded = None
+        captured = capture(model)
+        store = KVStore(captured.spec, batch=2, capacity=16)
+        got = run(captured, store, ids, 0)
+    assert sdpa_drops_softcap() == (as_loaded is not None)
+    assert not torch.allclose(softcapped, as_loaded if as_loaded is not None else softcapped * 0, atol=1e-3)
+    torch.testing.assert_close(got, softcapped if as_loaded is None else as_loaded, rtol=1e-4, atol=1e-5)
+
+
 def test_a_layer_whose_window_disagrees_with_its_config_is_refused():
     model = tiny_family_target("gemma2")
     model.model.layers[0].self_attn.sliding_window = WINDOW + 1

@@ -77,7 +77,9 @@ def chrome_trace(parts: list[dict], metadata: dict | None = None) -> dict:
     """The trace-event JSON object of the parts (:meth:`TraceRecorder.take` results, any processes).
 
     Timestamps are whole microseconds since the earliest event (integers: formatting a float costs
-    ``json.dumps`` a third of its time); each ``(pid, track)`` is one thread track.
+    ``json.dumps`` a third of its time); each ``(pid, track)`` is one thread track. A part from another
+    host (the remote lane) carries ``clock``: the offset already subtracted from its stamps, measured at
+    connect; these go to ``otherData["clock_offsets"]``.
     """
     stamps = [e[3] for part in parts for e in part["events"]]
     origin = min(stamps) if stamps else 0
@@ -101,7 +103,11 @@ def chrome_trace(parts: list[dict], metadata: dict | None = None) -> dict:
             if args:
                 event["args"] = args
             out.append(event)
-    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": metadata or {}}
+    metadata = dict(metadata or {})
+    clocks = [part["clock"] for part in parts if part.get("clock")]  # another host's events, shifted
+    if clocks:
+        metadata["clock_offsets"] = clocks
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": metadata}
 
 
 def write_trace(path, trace: dict) -> Path:

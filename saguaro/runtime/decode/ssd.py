@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from saguaro.core.warnings_at_caller import warn_at_caller
+from saguaro.runtime.decode.ar import decode_ar
 from saguaro.runtime.decode.sd import Outcome, commit, sd_rounds, verify
 from saguaro.runtime.draft.server import Speculation
 from saguaro.runtime.lanes.protocol import DraftClient, DraftLaneError
@@ -109,11 +110,16 @@ def _count_lookup(counters: Counters, hit: list, accepted: list, active: list) -
             counters.hits_at[a] += 1
 
 
-def _finish_with_sd(target: ModelRunner, draft: ModelRunner, state: DecodeState, exc: Exception) -> None:
-    """The draft lane failed: prefill a fresh draft store on this thread and finish exactly with SD."""
-    warn_at_caller(f"saguaro: {exc}; finishing this generation with SD (output stays exact)")
+def _finish_with_sd(target: ModelRunner, draft: ModelRunner | None, state: DecodeState, exc: Exception) -> None:
+    """The draft lane failed: prefill a fresh draft store on this thread and finish exactly with SD (with
+    AR when the only draft is a remote one: ``draft`` None)."""
+    warn_at_caller(f"saguaro: {exc}; finishing this generation with {'SD' if draft else 'AR'} (output stays exact)")
     state.counters.lane_failures += 1
     seqs = state.seqs
+    if draft is None:
+        state.target_store.invalidate_from(seqs.tail_index(1)[:, 0])  # the last round's rejected slots
+        decode_ar(target, None, state, None, None)
+        return
     state.draft_store = draft.new_store(seqs.batch, state.target_store.capacity)
     width = max(seqs.host_lengths) - 1  # every decided token but the pending one of the longest row
     # shorter rows also write slots past their pending token; SD drops those before it drafts

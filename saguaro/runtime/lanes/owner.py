@@ -2,7 +2,10 @@
 
 Lanes are registered by kind (:data:`LANES`), each with the kind that stands in when it cannot start
 (``falls_back_to``; None: SD, which gives the same tokens). A lane that cannot start is remembered,
-with one warning, for the owner's life (until ``close()``), and the chain goes on to the next kind.
+with one warning, for the owner's life (until ``close()``), and the chain goes on to the next kind;
+a kind with ``retry_each_call`` (the remote lane: a server may come back) is tried again on each
+``generate`` (:meth:`LaneOwner.begin_call`). ``shares_host``: the lane's draft shares the target's
+cores (on CPU each lane then gets one intra-op thread during SSD; a remote draft does not).
 An interrupt during start-up is not a failure: the next call tries again.
 """
 
@@ -25,7 +28,9 @@ class LaneKind:
     """How to start one kind of lane for an owner, and which kind stands in when it cannot start."""
 
     start: Callable[["LaneOwner"], DraftLane]
-    falls_back_to: str | None  # None: the generation runs as SD
+    falls_back_to: str | None  # None: the generation runs as SD (AR when the Program has no local draft)
+    retry_each_call: bool = False  # a start failure is forgotten at the next generate, not at close()
+    shares_host: bool = True  # the draft computes on the target's machine (CPU threads are split)
 
 
 def _start_thread(owner: "LaneOwner") -> DraftLane:
@@ -40,18 +45,26 @@ def _start_process(owner: "LaneOwner") -> DraftLane:
                        owner.config.lane_timeout_s)
 
 
+def _start_remote(owner: "LaneOwner") -> DraftLane:
+    from saguaro.runtime.lanes.remote import RemoteLane  # sockets and torch.distributed only when used
+
+    return RemoteLane(owner.remote_draft, owner.config, owner.config.lane_start_timeout_s, owner.config.lane_timeout_s)
+
+
 LANES: dict[str, LaneKind] = {
     "thread": LaneKind(_start_thread, falls_back_to=None),
     "process": LaneKind(_start_process, falls_back_to="thread"),
+    "remote": LaneKind(_start_remote, falls_back_to=None, retry_each_call=True, shares_host=False),
 }
 
 
-def register_lane(kind: str, start: Callable[["LaneOwner"], DraftLane], falls_back_to: str | None) -> None:
+def register_lane(kind: str, start: Callable[["LaneOwner"], DraftLane], falls_back_to: str | None,
+                  retry_each_call: bool = False, shares_host: bool = True) -> None:
     """Make ``lane=kind`` start lanes with ``start(owner)``; ``falls_back_to`` stands in when one cannot."""
     if falls_back_to is not None and falls_back_to not in LANES:
         raise ValueError(f"lane kind {kind!r} falls back to {falls_back_to!r}, which is not registered "
                          f"(registered: {', '.join(sorted(LANES))})")
-    LANES[kind] = LaneKind(start, falls_back_to)
+    LANES[kind] = LaneKind(start, falls_back_to, retry_each_call, shares_host)
 
 
 def lane_kind(config: SaguaroConfig, device_type: str) -> str:
@@ -64,14 +77,15 @@ def lane_kind(config: SaguaroConfig, device_type: str) -> str:
 
 
 class LaneOwner:
-    """Owns at most one draft lane. ``remote_draft`` rebuilds the draft side in a draft process; the
-    thread lane serves the in-process ``draft`` runner."""
+    """Owns at most one draft lane. ``remote_draft`` rebuilds the draft side in a draft process (or, for
+    the remote lane, is the ``RemoteEndpoint`` it connects to); the thread lane serves the in-process
+    ``draft`` runner (None when the only draft is a remote one)."""
 
-    def __init__(self, config: SaguaroConfig, draft: ModelRunner, remote_draft):
+    def __init__(self, config: SaguaroConfig, draft: ModelRunner | None, remote_draft):
         self.config = config
         self.draft = draft
         self.remote_draft = remote_draft
-        self.configured_kind = lane_kind(config, draft.spec.device.type)
+        self.configured_kind = lane_kind(config, draft.spec.device.type if draft is not None else "cpu")
         if self.configured_kind not in LANES:
             raise ValueError(f"lane={self.configured_kind!r} is not a registered lane kind "
                              f"(registered: {', '.join(sorted(LANES))})")
@@ -90,7 +104,8 @@ class LaneOwner:
                 fallback = LANES[self.kind].falls_back_to
                 if fallback is None:
                     self.failure = exc
-                    warn_at_caller(f"saguaro: {exc}; generating with SD instead (output stays exact)")
+                    alone = "SD" if self.draft is not None else "AR"  # AR: the only draft is a remote one
+                    warn_at_caller(f"saguaro: {exc}; generating with {alone} instead (output stays exact)")
                     return None
                 warn_at_caller(f"saguaro: the {self.kind} lane cannot start: {exc}; SSD uses the {fallback} "
                                "lane instead until close()")
@@ -99,6 +114,17 @@ class LaneOwner:
             self._client = DraftClient(lane)
             self._finalizer = weakref.finalize(self, lane.close)
         return self._client
+
+    @property
+    def shares_host(self) -> bool:
+        """Whether the current lane's draft computes on the target's machine."""
+        return LANES[self.kind].shares_host
+
+    def begin_call(self) -> None:
+        """A ``generate`` begins: a start failure of a ``retry_each_call`` kind is forgotten (tried again)."""
+        if self.failure is not None and LANES[self.configured_kind].retry_each_call:
+            self.failure = None
+            self.kind = self.configured_kind
 
     def drop(self) -> None:
         """Stop a lane that failed mid-generation; the next :meth:`lane` starts a new one."""
