@@ -110,6 +110,17 @@ def exact_joint(target, prefix: int) -> torch.Tensor:
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("arch", tp_worker.ARCHS)
+def test_inspect_shows_the_collectives_on_every_target_rank(ranks, arch):
+    """``saguaro inspect graph target.verify_greedy`` of a target rank's program: one all-reduce per
+    row-parallel projection (o and down: two per layer), named in the graph's text."""
+    for rank in range(tp_worker.TP):
+        seen = ranks[rank][(arch, "inspect")]
+        assert seen["all_reduce_nodes"] == 2 * seen["layers"], (rank, seen["all_reduce_nodes"])
+        assert seen["text"].count("all_reduce") >= 2 * seen["layers"], seen["text"][:2000]
+    assert (arch, "inspect") not in ranks[tp_worker.TP]  # the draft rank holds no target shard
+
+
 def test_sampled_ssd_keeps_the_targets_distribution_on_every_rank(ranks):
     results = [rank["sampled_ssd"] for rank in ranks]
     sequences = [r["sequences"] for r in results]

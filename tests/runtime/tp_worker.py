@@ -54,6 +54,14 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
             for mode in MODES:
                 out = program.generate(ids, attention_mask=mask, max_new_tokens=NEW, mode=mode)
                 results[(arch, mode)] = {"sequences": out.sequences, "stats": out.stats}
+            if rank < TP:  # what `saguaro inspect graph target.verify_greedy` shows on a target rank
+                inspector = saguaro.inspect(program)
+                gm = inspector.stage_graph("target.verify_greedy")
+                results[(arch, "inspect")] = {
+                    "all_reduce_nodes": sum(n.op == "call_function" and "all_reduce" in str(n.target)
+                                            for n in gm.graph.nodes),
+                    "text": inspector.graph("target.verify_greedy", expand=True),
+                    "layers": target.config.num_hidden_layers}
         # k = 1 and every outcome cached (fan-out V-1 after the draft token, V after the bonus): the third
         # and fourth tokens come from rounds served by cache hits
         target = sampled_target()
