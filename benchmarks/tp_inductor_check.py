@@ -1,0 +1,43 @@
+"""A check by hand, not in ``make test`` (about a minute and a half of Inductor compiles on 2 cores):
+``tensor_parallel=2`` plus the draft rank with the inductor backend, greedy AR/SD/SSD on the tests'
+tiny Llama, against the unsharded eager program's tokens (which the tests check against
+``transformers`` ``generate``). Prints one line per mode and rank.
+
+    python benchmarks/tp_inductor_check.py
+"""
+import datetime, os, socket, sys, tempfile, time
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+import saguaro
+from tests.models import prompts, tiny_target, truncated_draft
+
+def run(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=3, timeout=datetime.timedelta(seconds=900))
+    ids, mask = prompts(2, 6, pad_rows={1: 2})
+    target = tiny_target("llama")
+    program = saguaro.compile(target, truncated_draft(target), k=4, mode="sd", backend="inductor",
+                              tensor_parallel=2, fan_out="geometric")
+    res = {}
+    for mode in ("ar", "sd", "ssd"):
+        t = time.perf_counter()
+        o = program.generate(ids, attention_mask=mask, max_new_tokens=16, mode=mode)
+        res[mode] = (o.sequences, o.stats.get("lane"), o.stats.get("lane_failures"), time.perf_counter() - t)
+    torch.save(res, f"{out}/r{rank}.pt")
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    out = tempfile.mkdtemp(prefix="saguaro-tp-")
+    mp.start_processes(run, args=(port, out), nprocs=3, start_method="spawn", join=True)
+    ids, mask = prompts(2, 6, pad_rows={1: 2})
+    target = tiny_target("llama")
+    ref = saguaro.compile(target, truncated_draft(target), k=4, mode="sd", backend="eager", fan_out="geometric",
+                          lane="thread", sd_when_faster=False)
+    for mode in ("ar", "sd", "ssd"):
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=16, mode=mode).sequences
+        for r in range(3):
+            seq, lane, fails, secs = torch.load(f"{out}/r{r}.pt", weights_only=False)[mode]
+            print(mode, "rank", r, "equal", torch.equal(seq, want), "lane", lane, "failures", fails, f"{secs:.1f}s")
