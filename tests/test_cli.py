@@ -23,8 +23,8 @@ from tests.tiny_tokenizer import tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def f(x):"
-STATS_LINE = re.compile(r"^\[(ar|sd|ssd)\] (\d+) tokens in [\d.]+s: [\d.]+ tokens/s, mean accepted length [\d.]+, "
-                        r"\d+ rounds(, cache hit rate [\d.]+)?$")
+STATS_LINE = re.compile(r"^\[(ar|sd|ssd)(?:, ran as SD: no tree pays here)?\] (\d+) tokens in [\d.]+s: [\d.]+ "
+                        r"tokens/s, mean accepted length [\d.]+, \d+ rounds(, cache hit rate [\d.]+)?$")
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +49,31 @@ def run_cli(argv, capsys):
     return rc, out, err
 
 
+def rounds_at_each_write(monkeypatch) -> list:
+    """``(text, rounds committed so far)`` of each write to stdout, and the number of rounds at the end."""
+    from saguaro.runtime.base.state import DecodeState
+
+    rounds, writes, real_round, real_write = [0], [], DecodeState.round_committed, sys.stdout.write
+
+    def counted(self):
+        rounds[0] += 1
+        real_round(self)
+
+    monkeypatch.setattr(DecodeState, "round_committed", counted)
+    monkeypatch.setattr(sys.stdout, "write", lambda text: writes.append((text, rounds[0])) or real_write(text))
+    return writes, rounds
+
+
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
-def test_generate_prints_the_targets_greedy_completion_and_stats(saved_pair, mode, capsys):
+def test_generate_prints_the_targets_greedy_completion_and_stats(saved_pair, mode, capsys, monkeypatch):
     target_dir, draft_dir = saved_pair
+    writes, rounds = rounds_at_each_write(monkeypatch)
     rc, out, err = run_cli(["generate", "--prompt", PROMPT, "--target", target_dir, "--draft", draft_dir,
                             "--mode", mode, "--k", "3", "--max-new-tokens", "12", "--backend", "eager"], capsys)
     assert rc == 0, err
+    # streamed: the completion is written round by round, its first text before the last round ran
+    text_writes = [r for text, r in writes[1:-1] if text.strip()]  # after the prompt, before the stats line
+    assert len(text_writes) >= 2 and text_writes[0] < rounds[0], writes
     lines = out.splitlines()
     stats = STATS_LINE.match(lines[-1])
     assert stats and stats.group(1) == mode, out
@@ -69,6 +88,32 @@ def test_generate_prints_the_targets_greedy_completion_and_stats(saved_pair, mod
     completion = tok.decode(expected[0, ids.shape[1]:], skip_special_tokens=True)
     assert "\n".join(lines[:-1]) == PROMPT + completion
     assert 1 <= int(stats.group(2)) <= 12
+
+
+class Compiled(Exception):
+    """Raised by a stand-in ``saguaro.compile``: what the command asked for, before any capture."""
+
+
+@pytest.mark.parametrize("command", ["generate", "report", "bench"])
+@pytest.mark.parametrize("plan", [None, "auto", "always-ssd"])
+def test_plan_always_ssd_turns_sd_when_faster_off(saved_pair, command, plan, capsys, monkeypatch):
+    """``--plan always-ssd`` (documented in --help) compiles with ``sd_when_faster=False``; ``auto``, the
+    default, with True. (What a generation the planner ran as SD prints: tests/runtime/test_planner.py.)"""
+    def stand_in(*args, **options):
+        raise Compiled(options.get("sd_when_faster"))
+
+    def bench_stand_in(params, announce):
+        raise Compiled(params.plan != "always-ssd")
+
+    monkeypatch.setattr(importlib.import_module("saguaro.compile"), "compile", stand_in)
+    monkeypatch.setattr(importlib.import_module("saguaro.bench.run"), "run_bench", bench_stand_in)
+    target_dir, draft_dir = saved_pair
+    argv = {"generate": ["generate", "--prompt", PROMPT], "report": ["report", "out.html"], "bench": ["bench"]}[command]
+    with pytest.raises(Compiled) as compiled:
+        main(argv + ["--target", target_dir, "--draft", draft_dir, "--backend", "eager"]
+             + (["--plan", plan] if plan else []))
+    assert compiled.value.args == (plan != "always-ssd",)
+    assert "always-ssd" in run_cli([command, "--help"], capsys)[1]
 
 
 def table_rows(out: str) -> list[str]:

@@ -5,23 +5,39 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from saguaro.runtime.base.stats import RAN_AS_SD
+
 
 def _cell(value, fmt: str, width: int, suffix: str = "") -> str:
     text = f"{value:{fmt}}{suffix}" if value is not None else "-"
     return f"{text:>{width}}"
 
 
+def row_label(row: dict) -> str:
+    """A row's name in the table: an SSD row says when the planner ran its timed generations as SD,
+    ``ssd (ran as SD: no tree pays here)`` for all of them, ``ssd (ran as SD: 3/8 calls)`` for some."""
+    fraction, calls = row.get("planned_sd_fraction"), row.get("planned_sd_calls")
+    if not fraction:
+        return row["mode"]
+    if fraction == 1:
+        return f"{row['mode']} ({RAN_AS_SD})"
+    some = f"{calls[0]}/{calls[1]} calls" if calls else f"{fraction:.0%} of calls"
+    return f"{row['mode']} (ran as SD: {some})"
+
+
 def format_table(rows) -> str:
     """The rows as a text table: tokens/s, mean accepted length, speed-up over AR and over SD, the p99
     time per round, and for SSD rows the cache hit rate, the draft wait per round and the overlap
-    efficiency (against the verify alone)."""
+    efficiency (against the verify alone). A row is named by :func:`row_label`."""
     with_hits = any(r.get("cache_hit_rate") is not None for r in rows)
-    header = f"{'mode':<16}{'tokens/s':>10}{'accepted len':>14}{'vs AR':>8}{'vs SD':>8}{'p99 ms/rd':>11}"
+    labels = [row_label(r) for r in rows]
+    width = max([16] + [len(label) + 2 for label in labels])
+    header = f"{'mode':<{width}}{'tokens/s':>10}{'accepted len':>14}{'vs AR':>8}{'vs SD':>8}{'p99 ms/rd':>11}"
     if with_hits:
         header += f"{'cache hits':>12}{'wait ms/rd':>12}{'overlap eff':>13}"
     lines = [header, "-" * len(header)]
-    for r in rows:
-        line = (f"{r['mode']:<16}{r['tokens_per_s']:>10.1f}{_cell(r.get('mean_accepted_len'), '.2f', 14)}"
+    for r, label in zip(rows, labels):
+        line = (f"{label:<{width}}{r['tokens_per_s']:>10.1f}{_cell(r.get('mean_accepted_len'), '.2f', 14)}"
                 f"{_cell(r.get('speedup_vs_ar'), '.2f', 8, 'x')}{_cell(r.get('speedup_vs_sd'), '.2f', 8, 'x')}"
                 f"{_cell(r.get('round_ms_p99'), '.1f', 11)}")
         if with_hits:

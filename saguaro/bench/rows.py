@@ -39,12 +39,14 @@ def _batches(prompts, batch, pad_id):
         yield ids, mask
 
 
-def compile_for(target, draft, k: int, backend: str = "inductor"):
-    """One Program serving every Saguaro row (``ssd`` with a draft, ``ar`` without one)."""
+def compile_for(target, draft, k: int, backend: str = "inductor", sd_when_faster: bool = True):
+    """One Program serving every Saguaro row (``ssd`` with a draft, ``ar`` without one); ``sd_when_faster``
+    False (``--plan always-ssd``): SSD rows run SSD's own rounds on any machine."""
     from saguaro.compile import compile as saguaro_compile
 
     start = time.perf_counter()
-    program = saguaro_compile(target, draft, k=k, mode="ssd" if draft is not None else "ar", backend=backend)
+    program = saguaro_compile(target, draft, k=k, mode="ssd" if draft is not None else "ar", backend=backend,
+                              sd_when_faster=sd_when_faster)
     log.info("compiled in %.1fs", time.perf_counter() - start)
     return program
 
@@ -151,6 +153,7 @@ def _ssd_summary(calls: list[dict], rounds: int) -> dict:
         "cache_hit_rate": mean("cache_hit_rate"),
         # the timed generations the planner ran as plain SD on every core (sd_when_faster)
         "planned_sd_fraction": sum(bool(c.get("planned_sd")) for c in calls) / len(calls) if calls else None,
+        "planned_sd_calls": [sum(bool(c.get("planned_sd")) for c in calls), len(calls)],
         "draft_wait_ms_per_round": 1000 * sum(c["draft_wait_s"] for c in calls) / max(rounds, 1),
         "verify_ms_per_round": 1000 * sum(c["verify_s"] for c in calls) / max(rounds, 1),
         "fallback_ms_per_round": 1000 * sum(c["fallback_s"] for c in calls) / max(rounds, 1),

@@ -38,6 +38,7 @@ class BenchParams:
     threads: int | None = None
     same_process: bool = False  # every row in the caller's process instead of one process each
     trace_dir: str | None = None  # write one timeline per Saguaro row here
+    plan: str = "auto"  # "always-ssd": sd_when_faster=False, SSD's own rounds on any machine
 
 
 def run_prompts(params: BenchParams, tokenizer, target) -> PromptSet:
@@ -63,7 +64,7 @@ def run_one(params: BenchParams, mode: str, backend: str) -> dict:
     program, compile_s = None, None
     started = time.perf_counter()
     if mode in SAGUARO_MODES:
-        program = compile_for(target, draft, params.k, backend)
+        program = compile_for(target, draft, params.k, backend, sd_when_faster=params.plan != "always-ssd")
     try:
         row = time_row(target, draft, program, prompts.ids, mode, params.k, params.max_new_tokens, params.temperature,
                        params.batch, params.seed, trace_dir=params.trace_dir, backend=backend)

@@ -52,6 +52,21 @@ def add_model_args(parser, backends=("eager", "inductor")):
                         help="weights dtype of both models (default float32)")
 
 
+PLANS = ("auto", "always-ssd")
+
+
+def add_plan_arg(parser) -> None:
+    parser.add_argument("--plan", default="auto", choices=list(PLANS),
+                        help="auto: an SSD generation whose warm-up measures that no tree pays on this machine runs "
+                             "SD's rounds instead, and says so ('ran as SD'); always-ssd: SSD's own rounds on any "
+                             "machine (sd_when_faster=False). Default auto")
+
+
+def sd_when_faster(args) -> bool:
+    """The ``sd_when_faster`` option ``--plan`` asks for."""
+    return args.plan != "always-ssd"
+
+
 def modes_arg(text: str) -> list[str]:
     """An argparse ``type``: comma-separated row names, each one of :data:`ALL_MODES`."""
     modes = [m.strip() for m in text.split(",") if m.strip()]

@@ -36,11 +36,13 @@ def load_program(args):
 
 def compile_ssd_pair(args):
     """``(program, tokenizer or None)``: the ``--target`` / ``--draft`` pair compiled in SSD mode (which
-    builds every stage), for the subcommands that look at what the compiler built."""
+    builds every stage), for the subcommands that look at what the compiler built; ``--plan always-ssd``
+    (where the subcommand has it): ``sd_when_faster=False``."""
     from saguaro.compile import compile as saguaro_compile
     from saguaro.models_io import DTYPES, load_pair
 
     target, draft, tokenizer = load_pair(args.target, args.draft, need_draft=True, dtype=DTYPES[args.dtype],
                                          device=args.device)
-    program = saguaro_compile(target, draft, k=args.k, mode="ssd", backend=args.backend)
+    program = saguaro_compile(target, draft, k=args.k, mode="ssd", backend=args.backend,
+                              sd_when_faster=getattr(args, "plan", "auto") != "always-ssd")
     return program, tokenizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from saguaro.cli.args import add_model_args
+from saguaro.cli.args import add_model_args, add_plan_arg
 from saguaro.cli.program import compile_ssd_pair
 from saguaro.cli.registry import Subcommand
 
@@ -12,6 +12,7 @@ from saguaro.cli.registry import Subcommand
 def add_arguments(report) -> None:
     report.add_argument("out", metavar="OUT.html")
     report.add_argument("--prompt", default=None, help="text to complete (default: the start of a Python script)")
+    add_plan_arg(report)
     add_model_args(report)
 
 

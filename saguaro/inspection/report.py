@@ -14,6 +14,7 @@ from saguaro.core.stages import stages_for
 from saguaro.inspection.graph_view import have_dot
 from saguaro.inspection.inspector import Inspector
 from saguaro.inspection.report_svg import bar_chart, line_chart, timeline
+from saguaro.runtime.base.stats import run_label
 from saguaro.runtime.base.trace_read import counters, slices
 
 TIMELINE_ROUNDS = 4
@@ -129,9 +130,10 @@ def render(inspector: Inspector, stats: dict, trace: dict, temperature: float, c
     links, graphs = _graphs(inspector, temperature)
     figures = "".join(f"<div>{f}</div>" for f in _figures(stats, trace, cfg.k))
     text = f"<h2>Completion</h2><pre>{escape(completion)}</pre>" if completion is not None else ""
+    title = escape(run_label(stats))  # "ssd (ran as SD: no tree pays here)" where the planner ran SD
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>Saguaro report</title><style>{STYLE}</style></head>
-<body><h1>Saguaro report: SSD, k={cfg.k}, backend {escape(cfg.backend)}, lane {escape(program.lane_kind)}</h1>
+<body><h1>Saguaro report: {title}, k={cfg.k}, backend {escape(cfg.backend)}, lane {escape(program.lane_kind)}</h1>
 <p>{stats['new_tokens']} tokens at {stats['tokens_per_s']:.1f} tokens/s, mean accepted length
 {stats['mean_accepted_len']:.2f}, cache hit rate {stats.get('cache_hit_rate', 0):.2f};
 <span id="charts-count">?</span> charts. Torch {escape(torch.__version__)}.</p>{text}

@@ -15,10 +15,11 @@ import torch
 from saguaro.core.config import MODES, SaguaroConfig
 from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.schedule import critical_path, expected_overlap, round_schedule
-from saguaro.core.stages import DRAFT_PREFILL, TARGET_PREFILL, stages_for
+from saguaro.core.stages import stages_for
 from saguaro.runtime.calibration import Calibration
 from saguaro.runtime.generation_plan import GenerationPlan, plan_generation
 from saguaro.runtime.decode import DECODERS
+from saguaro.runtime.decode.prefill import prefill
 from saguaro.runtime.draft.server import GenerateSpec
 from saguaro.runtime.base.inputs import check_generate_args
 from saguaro.runtime.lanes.owner import LaneOwner
@@ -28,10 +29,9 @@ from saguaro.runtime.base.sequences import SequenceBatch
 from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import Counters, since, summarize
 from saguaro.runtime.base.trace import GenerationTrace
-from saguaro.tensor_math.verification import sample_tokens
+from saguaro.runtime.streaming import TokenStream, check_not_reading, streaming
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -106,6 +106,7 @@ class Program:
     def close(self) -> None:
         """Stop the draft lane (thread or process) of this program and of its variants. A program
         starts a new lane if used again (and tries again a lane that could not start)."""
+        check_not_reading(self._lock)
         with self._lock:
             self._close()
 
@@ -152,19 +153,29 @@ class Program:
 
     def generate(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id="default",
                  seed: int | None = None, attention_mask=None, mode: str | None = None,
-                 trace=None) -> GenerateOutput:
+                 trace=None, streamer=None, on_round=None) -> GenerateOutput:
         """Decode ``max_new_tokens`` after ``input_ids [B, T]`` (left-padded, ``attention_mask``) in
         ``mode`` (default: the configured one). ``trace``: a path to write a Chrome trace-event JSON
         timeline of this call to (Perfetto, chrome://tracing), or True to keep it only in ``out.trace``
         (see :mod:`saguaro.runtime.base.trace`). Concurrent calls wait for each other (one lock per Program);
         ``seed=None`` draws the seed from torch's global generator, advancing it as a sampling call of
-        ``transformers`` does, without reseeding it."""
-        with self._lock:
+        ``transformers`` does, without reseeding it. ``streamer``: a ``transformers`` streamer fed each
+        round's tokens (batch 1); ``on_round``: called with each round's ``RoundTokens`` (see
+        :mod:`saguaro.runtime.streaming`)."""
+        check_not_reading(self._lock)  # from inside a program.stream loop of this Program: it holds the lock
+        with streaming(streamer, on_round, input_ids) as emitter, self._lock:
             return self._generate(input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode,
-                                  trace)
+                                  trace, emitter)
+
+    def stream(self, input_ids, **options) -> TokenStream:
+        """:meth:`generate` (the same arguments) as an iterator of each round's decided tokens
+        (``RoundTokens``: ``new_tokens``, one list per row, and ``finished [B]``); ``.output`` is generate's
+        result once it has ended. See :mod:`saguaro.runtime.streaming` (threads, Ctrl-C, closing early)."""
+        return TokenStream(self, input_ids, options, self._lock)
 
     @torch.inference_mode()
-    def _generate(self, input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode, trace):
+    def _generate(self, input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode, trace,
+                  on_round=None):
         mode, input_ids, attention_mask, eos_ids = self._validate(input_ids, max_new_tokens, temperature,
                                                                   eos_token_id, seed, attention_mask, mode)
         B, T = input_ids.shape
@@ -185,13 +196,13 @@ class Program:
         with GenerationTrace(trace, runners, plan.lane if plan.run == "ssd" else None) as tracing:
             start = time.perf_counter()
             state = self._decode(plan, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator,
-                                 tracing.recorder)
-            wall = since(start)
+                                 tracing.recorder, on_round)
+            wall = since(start) - state.counters.stream_s  # the time a streaming reader held the rounds: not ours
         sequences = state.seqs.result()[:, padded_ids.shape[1] - T:]  # without the bucket's padding columns
         new_tokens = sum(state.seqs.host_lengths) - B * state.seqs.prompt_len  # the host view: no read
         stats = summarize(state.counters, plan.mode, new_tokens, B, wall, self.lane_kind,
                           self._schedule_stats(temperature > 0) if plan.mode == "ssd" else None)
-        stats["plan"] = plan.why
+        stats |= {"plan": plan.why, "ran_as": plan.run}  # ran_as "sd" with mode "ssd": the planner chose SD
         if plan.mode == "ssd":
             stats["planned_sd"] = plan.planned_sd  # True: the planner measured that no tree pays here, SD ran
             if plan.run == "ssd" and not state.counters.lane_failures:
@@ -230,7 +241,7 @@ class Program:
                             float(temperature), None if base is None else base + 1)
 
     def _decode(self, plan: GenerationPlan, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature,
-                generator, recorder) -> DecodeState:
+                generator, recorder, on_round=None) -> DecodeState:
         B = padded_ids.shape[0]
         # the target's store never holds a tree; the draft's store of an SSD generation run as SD keeps SSD's
         # capacity: the shapes the warm-up compiled and timed
@@ -240,12 +251,13 @@ class Program:
         state = DecodeState(
             seqs=seqs, target_store=self.target.new_store(B, capacity),
             draft_store=self.draft.new_store(B, draft_capacity) if plan.run == "sd" else None,
-            temperature=float(temperature), generator=generator, k=self.config.k, recorder=recorder)
+            temperature=float(temperature), generator=generator, k=self.config.k, recorder=recorder,
+            on_round=on_round)
         if plan.calibrated is not None:  # SSD's ideal round: the verify alone (also for SSD run as SD)
             state.counters.verify_alone_s = plan.calibrated[0]
         ssd = plan.run == "ssd"
         with one_thread_per_lane(self.target.spec.device) if ssd and self.lanes.shares_host else nullcontext():
-            first = self._prefill(state)
+            first = prefill(self.target, self.draft, state)
             DECODERS[plan.run](self.target, self.draft, state, plan, first)
         if ssd and state.counters.lane_failures:
             self.lanes.drop()  # a lane that failed mid-generation is not reused
@@ -272,23 +284,6 @@ class Program:
         for stage in stages_for(mode, temperature):
             if self.runner(stage.model) is not None:  # a remote draft builds its own
                 self.runner(stage.model).stage(stage)
-
-    def _prefill(self, state: DecodeState) -> torch.Tensor:
-        """Prefill the target's store (and the draft's, for SD) with the prompt and decide the first
-        token from the target."""
-        seqs = state.seqs
-        T = seqs.prompt_len
-        index = torch.arange(T, device=seqs.tokens.device).expand(seqs.batch, T)  # [B, T]
-        ids, pos = seqs.tokens[:, :T], seqs.prompt_positions()
-        started = time.perf_counter()
-        (logits,) = self.target.run(TARGET_PREFILL, state.target_store, ids, pos, index)  # [B, V]
-        if state.draft_store is not None:
-            self.draft.run(DRAFT_PREFILL, state.draft_store, ids, pos, index)
-        state.counters.prefill_s += since(started)
-        first, _ = sample_tokens(logits, state.temperature, state.generator)
-        seqs.append(first[:, None], torch.ones_like(first))
-        seqs.read()  # the host view the rounds start from (a row may finish on its first token)
-        return first
 
     def _schedule_stats(self, sampled: bool) -> dict:
         """Critical path and expected overlap of the SSD round DAG, costed with this program's measured

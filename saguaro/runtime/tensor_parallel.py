@@ -152,6 +152,11 @@ class TensorParallelProgram:
         raise SaguaroError("a tensor-parallel program cannot be exported yet: export a program compiled "
                            "without tensor_parallel")
 
+    def stream(self, input_ids, **options):
+        # not the Program's: its worker would generate on this rank alone (no agreed seed, no end of call)
+        raise SaguaroError("program.stream is not built for tensor_parallel=N yet (nor generate(streamer=)): "
+                           "use generate")
+
     def __getattr__(self, name):
         return getattr(self.program, name)
 

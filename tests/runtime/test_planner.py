@@ -145,7 +145,11 @@ def test_ssd_pays_only_where_its_best_plan_beats_plain_sd():
 @pytest.mark.parametrize("pays", [False, True])
 def test_a_generation_no_tree_pays_for_runs_as_sd_and_says_so(monkeypatch, pays):
     import saguaro
+    from saguaro.bench.report import format_table
+    from saguaro.bench.rows import time_row
+    from saguaro.cli.generate import stats_line
     from saguaro.runtime import generation_plan
+    from saguaro.runtime.base.stats import run_label
     from tests.conftest import tiny_pair
     from tests.models import prompts, reference_greedy
 
@@ -154,12 +158,20 @@ def test_a_generation_no_tree_pays_for_runs_as_sd_and_says_so(monkeypatch, pays)
     monkeypatch.setattr(generation_plan, "ssd_pays", lambda *args: pays)
     ids, mask = prompts(2, 8, seed=2, pad_rows={1: 3})
     try:
-        out = program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
+        out = program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None, trace=True)
+        row = time_row(target, draft, program, [ids[:1]], "ssd", 3, 8, 0.0, 1, 0)  # the bench's ssd row
     finally:
         program.close()
     assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 12))
     assert out.stats["mode"] == "ssd" and out.stats["planned_sd"] is (not pays)
     assert ("no tree pays here" in out.stats["plan"]) is (not pays)  # the plan says why, in words
+    # and every surface says so in words: stats, trace metadata, the bench table and the CLI's line
+    label = "ssd (ran as SD: no tree pays here)" if not pays else "ssd"
+    assert out.stats["ran_as"] == ("sd" if not pays else "ssd") and run_label(out.stats) == label
+    assert out.trace["otherData"]["mode"] == label and out.trace["otherData"]["ran_as"] == out.stats["ran_as"]
+    if not pays:  # (where a tree pays, the bench row's later calls follow their measured rounds: SD or SSD)
+        assert row["planned_sd_fraction"] == 1.0 and format_table([row]).splitlines()[2].startswith(label + "  ")
+    assert stats_line(out.stats).startswith("[ssd, ran as SD: no tree pays here] " if not pays else "[ssd] ")
     if not pays:  # SD's rounds: no lookup, the draft decoded on the caller's thread
         assert out.stats["cache_hit_rate"] == 0.0 and out.stats["draft_s"] > 0 and out.stats["verify_alone_s"] > 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,17 @@ class DecodeState:
     generator: torch.Generator | None
     k: int
     recorder: object = None  # a runtime.trace.TraceRecorder when this generate is traced
+    on_round: object = None  # called with ``seqs`` once a round's tokens are committed (streaming)
     counters: Counters = field(init=False)
 
     def __post_init__(self):
         self.counters = Counters(self.k)
+
+    def round_committed(self) -> None:
+        """Every decoder calls this after a round appended its tokens and stopped its clock (the prefill
+        after the first token): hands the sequences to ``on_round`` when streaming. The time spent there
+        (the consumer's, not the decoder's) goes to ``counters.stream_s``, which ``wall_s`` leaves out."""
+        if self.on_round is not None:
+            started = time.perf_counter()
+            self.on_round(self.seqs)
+            self.counters.stream_s += time.perf_counter() - started

@@ -35,6 +35,7 @@ class Counters:
     prefill_s: float = 0.0
     verify_s: float = 0.0
     draft_s: float = 0.0
+    stream_s: float = 0.0  # in the on_round callback (a streaming consumer): left out of wall_s
     # SSD
     lookups: int = 0
     hits: int = 0
@@ -60,6 +61,15 @@ class Counters:
     def mean_accepted_len(self) -> float:
         lengths = self.accepted_lengths
         return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+RAN_AS_SD = "ran as SD: no tree pays here"  # what every surface says when the planner ran SSD as SD
+
+
+def run_label(stats: dict) -> str:
+    """The mode of a generation in words: ``ssd (ran as SD: no tree pays here)`` where SSD was asked
+    and the planner ran SD's rounds (``stats["planned_sd"]``), else ``stats["mode"]``."""
+    return f"{stats['mode']} ({RAN_AS_SD})" if stats.get("planned_sd") else stats["mode"]
 
 
 def percentile(values: list, q: float) -> float:
@@ -98,6 +108,7 @@ def summarize(counters: Counters, mode: str, new_tokens: int, batch: int, wall: 
         "prefill_s": c.prefill_s,
         "verify_s": c.verify_s,
         "draft_s": c.draft_s,
+        "stream_s": c.stream_s,  # a streaming reader's time between rounds, left out of wall_s
     } | latency_stats(c, wall - c.prefill_s)
     if mode != "ssd":
         return stats

@@ -18,6 +18,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from saguaro.runtime.base.stats import run_label
 from saguaro.runtime.base.timing import Interval
 
 TRACKS = ("host", "target", "draft")  # the order tracks are shown in
@@ -162,7 +163,9 @@ class GenerationTrace:
         """The trace-event object (None when not tracing), written to the path given."""
         if self.recorder is None:
             return None
-        trace = chrome_trace(self.parts, {"stats": stats} if stats is not None else None)
+        # the mode in words beside the stats: a generation the planner ran as SD says so at the top
+        meta = {"mode": run_label(stats), "ran_as": stats.get("ran_as"), "stats": stats} if stats is not None else None
+        trace = chrome_trace(self.parts, meta)
         if self.target is not True:
             write_trace(self.target, trace)
         return trace

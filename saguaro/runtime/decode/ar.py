@@ -29,3 +29,4 @@ def decode_ar(target: ModelRunner, draft: ModelRunner | None, state: DecodeState
         counters.accepted_lengths.extend(decided)
         counters.rounds += 1
         counters.end_round(since(started), decided)
+        state.round_committed()

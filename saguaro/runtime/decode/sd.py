@@ -105,3 +105,4 @@ def sd_rounds(target: ModelRunner, draft: ModelRunner, state: DecodeState) -> No
             state.counters.draft_s += since(started)
             accepted, next_token = verify(target, state, draft_tokens, draft_probs)
             state.counters.end_round(since(started), commit(state, draft_tokens, accepted, next_token).decided)
+        state.round_committed()  # streaming: outside the round's clock and slice

@@ -43,6 +43,7 @@ def decode_ssd(target: ModelRunner, draft: ModelRunner, state: DecodeState, plan
         while speculation is not None:
             with traced(state.recorder, "host", "round", {"round": state.counters.rounds + 1}):
                 speculation = ssd_round(target, state, lane, speculation)
+            state.round_committed()  # streaming: outside the round's clock and slice
     except DraftLaneError as exc:
         _finish_with_sd(target, draft, state, exc)
     finally:

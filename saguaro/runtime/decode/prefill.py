@@ -1,0 +1,32 @@
+"""The prompt's prefill, before any decoder's rounds: both stores filled, the first token decided."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from saguaro.core.stages import DRAFT_PREFILL, TARGET_PREFILL
+from saguaro.runtime.base.model_runner import ModelRunner
+from saguaro.runtime.base.state import DecodeState
+from saguaro.runtime.base.stats import since
+from saguaro.tensor_math.verification import sample_tokens
+
+
+def prefill(target: ModelRunner, draft: ModelRunner | None, state: DecodeState) -> torch.Tensor:
+    """Prefill the target's store (and the draft's, for SD: ``state.draft_store``) with the prompt and
+    decide the first token ``[B]`` from the target (streamed as round 0)."""
+    seqs = state.seqs
+    T = seqs.prompt_len
+    index = torch.arange(T, device=seqs.tokens.device).expand(seqs.batch, T)  # [B, T]
+    ids, pos = seqs.tokens[:, :T], seqs.prompt_positions()
+    started = time.perf_counter()
+    (logits,) = target.run(TARGET_PREFILL, state.target_store, ids, pos, index)  # [B, V]
+    if state.draft_store is not None:
+        draft.run(DRAFT_PREFILL, state.draft_store, ids, pos, index)
+    state.counters.prefill_s += since(started)
+    first, _ = sample_tokens(logits, state.temperature, state.generator)
+    seqs.append(first[:, None], torch.ones_like(first))
+    seqs.read()  # the host view the rounds start from (a row may finish on its first token)
+    state.round_committed()
+    return first
