@@ -26,7 +26,8 @@ from tests.runtime.remote_server_util import ServerProcess, free_port
 from tests.runtime.test_ssd_sampling import PROMPT, VOCAB, exact_late_joint, models
 from tests.stats_util import chi_square_pvalue
 
-pytestmark = pytest.mark.heavy
+# one worker runs this file (make test: --dist loadgroup), so the module's draft server starts once
+pytestmark = [pytest.mark.heavy, pytest.mark.xdist_group("remote_lane")]
 SECRET = b"correct horse battery staple"
 
 

@@ -22,6 +22,8 @@ from tests.models import reference_greedy, tiny_target, truncated_draft
 from tests.runtime import tp_worker
 from tests.stats_util import chi_square_pvalue
 
+# one worker runs this file (make test: --dist loadgroup), so the 3-rank job runs once, and early
+pytestmark = [pytest.mark.heavy, pytest.mark.xdist_group("tensor_parallel")]
 NEAR_TIE = 1e-4  # logit margin float32 rounding of a different summation order can flip
 
 
