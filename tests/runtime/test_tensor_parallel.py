@@ -9,7 +9,6 @@ near tie: at the first token where the two disagree, the unsharded target's two 
 :data:`NEAR_TIE` of each other and the sharded program chose the other of the two."""
 
 import multiprocessing
-import socket
 
 import pytest
 import torch
@@ -20,17 +19,12 @@ from saguaro.core.errors import CaptureError, ConfigError
 from tests.conftest import tiny_pair
 from tests.models import reference_greedy, tiny_target, truncated_draft
 from tests.runtime import tp_worker
+from tests.runtime.remote_server_util import free_port
 from tests.stats_util import chi_square_pvalue
 
 # one worker runs this file (make test: --dist loadgroup), so the 3-rank job runs once, and early
 pytestmark = [pytest.mark.heavy, pytest.mark.xdist_group("tensor_parallel")]
 NEAR_TIE = 1e-4  # logit margin float32 rounding of a different summation order can flip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
