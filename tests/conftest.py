@@ -1,5 +1,8 @@
 import functools
 import logging
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -20,10 +23,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    """With ``--dist loadgroup`` (``make test``), the tests of one ``xdist_group`` must reach one worker:
+    """The run's captures are kept on disk in a folder of its own (``SAGUARO_CACHE_DIR``, made here in the
+    controlling process, so xdist workers and the processes tests start share it; removed at the end):
+    an architecture is exported once per run, never read from an earlier run or a user's cache.
+
+    With ``--dist loadgroup`` (``make test``), the tests of one ``xdist_group`` must reach one worker:
     the artifact tests' session fixture costs a minute and a half of torch.export and AOTInductor per
     worker that builds it. pytest-xdist 3.8 groups by rewriting ``Item._nodeid``, which pytest 9.2
     ignores (its node ids come from ``Item._id``): the grouping would be lost without a word."""
+    if not hasattr(config, "workerinput") and "SAGUARO_CACHE_DIR" not in os.environ:
+        config._saguaro_cache_dir = os.environ["SAGUARO_CACHE_DIR"] = tempfile.mkdtemp(prefix="saguaro-tests-")
     if getattr(config.option, "dist", None) != "loadgroup":
         return
     version = tuple(int(part) for part in pytest.__version__.split(".")[:2] if part.isdigit())
@@ -31,6 +40,13 @@ def pytest_configure(config):
         raise pytest.UsageError(
             f"pytest {pytest.__version__} loses pytest-xdist's --dist loadgroup grouping (tests of one "
             "xdist_group run on several workers); install the pytest that pyproject.toml pins (<9.1)")
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_saguaro_cache_dir", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        del os.environ["SAGUARO_CACHE_DIR"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,3 +73,21 @@ def arch_pair(request):
 @pytest.fixture(autouse=True)
 def _quiet_transformers():
     logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+@pytest.fixture
+def no_capture_cache():
+    """For a test that patches what capture runs (the attention forward, a mask rule): every capture
+    in it is fresh and none is kept, so no graph built under the patch reaches another test."""
+    from saguaro.capture.capture_cache import CAPTURES
+
+    entries, CAPTURES.entries = CAPTURES.entries, 0
+    CAPTURES.clear()
+    switch = os.environ.get("SAGUARO_CAPTURE_CACHE")
+    os.environ["SAGUARO_CAPTURE_CACHE"] = "0"  # nor read from or written to disk
+    yield
+    CAPTURES.entries = entries
+    if switch is None:
+        del os.environ["SAGUARO_CAPTURE_CACHE"]
+    else:
+        os.environ["SAGUARO_CAPTURE_CACHE"] = switch

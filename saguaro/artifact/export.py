@@ -18,7 +18,6 @@ killed leaves nothing loadable at ``path``.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from saguaro.artifact.manifest import (
 from saguaro.artifact.record import record_stages
 from saguaro.artifact.signature import describe, dynamic_shapes, examples
 from saguaro.artifact.weights import model_tensors, save_weights
+from saguaro.capture.capture_files import serialize_graph
 from saguaro.core.errors import ArtifactError
 from saguaro.core.schedule import round_schedule
 from saguaro.core.stages import stages_for
@@ -137,7 +137,7 @@ def _export_stage(tmp: Path, stage, gm, described, ranges, native: bool, device,
                 "compiled code could not run without Python registration. Compile with attention='inline' (or "
                 "'auto') so that attention is lowered to aten ops, then export")
     stem = f"stages/{stage.qualified}"
-    serialized = _serialize_graph(ep)
+    serialized = serialize_graph(ep)
     (tmp / f"{stem}.ep").write_bytes(serialized.exported_program)
     (tmp / f"{stem}.inputs").write_bytes(serialized.example_inputs)
     # weights and non-persistent buffers come from the model's weights file; other constants (tensors
@@ -160,17 +160,6 @@ def _export_stage(tmp: Path, stage, gm, described, ranges, native: bool, device,
             raise ArtifactError(f"stage {stage.qualified}: AOTInductor could not compile it: {first}") from exc
         entry["package"] = f"{stem}.pt2"
     return entry
-
-
-def _serialize_graph(ep):
-    """torch.export's serialized form of ``ep`` (graph and example inputs; the weights go to safetensors).
-    torch 2.13's ``serialize`` can skip pickling the state dict and constants; torch 2.11's always pickles
-    them (time spent on bytes this function's callers drop)."""
-    from torch._export.serde.serialize import serialize
-
-    if "serialize_state_dict" in inspect.signature(serialize).parameters:
-        return serialize(ep, serialize_state_dict=False, serialize_constants=False)
-    return serialize(ep)
 
 
 def _ranges(program, max_batch: int) -> dict:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.capture.attention_op import ATTENTION_OPS, saguaro_attention_mask
+from saguaro.capture import capture_files
+from saguaro.capture.capture_cache import CAPTURES, fingerprint
 from saguaro.capture.hf_hook import (ACTIVE_CONTEXT, ATTN_IMPLEMENTATION, AttentionContext, register_attention,
                                      softcap_dropped_by)
 from saguaro.capture.layer_kinds import LayerKind, layer_kinds
@@ -160,6 +162,10 @@ def capture(model: torch.nn.Module) -> CapturedModel:
         )
     register_attention()
     drop_softcap = softcap_dropped_by(model)  # before the switch: what the model computes as loaded
+    key = fingerprint(model, drop_softcap)
+    reused = _reused(key, _StageForward(model, spec, drop_softcap), name)
+    if reused is not None:
+        return CapturedModel(graph_module=reused, spec=spec)
     previous = model.config._attn_implementation
     was_training = model.training
     model.eval()
@@ -187,7 +193,24 @@ def capture(model: torch.nn.Module) -> CapturedModel:
             f"{name}: expected one saguaro attention node per layer ({spec.num_layers}), found "
             f"{len(attention_nodes)}; some attention does not go through AttentionInterface"
         )
+    CAPTURES.put(key, graph_module)
+    capture_files.write(key, program)
     elapsed = time.perf_counter() - start
     log.info("captured %s: %d layers, %d graph nodes in %.1fs", name, spec.num_layers,
              len(graph_module.graph.nodes), elapsed)
     return CapturedModel(graph_module=graph_module, spec=spec)
+
+
+def _reused(key, wrapper: _StageForward, name: str) -> torch.fx.GraphModule | None:
+    """The graph of an earlier capture of this architecture bound to ``wrapper``'s weights: from this
+    process's templates, else from the captures kept on disk (then kept as a template too)."""
+    graph_module = CAPTURES.get(key, wrapper)
+    if graph_module is not None:
+        log.info("captured %s: reused this process's capture of the architecture, bound to its weights", name)
+        return graph_module
+    graph_module = capture_files.read(key, wrapper)
+    if graph_module is not None:
+        log.info("captured %s: read the architecture's capture from %s, bound to its weights", name,
+                 capture_files.cache_root())
+        CAPTURES.put(key, graph_module)
+    return graph_module

@@ -10,6 +10,14 @@ candidate tree. Both once per lane and shape.
 Every time here is the device's (:class:`~saguaro.runtime.base.timing.Stopwatch`): on CUDA two events
 on the stream the stage runs on, waited for alone, so timing the verify never waits for the draft
 lane's stream (nor the lane for it), and the planner and ``sd_when_faster`` compare GPU times.
+
+And whether an SSD generation runs as SD (:meth:`Calibration.run_as_sd`), per lane, batch and
+sampled-or-greedy, not per store capacity: an SSD generation's mean round over the SD round timed alone
+for its shape is a ratio that holds across prompt lengths, so a new capacity reuses the verdict instead
+of the planner's prior and a measuring SSD generation. Where SSD measured slower, SSD runs again after
+:data:`REMEASURE_EVERY` generations run as SD, then after twice as many each time it measures slower
+again, up to :data:`REMEASURE_MOST` (about 1 generation in 33 at most spent exploring); SSD measured
+faster runs SSD at once and starts the interval again.
 """
 
 from __future__ import annotations
@@ -54,8 +62,8 @@ def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, te
     return best
 
 
-REMEASURE_EVERY = 8  # an SSD shape run as SD runs SSD again after this many generations ...
-REMEASURE_MOST = 64  # ... and after twice as many each time SSD measures slower again, up to this many
+REMEASURE_EVERY = 32  # SSD measured slower: SSD runs again after this many generations run as SD ...
+REMEASURE_MOST = 256  # ... and after twice as many each time SSD measures slower again, up to this many
 WARM_UP_TIMEOUT_S = 3600.0  # compiling every draft stage shape may take minutes on a small CPU
 
 
@@ -81,46 +89,54 @@ def time_sd_round(target: ModelRunner, draft: ModelRunner, batch: int, target_ca
 
 
 class Calibration:
-    """The measured costs of one Program's SSD generations, per (lane, batch, capacity, sampled)."""
+    """One Program's measured costs, per (lane, batch, capacity, sampled), and its SSD-or-SD verdicts, per
+    (lane, batch, sampled)."""
 
     def __init__(self, target: ModelRunner, draft: ModelRunner | None, k: int):
         self.target, self.draft, self.k = target, draft, k
         self._costs: dict = {}
         self._sd_round_s: dict = {}
-        self._ssd_round_s: dict = {}  # key -> mean round seconds of the last SSD generation of that shape
-        self._planned_sd: dict = {}  # key -> SSD generations run as SD since SSD was last measured
-        self._remeasure: dict = {}  # key -> generations run as SD before SSD is measured again
+        self._ssd_over_sd: dict = {}  # verdict key -> the last SSD generation's mean round / its SD round alone
+        self._planned_sd: dict = {}  # verdict key -> SSD generations run as SD since SSD was last measured
+        self._remeasure: dict = {}  # verdict key -> generations run as SD before SSD is measured again
 
     @staticmethod
-    def key(lane, spec) -> tuple:
+    def _costs_key(lane, spec) -> tuple:
         return (id(lane), spec.input_ids.shape[0], spec.capacity, spec.temperature > 0)
 
-    def run_as_sd(self, key, sd_round_s: float, prior_pays: bool) -> bool:
-        """Whether an SSD generation of this shape should run as SD: by the mean round time of the last
-        SSD generation of the shape against an SD round timed alone, or before any, by the planner's
-        prior estimate. After :data:`REMEASURE_EVERY` generations run as SD, one runs SSD again, so the
-        choice follows the machine; each time SSD measures slower again the interval doubles (up to
-        :data:`REMEASURE_MOST`), so a machine where SSD never pays spends ever fewer generations on it."""
-        measured = self._ssd_round_s.get(key)
-        if measured is None:
+    @staticmethod
+    def verdict_key(lane, spec) -> tuple:
+        """What an SSD-or-SD verdict holds for: the lane, the batch and sampled or greedy (any capacity)."""
+        return (id(lane), spec.input_ids.shape[0], spec.temperature > 0)
+
+    def run_as_sd(self, verdict: tuple, prior_pays: bool) -> bool:
+        """Whether an SSD generation with this :meth:`verdict_key` should run as SD: by the last SSD
+        generation's mean round over an SD round of its shape timed alone (above 1: SD), or before any,
+        by the planner's prior estimate (``prior_pays``: SSD). After :data:`REMEASURE_EVERY` generations
+        run as SD, one runs SSD again, so the choice follows the machine; each time SSD measures slower
+        again the interval doubles (up to :data:`REMEASURE_MOST`), so a machine where SSD never pays
+        spends ever fewer generations on it. SSD measured faster: SSD, and the interval starts again."""
+        ratio = self._ssd_over_sd.get(verdict)
+        if ratio is None:
             return not prior_pays
-        if measured <= sd_round_s:
-            self._planned_sd.pop(key, None)
-            self._remeasure.pop(key, None)
+        if ratio <= 1.0:
+            self._planned_sd.pop(verdict, None)
+            self._remeasure.pop(verdict, None)
             return False
-        interval = self._remeasure.get(key, REMEASURE_EVERY)
-        done = self._planned_sd.get(key, 0) + 1
+        interval = self._remeasure.get(verdict, REMEASURE_EVERY)
+        done = self._planned_sd.get(verdict, 0) + 1
         if done <= interval:
-            self._planned_sd[key] = done
+            self._planned_sd[verdict] = done
             return True
-        self._planned_sd[key] = 0  # this generation measures SSD again
-        self._remeasure[key] = min(2 * interval, REMEASURE_MOST)
+        self._planned_sd[verdict] = 0  # this generation measures SSD again
+        self._remeasure[verdict] = min(2 * interval, REMEASURE_MOST)
         return False
 
-    def record_ssd(self, key, round_s: list) -> None:
-        """The rounds of an SSD generation of this shape (seconds each)."""
-        if round_s:
-            self._ssd_round_s[key] = sum(round_s) / len(round_s)
+    def record_ssd(self, verdict: tuple, round_s: list, sd_round_s: float | None) -> None:
+        """The rounds of an SSD generation with this :meth:`verdict_key` (seconds each), against
+        ``sd_round_s``, an SD round of the generation's shape timed alone (None: no local SD, no verdict)."""
+        if round_s and sd_round_s:
+            self._ssd_over_sd[verdict] = sum(round_s) / len(round_s) / sd_round_s
 
     def sd_round_s(self, batch: int, target_capacity: int, draft_capacity: int, temperature: float) -> float:
         """An SD round timed alone with the caller's threads, once per shape (:func:`time_sd_round`)."""
@@ -136,7 +152,7 @@ class Calibration:
         warming the lane up first if this shape is new. ``plan_costs`` is None without a planner. A lane
         failure raises ``DraftLaneError``."""
         batch, temperature = spec.input_ids.shape[0], spec.temperature
-        key = self.key(lane, spec)
+        key = self._costs_key(lane, spec)
         if key not in self._costs:
             verify = lambda repeats=REPEATS: time_verify_alone(  # noqa: E731
                 self.target, batch, target_capacity, self.k, temperature, self.target.spec.vocab_size, repeats)

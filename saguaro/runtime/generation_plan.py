@@ -2,8 +2,11 @@
 
 AR and SD run as asked. SSD needs a draft lane (started on first use; none can start → SD, the same
 tokens), the lane warmed up for this shape and the costs measured (:mod:`saguaro.runtime.calibration`),
-and then the planner's verdict: where no tree pays on the lanes' share of the machine, plain SD on
-every core is faster, so the rounds run are SD's (``sd_when_faster``; the stats stay SSD's).
+and then the verdict: where no tree pays on the lanes' share of the machine, plain SD on every core is
+faster, so the rounds run are SD's (``sd_when_faster``; the stats stay SSD's). The verdict holds per lane,
+batch and sampled-or-greedy across store capacities: measured SSD rounds over SD's once an SSD generation
+has run (re-measured now and then, :meth:`~saguaro.runtime.calibration.Calibration.run_as_sd`), before
+that the planner's prior estimate.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ class GenerationPlan:
     it), ``run`` the rounds run (``ar``/``sd``/``ssd``), SSD's ``lane``, the ``tree_policy``
     of its draft side, ``why`` in words; ``calibrated`` = ``(verify_alone_s, plan_costs)`` measured
     for SSD (kept when it runs as SD: the verify cost and the draft store's shapes), ``spec`` what the
-    draft side is opened with."""
+    draft side is opened with, ``sd_round_s`` an SD round of this shape timed alone (SSD with a local
+    draft: what the generation's SSD rounds are measured against)."""
 
     mode: str
     run: str
@@ -32,6 +36,7 @@ class GenerationPlan:
     tree_policy: str = "none"
     calibrated: tuple | None = None
     spec: GenerateSpec | None = None
+    sd_round_s: float | None = None
 
     @property
     def planned_sd(self) -> bool:
@@ -59,12 +64,13 @@ def plan_generation(program, mode: str, spec: GenerateSpec | None, target_capaci
         warn_at_caller(f"saguaro: {exc}; generating with {alone.upper()} instead (output stays exact)")
         program.lanes.drop()
         return GenerationPlan(alone, alone, f"ssd asked, but the {lane.kind} lane failed while warming up: {exc}")
-    key = program.calibration.key(lane, spec)
+    verdict = program.calibration.verdict_key(lane, spec)
     costs = calibrated[1]
     if config.sd_when_faster and costs is not None and sd_round_s is not None and program.calibration.run_as_sd(
-            key, sd_round_s, ssd_pays(costs, sd_round_s, config.k, program.draft_width)):
+            verdict, ssd_pays(costs, sd_round_s, config.k, program.draft_width)):
         return GenerationPlan(mode, "sd", f"no tree pays here: an SD round on every core "
                                           f"({1000 * sd_round_s:.2f} ms) is faster than SSD's on the lanes' "
                                           "share (sd_when_faster=True)",
-                              tree_policy=tree_policy, calibrated=calibrated, spec=spec)
-    return GenerationPlan(mode, "ssd", f"SSD on the {lane.kind} lane", lane, tree_policy, calibrated, spec)
+                              tree_policy=tree_policy, calibrated=calibrated, spec=spec, sd_round_s=sd_round_s)
+    return GenerationPlan(mode, "ssd", f"SSD on the {lane.kind} lane", lane, tree_policy, calibrated, spec,
+                          sd_round_s)

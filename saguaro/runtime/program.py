@@ -206,7 +206,8 @@ class Program:
         if plan.mode == "ssd":
             stats["planned_sd"] = plan.planned_sd  # True: the planner measured that no tree pays here, SD ran
             if plan.run == "ssd" and not state.counters.lane_failures:
-                self.calibration.record_ssd(self.calibration.key(plan.lane, plan.spec), state.counters.round_s)
+                self.calibration.record_ssd(self.calibration.verdict_key(plan.lane, plan.spec), state.counters.round_s,
+                                            plan.sd_round_s)
         return GenerateOutput(sequences=sequences, stats=stats, counters=state.counters,
                               trace=tracing.finish(stats))
 

@@ -137,7 +137,7 @@ def test_families_outside_the_attention_interface_and_bidirectional_ones_are_ref
         capture(tiny_family_target("gemma3", use_bidirectional_attention=True))
 
 
-def test_sinks_the_attention_call_does_not_pass_are_refused(monkeypatch):
+def test_sinks_the_attention_call_does_not_pass_are_refused(monkeypatch, no_capture_cache):
     from saguaro.capture import hf_hook
 
     forward = hf_hook.saguaro_attention_forward

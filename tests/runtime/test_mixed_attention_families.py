@@ -47,7 +47,7 @@ def test_the_gemma3_draft_mixes_kinds_too():
     assert len(set(program.draft.spec.layer_kinds)) == 2
 
 
-def test_ignoring_the_window_would_be_caught(monkeypatch):
+def test_ignoring_the_window_would_be_caught(monkeypatch, no_capture_cache):
     """The exactness tests above bite: with the window dropped from the masks, AR already diverges."""
     from saguaro.capture import attention_op
 

@@ -176,24 +176,41 @@ def test_a_generation_no_tree_pays_for_runs_as_sd_and_says_so(monkeypatch, pays)
         assert out.stats["cache_hit_rate"] == 0.0 and out.stats["draft_s"] > 0 and out.stats["verify_alone_s"] > 0
 
 
-def test_ssd_shapes_follow_their_measured_rounds_and_are_measured_again():
+def test_ssd_verdicts_follow_their_measured_rounds_across_capacities_and_are_measured_again():
+    from types import SimpleNamespace
+
     from saguaro.runtime.calibration import REMEASURE_EVERY, REMEASURE_MOST, Calibration
 
-    calibration = Calibration(None, None, 5)
-    key = ("lane", 1, 256, False)
-    assert calibration.run_as_sd(key, 10e-3, prior_pays=True) is False  # nothing measured: the prior decides
-    assert calibration.run_as_sd(key, 10e-3, prior_pays=False) is True
-    calibration.record_ssd(key, [8e-3, 9e-3])  # SSD's rounds beat SD's: SSD
-    assert calibration.run_as_sd(key, 10e-3, prior_pays=False) is False
-    calibration.record_ssd(key, [14e-3, 16e-3])  # slower than SD: SD, then SSD again after REMEASURE_EVERY ...
-    choices = [calibration.run_as_sd(key, 10e-3, prior_pays=True) for _ in range(1000)]
+    assert (REMEASURE_EVERY, REMEASURE_MOST) == (32, 256)  # exploration: at most ~1 generation in 33
+    calibration, lane = Calibration(None, None, 5), object()
+    spec = lambda capacity, batch=1, temperature=0.0: SimpleNamespace(  # noqa: E731
+        input_ids=torch.zeros(batch, 3, dtype=torch.long), capacity=capacity, temperature=temperature)
+    key = calibration.verdict_key(lane, spec(256))
+    assert calibration.verdict_key(lane, spec(512)) == key  # the store's capacity is no part of the verdict
+    assert calibration.verdict_key(lane, spec(256, batch=2)) != key
+    assert calibration.verdict_key(lane, spec(256, temperature=1.0)) != key
+    assert calibration.verdict_key(object(), spec(256)) != key
+    assert calibration.run_as_sd(key, prior_pays=True) is False  # nothing measured: the prior decides
+    assert calibration.run_as_sd(key, prior_pays=False) is True
+    calibration.record_ssd(key, [8e-3, 9e-3], None)  # no local SD to compare: no verdict
+    assert calibration.run_as_sd(key, prior_pays=False) is True
+    calibration.record_ssd(key, [8e-3, 9e-3], 10e-3)  # SSD's rounds beat SD's: SSD, whatever the prior
+    assert [calibration.run_as_sd(key, prior_pays=False) for _ in range(3)] == [False] * 3
+    # slower than SD, measured at one capacity: a second capacity (the same lane, batch, sampling) reuses
+    # the ratio, 3 ms over 2 ms, against its own SD round: SD, no prior and no SSD generation to measure it
+    calibration.record_ssd(key, [3e-3, 3e-3], 2e-3)
+    key_512 = calibration.verdict_key(lane, spec(512))
+    choices = [calibration.run_as_sd(key_512, prior_pays=True) for _ in range(742)]
     ssd_at = [i for i, as_sd in enumerate(choices) if not as_sd]
-    gaps = [b - a - 1 for a, b in zip([-1] + ssd_at, ssd_at)]  # generations run as SD before each SSD one
-    # ... and after twice as many each time SSD stays slower, up to REMEASURE_MOST
-    assert gaps[:4] == [REMEASURE_EVERY, 2 * REMEASURE_EVERY, 4 * REMEASURE_EVERY, 8 * REMEASURE_EVERY]
-    assert max(gaps) == REMEASURE_MOST and gaps[-1] == REMEASURE_MOST
-    calibration.record_ssd(key, [8e-3, 9e-3])  # the machine changed: SSD pays again, SSD at once and after
-    assert [calibration.run_as_sd(key, 10e-3, prior_pays=False) for _ in range(3)] == [False] * 3
-    calibration.record_ssd(key, [14e-3, 16e-3])  # slower once more: the interval starts again from the first
-    choices = [calibration.run_as_sd(key, 10e-3, prior_pays=True) for _ in range(REMEASURE_EVERY + 1)]
-    assert all(choices[:REMEASURE_EVERY]) and choices[REMEASURE_EVERY] is False
+    assert choices[:REMEASURE_EVERY] == [True] * REMEASURE_EVERY  # the first SSD comes after 32 as SD ...
+    # ... and after twice as many each time SSD stays slower (as it does: no record), up to REMEASURE_MOST
+    assert ssd_at == [32, 32 + 1 + 64, 97 + 1 + 128, 226 + 1 + 256, 483 + 1 + 256]
+    assert [b - a - 1 for a, b in zip([-1] + ssd_at, ssd_at)] == [32, 64, 128, 256, 256]
+    assert choices[-1] is True
+    calibration.record_ssd(key_512, [9e-3], 10e-3)  # the machine changed: SSD pays again, SSD at once and after
+    assert [calibration.run_as_sd(key, prior_pays=False) for _ in range(3)] == [False] * 3
+    calibration.record_ssd(key, [14e-3, 16e-3], 10e-3)  # slower once more: the interval starts again from 32
+    choices = [calibration.run_as_sd(key, prior_pays=True) for _ in range(REMEASURE_EVERY + 2)]
+    assert choices == [True] * REMEASURE_EVERY + [False, True]
+    other = calibration.verdict_key(lane, spec(256, temperature=1.0))  # sampled: a verdict of its own
+    assert calibration.run_as_sd(other, prior_pays=True) is False and calibration.run_as_sd(other, False) is True

@@ -1,0 +1,142 @@
+"""Captures kept on disk, so a later process (the next ``saguaro generate``, a draft process, a test
+worker) skips ``torch.export`` for an architecture captured before: the graph only (torch.export's
+serialized form, no weights), bound to the new model's weights by name when read back.
+
+Where: ``$SAGUARO_CACHE_DIR/captures`` (default ``~/.cache/saguaro/captures``); ``SAGUARO_CAPTURE_CACHE=0``
+turns it off. One folder per fingerprint (:func:`~saguaro.capture.capture_cache.fingerprint`, plus the
+source of Saguaro's capture code, so an edited capture never reads an old graph), written to a temporary
+folder and renamed into place: a reader sees a whole entry or none. An entry whose recorded fingerprint
+differs, or that cannot be read, is a miss (logged); the capture then runs as if there were no cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_DIR, ENV_SWITCH = "SAGUARO_CACHE_DIR", "SAGUARO_CAPTURE_CACHE"
+FORMAT = 1
+
+
+def cache_root() -> Path | None:
+    """The folder of captures, or None when the disk cache is off."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    base = os.environ.get(ENV_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "saguaro")
+    return Path(base) / "captures"
+
+
+_SOURCE_DIGEST: list = []
+
+
+def _capture_source() -> str:
+    """A digest of Saguaro's capture code (this folder's modules): part of every entry's name."""
+    if not _SOURCE_DIGEST:
+        digest = hashlib.sha256()
+        for path in sorted(Path(__file__).parent.glob("*.py")):
+            digest.update(path.name.encode() + path.read_bytes())
+        _SOURCE_DIGEST.append(digest.hexdigest())
+    return _SOURCE_DIGEST[0]
+
+
+def _entry(root: Path, key: tuple) -> tuple[Path, str]:
+    described = repr((FORMAT, _capture_source(), key))
+    return root / hashlib.sha256(described.encode()).hexdigest()[:40], described
+
+
+def write(key: tuple | None, program: torch.export.ExportedProgram) -> None:
+    """Keep ``program`` (the graph, not its weights) under ``key``; any failure is logged, never raised."""
+    root = cache_root()
+    if key is None or root is None:
+        return
+    folder, described = _entry(root, key)
+    if folder.exists():
+        return
+    tmp = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
+        artifact = serialize_graph(program)
+        (tmp / "graph.ep").write_bytes(artifact.exported_program)
+        (tmp / "inputs.bin").write_bytes(artifact.example_inputs)
+        parameters = sorted(name for name, _ in program.named_parameters())
+        entry = dict(fingerprint=described, state_dict=sorted(program.state_dict), parameters=parameters,
+                     constants=sorted(program.constants))
+        (tmp / "entry.json").write_text(json.dumps(entry))
+        try:
+            tmp.rename(folder)
+            tmp = None
+        except OSError:  # another process wrote it first: theirs is the same graph
+            pass
+    except Exception as exc:  # a full disk or an unwritable home must not stop a capture
+        log.warning("could not keep the capture on disk in %s: %s", root, exc)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read(key: tuple | None, wrapper: torch.nn.Module) -> torch.fx.GraphModule | None:
+    """The graph kept under ``key``, bound to ``wrapper``'s parameters, buffers and constants (the module
+    the graph was exported from, the new model inside), or None."""
+    root = cache_root()
+    if key is None or root is None:
+        return None
+    folder, described = _entry(root, key)
+    if not (folder / "entry.json").exists():
+        return None
+    try:
+        entry = json.loads((folder / "entry.json").read_text())
+        if entry.get("fingerprint") != described:
+            log.info("capture cache: %s holds another fingerprint; capturing afresh", folder)
+            return None
+        own = dict(wrapper.named_parameters(remove_duplicate=False))
+        own.update(wrapper.named_buffers(remove_duplicate=False))
+        missing = [name for name in (*entry["state_dict"], *entry["constants"]) if name not in own]
+        if missing:
+            log.info("capture cache: %s needs %s, which this model has not got; capturing afresh", folder, missing[0])
+            return None
+        parameters = set(entry["parameters"])
+        state_dict = {name: own[name] if name not in parameters or isinstance(own[name], torch.nn.Parameter)
+                      else torch.nn.Parameter(own[name], requires_grad=False) for name in entry["state_dict"]}
+        constants = {name: own[name] for name in entry["constants"]}
+        return _deserialize(folder, state_dict, constants).module()
+    except Exception as exc:  # a corrupt or foreign entry: capture as if it were not there
+        log.warning("capture cache: could not read %s (%s: %s); capturing afresh", folder, type(exc).__name__, exc)
+        return None
+
+
+def serialize_graph(program: torch.export.ExportedProgram):
+    """torch.export's serialized form of ``program`` (graph and example inputs; the weights are not
+    kept). torch 2.13's ``serialize`` can skip pickling the state dict and constants; torch 2.11's
+    always pickles them (time spent on bytes this function's callers drop)."""
+    from torch._export.serde.serialize import serialize
+
+    if "serialize_state_dict" in inspect.signature(serialize).parameters:
+        return serialize(program, serialize_state_dict=False, serialize_constants=False)
+    return serialize(program)
+
+
+def _deserialize(folder: Path, state_dict: dict, constants: dict):
+    from torch._export.serde import schema
+    from torch._export.serde.serialize import ExportedProgramDeserializer, _bytes_to_dataclass
+
+    serialized = _bytes_to_dataclass(schema.ExportedProgram, (folder / "graph.ep").read_bytes())
+    return ExportedProgramDeserializer().deserialize(serialized, state_dict, constants,
+                                                     (folder / "inputs.bin").read_bytes())
+
+
+def clear() -> None:
+    """Remove every kept capture (the folder of captures, nothing else)."""
+    root = cache_root()
+    if root is not None and root.exists():
+        shutil.rmtree(root)
