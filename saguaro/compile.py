@@ -15,6 +15,7 @@ from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.stages import Stage
 from saguaro.lower.cuda_graphs import captures_stage, resolve_cuda_graphs
 from saguaro.lower.lowering import attention_implementation, lower_graph, shape_policy
+from saguaro.lower.compile_thread import BackgroundCompiler
 from saguaro.passes import run_pipeline
 from saguaro.passes.pipeline import PipelineStages, build_stage
 from saguaro.runtime.lanes.draft_files import RemoteDraft
@@ -71,8 +72,10 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
     endpoint = remote_endpoint(cfg, target_spec, draft) if cfg.lane == "remote" else None
     models = {name: model for name, model in (("target", target), ("draft", draft)) if model is not None}
     graphs = {name: resolve_cuda_graphs(cfg.cuda_graphs, model_spec(model).device) for name, model in models.items()}
+    # compile="background": one compile thread for both models' stages (saguaro.lower.tiered)
+    compiler = BackgroundCompiler() if cfg.compile == "background" and cfg.backend == "inductor" else None
     runners = {name: build_runner(name, model, cfg.backend, cfg.attention, graphs[name],
-                                  shard if name == "target" else None)
+                                  shard if name == "target" else None, compiler)
                for name, model in models.items()}
     gen = getattr(target, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
@@ -87,30 +90,44 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
 
 
 def build_runner(name: str, model: torch.nn.Module, backend: str, attention: str = "auto",
-                 cuda_graphs: bool = False, shard=None) -> ModelRunner:
+                 cuda_graphs: bool = False, shard=None, compiler: BackgroundCompiler | None = None) -> ModelRunner:
     """Capture ``model``, run the base pass pipeline, and wrap it with the builder of its stages
     (``cuda_graphs``: fixed-shape stages replay CUDA graphs over KV stores kept at fixed addresses;
-    ``shard``: a ``ShardTensorParallel`` pass after the base pipeline, the runner's spec its rank's heads)."""
+    ``shard``: a ``ShardTensorParallel`` pass after the base pipeline, the runner's spec its rank's heads;
+    ``compiler``: the thread of ``compile="background"``)."""
     captured = capture(model)
     captured.graph_module = run_pipeline(captured.graph_module, (shard,) if shard is not None else ())
     if shard is not None:
         captured.spec = shard.local_spec
     width = min(captured.spec.vocab_size, RANK_WIDTH)  # fork / rank / Saguaro-sampling width
     builder = CompiledStages(name, captured.graph_module, width, backend, attention, captured.spec.device.type,
-                             cuda_graphs)
+                             cuda_graphs, compiler)
     return ModelRunner(name, captured, builder, width, kv_pool=KVPool() if cuda_graphs else None)
 
 
 class CompiledStages(PipelineStages):
     """The :class:`~saguaro.runtime.base.model_runner.StageBuilder` of a compiled model: each stage graph
     derived from the captured graph by the stage pass pipeline, then lowered for the backend; the
-    runtime calls it on a stage's first use."""
+    runtime calls it on a stage's first use. ``compiler`` (``compile="background"``): the thread that
+    compiles the stages while they run eager (:mod:`saguaro.lower.tiered`), which
+    :meth:`wait_compiled` waits for and :meth:`stop_compiling` stops."""
 
     def __init__(self, model_name: str, graph_module: torch.fx.GraphModule, width: int, backend: str,
-                 attention: str, device_type: str, cuda_graphs: bool = False):
+                 attention: str, device_type: str, cuda_graphs: bool = False,
+                 compiler: BackgroundCompiler | None = None):
         super().__init__(graph_module, width, attention_implementation(backend, attention))
         self.model_name, self.backend, self.device_type = model_name, backend, device_type
-        self.requested_attention, self.cuda_graphs = attention, cuda_graphs
+        self.requested_attention, self.cuda_graphs, self.compiler = attention, cuda_graphs, compiler
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """True once no background compile is queued or running (at once without a compiler); False
+        when ``timeout`` seconds passed first."""
+        return True if self.compiler is None else self.compiler.wait(timeout)
+
+    def stop_compiling(self) -> None:
+        """Drop the queued background compiles and stop the thread (a later stage call starts it again)."""
+        if self.compiler is not None:
+            self.compiler.close()
 
     def stage_graph(self, stage: Stage, observe=None):
         """The stage's graph, its attention lowered as chosen for this stage's mask and device."""
@@ -119,7 +136,7 @@ class CompiledStages(PipelineStages):
 
     def __call__(self, stage: Stage):
         return lower_graph(self.stage_graph(stage), self.backend, stage.qualified, self.device_type,
-                           cuda_graphs=self.cuda_graphs and captures_stage(stage))
+                           cuda_graphs=self.cuda_graphs and captures_stage(stage), compiler=self.compiler)
 
 
 def compile_tensor_parallel(target, draft, cfg: SaguaroConfig):

@@ -18,6 +18,7 @@ import torch
 
 from saguaro.cli.main import main
 from saguaro.core.errors import SaguaroError
+from saguaro.runtime.base.trace_read import check_trace, slices
 from tests.models import EOS, reference_greedy, tiny_target, truncated_draft
 from tests.tiny_tokenizer import tiny_tokenizer
 
@@ -127,10 +128,18 @@ def table_rows(out: str) -> list[str]:
 def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
     target_dir, draft_dir = saved_pair
     path = tmp_path / "out" / "bench.json"
+    traces = tmp_path / "traces"
     rc, out, err = run_cli(["bench", "--target", target_dir, "--draft", draft_dir, "--json", str(path),
                             "--prompts", "2", "--max-new-tokens", "8", "--k", "3", "--backend", "eager",
-                            "--same-process"], capsys)
+                            "--same-process", "--trace", str(traces)], capsys)
     assert rc == 0, err
+    # --trace: one timeline per Saguaro row; ssd-uniform runs SSD's rounds whatever the timings (the
+    # planner's row may measure SD faster and run it), so its timeline holds the draft lane's glue
+    written = sorted(p.name for p in traces.iterdir())
+    assert written == sorted(f"{m}-eager.json" for m in ("ar", "sd", "ssd", "ssd-uniform", "ssd-process"))
+    uniform = json.loads((traces / "ssd-uniform-eager.json").read_text())
+    check_trace(uniform)
+    assert "draft.glue" in {s.name for s in slices(uniform)}
     table_modes = table_rows(out)
     assert re.search(r"^ssd \(eager\): warm-up, then timed$", out, re.M)
     assert re.search(r"^  [0-9.]+ tokens/s; capture \+ compile \+ warm-up took [0-9.]+s$", out, re.M)

@@ -1,5 +1,6 @@
-"""``saguaro generate --trace``, ``saguaro bench --trace``, ``saguaro inspect ...`` through
-``saguaro.cli.main.main`` on a tiny saved pair (``tests/test_report.py`` renders the report in a browser)."""
+"""``saguaro generate --trace``, ``saguaro inspect ...`` through ``saguaro.cli.main.main`` on a tiny saved
+pair (``saguaro bench --trace``: ``tests/test_cli.py``'s bench run; ``tests/test_report.py`` renders the
+report in a browser)."""
 
 import json
 import re
@@ -26,20 +27,6 @@ def test_generate_writes_a_trace(saved_pair, capsys, tmp_path):  # noqa: F811
     trace = json.loads(path.read_text())
     check_trace(trace)
     assert {"target.prefill", "target.verify_greedy", "draft.step_greedy"} <= {s.name for s in slices(trace)}
-
-
-@pytest.mark.heavy
-def test_bench_writes_one_trace_per_row(saved_pair, capsys, tmp_path):  # noqa: F811
-    # ssd-uniform: SSD rounds whatever the timings (the planner's row may measure SD faster and run it);
-    # --same-process: the rows' own processes are test_cli.py's subject (two Python start-ups saved here)
-    rc, out, err = run_cli(["bench", "--modes", "ar,ssd-uniform", "--prompts", "1", "--max-new-tokens", "8",
-                            "--same-process", "--trace", str(tmp_path / "traces"), *pair_args(saved_pair)], capsys)
-    assert rc == 0, err
-    written = sorted(p.name for p in (tmp_path / "traces").iterdir())
-    assert written == ["ar-eager.json", "ssd-uniform-eager.json"]
-    ssd = json.loads((tmp_path / "traces" / "ssd-uniform-eager.json").read_text())
-    check_trace(ssd)
-    assert "draft.glue" in {s.name for s in slices(ssd)}
 
 
 def test_inspect_passes_table_and_diff(saved_pair, capsys):  # noqa: F811

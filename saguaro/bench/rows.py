@@ -39,14 +39,16 @@ def _batches(prompts, batch, pad_id):
         yield ids, mask
 
 
-def compile_for(target, draft, k: int, backend: str = "inductor", sd_when_faster: bool = True):
+def compile_for(target, draft, k: int, backend: str = "inductor", sd_when_faster: bool = True,
+                compile: str = "blocking"):
     """One Program serving every Saguaro row (``ssd`` with a draft, ``ar`` without one); ``sd_when_faster``
-    False (``--plan always-ssd``): SSD rows run SSD's own rounds on any machine."""
+    False (``--plan always-ssd``): SSD rows run SSD's own rounds on any machine. A row times blocking
+    programs (``compile="background"`` is for a first, untimed generation)."""
     from saguaro.compile import compile as saguaro_compile
 
     start = time.perf_counter()
     program = saguaro_compile(target, draft, k=k, mode="ssd" if draft is not None else "ar", backend=backend,
-                              sd_when_faster=sd_when_faster)
+                              sd_when_faster=sd_when_faster, compile=compile)
     log.info("compiled in %.1fs", time.perf_counter() - start)
     return program
 
@@ -93,6 +95,8 @@ def time_row(target, draft, program, prompts, mode, k, max_new_tokens, temperatu
     log.info("running %s: warm-up", mode)
     for ids, mask in batches:
         _generate(target, draft, program, mode, ids, mask, k, max_new_tokens, temperature, seed, pad_id)
+    if program is not None:
+        program.wait_compiled()  # compile="background": the warm-up queued its shapes; time them compiled
     log.info("running %s: timed", mode)
     new_tokens, wall, accepted, rounds, ssd, round_s, token_s = 0, 0.0, 0.0, 0, [], [], []
     for ids, mask in batches:

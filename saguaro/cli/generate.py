@@ -1,14 +1,20 @@
 """``saguaro generate``: complete one prompt with a compiled (or ``--program``-loaded) pair, printing the
-completion as each round decides it (``program.stream``), then a stats line."""
+completion as each round decides it (``program.stream``), then a stats line. Stages run eager while
+Inductor compiles them in the background (``--compile background``, the default here: the first text
+comes in seconds on a cold Inductor cache); on a terminal, each compile shows a progress line on stderr
+until the text starts (``-q``: none)."""
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
+from contextlib import contextmanager
 
 from saguaro.cli.args import add_model_args, add_plan_arg, sd_when_faster
 from saguaro.cli.program import add_program_arg, check_program_args, load_program
 from saguaro.cli.registry import Subcommand
-from saguaro.core.config import MODES
+from saguaro.core.config import COMPILE_MODES, MODES
 from saguaro.core.errors import SaguaroError
 from saguaro.runtime.base.stats import RAN_AS_SD
 
@@ -22,6 +28,11 @@ def add_arguments(gen) -> None:
     gen.add_argument("--trace", metavar="FILE", default=None,
                      help="write a timeline of the call here (Chrome trace-event JSON: open it in "
                           "https://ui.perfetto.dev or chrome://tracing)")
+    gen.add_argument("--compile", default="background", choices=list(COMPILE_MODES),
+                     help="background (default): stages run eager at once while Inductor compiles them, each "
+                          "switching to its compiled form when ready (the same greedy tokens); blocking: wait for "
+                          "each compile (what benchmarks time; a --seed reproduces sampled text only then)")
+    gen.add_argument("-q", "--quiet", action="store_true", help="no compile progress lines on stderr")
     add_plan_arg(gen)
     add_model_args(gen)
     add_program_arg(gen)
@@ -48,34 +59,53 @@ def run(args) -> int:
         if args.mode == "ar":
             draft = None  # AR never runs the draft: do not capture it
         program = saguaro_compile(target, draft, k=args.k, mode=args.mode, backend=args.backend,
-                                  sd_when_faster=sd_when_faster(args))
+                                  compile=args.compile, sd_when_faster=sd_when_faster(args))
     if not sd_when_faster(args) and args.program is not None:
         program = program.reconfigure(sd_when_faster=False)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    with program.stream(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                        trace=args.trace) as stream:
-        print_as_decided(tokenizer, args.prompt, stream)
+    show = sys.stderr.isatty() and not args.quiet and not getattr(args, "verbose", False)  # -v logs them instead
+    with compile_progress(show) as progress, program.stream(
+            ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+            trace=args.trace) as stream:
+        print_as_decided(tokenizer, args.prompt, stream, before_text=progress.mute if progress is not None else None)
+    if progress is not None and progress.summary():
+        sys.stderr.write(progress.summary() + "\n")
+        sys.stderr.flush()
     sys.stdout.write(stats_line(stream.output.stats) + "\n")
     if args.trace:
         sys.stdout.write(f"wrote the timeline to {args.trace} (open it in https://ui.perfetto.dev)\n")
     return 0
 
 
-def print_as_decided(tokenizer, prompt: str, stream) -> None:
+def print_as_decided(tokenizer, prompt: str, stream, before_text=None) -> None:
     """Write the prompt, then the completion as each round of ``stream`` decides it (flushed per round),
     and a newline. A round's text is written once it decodes to an extension of what is on the screen
     (a trailing incomplete character waits for the next round); a tokenizer that rewrites earlier text
-    gets the whole completion written again on a line of its own at the end."""
-    sys.stdout.write(prompt)
-    sys.stdout.flush()
+    gets the whole completion written again on a line of its own at the end. With ``before_text`` (the
+    progress lines' ``mute``), the prompt waits for the first round and ``before_text()`` runs first."""
+    started = False
+
+    def start():
+        nonlocal started
+        if not started:
+            started = True
+            if before_text is not None:
+                before_text()
+            sys.stdout.write(prompt)
+            sys.stdout.flush()
+
+    if before_text is None:
+        start()
     tokens, shown = [], ""
     for chunk in stream:
+        start()
         tokens += chunk.new_tokens[0]
         text = tokenizer.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
         if text.startswith(shown) and len(text) > len(shown):
             sys.stdout.write(text[len(shown):])
             sys.stdout.flush()
             shown = text
+    start()
     final = tokenizer.decode(tokens, skip_special_tokens=True)
     sys.stdout.write((final[len(shown):] if final.startswith(shown) else "\n" + prompt + final) + "\n")
     sys.stdout.flush()
@@ -87,6 +117,97 @@ def stats_line(s: dict) -> str:
     hits = f", cache hit rate {s['cache_hit_rate']:.2f}" if "cache_hit_rate" in s else ""
     return (f"[{label}] {s['new_tokens']} tokens in {s['wall_s']:.2f}s: {s['tokens_per_s']:.1f} tokens/s, "
             f"mean accepted length {s['mean_accepted_len']:.2f}, {s['rounds']} rounds{hits}")
+
+
+class CompileProgress(logging.Handler):
+    """Draws the lowering's compile progress records (``saguaro.lower.lowering.PROGRESS_LOGGER``) on
+    stderr with ``tqdm``: per stage a line ``compiling target.prefill 00:07`` ticking while Inductor works,
+    which becomes ``compiled target.prefill in 12.3s``. :meth:`mute` (the completion's text starts: a
+    line drawn then would break it) clears the line under way and draws no more; :meth:`summary` then
+    names every compile seen."""
+
+    def __init__(self, stream=None):
+        super().__init__(logging.INFO)
+        self.stream = stream or sys.stderr
+        self.bars: dict = {}  # stage -> the tqdm line of its compile under way
+        self.done: list = []  # (stage, seconds) of each finished compile
+        self.running: set = set()  # stages compiling now
+        self.muted = False
+        self._stopped = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="saguaro-progress", daemon=True)
+        self._ticker.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        event, stage = getattr(record, "compile_event", None), getattr(record, "stage", "?")
+        if event == "start":
+            self.running.add(stage)
+            if not self.muted:
+                self.bars[stage] = tqdm(desc=f"compiling {stage}", bar_format="{desc} {elapsed}", file=self.stream,
+                                        leave=True)
+        elif event in ("done", "failed"):
+            self.running.discard(stage)
+            seconds = getattr(record, "seconds", 0.0)
+            if event == "done":
+                self.done.append((stage, seconds))
+            bar = self.bars.pop(stage, None)
+            if bar is not None:
+                bar.bar_format = "{desc}"
+                bar.set_description_str(f"compiled {stage} in {seconds:.1f}s" if event == "done"
+                                        else f"{stage} did not compile", refresh=False)
+                bar.close()  # leave=True: the line stays
+
+    def _tick(self) -> None:
+        while not self._stopped.wait(0.5):
+            with self.lock:
+                for bar in self.bars.values():
+                    bar.refresh()
+
+    def mute(self) -> None:
+        with self.lock:
+            self.muted = True
+            for bar in self.bars.values():
+                bar.leave = False
+                bar.close()  # clears its line
+            self.bars.clear()
+
+    def summary(self) -> str:
+        """``inductor: compiled target.prefill in 12.1s, ...; still compiling target.step`` ("": none ran)."""
+        parts = []
+        if self.done:
+            parts.append("compiled " + ", ".join(f"{stage} in {seconds:.1f}s" for stage, seconds in self.done))
+        if self.running:
+            parts.append("still compiling " + ", ".join(sorted(self.running)))
+        return "inductor: " + "; ".join(parts) if parts else ""
+
+    def close(self) -> None:
+        self._stopped.set()
+        self.mute()
+        super().close()
+
+
+@contextmanager
+def compile_progress(enabled: bool):
+    """A :class:`CompileProgress` on the lowering's progress logger while the block runs (None when not
+    ``enabled``); its INFO records then reach it alone (the root handler logs them only with ``-v``)."""
+    if not enabled:
+        yield None
+        return
+    from saguaro.lower.lowering import PROGRESS_LOGGER
+
+    logger = logging.getLogger(PROGRESS_LOGGER)
+    handler, level, propagate = CompileProgress(), logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+        handler.close()
 
 
 COMMAND = Subcommand("generate", "complete a prompt and print the completion and a stats line", add_arguments, run)

@@ -12,6 +12,7 @@ BACKENDS = ("eager", "inductor")
 FALLBACKS = ("auto", "neural", "fast")
 LANES = ("auto", "thread", "process", "remote")
 ATTENTIONS = ("auto", "op", "inline", "flex")
+COMPILE_MODES = ("blocking", "background")
 MAX_K = 16
 DRAFT_DEVICE_TYPES = ("cpu", "cuda")
 _DEVICE = re.compile(r"([a-z_]+)(?::(\d+))?")  # a torch device string: type[:index]
@@ -25,6 +26,15 @@ class SaguaroConfig:
     mode: ``"ar"`` (target alone), ``"sd"`` (speculative decoding) or ``"ssd"``.
     backend: ``"inductor"`` (``torch.compile`` of every stage, the default, as ``torch.compile`` compiles
         by default) or ``"eager"`` (the stage GraphModules themselves: quick to start, for debugging).
+    compile: when Inductor compiles (``backend="inductor"``; ignored by ``"eager"``). ``"blocking"``, the
+        default: a stage's first call with new shapes waits for its compile (10-20 s per stage graph and
+        shape bucket on a CPU with a cold cache), so every call runs compiled code: what benchmarks time.
+        ``"background"`` (``saguaro generate``'s default): such a call runs the stage's eager form (its
+        GraphModule) at once while one background thread compiles it for those shapes; later calls with
+        those shapes run compiled (``saguaro.lower.tiered``; ``program.wait_compiled()`` waits for the
+        queue). Greedy tokens are the same either way; a sampled generation may switch forms mid-run, so
+        a seed reproduces its tokens only with ``"blocking"``, and the stage costs the SSD planner
+        measures while stages still run eager are eager costs. CUDA-graph stages always block.
     fallback: on an SSD cache miss, ``"neural"``, ``"fast"`` or ``"auto"``.
     fan_out: ``"auto"`` (the planner, :mod:`saguaro.runtime.draft.planner`, picks each round's branch count
         among the multiples of ``k+1`` up to the budget, 0 meaning an SD round, and its fan-out from
@@ -81,6 +91,7 @@ class SaguaroConfig:
     k: int = 5
     mode: str = "sd"
     backend: str = "inductor"
+    compile: str = "blocking"
     fallback: str = "auto"
     fan_out: object = "auto"
     fan_out_budget: int | None = None
@@ -104,6 +115,8 @@ class SaguaroConfig:
             raise ConfigError(f"mode={self.mode!r} is not allowed: choose one of {', '.join(MODES)}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r} is not allowed: choose one of {', '.join(BACKENDS)}")
+        if not isinstance(self.compile, str) or self.compile not in COMPILE_MODES:
+            raise ConfigError(f"compile={self.compile!r} is not allowed: choose one of {', '.join(COMPILE_MODES)}")
         if self.fallback not in FALLBACKS:
             raise ConfigError(f"fallback={self.fallback!r} is not allowed: choose one of {', '.join(FALLBACKS)}")
         if self.fan_out_budget is not None and (not isinstance(self.fan_out_budget, int) or self.fan_out_budget < 1):

@@ -15,8 +15,15 @@ from saguaro.core.stages import DRAFT_TREE
 from saguaro.lower.cuda_graphs import GraphedStage
 from saguaro.lower.graph_inputs import mutated_inputs
 from saguaro.lower.kernel_log import capture_output_code
+from saguaro.lower.compile_thread import BackgroundCompiler
+from saguaro.lower.tiered import KeyPositions, TieredStage
 
 log = logging.getLogger(__name__)
+# Compile progress, one record when a stage starts compiling for new shapes and one when it is done
+# (``extra``: ``compile_event`` "start" / "done" / "failed", ``stage``, ``seconds``): INFO lines with
+# ``-v``; ``saguaro generate`` draws them as a progress line per stage.
+PROGRESS_LOGGER = "saguaro.lower.progress"
+progress = logging.getLogger(PROGRESS_LOGGER)
 
 BACKENDS = ("eager", "inductor")
 
@@ -98,7 +105,7 @@ class LoweringError(SaguaroError):
 
 
 def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: str = "cpu",
-                cuda_graphs: bool = False):
+                cuda_graphs: bool = False, compiler: BackgroundCompiler | None = None):
     """``eager`` runs the GraphModule itself; ``inductor`` compiles it with ``torch.compile``
     (``fullgraph=True``: a graph break is an error). The first shape bucket a stage sees (the runtime
     pads prompts and KV capacities to :data:`PROMPT_BUCKET` / :data:`CAPACITY_BUCKET` multiples)
@@ -110,7 +117,9 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
     ``cuda_graphs`` (CUDA only; a fixed-shape stage, :func:`~saguaro.lower.cuda_graphs.captures_stage`)
     replays the stage as CUDA graphs (:class:`~saguaro.lower.cuda_graphs.GraphedStage`), the inputs it
     writes in place (the KV caches, :func:`~saguaro.lower.graph_inputs.mutated_inputs`) kept at their
-    addresses."""
+    addresses. ``compiler`` (``compile="background"``; not with ``cuda_graphs``, which compiles blocking):
+    a :class:`~saguaro.lower.tiered.TieredStage` that runs the GraphModule itself for shapes Inductor has
+    not compiled yet while ``compiler``'s thread compiles them."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not allowed: choose one of {', '.join(BACKENDS)}")
     if cuda_graphs and device_type != "cuda":
@@ -127,20 +136,33 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
         compiled = torch.compile(gm.forward, backend="inductor", fullgraph=True, dynamic=None, options=options)
         if cuda_graphs:  # inside CompiledStage, which maps compile errors and logs the kernels
             compiled = GraphedStage(compiled, name, mutated_inputs(gm))
-        return CompiledStage(gm, compiled, name)
+        stage = CompiledStage(gm, compiled, name)
+        if compiler is not None and not cuda_graphs:
+            return TieredStage(gm, stage, name, compiler, stage.written)
+        return stage
 
 
 class CompiledStage:
-    """A compiled stage: logs each compilation and turns compiler failures into ``LoweringError``."""
+    """A compiled stage: logs each compilation (on :data:`PROGRESS_LOGGER` when a call brings shapes it
+    has not run yet, :func:`~saguaro.lower.tiered.shape_key`) and turns compiler failures into
+    ``LoweringError``. ``written``: the positions of the inputs it writes in place (the KV caches)."""
 
     def __init__(self, gm: torch.fx.GraphModule, compiled, name: str):
         self.gm, self.compiled, self.name = gm, compiled, name
         self.calls = 0
         self.compile_s: float | None = None  # the first call, compile included
         self.output_code: list[dict] = []  # what Inductor generated on the first call (kernel_log)
+        self.keys: set = set()  # the shape keys it has run
+        self.written = frozenset(mutated_inputs(gm))  # the KV caches
+        self._positions = KeyPositions(self.written)
 
     def __call__(self, *args):
         self.calls += 1
+        key = self._positions.key(args)
+        new = key not in self.keys
+        if new:
+            progress.info("compiling stage %s with inductor", self.name,
+                          extra={"compile_event": "start", "stage": self.name, "seconds": 0.0})
         started = time.perf_counter()
         try:
             if self.calls == 1:
@@ -152,6 +174,10 @@ class CompiledStage:
         except Exception as exc:
             from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError, Unsupported
 
+            if new:
+                progress.info("stage %s did not compile", self.name, extra={
+                    "compile_event": "failed", "stage": self.name, "seconds": time.perf_counter() - started})
+
             if isinstance(exc, (BackendCompilerFailed, TorchRuntimeError, Unsupported)):
                 node = responsible_node(self.gm, exc)
                 where = f" at FX node {node!r}" if node else ""
@@ -159,7 +185,11 @@ class CompiledStage:
                 raise LoweringError(f"inductor could not compile stage {self.name}{where}: {first}") from exc
             raise
         elapsed = time.perf_counter() - started
-        if self.calls == 1 or elapsed > COMPILE_LOG_S:  # the first compile, and any later recompile
+        if new:
+            self.keys.add(key)
+            progress.info("stage %s compiled in %.1fs (call %d)", self.name, elapsed, self.calls,
+                          extra={"compile_event": "done", "stage": self.name, "seconds": elapsed})
+        elif elapsed > COMPILE_LOG_S:  # a recompile the shape key did not foresee
             log.info("stage %s: call %d (compile included) took %.1fs", self.name, self.calls, elapsed)
         return out
 

@@ -85,9 +85,9 @@ class Program:
         """A Program over the same captured and lowered stages with some options changed.
 
         Only runtime options may change (mode, fallback, fan-out, saguaro_c, lane, lane timeout); ``k``,
-        ``backend``, ``attention``, ``draft_device`` and ``cuda_graphs`` shape what was compiled.
+        ``backend``, ``compile``, ``attention``, ``draft_device`` and ``cuda_graphs`` shape what was compiled.
         """
-        fixed = {"k", "backend", "attention", "draft_device", "cuda_graphs"} & set(changes)
+        fixed = {"k", "backend", "compile", "attention", "draft_device", "cuda_graphs"} & set(changes)
         if fixed:
             raise ValueError(f"{sorted(fixed)} cannot change after compile; call saguaro.compile again")
         return Program(replace(self.config, **changes), self.target, self.draft, self.pad_token_id,
@@ -104,8 +104,8 @@ class Program:
         return self.exporter(self, path, **options)
 
     def close(self) -> None:
-        """Stop the draft lane (thread or process) of this program and of its variants. A program
-        starts a new lane if used again (and tries again a lane that could not start)."""
+        """Stop the draft lane (thread or process) and the background compile thread of this program and of
+        its variants. A program starts them again if used again (and tries again a lane that could not start)."""
         check_not_reading(self._lock)
         with self._lock:
             self._close()
@@ -115,6 +115,11 @@ class Program:
             variant._close()
         if self.lanes is not None:
             self.lanes.close()
+        self.target.stop_compiling()  # compile="background": one compile thread serves the target and the draft
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for ``compile="background"``'s queued stage compiles: True once done, False after ``timeout`` s."""
+        return all(runner.wait_compiled(timeout) for runner in (self.target, self.draft) if runner is not None)
 
     @property
     def max_length(self) -> int:

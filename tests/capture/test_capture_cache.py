@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from saguaro.capture.capture_cache import CAPTURES, CaptureCache
-from saguaro.capture.export import capture, example_inputs
+from saguaro.capture.export import CapturedModel, capture, example_inputs
 from tests.models import tiny_target
 
 
@@ -71,26 +71,38 @@ def test_the_cache_keeps_no_weights_and_no_model_alive(cache):
     assert alive() is None
 
 
-@pytest.mark.parametrize("change", ["attribute", "hook", "config", "dtype"])
-def test_what_can_change_the_forward_captures_afresh(cache, change):
+def test_what_can_change_the_forward_captures_afresh(cache):
     first = tiny_target("llama")
     capture(first)
-    other = other_weights(first, seed=2)
-    if change == "attribute":
-        other.model.norm.variance_epsilon = 1.0  # a plain float the forward reads
-    elif change == "hook":
-        other.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out * 2)
-    elif change == "config":
-        other.config.rms_norm_eps = 1e-3
-    else:
-        other = other.to(torch.float64)
-    hits = cache.hits
-    captured = capture(other)
-    assert cache.hits == hits
-    if change == "attribute":  # the fresh capture computes with the new epsilon
-        cache.clear()
-        plain = capture(other_weights(first, seed=2))
-        assert not torch.equal(logits(captured), logits(plain))
+
+    def attribute(model):
+        model.model.norm.variance_epsilon = 1.0  # a plain float the forward reads
+
+    def hook(model):
+        model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out * 2)
+
+    def config(model):
+        model.config.rms_norm_eps = 1e-3
+
+    for seed, change in enumerate((attribute, hook, config, lambda model: model.to(torch.float64))):
+        other = other_weights(first, seed=2 + seed)
+        change(other)
+        hits = cache.hits
+        captured = capture(other)
+        assert cache.hits == hits, change
+        if change is attribute:  # the fresh capture computes with the new epsilon, the cached one would not
+            same_weights = other_weights(first, seed=2)
+            reused = CapturedModel(cache.get(*keyed(same_weights)), captured.spec)
+            assert not torch.equal(logits(captured), logits(reused))
+
+
+def keyed(model):
+    """``(key, wrapper)`` for ``CaptureCache.get`` of ``model`` (as ``capture`` computes them)."""
+    from saguaro.capture.capture_cache import fingerprint
+    from saguaro.capture.export import _StageForward, model_spec
+
+    spec = model_spec(model)
+    return fingerprint(model, False), _StageForward(model, spec)
 
 
 def test_least_recently_used_templates_are_dropped():
@@ -132,21 +144,23 @@ def test_a_later_process_reads_the_capture_from_disk_bound_to_its_weights(disk, 
     assert {id(p) for p in from_disk.graph_module.parameters()} <= {id(p) for p in twin.parameters()}
 
 
-@pytest.mark.parametrize("damage", ["garbage", "other fingerprint"])
-def test_a_damaged_or_foreign_entry_is_a_miss(disk, cache, damage, caplog):
+def test_a_foreign_or_damaged_entry_is_a_miss(disk, cache, caplog, monkeypatch):
     model = tiny_target("llama")
     capture(model)
     (entry,) = disk.iterdir()
-    if damage == "garbage":
-        (entry / "graph.ep").write_bytes(b"not a graph")
-    else:
-        described = json.loads((entry / "entry.json").read_text())
-        (entry / "entry.json").write_text(json.dumps({**described, "fingerprint": "another model"}))
-    cache.clear()
-    with caplog.at_level(logging.INFO, logger="saguaro.capture.capture_files"):
-        captured = capture(other_weights(model, seed=4))
-    assert len(captured.graph_module.graph.nodes) > 0
-    assert ("could not read" if damage == "garbage" else "another fingerprint") in caplog.text
+    described = json.loads((entry / "entry.json").read_text())
+    (entry / "entry.json").write_text(json.dumps({**described, "fingerprint": "another model"}))
+    for damage in ("another fingerprint", "could not read"):
+        cache.clear()
+        exports = []
+        with monkeypatch.context() as patch, caplog.at_level(logging.INFO, logger="saguaro.capture.capture_files"):
+            export = torch.export.export
+            patch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or export(*a, **k))
+            captured = capture(other_weights(model, seed=4))
+        assert exports == [1] and len(captured.graph_module.graph.nodes) > 0  # captured afresh
+        assert damage in caplog.text
+        (entry / "entry.json").write_text(json.dumps(described))  # the right fingerprint, ...
+        (entry / "graph.ep").write_bytes(b"not a graph")  # ... a damaged graph
 
 
 def test_an_unwritable_cache_folder_only_warns(cache, tmp_path, monkeypatch, caplog):

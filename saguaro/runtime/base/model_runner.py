@@ -95,6 +95,18 @@ class ModelRunner:
                     self.stage_build_s[stage.qualified] = time.perf_counter() - started
         return fn
 
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the stage compiles the builder runs in the background (``compile="background"``, the
+        builder's ``wait_compiled``): True once none is queued or running, False after ``timeout`` s."""
+        wait = getattr(self.build, "wait_compiled", None)
+        return True if wait is None else wait(timeout)
+
+    def stop_compiling(self) -> None:
+        """Drop the builder's queued background compiles and stop its compile thread, if it has one."""
+        stop = getattr(self.build, "stop_compiling", None)
+        if stop is not None:
+            stop()
+
     @property
     def built_stages(self) -> dict:
         """``{stage: lowered callable}`` of every stage built so far."""

@@ -1,0 +1,139 @@
+"""The one thread that compiles a Program's stages in the background (``compile="background"``,
+:mod:`saguaro.lower.tiered`): jobs run in the order queued, and the thread ends when the interpreter
+exits without holding it up or aborting it."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from collections import deque
+from typing import Protocol
+
+_COMPILERS: weakref.WeakSet = weakref.WeakSet()  # the compilers whose thread the exit hook ends
+_EXIT_HOOK = threading.Event()  # set once _exit_all is registered
+
+
+class Job(Protocol):
+    """What the thread runs: ``run()`` compiles, then ``stage.compiled_for(key)`` or, when it raised,
+    ``stage.failed_for(key, exc)``; a job dropped unrun tells ``stage.dropped(key)``. ``args`` are let go
+    once it has run (:class:`~saguaro.lower.tiered.CompileJob`)."""
+
+    stage: object
+    key: tuple
+    args: list
+
+    def run(self) -> None: ...
+
+
+class Cancelled(BaseException):
+    """Raised in the compile thread when the interpreter exits, to end the compile under way."""
+
+
+class BackgroundCompiler:
+    """The one thread that compiles a Program's stages in the background (its target's and draft's
+    alike), one job at a time, in the order queued; the thread lives while there is work. :meth:`close`
+    drops what is queued and waits for the compile under way. At the interpreter's exit (before it joins
+    its threads) the queue is dropped and the compile under way is ended by raising :class:`Cancelled`
+    in the thread: a thread left inside torch's C++ code while Python 3.11 finalizes aborts the process
+    (a daemon thread would), and waiting for the compile could take tens of seconds."""
+
+    def __init__(self, name: str = "saguaro-compile"):
+        self.name = name
+        self._jobs: deque = deque()
+        self._cond = threading.Condition()
+        self._running: Job | None = None
+        self._thread: threading.Thread | None = None
+        self._exiting = False
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._exiting:
+                return
+            self._jobs.append(job)
+            if self._thread is None:  # idle, or closed: a fresh thread
+                # not a daemon (a thread inherits its creator's flag: a stream's worker is one), so the
+                # interpreter's exit joins it after the exit hook has ended its compile
+                self._thread = threading.Thread(target=self._work, name=self.name, daemon=False)
+                _end_at_exit(self)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _work(self) -> None:
+        try:
+            self._loop()
+        except Cancelled:  # the interpreter is exiting
+            pass
+
+    def _loop(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._cond:
+                if self._thread is not me or not self._jobs:  # closed, or no work left
+                    if self._thread is me:
+                        self._thread = None
+                    return
+                job = self._running = self._jobs.popleft()
+            try:
+                job.run()
+                job.stage.compiled_for(job.key)
+            except Exception as exc:  # noqa: BLE001 - any failure leaves the stage eager for these shapes
+                if not self._exiting:  # else the interpreter's exit ended it
+                    job.stage.failed_for(job.key, exc)
+            finally:
+                job.args = []
+                with self._cond:
+                    if self._running is job:
+                        self._running = None
+                    self._cond.notify_all()
+
+    def _exit(self) -> None:
+        """At the interpreter's exit: drop the queue and end the compile under way."""
+        with self._cond:
+            self._exiting = True
+            self._jobs.clear()
+            thread, running = self._thread, self._running
+            self._cond.notify_all()
+        if thread is not None and running is not None and thread.ident is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(Cancelled))
+
+    @property
+    def pending(self) -> int:
+        """Compiles queued or under way."""
+        with self._cond:
+            return len(self._jobs) + (self._running is not None)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or compiling: True, or False when ``timeout`` seconds passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._jobs and self._running is None, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drop the queued compiles (their stages queue them again on their next call), stop the thread
+        and wait up to ``timeout`` seconds for the compile under way. A later job starts a new thread."""
+        with self._cond:
+            dropped, thread = list(self._jobs), self._thread
+            self._jobs.clear()
+            self._thread = None
+            self._cond.notify_all()
+        for job in dropped:
+            job.stage.dropped(job.key)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+
+def _end_at_exit(compiler: BackgroundCompiler) -> None:
+    """Have the interpreter's exit end ``compiler``'s thread (threading's exit hooks run before it joins
+    the threads left); the hook is registered once, with the first compile thread."""
+    if not _EXIT_HOOK.is_set():
+        try:
+            threading._register_atexit(_exit_all)  # what concurrent.futures uses for its workers
+        except RuntimeError:  # the interpreter is exiting already
+            return
+        _EXIT_HOOK.set()
+    _COMPILERS.add(compiler)
+
+
+def _exit_all() -> None:
+    for compiler in list(_COMPILERS):
+        compiler._exit()

@@ -1,0 +1,194 @@
+"""Tiered compilation (``compile="background"``): a stage runs at once in its eager form (the stage
+GraphModule itself, the eager backend) while one background thread compiles it with Inductor for the
+shapes of that call (:mod:`saguaro.lower.compile_thread`); once that compile has finished, calls with
+those shapes run the compiled form.
+
+Both forms compute the same function of the same graph, so greedy tokens do not depend on which one
+ran (the tests check each against the target's greedy tokens); a sampled generation may switch forms
+mid-run, so seeded sampling reproduces its tokens only with ``compile="blocking"``.
+
+The compile thread never sees the live tensors: a stage writes its KV caches in place, so the thread
+runs the compiled function on scratch arguments with the same shapes, strides, dtypes and aliasing
+(the written inputs allocated zeroed in the thread, the others cloned when the compile is queued). It
+replays the calling thread's grad and inference modes and intra-op thread count, which dynamo guards
+on, so the compiled form later runs the live call without compiling again.
+
+Measured on torch 2.13 (CPU): dynamo's frame hook is per thread, so the caller's eager calls of the
+same GraphModule run untraced while the worker compiles it (100k eager calls during one compile, no
+graph captured from them), and the caller's compiled calls of one shape run on while the worker
+compiles another. ``torch.compiler.is_compiling()`` is a process-wide flag, though: the caller's eager
+code reads True while a compile runs (Saguaro's stage code never asks).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from saguaro.lower.compile_thread import BackgroundCompiler
+
+log = logging.getLogger(__name__)
+
+
+def call_modes() -> tuple:
+    """The calling thread's state dynamo guards on that a compile thread must replay: inference mode,
+    grad mode and intra-op threads (SSD's lanes run with one)."""
+    return torch.is_inference_mode_enabled(), torch.is_grad_enabled(), torch.get_num_threads()
+
+
+def shape_key(args, read=None) -> tuple:
+    """What a compiled form depends on besides the graph: :func:`call_modes`, each tensor's sizes,
+    strides, dtype and device and which earlier argument it is (the same tensor passed twice, as
+    ``limit = positions``), and each other argument (a float's type only: dynamo does not specialise
+    floats); of the arguments at positions ``read`` (default all, see :class:`KeyPositions`)."""
+    seen: dict = {}
+    key = list(call_modes())
+    for i in range(len(args)) if read is None else read:
+        a = args[i]
+        if isinstance(a, torch.Tensor):
+            key.append((a.shape, a.stride(), a.dtype, a.device, seen.setdefault(id(a), len(seen))))
+        else:
+            key.append(float if isinstance(a, float) else a)
+    return tuple(key)
+
+
+class KeyPositions:
+    """The argument positions a stage's :func:`shape_key` reads: all but the inputs it writes (the KV
+    caches, two per layer, whose sizes follow from the slot tables' ``[B, S]``) after the first of them.
+    A stage call pays for its key, and a deep model has many caches."""
+
+    def __init__(self, written):
+        self.written = frozenset(written)
+        self._by_count: dict = {}  # argument count -> positions
+
+    def key(self, args) -> tuple:
+        read = self._by_count.get(len(args))
+        if read is None:
+            first = min(self.written, default=None)
+            read = self._by_count[len(args)] = tuple(i for i in range(len(args))
+                                                     if i not in self.written or i == first)
+        return shape_key(args, read)
+
+
+@dataclass(frozen=True)
+class Blank:
+    """An input the stage writes in place (a KV cache): allocated zeroed in the compile thread, since
+    its values only feed the attention of a throwaway call."""
+
+    shape: torch.Size
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+    inference: bool
+
+    def make(self) -> torch.Tensor:
+        with torch.inference_mode(self.inference):
+            return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device).zero_()
+
+
+def clone_like(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides and storage offset (an expanded view too: the storage it reads
+    is copied and viewed alike), an inference tensor exactly when ``t`` is one."""
+    with torch.inference_mode(t.is_inference()):
+        copy = t.clone()  # preserve_format: a dense tensor keeps its strides
+        if copy.stride() != t.stride() or copy.storage_offset() != t.storage_offset():
+            storage = t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0).clone()
+            copy = storage.as_strided(t.shape, t.stride(), t.storage_offset())
+    return copy
+
+
+def scratch_args(args, written) -> list:
+    """The arguments the compile thread runs a stage on: a :class:`Blank` for each input it writes
+    (positions ``written``), a clone of every other tensor; an argument repeated is one copy."""
+    copies: dict = {}
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            if id(a) not in copies:
+                copies[id(a)] = (Blank(a.shape, a.stride(), a.dtype, a.device, a.is_inference()) if i in written
+                                 else clone_like(a))
+            a = copies[id(a)]
+        out.append(a)
+    for device in {a.device for a in out if isinstance(a, torch.Tensor) and a.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()  # the clones ran on the caller's stream
+    return out
+
+
+@dataclass
+class CompileJob:
+    """One stage and shape key to compile, with the scratch arguments and the caller's
+    :func:`call_modes`."""
+
+    stage: "TieredStage"
+    key: tuple
+    args: list
+    modes: tuple
+
+    def run(self) -> None:
+        made: dict = {}  # a Blank repeated is one tensor
+        for a in self.args:
+            if isinstance(a, Blank) and id(a) not in made:
+                made[id(a)] = a.make()
+        args = [made[id(a)] if isinstance(a, Blank) else a for a in self.args]
+        inference, grad, threads = self.modes
+        saved = torch.get_num_threads()
+        if threads != saved:
+            torch.set_num_threads(threads)
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                self.stage.compiled(*args)
+        finally:
+            if threads != saved:
+                torch.set_num_threads(saved)
+
+
+class TieredStage:
+    """A stage lowered both ways: ``compiled`` (a :class:`~saguaro.lower.lowering.CompiledStage`) for
+    the argument shapes it has compiled, ``gm`` (eager) for the others while ``compiler`` compiles them.
+    ``eager_calls`` and ``compiled_calls`` count which form ran; ``written`` are the positions of the
+    inputs the stage writes in place."""
+
+    def __init__(self, gm: torch.fx.GraphModule, compiled, name: str, compiler: BackgroundCompiler, written=()):
+        self.gm, self.compiled, self.name, self.compiler = gm, compiled, name, compiler
+        self.written = frozenset(written)
+        self._positions = KeyPositions(self.written)
+        self.eager_calls = 0
+        self.compiled_calls = 0
+        self._ready: set = set()  # shape keys the compiled form serves
+        self._queued: set = set()  # shape keys queued, compiling, or whose compile failed
+        self._failures = 0
+        self._lock = threading.Lock()
+
+    compile_s = property(lambda self: self.compiled.compile_s, doc="the first compile's seconds (None before)")
+    output_code = property(lambda self: self.compiled.output_code, doc="what Inductor generated (kernel_log)")
+
+    def __call__(self, *args):
+        key = self._positions.key(args)
+        if key in self._ready:
+            self.compiled_calls += 1
+            return self.compiled(*args)
+        with self._lock:
+            queue = key not in self._queued
+            self._queued.add(key)
+        if queue:
+            self.compiler.submit(CompileJob(self, key, scratch_args(args, self.written), call_modes()))
+        self.eager_calls += 1
+        return self.gm(*args)
+
+    def compiled_for(self, key: tuple) -> None:
+        self._ready.add(key)
+
+    def dropped(self, key: tuple) -> None:
+        with self._lock:
+            self._queued.discard(key)
+
+    def failed_for(self, key: tuple, exc: BaseException) -> None:
+        """Keep these shapes eager (the key stays queued: never compiled again); warn on the first failure."""
+        self._failures += 1
+        if self._failures == 1:
+            log.warning("background compile of stage %s failed (%s: %s); it keeps running eager for those shapes",
+                        self.name, type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+
