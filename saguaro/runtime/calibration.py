@@ -98,6 +98,7 @@ class Calibration:
         self._sd_round_s: dict = {}
         self._ssd_over_sd: dict = {}  # verdict key -> the last SSD generation's mean round / its SD round alone
         self._planned_sd: dict = {}  # verdict key -> SSD generations run as SD since SSD was last measured
+        self._sd_warmed: set = set()  # (padded ids' shape, max_new_tokens, sampled) whose SD shapes ran once
         self._remeasure: dict = {}  # verdict key -> generations run as SD before SSD is measured again
 
     @staticmethod
@@ -137,6 +138,13 @@ class Calibration:
         ``sd_round_s``, an SD round of the generation's shape timed alone (None: no local SD, no verdict)."""
         if round_s and sd_round_s:
             self._ssd_over_sd[verdict] = sum(round_s) / len(round_s) / sd_round_s
+
+    def first_sd_warm_up(self, shape: tuple) -> bool:
+        """True the first time ``shape`` asks (its SD rounds have not been warmed up yet), False after."""
+        if shape in self._sd_warmed:
+            return False
+        self._sd_warmed.add(shape)
+        return True
 
     def sd_round_s(self, batch: int, target_capacity: int, draft_capacity: int, temperature: float) -> float:
         """An SD round timed alone with the caller's threads, once per shape (:func:`time_sd_round`)."""

@@ -12,7 +12,9 @@ that the planner's prior estimate.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from saguaro.core.warnings_at_caller import warn_at_caller
 from saguaro.runtime.draft.planner import ssd_pays
@@ -74,3 +76,39 @@ def plan_generation(program, mode: str, spec: GenerateSpec | None, target_capaci
                               tree_policy=tree_policy, calibrated=calibrated, spec=spec, sd_round_s=sd_round_s)
     return GenerationPlan(mode, "ssd", f"SSD on the {lane.kind} lane", lane, tree_policy, calibrated, spec,
                           sd_round_s)
+
+
+class _Warmed(Exception):
+    """Ends :func:`warm_sd_shapes`'s generation once its rounds have run."""
+
+
+WARM_SD_ROUNDS = 2  # the first round's draft catches up with one token; a later one may catch up with two
+
+
+def warm_sd_shapes(program, plan: GenerationPlan, call: tuple, base: int | None) -> None:
+    """An SSD generation the planner may run as SD calls stage shapes SSD's warm-up never does (the draft
+    catching up with the accepted tokens, views of SD's token buffer): before the first such generation of
+    a shape, :data:`WARM_SD_ROUNDS` SD rounds run here, untimed and untraced, so switching never compiles
+    inside a generation. ``call``: ``(padded_ids, padded_mask, max_new_tokens, eos_ids, temperature)``;
+    a sampled warm-up draws from a generator of its own (``base``), leaving the generation's untouched."""
+    if not (plan.mode == "ssd" and plan.calibrated is not None and plan.sd_round_s is not None
+            and program.config.sd_when_faster):
+        return
+    padded_ids, padded_mask, max_new_tokens, eos_ids, temperature = call
+    if not program.calibration.first_sd_warm_up((tuple(padded_ids.shape), max_new_tokens, temperature > 0)):
+        return
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=program.target.spec.device).manual_seed(base)
+    rounds = []
+
+    def stop(seqs) -> None:
+        rounds.append(1)
+        if len(rounds) > WARM_SD_ROUNDS:  # the prefill's token, then the rounds
+            raise _Warmed
+
+    try:
+        program._decode(replace(plan, run="sd", lane=None), padded_ids, padded_mask, max_new_tokens, eos_ids,
+                        temperature, generator, None, stop)
+    except _Warmed:
+        pass

@@ -17,7 +17,7 @@ from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.schedule import critical_path, expected_overlap, round_schedule
 from saguaro.core.stages import stages_for
 from saguaro.runtime.calibration import Calibration
-from saguaro.runtime.generation_plan import GenerationPlan, plan_generation
+from saguaro.runtime.generation_plan import GenerationPlan, plan_generation, warm_sd_shapes
 from saguaro.runtime.decode import DECODERS
 from saguaro.runtime.decode.prefill import prefill
 from saguaro.runtime.draft.server import GenerateSpec
@@ -192,11 +192,12 @@ class Program:
         if mode == "ssd":
             self.lanes.begin_call()  # a remote lane that failed to start is tried again on each call
         self.prepare(self.without_lane if mode == "ssd" and self.lanes.lane() is None else mode, temperature)
-        # before the trace and the clock start: a new shape warms the lane up
+        # before the trace and the clock start: a new shape warms the lane up (and SD's shapes, warm_sd_shapes)
         spec = None  # what SSD's draft side is opened with; AR and SD have no draft lane
         if mode == "ssd":
             spec = self._draft_spec(padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base)
         plan = plan_generation(self, mode, spec, self._store_capacity(padded_ids.shape[1], max_new_tokens))
+        warm_sd_shapes(self, plan, (padded_ids, padded_mask, max_new_tokens, eos_ids, temperature), base)
         runners = [self.target] + ([self.draft] if plan.run == "sd" else [])
         with GenerationTrace(trace, runners, plan.lane if plan.run == "ssd" else None) as tracing:
             start = time.perf_counter()
@@ -275,9 +276,7 @@ class Program:
         return self.round_schedule(self.config.mode, sampled=False)
 
     def round_schedule(self, mode: str, sampled: bool):
-        costs = dict(self.target.stage_cost_s)
-        if self.draft is not None:
-            costs.update(self.draft.stage_cost_s)
+        costs = dict(self.target.stage_cost_s) | (dict(self.draft.stage_cost_s) if self.draft is not None else {})
         return round_schedule(mode, self.config.k, sampled=sampled, costs=costs)
 
     def runner(self, model: str) -> ModelRunner:

@@ -214,3 +214,39 @@ def test_ssd_verdicts_follow_their_measured_rounds_across_capacities_and_are_mea
     assert choices == [True] * REMEASURE_EVERY + [False, True]
     other = calibration.verdict_key(lane, spec(256, temperature=1.0))  # sampled: a verdict of its own
     assert calibration.run_as_sd(other, prior_pays=True) is False and calibration.run_as_sd(other, False) is True
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sd_shapes_are_warmed_once_before_the_first_generation_run_as_sd(monkeypatch, temperature):
+    """SD's rounds call shapes SSD's warm-up does not (an Inductor stage would compile them inside the
+    generation): the first SSD generation of a shape also runs two SD rounds untimed, the next one does
+    not, and neither the tokens nor a seed's draws change."""
+    import saguaro
+    from saguaro.runtime import generation_plan
+    from saguaro.runtime.program import Program
+    from tests.conftest import tiny_pair
+    from tests.models import prompts, reference_greedy
+
+    target, draft, _ = tiny_pair("llama")
+    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", backend="eager")  # sd_when_faster
+    monkeypatch.setattr(generation_plan, "ssd_pays", lambda *args: False)
+    decodes, rounds = [], []
+    real = Program._decode
+
+    def counting(self, plan, *args):
+        decodes.append(plan.run)
+        on_round = args[-1]
+        return real(self, plan, *args[:-1], lambda seqs: (rounds.append(plan.run), on_round and on_round(seqs)))
+
+    monkeypatch.setattr(Program, "_decode", counting)
+    ids, mask = prompts(1, 8, seed=3)
+    try:
+        outs = [program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None,
+                                 temperature=temperature, seed=5) for _ in range(2)]
+    finally:
+        program.close()
+    assert decodes == ["sd", "sd", "sd"]  # the warm-up, then each generation
+    assert rounds.count("sd") > 3 and all(o.stats["ran_as"] == "sd" for o in outs)
+    assert torch.equal(outs[0].sequences, outs[1].sequences)  # the warm-up drew from its own generator
+    if temperature == 0.0:
+        assert torch.equal(outs[0].sequences, reference_greedy(target, ids, mask, 12))
