@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     # printed here as each round decides it
     print(f"\n--- Saguaro ({modes[-1]}) completes {args.prompt!r} ---", flush=True)
     out = program.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0.0, mode=modes[-1],
-                           streamer=TextStreamer(tokenizer))
+                           streamer=TextStreamer(tokenizer, skip_special_tokens=True))
     s = out.stats
     print(f"--- {s['new_tokens']} tokens in {s['rounds']} rounds, mean accepted length "
           f"{s['mean_accepted_len']:.2f}, ran as {s['ran_as'].upper()} ---\n", flush=True)

@@ -78,8 +78,10 @@ def run_rows(target, draft, prompts, modes, k, max_new_tokens, temperature, batc
     rows = [time_row(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch, seed,
                      trace_dir=trace_dir, backend=backend) for mode in modes]
     ar = next((r["tokens_per_s"] for r in rows if r["mode"] == "ar"), None)
+    sd = next((r["tokens_per_s"] for r in rows if r["mode"] == "sd"), None)
     for row in rows:
         row["speedup_vs_ar"] = row["tokens_per_s"] / ar if ar else None
+        row["speedup_vs_sd"] = row["tokens_per_s"] / sd if sd else None
     return rows
 
 

@@ -1,5 +1,6 @@
 """`examples/demo.py` (`make demo`) and `examples/quickstart.py`, a tiny pair standing in for the default one."""
 
+import re
 import runpy
 from pathlib import Path
 
@@ -34,6 +35,7 @@ def test_demo_prints_completion_table_and_bench_hint(demo_main, tiny_default_pai
     assert "def f(x):" in out
     table = out[out.index("mode "):].splitlines()
     assert [line.split()[0] for line in table[2:4]] == ["ar", "sd"]
+    assert table[3].split()[4] == "1.00x" and re.match(r"[0-9.]+x$", table[4].split()[-5])  # vs SD filled
     assert "make bench" in out and "saguaro bench --json bench.json" in out
 
 
