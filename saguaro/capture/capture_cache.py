@@ -50,7 +50,8 @@ def _global_hooks() -> bool:
     return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
 
 
-def _named_tensors(module: torch.nn.Module):
+def named_tensors(module: torch.nn.Module):
+    """``(name, tensor)`` of every parameter and buffer, tied ones under each of their names."""
     return chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
 
 
@@ -69,7 +70,7 @@ def fingerprint(model: torch.nn.Module, drop_softcap: bool) -> tuple | None:
         if _has_hooks(module):
             return None
         modules.append((name, type(module).__module__, type(module).__qualname__, _scalar_attributes(module)))
-    tensors = tuple((name, tuple(t.shape), t.dtype, str(t.device)) for name, t in _named_tensors(model))
+    tensors = tuple((name, tuple(t.shape), t.dtype, str(t.device)) for name, t in named_tensors(model))
     return (type(model).__module__, type(model).__qualname__, config, tuple(modules), tensors, drop_softcap,
             torch.__version__, transformers.__version__)
 
@@ -106,7 +107,7 @@ class CaptureCache:
         """Keep ``graph_module`` (just captured) as the template of ``key``, its weights on meta."""
         if key is None or self.entries <= 0:
             return
-        memo = {id(t): _on_meta(t) for _, t in _named_tensors(graph_module)}
+        memo = {id(t): _on_meta(t) for _, t in named_tensors(graph_module)}
         self._templates[key] = _quiet_deepcopy(graph_module, memo)
         self._templates.move_to_end(key)
         while len(self._templates) > self.entries:
@@ -118,9 +119,9 @@ class CaptureCache:
         template = self._templates.get(key) if key is not None else None
         if template is None:
             return None
-        own = dict(_named_tensors(wrapper))
+        own = dict(named_tensors(wrapper))
         memo = {}
-        for name, meta in _named_tensors(template):
+        for name, meta in named_tensors(template):
             tensor = own.get(name)
             if tensor is None or tensor.shape != meta.shape or tensor.dtype != meta.dtype:
                 log.debug("capture template does not fit: %s", name)

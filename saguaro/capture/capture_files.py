@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from saguaro.capture.capture_cache import named_tensors
+
 log = logging.getLogger(__name__)
 
 ENV_DIR, ENV_SWITCH = "SAGUARO_CACHE_DIR", "SAGUARO_CAPTURE_CACHE"
@@ -99,8 +101,7 @@ def read(key: tuple | None, wrapper: torch.nn.Module) -> torch.fx.GraphModule | 
         if entry.get("fingerprint") != described:
             log.info("capture cache: %s holds another fingerprint; capturing afresh", folder)
             return None
-        own = dict(wrapper.named_parameters(remove_duplicate=False))
-        own.update(wrapper.named_buffers(remove_duplicate=False))
+        own = dict(named_tensors(wrapper))
         missing = [name for name in (*entry["state_dict"], *entry["constants"]) if name not in own]
         if missing:
             log.info("capture cache: %s needs %s, which this model has not got; capturing afresh", folder, missing[0])
