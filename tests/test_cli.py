@@ -19,6 +19,7 @@ import torch
 from saguaro.cli.main import main
 from saguaro.core.errors import SaguaroError
 from saguaro.runtime.base.trace_read import check_trace, slices
+from tests.bench.timed_passes import check_timed_passes, table_column
 from tests.models import EOS, reference_greedy, tiny_target, truncated_draft
 from tests.tiny_tokenizer import tiny_tokenizer
 
@@ -131,7 +132,7 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
     traces = tmp_path / "traces"
     rc, out, err = run_cli(["bench", "--target", target_dir, "--draft", draft_dir, "--json", str(path),
                             "--prompts", "2", "--max-new-tokens", "8", "--k", "3", "--backend", "eager",
-                            "--same-process", "--trace", str(traces)], capsys)
+                            "--same-process", "--trace", str(traces), "--repeats", "2"], capsys)
     assert rc == 0, err
     # --trace: one timeline per Saguaro row; ssd-uniform runs SSD's rounds whatever the timings (the
     # planner's row may measure SD faster and run it), so its timeline holds the draft lane's glue
@@ -141,12 +142,15 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
     check_trace(uniform)
     assert "draft.glue" in {s.name for s in slices(uniform)}
     table_modes = table_rows(out)
-    assert re.search(r"^ssd \(eager\): warm-up, then timed$", out, re.M)
-    assert re.search(r"^  [0-9.]+ tokens/s; capture \+ compile \+ warm-up took [0-9.]+s$", out, re.M)
+    assert re.search(r"^ssd \(eager\): load, compile, warm up$", out, re.M)
+    assert re.search(r"^  ready; capture \+ compile \+ warm-up took [0-9.]+s$", out, re.M)
+    assert re.search(r"^timed pass 2/2, tokens/s: ar [0-9.]+, sd [0-9.]+, ssd [0-9.]+, ", out, re.M)
     assert {"ar", "sd", "ssd", "ssd-uniform", "ssd-process", "hf-assisted", "hf"} <= set(table_modes)
     assert f"wrote {path}" in out
     report = json.loads(path.read_text())
-    assert report["config"]["k"] == 3 and report["config"]["prompts"] == 2
+    assert report["config"]["k"] == 3 and report["config"]["prompts"] == 2 and report["config"]["repeats"] == 2
+    assert report["config"]["order"] == table_modes * 2
+    check_timed_passes(report["rows"], 2, out)  # alternating passes, median, spread, the spread column
     assert report["prompts"]["source"] == "fixed"  # a user's pair: not the default pair's held-out files
     rows = {row["mode"]: row for row in report["rows"]}
     assert list(rows) == table_modes
@@ -154,7 +158,7 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
         assert {"tokens_per_s", "mean_accepted_len", "speedup_vs_ar", "new_tokens", "wall_s"} <= set(row)
         assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0, row
         assert math.isfinite(row["speedup_vs_ar"]) and row["speedup_vs_ar"] > 0, row
-        assert row["new_tokens"] == 2 * 8, row  # eos is ignored: every row makes the same tokens
+        assert row["new_tokens"] == 2 * 2 * 8, row  # eos is ignored: every pass of every row makes the same tokens
         if mode in ("ar", "sd", "ssd", "ssd-uniform", "ssd-process"):
             assert 1.0 <= row["mean_accepted_len"] <= 3 + 1, row
             # a round decides at most k+1 tokens of each prompt (batch 1): fewer rounds means lost counts
@@ -163,22 +167,31 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
             if mode.startswith("ssd"):
                 hits, misses = sum(row["hits_by_position"].values()), sum(row["fallbacks"].values())
                 if row["planned_sd_fraction"] == 0:  # only SSD rounds ran: every round but a call's last looks up
-                    assert hits + misses >= row["rounds"] - 2, row
+                    assert hits + misses >= row["rounds"] - 2 * 2, row
                 assert (hits > 0) == (row["cache_hit_rate"] > 0), row
                 assert row["verify_ms_per_round"] > 0, row
                 assert row["overlap_efficiency"] > 0, row
         else:
             assert row["mean_accepted_len"] is None  # transformers does not report it
     assert rows["ar"]["speedup_vs_ar"] == 1.0 and rows["ar"]["mean_accepted_len"] == 1.0
+    assert rows["sd"]["speedup_vs_sd"] == 1.0 and all(math.isfinite(row["speedup_vs_sd"]) for row in rows.values())
+    assert all(re.fullmatch(r"[0-9.]+x", cell) for cell in table_column(out, "vs SD", len(rows)))
 
 
 @pytest.mark.heavy
-def test_bench_rows_without_a_draft(saved_pair, capsys):
+def test_bench_rows_without_a_draft(saved_pair, capsys, tmp_path):
+    """Each row in its own process: the processes live together, warm, and take turns at timed passes."""
     target_dir, _ = saved_pair
+    path = tmp_path / "bench.json"
     rc, out, err = run_cli(["bench", "--target", target_dir, "--modes", "ar,hf", "--prompts", "1",
-                            "--max-new-tokens", "4", "--backend", "eager"], capsys)  # each row in its own process
+                            "--max-new-tokens", "4", "--backend", "eager", "--repeats", "2", "--json", str(path)],
+                           capsys)
     assert rc == 0, err
     assert table_rows(out) == ["ar", "hf"]
+    report = json.loads(path.read_text())
+    assert report["config"]["order"] == ["ar", "hf", "ar", "hf"]
+    check_timed_passes(report["rows"], 2, out)  # pass times from both processes: ar, hf, ar, hf, none overlapping
+    assert table_column(out, "vs SD", 2) == ["-", "-"]  # no SD row
 
 
 @pytest.mark.parametrize("argv, named", [

@@ -1,4 +1,5 @@
-"""The benchmark's rows: each mode timed over the same prompts, after a warm-up call.
+"""The benchmark's rows: each mode timed over the same prompts, after a warm-up call, in timed passes
+that alternate with the other rows' (:mod:`saguaro.bench.passes`).
 
 Rows: ``ar`` (Saguaro, target alone), ``sd`` (Saguaro speculative decoding), ``ssd`` (the
 planner's trees, draft on a worker thread), ``ssd-uniform`` (the whole budget every round, spread
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from saguaro.bench.prompts import bench_prompts  # noqa: F401 - re-exported: the CLI, the demo and benchmarks/ use it
-from saguaro.runtime.base.stats import percentile
+from saguaro.bench.passes import TimedPass, add_speedups, combine, interleaved
 
 log = logging.getLogger(__name__)
 
@@ -66,75 +67,97 @@ def row_program(program, mode: str):
 
 
 def run_rows(target, draft, prompts, modes, k, max_new_tokens, temperature, batch, seed, backend="eager",
-             program=None, trace_dir=None):  # noqa: PLR0913 - the benchmark's explicit parameters
+             program=None, trace_dir=None, repeats=3):  # noqa: PLR0913 - the benchmark's explicit parameters
     """Run every requested row over the same prompts in this process; return a list of result dicts.
 
-    ``program`` reuses an already compiled Program (its ``k`` and backend win). ``trace_dir``: after a
-    Saguaro row's timed calls, one more (untimed) call on the first batch writes its timeline to
+    Every row is warmed up first, then the rows' timed passes alternate, ``repeats`` rounds of one pass
+    each (:mod:`saguaro.bench.passes` says what a row reports from them). ``program`` reuses an already
+    compiled Program (its ``k`` and backend win). ``trace_dir``: after the timed passes, one more
+    (untimed) call of each Saguaro row on the first batch writes its timeline to
     ``trace_dir/<row>-<backend>.json``.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} is not allowed: it must be an int >= 1")
     if program is None and any(m in SAGUARO_MODES for m in modes):
         program = compile_for(target, draft, k, backend)
-    rows = [time_row(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch, seed,
-                     trace_dir=trace_dir, backend=backend) for mode in modes]
-    ar = next((r["tokens_per_s"] for r in rows if r["mode"] == "ar"), None)
-    sd = next((r["tokens_per_s"] for r in rows if r["mode"] == "sd"), None)
-    for row in rows:
-        row["speedup_vs_ar"] = row["tokens_per_s"] / ar if ar else None
-        row["speedup_vs_sd"] = row["tokens_per_s"] / sd if sd else None
+    timers = [RowTimer(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch, seed)
+              for mode in modes]
+    for timer in timers:
+        timer.warm_up()
+    for timer in interleaved(timers, repeats):
+        timer.timed_pass()
+    rows = []
+    for timer in timers:
+        if trace_dir is not None:
+            timer.write_trace(trace_dir, backend)
+        rows.append(timer.row())
+    add_speedups(rows, ar=("ar",), sd=("sd",))
     return rows
 
 
 def time_row(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch, seed,
-             trace_dir=None, backend="inductor") -> dict:  # noqa: PLR0913
-    """One row: every batch of prompts generated once untimed (each shape bucket compiled and warm),
-    then once timed; with ``trace_dir``, a Saguaro row then runs the first batch once more, untimed,
-    writing its timeline to ``trace_dir/<row>-<backend>.json``."""
-    if mode in DRAFT_MODES and mode in SAGUARO_MODES and (program is None or program.draft is None):
-        raise ValueError(f"row {mode!r} needs a draft model")
-    pad_id = program.pad_token_id if program is not None else _pad_id(target)
-    batches = list(_batches(prompts, batch, pad_id))
-    log.info("running %s: warm-up", mode)
-    for ids, mask in batches:
-        _generate(target, draft, program, mode, ids, mask, k, max_new_tokens, temperature, seed, pad_id)
-    if program is not None:
-        program.wait_compiled()  # compile="background": the warm-up queued its shapes; time them compiled
-    log.info("running %s: timed", mode)
-    new_tokens, wall, accepted, rounds, ssd, round_s, token_s = 0, 0.0, 0.0, 0, [], [], []
-    for ids, mask in batches:
-        start = time.perf_counter()
-        produced, out = _generate(target, draft, program, mode, ids, mask, k, max_new_tokens, temperature, seed,
-                                  pad_id)
-        wall += time.perf_counter() - start
-        new_tokens += produced
-        stats = out.stats if out is not None else {}
-        if stats.get("rounds"):
-            # weight each call's mean by its rounds, so the row's mean is per round
-            accepted += stats["mean_accepted_len"] * stats["rounds"]
-            rounds += stats["rounds"]
-            round_s += out.counters.round_s
-            token_s += out.counters.token_s
-        if stats.get("cache_hit_rate") is not None:
-            ssd.append(stats)
-    if trace_dir is not None and mode in SAGUARO_MODES:
-        row_prog, row_mode = row_program(program, mode)
-        path = Path(trace_dir) / f"{mode}-{backend}.json"
-        ids, mask = batches[0]
-        row_prog.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                          mode=row_mode, eos_token_id=None, trace=path)
-        log.info("wrote the trace of %s to %s", mode, path)
-    row = {
-        "mode": mode, "tokens_per_s": new_tokens / wall if wall else 0.0, "new_tokens": new_tokens,
-        "wall_s": wall, "mean_accepted_len": accepted / rounds if rounds else None,
-        "rounds": rounds if rounds else None,
-        "round_ms_p50": 1000 * percentile(round_s, 50) if round_s else None,
-        "round_ms_p99": 1000 * percentile(round_s, 99) if round_s else None,
-        "token_ms_p50": 1000 * percentile(token_s, 50) if token_s else None,
-        "token_ms_p99": 1000 * percentile(token_s, 99) if token_s else None,
-    }
-    if ssd:
-        row.update(_ssd_summary(ssd, rounds))
-    return row
+             trace_dir=None, backend="inductor", repeats=1) -> dict:  # noqa: PLR0913
+    """One row alone: warmed up, then ``repeats`` timed passes, then with ``trace_dir`` its timeline
+    (see :func:`run_rows`)."""
+    timer = RowTimer(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch, seed)
+    timer.warm_up()
+    for _ in range(repeats):
+        timer.timed_pass()
+    if trace_dir is not None:
+        timer.write_trace(trace_dir, backend)
+    return timer.row()
+
+
+class RowTimer:
+    """One row over a list of prompts (each ``[1, T]``), in batches of ``batch``: :meth:`warm_up` once
+    (every batch generated untimed, so each shape bucket is compiled and warm), then :meth:`timed_pass`
+    as often as the caller interleaves it with other rows, then :meth:`row`."""
+
+    def __init__(self, target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch,
+                 seed):  # noqa: PLR0913
+        if mode in DRAFT_MODES and mode in SAGUARO_MODES and (program is None or program.draft is None):
+            raise ValueError(f"row {mode!r} needs a draft model")
+        self.target, self.draft, self.program, self.mode = target, draft, program, mode
+        self.k, self.max_new_tokens, self.temperature, self.seed = k, max_new_tokens, temperature, seed
+        self.pad_id = program.pad_token_id if program is not None else _pad_id(target)
+        self.batches = list(_batches(prompts, batch, self.pad_id))  # [(ids [b, T], mask [b, T])]
+        self.passes: list[TimedPass] = []
+
+    def _call(self, ids, mask):
+        return _generate(self.target, self.draft, self.program, self.mode, ids, mask, self.k, self.max_new_tokens,
+                         self.temperature, self.seed, self.pad_id)
+
+    def warm_up(self) -> None:
+        log.info("running %s: warm-up", self.mode)
+        for ids, mask in self.batches:
+            self._call(ids, mask)
+        if self.program is not None:
+            self.program.wait_compiled()  # compile="background": the warm-up queued its shapes; time them compiled
+
+    def timed_pass(self) -> TimedPass:
+        log.info("running %s: timed pass %d", self.mode, len(self.passes) + 1)
+        timed = TimedPass()
+        for ids, mask in self.batches:
+            start = time.perf_counter()
+            produced, out = self._call(ids, mask)
+            timed.add(produced, time.perf_counter() - start, out)
+        timed.ended = time.time()
+        self.passes.append(timed)
+        return timed
+
+    def write_trace(self, trace_dir, backend: str) -> None:
+        """A Saguaro row: one more call on the first batch, untimed, writing ``trace_dir/<row>-<backend>.json``."""
+        if self.mode not in SAGUARO_MODES:
+            return
+        row_prog, row_mode = row_program(self.program, self.mode)
+        path = Path(trace_dir) / f"{self.mode}-{backend}.json"
+        ids, mask = self.batches[0]
+        row_prog.generate(ids, attention_mask=mask, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                          seed=self.seed, mode=row_mode, eos_token_id=None, trace=path)
+        log.info("wrote the trace of %s to %s", self.mode, path)
+
+    def row(self) -> dict:
+        return combine(self.mode, self.passes)
 
 
 def _generate(target, draft, program, mode, ids, mask, k, max_new_tokens, temperature, seed, pad_id):
@@ -149,35 +172,6 @@ def _generate(target, draft, program, mode, ids, mask, k, max_new_tokens, temper
                             temperature, k, pad_id, seed)
     _synchronize(target)
     return produced, None
-
-
-def _ssd_summary(calls: list[dict], rounds: int) -> dict:
-    """SSD columns over all measured calls: hit rate, draft wait per round, overlap efficiency."""
-    lookups = sum(c["rounds"] for c in calls)
-    mean = lambda key: sum(c[key] * c["rounds"] for c in calls) / lookups if lookups else 0.0  # noqa: E731
-    return {
-        "cache_hit_rate": mean("cache_hit_rate"),
-        # the timed generations the planner ran as plain SD on every core (sd_when_faster)
-        "planned_sd_fraction": sum(bool(c.get("planned_sd")) for c in calls) / len(calls) if calls else None,
-        "planned_sd_calls": [sum(bool(c.get("planned_sd")) for c in calls), len(calls)],
-        "draft_wait_ms_per_round": 1000 * sum(c["draft_wait_s"] for c in calls) / max(rounds, 1),
-        "verify_ms_per_round": 1000 * sum(c["verify_s"] for c in calls) / max(rounds, 1),
-        "fallback_ms_per_round": 1000 * sum(c["fallback_s"] for c in calls) / max(rounds, 1),
-        "overlap_efficiency": mean("overlap_efficiency"),
-        "verify_alone_ms": 1000 * mean("verify_alone_s"),
-        "per_round_ms": {part: sum(c["per_round_ms"][part] * c["rounds"] for c in calls) / lookups
-                         for part in calls[0]["per_round_ms"]} if lookups else {},
-        "fallbacks": {kind: sum(c["fallbacks"][kind] for c in calls) for kind in ("neural", "fast")},
-        "hits_by_position": {a: sum(c["hits_by_position"][a] for c in calls) for a in calls[0]["hits_by_position"]},
-        "accepted_len_on_hits": _weighted(calls, "accepted_len_on_hits"),
-        "accepted_len_on_misses": _weighted(calls, "accepted_len_on_misses"),
-    }
-
-
-def _weighted(calls, key):
-    values = [(c[key], c["rounds"]) for c in calls if c.get(key) is not None]
-    total = sum(w for _, w in values)
-    return sum(v * w for v, w in values) / total if total else None
 
 
 def _synchronize(model) -> None:

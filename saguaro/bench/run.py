@@ -1,9 +1,10 @@
 """Benchmark: Saguaro's modes (AR, SD, SSD) against ``transformers``, in one run.
 
 :func:`run_bench` takes explicit :class:`BenchParams` (the CLI builds them from its arguments),
-compiles and warms up every stage, runs the rows of :mod:`saguaro.bench.rows` over the same prompts
-and returns the report: rows (tokens/s, mean accepted length, speed-up over AR, SSD columns),
-compile times and the machine. Speed is only ever compared as ratios within one run on one machine.
+compiles and warms up every stage, runs the rows of :mod:`saguaro.bench.rows` over the same prompts,
+their timed passes interleaved (:mod:`saguaro.bench.passes`), and returns the report: rows (median
+tokens/s and its spread, mean accepted length, speed-up over AR and SD, SSD columns), compile times
+and the machine. Speed is only ever compared as ratios within one run on one machine.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
 from saguaro.bench.rows import ALL_MODES, DRAFT_MODES, HF_MODES, SAGUARO_MODES
-from saguaro.bench.worker import BenchParams, params_json, run_one, run_prompts
+from saguaro.bench.passes import add_speedups, interleaved
+from saguaro.bench.worker import BenchParams, RowSession, params_json, run_prompts
 
 log = logging.getLogger(__name__)
+
+WORKER = ("-m", "saguaro.bench.worker")  # a row's process: python WORKER PARAMS_JSON MODE BACKEND
 
 
 def bench_modes(params: BenchParams) -> tuple[list[str], dict]:
@@ -38,24 +41,82 @@ def bench_modes(params: BenchParams) -> tuple[list[str], dict]:
     return modes, skipped
 
 
-def run_row(params: BenchParams, mode: str, backend: str) -> dict:
-    """One row, in a process of its own unless ``params.same_process``."""
+class WorkerRow:
+    """One row in a process of its own (:mod:`saguaro.bench.worker`): started, loaded, compiled and warmed
+    up when built; then it runs a timed pass each time :meth:`time_pass` asks, and returns its row from
+    :meth:`finish`. Its stderr goes to a temporary file, so a chatty row never blocks on a full pipe."""
+
+    def __init__(self, params: BenchParams, mode: str, backend: str):
+        self.name = f"{mode} ({backend})"
+        self._stderr = tempfile.TemporaryFile(mode="w+", errors="replace", prefix="saguaro_bench_")
+        cmd = [sys.executable, *WORKER, params_json(params), mode, backend]
+        self._process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                         text=True, bufsize=1)
+        try:
+            self.setup_s = self._answer("ready")
+        except BaseException:
+            self.close()
+            raise
+
+    def time_pass(self) -> dict:
+        return self._ask("time", "timed")
+
+    def finish(self) -> dict:
+        """The row; the process then exits (:meth:`close` waits for it, so the rows' exits overlap)."""
+        return self._ask("finish", "row")
+
+    def close(self) -> None:
+        """End the process (its stdin closed: it exits; killed if it does not within 30 s)."""
+        if self._process.stdin and not self._process.stdin.closed:
+            try:
+                self._process.stdin.close()
+            except OSError:
+                pass  # it is gone already
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._process.stdout.close()
+        self._stderr.close()
+
+    def _ask(self, request: str, answer: str):
+        try:
+            self._process.stdin.write(json.dumps({"do": request}) + "\n")
+            self._process.stdin.flush()
+        except OSError:
+            raise self._failed() from None
+        return self._answer(answer)
+
+    def _answer(self, key: str):
+        line = self._process.stdout.readline()
+        if not line:
+            raise self._failed()
+        return json.loads(line)[key]
+
+    def _failed(self) -> RuntimeError:
+        code = self._process.wait()
+        self._stderr.seek(0)
+        tail = "\n".join(self._stderr.read().strip().splitlines()[-15:])
+        return RuntimeError(f"benchmark row {self.name} failed with exit code {code}:\n{tail}")
+
+
+def start_row(params: BenchParams, mode: str, backend: str):
+    """One row, loaded and warm, in a process of its own unless ``params.same_process``; it has
+    ``setup_s``, ``time_pass()``, ``finish()`` and ``close()``."""
     if params.same_process:
-        return run_one(params, mode, backend)
-    with tempfile.TemporaryDirectory(prefix="saguaro_bench_") as folder:
-        out = Path(folder) / "row.json"
-        cmd = [sys.executable, "-m", "saguaro.bench.worker", params_json(params), mode, backend, str(out)]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode != 0 or not out.exists():
-            tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-            raise RuntimeError(f"benchmark row {mode} ({backend}) failed with exit code {done.returncode}:\n{tail}")
-        return json.loads(out.read_text())
+        return RowSession(params, mode, backend)
+    return WorkerRow(params, mode, backend)
 
 
 def run_bench(params: BenchParams, announce=lambda line: None) -> dict:
-    """Run the benchmark; ``announce(line)`` receives a line saying which prompts, then a progress line
-    per row. Returns the report: ``config``, ``machine``, ``prompts`` (their source: ``heldout``,
-    ``fixed`` or ``random``, and why), ``rows``, ``compile_s`` and ``skipped``."""
+    """Run the benchmark; ``announce(line)`` receives a line saying which prompts, then a line per row
+    once it is warm, then one per round of timed passes. Returns the report: ``config`` (with ``order``,
+    the rows' timed passes in the order they ran), ``machine``, ``prompts`` (their source: ``heldout``,
+    ``fixed`` or ``random``, and why), ``rows``, ``compile_s`` and ``skipped``.
+
+    Every row is started and warmed up in turn (in its own process, by default, each idle once warm),
+    then the rows' timed passes alternate, one row computing at a time (:mod:`saguaro.bench.passes`)."""
     from saguaro.models_io import load_pair
 
     modes, skipped = bench_modes(params)
@@ -65,29 +126,32 @@ def run_bench(params: BenchParams, announce=lambda line: None) -> dict:
     prompts = run_prompts(params, tokenizer, target)
     announce(f"prompts ({prompts.source}): {len(prompts.ids)} {prompts.detail}")
     backends = ["eager", "inductor"] if params.backend == "both" else [params.backend]
-    rows, compile_s = [], {}
-    for backend in backends:
-        for mode in modes:
-            if mode in HF_MODES and backend != backends[0]:
-                continue
-            announce(f"{mode} ({backend if mode in SAGUARO_MODES else 'transformers'}): warm-up, then timed")
-            row = run_row(params, mode, backend)
+    specs = [(mode, backend) for backend in backends for mode in modes
+             if mode not in HF_MODES or backend == backends[0]]
+    labels = [f"{mode}[{backend}]" if mode in SAGUARO_MODES and len(backends) > 1 else mode for mode, backend in specs]
+    order = interleaved(labels, params.repeats)
+    started, compile_s = {}, {}
+    try:
+        for label, (mode, backend) in zip(labels, specs):
+            announce(f"{mode} ({backend if mode in SAGUARO_MODES else 'transformers'}): load, compile, warm up")
+            started[label] = start_row(params, mode, backend)
             if mode in SAGUARO_MODES:
-                compile_s[f"{mode}[{backend}]"] = row["setup_s"]
-                announce(f"  {row['tokens_per_s']:.1f} tokens/s; capture + compile + warm-up took {row['setup_s']:.1f}s")
-                if len(backends) > 1:
-                    row["mode"] = f"{mode}[{backend}]"
-            rows.append(row)
-    base = next((r["tokens_per_s"] for r in rows if r["mode"] in ("ar", "ar[eager]")), None)
-    for row in rows:
-        row["speedup_vs_ar"] = row["tokens_per_s"] / base if base else None
-    sd = next((r["tokens_per_s"] for r in rows if r["mode"] in ("sd", f"sd[{backends[-1]}]")), None)
-    for row in rows:
-        row["speedup_vs_sd"] = row["tokens_per_s"] / sd if sd else None
+                compile_s[f"{mode}[{backend}]"] = started[label].setup_s
+                announce(f"  ready; capture + compile + warm-up took {started[label].setup_s:.1f}s")
+        for round_start in range(0, len(order), len(labels)):
+            speeds = [f"{label} {started[label].time_pass()['tokens_per_s']:.1f}"
+                      for label in order[round_start:round_start + len(labels)]]
+            announce(f"timed pass {round_start // len(labels) + 1}/{params.repeats}, tokens/s: {', '.join(speeds)}")
+        rows = [started[label].finish() | {"mode": label} for label in labels]
+    finally:
+        for row in started.values():
+            row.close()  # waits for each process to exit; ends those of a failed run
+    add_speedups(rows, ar=("ar", "ar[eager]"), sd=("sd", f"sd[{backends[-1]}]"))
     differ = [r["mode"] for r in rows if r.get("prompt_source") != prompts.source]
     if differ:
         log.warning("rows %s did not run on the %s prompts the report names", differ, prompts.source)
-    config = asdict(params) | {"target": params.target or "default", "draft": params.draft or "default"}
+    config = asdict(params) | {"target": params.target or "default", "draft": params.draft or "default",
+                               "order": order}
     return {
         "config": config,
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},

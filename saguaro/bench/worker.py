@@ -1,22 +1,33 @@
 """One benchmark row, in a process of its own: every mode gets the same fresh machine state.
 
-``python -m saguaro.bench.worker PARAMS_JSON MODE BACKEND OUT_JSON`` loads the pair, compiles what the
-row needs, warms up every batch of prompts (each shape bucket compiled and warm), times them all, and
-writes the row to ``OUT_JSON``. :func:`run_one` is the same in the caller's process.
+``python -m saguaro.bench.worker PARAMS_JSON MODE BACKEND`` loads the pair, compiles what the row needs
+and warms up every batch of prompts (each shape bucket compiled and warm), then answers the parent
+(:mod:`saguaro.bench.run`) in JSON lines, one request on stdin, one answer on stdout:
+
+- at start, once warm: ``{"ready": true, "setup_s": S}`` (S: capture, compile and warm-up; null for a
+  ``transformers`` row);
+- ``{"do": "time"}``: one timed pass over every batch, answered ``{"timed": {"tokens_per_s": X,
+  "started": T0, "ended": T1}}`` (epoch seconds);
+- ``{"do": "finish"}``: the trace (``trace_dir``), then ``{"row": {...}}``, and the process exits.
+
+It exits too when its stdin closes. Anything else the process writes to its stdout (a library's print)
+goes to its stderr, which holds the errors: a failing row exits non-zero with its traceback there.
+:class:`RowSession` is the same row in the caller's process.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from saguaro.bench.prompts import PromptSet, prompt_set
-from saguaro.bench.rows import DRAFT_MODES, SAGUARO_MODES, compile_for, time_row
+from saguaro.bench.rows import DRAFT_MODES, SAGUARO_MODES, RowTimer, compile_for
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,11 @@ class BenchParams:
     same_process: bool = False  # every row in the caller's process instead of one process each
     trace_dir: str | None = None  # write one timeline per Saguaro row here
     plan: str = "auto"  # "always-ssd": sd_when_faster=False, SSD's own rounds on any machine
+    repeats: int = 3  # timed passes per row, the rows' passes alternating
+
+    def __post_init__(self):
+        if self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats} is not allowed: it must be an int >= 1")
 
 
 def run_prompts(params: BenchParams, tokenizer, target) -> PromptSet:
@@ -50,48 +66,98 @@ def run_prompts(params: BenchParams, tokenizer, target) -> PromptSet:
     return prompt_set(tokenizer, params.prompts, target.config.vocab_size, params.seed, default_pair, room)
 
 
-def run_one(params: BenchParams, mode: str, backend: str) -> dict:
-    """Load the pair, compile for ``backend`` if the row is Saguaro's, warm up and time ``mode``."""
-    from saguaro.models_io import DTYPES, load_pair
+class RowSession:
+    """One row in this process: load the pair, compile for ``backend`` (a Saguaro row) and warm up; then
+    :meth:`time_pass` as often as the caller asks, and :meth:`finish` for the row."""
 
-    if params.threads is not None:
-        torch.set_num_threads(params.threads)
-    need_draft = mode in DRAFT_MODES
-    target, draft, tokenizer = load_pair(params.target, params.draft, need_draft=need_draft,
-                                         dtype=DTYPES[params.dtype], device=params.device)
-    draft = draft if need_draft else None
-    prompts = run_prompts(params, tokenizer, target)
-    program, compile_s = None, None
-    started = time.perf_counter()
-    if mode in SAGUARO_MODES:
-        program = compile_for(target, draft, params.k, backend, sd_when_faster=params.plan != "always-ssd")
-    try:
-        row = time_row(target, draft, program, prompts.ids, mode, params.k, params.max_new_tokens, params.temperature,
-                       params.batch, params.seed, trace_dir=params.trace_dir, backend=backend)
-    finally:
-        if program is not None:
-            program.close()
-    if mode in SAGUARO_MODES:
-        row["backend"] = backend
-        compile_s = time.perf_counter() - started - row["wall_s"]  # capture, compile and the warm-up pass
-    ssd = mode.startswith("ssd") and torch.device(params.device).type == "cpu"
-    threads = torch.get_num_threads()
-    row["threads"] = {"target": 1, "draft": 1} if ssd else {"target": threads, "draft": threads}
-    row["setup_s"] = compile_s
-    row["prompt_source"] = prompts.source
-    return row
+    def __init__(self, params: BenchParams, mode: str, backend: str):
+        from saguaro.models_io import DTYPES, load_pair
+
+        if params.threads is not None:
+            torch.set_num_threads(params.threads)
+        self.params, self.mode, self.backend = params, mode, backend
+        need_draft = mode in DRAFT_MODES
+        target, draft, tokenizer = load_pair(params.target, params.draft, need_draft=need_draft,
+                                             dtype=DTYPES[params.dtype], device=params.device)
+        draft = draft if need_draft else None
+        self.prompts = run_prompts(params, tokenizer, target)
+        self.program = None
+        started = time.perf_counter()
+        try:
+            if mode in SAGUARO_MODES:
+                self.program = compile_for(target, draft, params.k, backend, sd_when_faster=params.plan != "always-ssd")
+            self.timer = RowTimer(target, draft, self.program, self.prompts.ids, mode, params.k,
+                                  params.max_new_tokens, params.temperature, params.batch, params.seed)
+            self.timer.warm_up()
+        except BaseException:
+            self.close()
+            raise
+        # capture, compile and the warm-up pass
+        self.setup_s = time.perf_counter() - started if mode in SAGUARO_MODES else None
+
+    def time_pass(self) -> dict:
+        """One timed pass: its tokens/s and its start and end (epoch seconds)."""
+        return self.timer.timed_pass().brief()
+
+    def finish(self) -> dict:
+        """The row from its timed passes (after the trace, with ``trace_dir``); the program is closed."""
+        try:
+            if self.params.trace_dir is not None:
+                self.timer.write_trace(self.params.trace_dir, self.backend)
+            row = self.timer.row()
+        finally:
+            self.close()
+        if self.mode in SAGUARO_MODES:
+            row["backend"] = self.backend
+        ssd = self.mode.startswith("ssd") and torch.device(self.params.device).type == "cpu"
+        threads = torch.get_num_threads()
+        row["threads"] = {"target": 1, "draft": 1} if ssd else {"target": threads, "draft": threads}
+        row["setup_s"] = self.setup_s
+        row["prompt_source"] = self.prompts.source
+        return row
+
+    def close(self) -> None:
+        if self.program is not None:
+            self.program.close()
+            self.program = None
 
 
 def main(argv=None) -> int:
-    params_json, mode, backend, out = argv if argv is not None else sys.argv[1:]
+    params_json, mode, backend = argv if argv is not None else sys.argv[1:]
     fields = json.loads(params_json)
     fields["modes"] = tuple(fields["modes"]) if fields.get("modes") else None
-    row = run_one(BenchParams(**fields), mode, backend)
-    path = Path(out)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(row))
-    tmp.replace(path)
-    return 0
+    answers = _answer_channel()
+    session = RowSession(BenchParams(**fields), mode, backend)
+    try:
+        _send(answers, {"ready": True, "setup_s": session.setup_s})
+        for line in sys.stdin:
+            request = json.loads(line)["do"]
+            if request == "time":
+                _send(answers, {"timed": session.time_pass()})
+            elif request == "finish":
+                _send(answers, {"row": session.finish()})
+                return 0
+            else:
+                raise ValueError(f"request {request!r} is not allowed: 'time' or 'finish'")
+        return 0  # stdin closed: the parent is gone or gave up on this row
+    finally:
+        session.close()
+        # the process ends here: skip the interpreter's last collection over torch's heap (~2 s a row)
+        gc.freeze()
+
+
+def _answer_channel():
+    """The process's stdout as a private stream for the answers; file descriptor 1 (what a library
+    prints, in Python or C) then goes to stderr, so no stray line breaks the protocol."""
+    sys.stdout.flush()
+    answers = os.fdopen(os.dup(1), "w", buffering=1)  # os.dup: not inherited by the row's own processes
+    os.dup2(2, 1)
+    return answers
+
+
+def _send(stream, message: dict) -> None:
+    stream.write(json.dumps(message) + "\n")
+    stream.flush()
 
 
 def params_json(params: BenchParams) -> str:

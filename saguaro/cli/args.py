@@ -90,6 +90,9 @@ def add_bench_args(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling and for random prompts")
     parser.add_argument("--threads", type=int_at_least(1, "threads"), default=None,
                         help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--repeats", type=int_at_least(1, "repeats"), default=3,
+                        help="timed passes per row, the rows' passes alternating (ar, sd, ..., ar, sd, ...); a row "
+                             "reports their median tokens/s and spread (default 3)")
     parser.add_argument("--same-process", action="store_true",
                         help="run every row in this process (default: each row in a process of its own)")
     parser.add_argument("--trace", metavar="DIR", default=None,

@@ -28,7 +28,7 @@ def run(args) -> int:
         target=args.target, draft=args.draft, modes=tuple(args.modes) if args.modes else None, prompts=args.prompts,
         batch=args.batch, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         backend=args.backend, device=args.device, dtype=args.dtype, seed=args.seed, threads=args.threads,
-        same_process=args.same_process, trace_dir=args.trace, plan=args.plan)
+        same_process=args.same_process, trace_dir=args.trace, plan=args.plan, repeats=args.repeats)
     report = run_bench(params, announce=lambda line: sys.stdout.write(line + "\n"))
     sys.stdout.write(format_table(report["rows"]) + "\n")
     for mode, reason in report["skipped"].items():
@@ -40,6 +40,7 @@ def run(args) -> int:
 
 def _bench_program(args) -> int:
     from saguaro.bench.report import format_table, write_json
+    from saguaro.bench.passes import interleaved
     from saguaro.bench.prompts import prompt_set
     from saguaro.bench.rows import SAGUARO_MODES, run_rows
 
@@ -53,10 +54,12 @@ def _bench_program(args) -> int:
     prompts = prompt_set(tokenizer, args.prompts, program.target.spec.vocab_size, args.seed, default_pair=False)
     sys.stdout.write(f"prompts ({prompts.source}): {prompts.detail}\n")
     rows = run_rows(None, None, prompts.ids, modes, program.config.k, args.max_new_tokens, args.temperature, args.batch,
-                    args.seed, program=program)
+                    args.seed, program=program, repeats=args.repeats)
     sys.stdout.write(format_table(rows) + "\n")
     if args.json:
-        sys.stdout.write(f"wrote {write_json({'program': args.program, 'prompts': prompts.describe(), 'rows': rows}, args.json)}\n")
+        config = {"repeats": args.repeats, "order": interleaved(modes, args.repeats)}
+        report = {"program": args.program, "config": config, "prompts": prompts.describe(), "rows": rows}
+        sys.stdout.write(f"wrote {write_json(report, args.json)}\n")
     program.close()
     return 0
 

@@ -89,8 +89,14 @@ def test_the_report_and_the_output_name_the_prompt_source(tokenizer, monkeypatch
     target = default_target(tokenizer)
     monkeypatch.setattr(saguaro.models_io, "load_pair", lambda *args, **kwargs: (target, None, tokenizer))
     expected = run_prompts(BenchParams(prompts=2, modes=("hf",)), tokenizer, target)
-    fake_row = {"mode": "hf", "tokens_per_s": 1.0, "prompt_source": expected.source}
-    monkeypatch.setattr(bench_run, "run_row", lambda params, mode, backend: dict(fake_row))
+
+    class FakeRow:  # a warm row that times nothing
+        setup_s = None
+        time_pass = staticmethod(lambda: {"tokens_per_s": 1.0})
+        finish = staticmethod(lambda: {"mode": "hf", "tokens_per_s": 1.0, "prompt_source": expected.source})
+        close = staticmethod(lambda: None)
+
+    monkeypatch.setattr(bench_run, "start_row", lambda params, mode, backend: FakeRow())
     lines = []
     report = bench_run.run_bench(BenchParams(prompts=2, modes=("hf",)), announce=lines.append)
     assert report["prompts"] == expected.describe() and report["prompts"]["count"] == 2

@@ -8,6 +8,7 @@ import pytest
 
 import saguaro
 from saguaro.core.errors import SaguaroError
+from tests.bench.timed_passes import check_timed_passes, table_column
 from tests.models import tiny_target, truncated_draft
 from tests.tiny_tokenizer import tiny_tokenizer
 
@@ -28,14 +29,23 @@ def tiny_default_pair(monkeypatch):
 
 
 @pytest.mark.heavy
-def test_demo_prints_completion_table_and_bench_hint(demo_main, tiny_default_pair, capsys):
+def test_demo_prints_completion_table_and_bench_hint(demo_main, tiny_default_pair, capsys, monkeypatch):
+    run_rows, tables = demo_main.__globals__["run_rows"], []  # the rows the demo's table shows
+
+    def recorded(*args, **kwargs):
+        tables.append(run_rows(*args, **kwargs))
+        return tables[-1]
+
+    monkeypatch.setitem(demo_main.__globals__, "run_rows", recorded)
     assert demo_main(["--prompt", "def f(x):", "--max-new-tokens", "6", "--prompts", "2", "--k", "3",
-                      "--backend", "eager"]) == 0
+                      "--backend", "eager", "--repeats", "2"]) == 0
     out = capsys.readouterr().out
     assert "def f(x):" in out
-    table = out[out.index("mode "):].splitlines()
-    assert [line.split()[0] for line in table[2:4]] == ["ar", "sd"]
-    assert table[3].split()[4] == "1.00x" and re.match(r"[0-9.]+x$", table[4].split()[-5])  # vs SD filled
+    [rows] = tables
+    assert [row["mode"] for row in rows] == ["ar", "sd", "ssd"]
+    check_timed_passes(rows, 2, out)  # every mode warmed up, then ar, sd, ssd, ar, sd, ssd; median and spread
+    assert table_column(out, "vs SD", 3)[1] == "1.00x"
+    assert all(re.fullmatch(r"[0-9.]+x", cell) for cell in table_column(out, "vs SD", 3))  # vs SD filled
     assert "make bench" in out and "saguaro bench --json bench.json" in out
 
 

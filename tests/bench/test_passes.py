@@ -1,0 +1,24 @@
+"""How a row's timed passes combine: median tokens/s, spread, pooled counts; the interleaving order."""
+
+import pytest
+
+from saguaro.bench.passes import TimedPass, add_speedups, combine, interleaved
+
+
+def timed(tokens: int, seconds: float, start: float) -> TimedPass:
+    return TimedPass(started=start, ended=start + seconds, new_tokens=tokens, wall_s=seconds)
+
+
+def test_a_row_reports_the_median_and_spread_of_its_passes():
+    assert interleaved(["ar", "sd", "ssd"], 2) == ["ar", "sd", "ssd", "ar", "sd", "ssd"]
+    row = combine("hf", [timed(16, 2.0, 0.0), timed(16, 1.0, 5.0), timed(16, 4.0, 9.0)])  # 8, 16 and 4 tokens/s
+    assert row["tokens_per_s_reps"] == [8.0, 16.0, 4.0] and row["tokens_per_s"] == 8.0 and row["repeats"] == 3
+    assert row["spread_pct"] == pytest.approx(100 * (16 - 4) / 8)
+    assert row["new_tokens"] == 48 and row["wall_s"] == 7.0
+    assert row["pass_times"] == [[0.0, 2.0], [5.0, 6.0], [9.0, 13.0]]
+    assert row["mean_accepted_len"] is None and row["round_ms_p50"] is None  # transformers rounds are not counted
+    alone = combine("sd", [timed(16, 2.0, 0.0)])
+    assert alone["tokens_per_s"] == 8.0 and alone["spread_pct"] is None  # one pass: no spread
+    rows = [row, alone]
+    add_speedups(rows, ar=("ar",), sd=("sd",))
+    assert [r["speedup_vs_sd"] for r in rows] == [1.0, 1.0] and [r["speedup_vs_ar"] for r in rows] == [None, None]
