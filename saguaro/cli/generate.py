@@ -16,7 +16,7 @@ from saguaro.cli.program import add_program_arg, check_program_args, load_progra
 from saguaro.cli.registry import Subcommand
 from saguaro.core.config import COMPILE_MODES, MODES
 from saguaro.core.errors import SaguaroError
-from saguaro.runtime.base.stats import RAN_AS_SD
+from saguaro.runtime.base.stats import ran_as_sd
 
 
 def add_arguments(gen) -> None:
@@ -112,8 +112,9 @@ def print_as_decided(tokenizer, prompt: str, stream, before_text=None) -> None:
 
 
 def stats_line(s: dict) -> str:
-    """``[mode] N tokens in ...``; ``[ssd, ran as SD: no tree pays here] ...`` where the planner ran SD."""
-    label = f"{s['mode']}, {RAN_AS_SD}" if s.get("planned_sd") else s["mode"]
+    """``[mode] N tokens in ...``; ``[ssd, ran as SD: no tree pays here] ...`` where SD's rounds ran
+    (:func:`~saguaro.runtime.base.stats.ran_as_sd`)."""
+    label = f"{s['mode']}, {ran_as_sd(s)}" if ran_as_sd(s) else s["mode"]
     hits = f", cache hit rate {s['cache_hit_rate']:.2f}" if "cache_hit_rate" in s else ""
     return (f"[{label}] {s['new_tokens']} tokens in {s['wall_s']:.2f}s: {s['tokens_per_s']:.1f} tokens/s, "
             f"mean accepted length {s['mean_accepted_len']:.2f}, {s['rounds']} rounds{hits}")

@@ -99,6 +99,8 @@ class Calibration:
         self._ssd_over_sd: dict = {}  # verdict key -> the last SSD generation's mean round / its SD round alone
         self._planned_sd: dict = {}  # verdict key -> SSD generations run as SD since SSD was last measured
         self._sd_warmed: set = set()  # (padded ids' shape, max_new_tokens, sampled) whose SD shapes ran once
+        self._seen_shapes: set = set()  # compile="background": shapes SSD asked for (deferred_for_compiles)
+        self._compiled_shapes: set = set()  # ... and those whose SSD costs may be measured now
         self._remeasure: dict = {}  # verdict key -> generations run as SD before SSD is measured again
 
     @staticmethod
@@ -139,6 +141,17 @@ class Calibration:
         if round_s and sd_round_s:
             self._ssd_over_sd[verdict] = sum(round_s) / len(round_s) / sd_round_s
 
+    def deferred_for_compiles(self, shape: tuple, compiling) -> bool:
+        """``compile="background"``: True (run SD, measure nothing) the first time ``shape`` asks and while
+        ``compiling()``; once a call of ``shape`` finds nothing compiling, False for good."""
+        if shape in self._compiled_shapes:
+            return False
+        if shape not in self._seen_shapes or compiling():
+            self._seen_shapes.add(shape)
+            return True
+        self._compiled_shapes.add(shape)
+        return False
+
     def first_sd_warm_up(self, shape: tuple) -> bool:
         """True the first time ``shape`` asks (its SD rounds have not been warmed up yet), False after."""
         if shape in self._sd_warmed:
@@ -166,6 +179,10 @@ class Calibration:
                 self.target, batch, target_capacity, self.k, temperature, self.target.spec.vocab_size, repeats)
             alone = verify()
             costs = copy.deepcopy(lane.warm_up(spec, spec.input_ids[:, -1], timeout_s=WARM_UP_TIMEOUT_S))
+            if not self.target.wait_compiled(timeout=0):  # compile="background": what ran eager was timed
+                self.target.wait_compiled()
+                alone = verify()
+                costs = copy.deepcopy(lane.warm_up(spec, spec.input_ids[:, -1], timeout_s=WARM_UP_TIMEOUT_S))
             if costs is not None:
                 for budget in sorted(costs.tree_s) + [0]:
                     for _ in range(2):

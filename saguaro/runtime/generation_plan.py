@@ -46,6 +46,44 @@ class GenerationPlan:
         return self.mode == "ssd" and self.run == "sd" and self.calibrated is not None
 
 
+COMPILING = ("the stages are still compiling (compile='background'): SD's rounds, the same tokens, until SSD's "
+             "costs can be timed on compiled stages")
+
+
+def plan_call(program, mode: str, call: tuple, base: int | None) -> GenerationPlan:
+    """Everything one ``generate`` call does before its clock starts: the stages ``mode`` needs built,
+    then :func:`plan_generation` (SSD: the lane started, warmed up and measured for a new shape) and
+    :func:`warm_sd_shapes`. ``call``: ``(padded_ids, padded_mask, max_new_tokens, eos_ids, temperature)``.
+
+    With ``compile="background"``, SSD's costs are only measured on compiled stages: an SSD generation of a
+    shape not yet measured runs SD's rounds (no lane started, nothing timed) the first time its shape is
+    seen and while compiles are queued (:func:`still_compiling`), so its first tokens come at once."""
+    padded_ids, padded_mask, max_new_tokens, eos_ids, temperature = call
+    if mode == "ssd" and still_compiling(program, (tuple(padded_ids.shape), max_new_tokens, temperature > 0)):
+        program.prepare(program.without_lane, temperature)
+        return GenerationPlan(mode, program.without_lane, COMPILING)
+    if mode == "ssd":
+        program.lanes.begin_call()  # a remote lane that failed to start is tried again on each call
+    program.prepare(program.without_lane if mode == "ssd" and program.lanes.lane() is None else mode, temperature)
+    spec = None  # what SSD's draft side is opened with; AR and SD have no draft lane
+    if mode == "ssd":
+        spec = program._draft_spec(padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base)
+    plan = plan_generation(program, mode, spec, program._store_capacity(padded_ids.shape[1], max_new_tokens))
+    warm_sd_shapes(program, plan, call, base)
+    return plan
+
+
+def still_compiling(program, shape: tuple) -> bool:
+    """``compile="background"`` with the planner on (``sd_when_faster``) and a local draft: True the first
+    time ``shape`` (padded ids' shape, new tokens, sampled) asks and whenever stage compiles are still
+    queued or running, until the shape's SSD costs have been measured."""
+    config = program.config
+    if config.backend != "inductor" or config.compile != "background" or not config.sd_when_faster or \
+            program.draft is None:
+        return False
+    return program.calibration.deferred_for_compiles(shape, lambda: not program.wait_compiled(timeout=0))
+
+
 def plan_generation(program, mode: str, spec: GenerateSpec | None, target_capacity: int) -> GenerationPlan:
     """The plan of one call of ``program`` in ``mode`` (``spec``: the draft side's, for SSD)."""
     if mode != "ssd":

@@ -17,7 +17,7 @@ from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.schedule import critical_path, expected_overlap, round_schedule
 from saguaro.core.stages import stages_for
 from saguaro.runtime.calibration import Calibration
-from saguaro.runtime.generation_plan import GenerationPlan, plan_generation, warm_sd_shapes
+from saguaro.runtime.generation_plan import GenerationPlan, plan_call
 from saguaro.runtime.decode import DECODERS
 from saguaro.runtime.decode.prefill import prefill
 from saguaro.runtime.draft.server import GenerateSpec
@@ -189,15 +189,8 @@ class Program:
         if temperature > 0:  # one generator per lane (the draft lane's is seeded base + 1)
             base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long, device="cpu"))
             generator = torch.Generator(device=self.target.spec.device).manual_seed(base)
-        if mode == "ssd":
-            self.lanes.begin_call()  # a remote lane that failed to start is tried again on each call
-        self.prepare(self.without_lane if mode == "ssd" and self.lanes.lane() is None else mode, temperature)
         # before the trace and the clock start: a new shape warms the lane up (and SD's shapes, warm_sd_shapes)
-        spec = None  # what SSD's draft side is opened with; AR and SD have no draft lane
-        if mode == "ssd":
-            spec = self._draft_spec(padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base)
-        plan = plan_generation(self, mode, spec, self._store_capacity(padded_ids.shape[1], max_new_tokens))
-        warm_sd_shapes(self, plan, (padded_ids, padded_mask, max_new_tokens, eos_ids, temperature), base)
+        plan = plan_call(self, mode, (padded_ids, padded_mask, max_new_tokens, eos_ids, temperature), base)
         runners = [self.target] + ([self.draft] if plan.run == "sd" else [])
         with GenerationTrace(trace, runners, plan.lane if plan.run == "ssd" else None) as tracing:
             start = time.perf_counter()

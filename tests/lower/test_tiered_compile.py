@@ -20,6 +20,7 @@ from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError
 from saguaro.core.stages import TARGET_PREFILL, TARGET_STEP, stages_for
 from saguaro.lower.tiered import TieredStage
+from saguaro.runtime.generation_plan import COMPILING
 from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
 
 pytestmark = pytest.mark.heavy  # one test compiles with Inductor; the others capture tiny models
@@ -115,13 +116,19 @@ def test_ar_runs_eager_at_once_then_compiled_with_the_same_tokens():
         program.close()
 
 
-def test_sd_switches_each_stage_when_its_compile_finishes_and_never_lends_it_live_tensors():
+def background_pair(**options):
+    """``(program, ids, mask, expected)``: a tiny pair compiled with ``compile="background"`` (k=3), a
+    prompt and the target's greedy tokens for it."""
     target = tiny_target("llama", seed=1)
     draft = truncated_draft(target)
     ids, mask = prompts(1, 9, seed=4)
     expected = reference_greedy(target, ids, mask, NEW)
-    program = saguaro.compile(target, draft, k=3, mode="sd", backend="inductor", compile="background",
-                              sd_when_faster=False)
+    program = saguaro.compile(target, draft, k=3, backend="inductor", compile="background", **options)
+    return program, ids, mask, expected
+
+
+def test_sd_switches_each_stage_when_its_compile_finishes_and_never_lends_it_live_tensors():
+    program, ids, mask, expected = background_pair(mode="sd", sd_when_faster=False)
     try:
         gate = threading.Event()  # the compile thread holds its first job until the first generation ends
         forms = spy_on(program, "sd", gate=gate)
@@ -142,6 +149,30 @@ def test_sd_switches_each_stage_when_its_compile_finishes_and_never_lends_it_liv
             scratch = compiled_spy.storages(True)
             assert live and scratch and not live & scratch, f"{name}: the compile thread ran on live tensors"
     finally:
+        program.close()
+
+
+def test_ssd_runs_sd_while_its_stages_compile_then_times_ssd_on_compiled_stages():
+    program, ids, mask, expected = background_pair(mode="ssd", lane="thread", fan_out="geometric")
+    try:
+        gate = threading.Event()  # the compile thread holds its first job until the test lets it go
+        forms = spy_on(program, "ssd", gate=gate)
+        for _ in range(2):  # the shape's first call, then a call while compiles are still queued
+            out = program.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None)
+            assert torch.equal(out.sequences, expected)
+            assert (out.stats["ran_as"], out.stats["plan"], out.stats["planned_sd"]) == ("sd", COMPILING, False)
+            assert program.lanes._client is None, "a lane started while SSD's costs could not be measured"
+            assert not program.calibration._costs, "costs were measured on stages still compiling"
+        gate.set()
+        assert program.wait_compiled(timeout=60)
+        tree = next(name for name in forms if "tree" in name)
+        out = program.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None)
+        assert torch.equal(out.sequences, expected)
+        assert out.stats["plan"] != COMPILING and program.calibration._costs  # measured now, SSD or SD chosen
+        # the warm-up's first tree calls ran eager and queued compiles: its costs were timed again compiled
+        assert forms[tree][1].compiles() >= 1 and len(forms[tree][1].calls) > forms[tree][1].compiles()
+    finally:
+        gate.set()
         program.close()
 
 

@@ -64,12 +64,25 @@ class Counters:
 
 
 RAN_AS_SD = "ran as SD: no tree pays here"  # what every surface says when the planner ran SSD as SD
+# ... and when SSD's costs could not be measured yet (compile="background", its stages still compiling)
+RAN_AS_SD_COMPILING = "ran as SD: stages still compiling"
+
+
+def ran_as_sd(stats: dict) -> str | None:
+    """Why an SSD generation ran SD's rounds, in words (:data:`RAN_AS_SD` or :data:`RAN_AS_SD_COMPILING`),
+    or None where it ran as asked."""
+    if stats.get("planned_sd"):
+        return RAN_AS_SD
+    if stats.get("mode") == "ssd" and stats.get("ran_as") == "sd":
+        return RAN_AS_SD_COMPILING
+    return None
 
 
 def run_label(stats: dict) -> str:
     """The mode of a generation in words: ``ssd (ran as SD: no tree pays here)`` where SSD was asked
-    and the planner ran SD's rounds (``stats["planned_sd"]``), else ``stats["mode"]``."""
-    return f"{stats['mode']} ({RAN_AS_SD})" if stats.get("planned_sd") else stats["mode"]
+    and SD's rounds ran (:func:`ran_as_sd`), else ``stats["mode"]``."""
+    why = ran_as_sd(stats)
+    return f"{stats['mode']} ({why})" if why else stats["mode"]
 
 
 def percentile(values: list, q: float) -> float:
