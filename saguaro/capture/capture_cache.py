@@ -26,7 +26,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SCALARS = (bool, int, float, str, type(None), torch.dtype)
-ENTRIES = 4  # architectures kept; a template is a graph, no weights
+ENTRIES = 32  # architectures kept; a template is a graph with meta tensors, no weights: small
 
 
 def _scalar_attributes(module: torch.nn.Module) -> tuple:
