@@ -33,8 +33,9 @@ class SaguaroConfig:
         GraphModule) at once while one background thread compiles it for those shapes; later calls with
         those shapes run compiled (``saguaro.lower.tiered``; ``program.wait_compiled()`` waits for the
         queue). Greedy tokens are the same either way; a sampled generation may switch forms mid-run, so
-        a seed reproduces its tokens only with ``"blocking"``, and the stage costs the SSD planner
-        measures while stages still run eager are eager costs. CUDA-graph stages always block.
+        a seed reproduces its tokens only with ``"blocking"``. With ``sd_when_faster``, an SSD generation
+        runs SD's rounds the first time its shape comes and while compiles are queued, so the planner
+        times SSD on compiled stages only. CUDA-graph stages always block.
     fallback: on an SSD cache miss, ``"neural"``, ``"fast"`` or ``"auto"``.
     fan_out: ``"auto"`` (the planner, :mod:`saguaro.runtime.draft.planner`, picks each round's branch count
         among the multiples of ``k+1`` up to the budget, 0 meaning an SD round, and its fan-out from
