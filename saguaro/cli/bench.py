@@ -53,14 +53,16 @@ def _bench_program(args) -> int:
     # an artifact does not say which pair it holds, so its prompts are the fixed ones (or random ids)
     prompts = prompt_set(tokenizer, args.prompts, program.target.spec.vocab_size, args.seed, default_pair=False)
     sys.stdout.write(f"prompts ({prompts.source}): {prompts.detail}\n")
-    rows = run_rows(None, None, prompts.ids, modes, program.config.k, args.max_new_tokens, args.temperature, args.batch,
-                    args.seed, program=program, repeats=args.repeats)
+    try:
+        rows = run_rows(None, None, prompts.ids, modes, program.config.k, args.max_new_tokens, args.temperature,
+                        args.batch, args.seed, program=program, repeats=args.repeats)
+    finally:
+        program.close()  # its lane (a draft process) ends with the run, whether the rows ran or raised
     sys.stdout.write(format_table(rows) + "\n")
     if args.json:
         config = {"repeats": args.repeats, "order": interleaved(modes, args.repeats)}
         report = {"program": args.program, "config": config, "prompts": prompts.describe(), "rows": rows}
         sys.stdout.write(f"wrote {write_json(report, args.json)}\n")
-    program.close()
     return 0
 
 

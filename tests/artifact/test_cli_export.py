@@ -2,9 +2,11 @@
 the loaded program prints the target's greedy completion (the portable form: no native compile, so
 the test stays fast; ``test_artifact.py`` covers the AOTInductor packages)."""
 
+import pytest
 import torch
 
 from saguaro.cli.main import main
+from saguaro.runtime.program import Program
 from tests.models import EOS, reference_greedy, tiny_target
 from tests.tiny_tokenizer import tiny_tokenizer
 
@@ -20,7 +22,7 @@ def run_cli(argv, capsys):
     return rc, out, err
 
 
-def test_export_then_generate_and_bench_from_the_program(tmp_path, capsys):
+def test_export_then_generate_and_bench_from_the_program(tmp_path, capsys, monkeypatch):
     target = tiny_target("llama", logit_scale=4.0)
     target.save_pretrained(tmp_path / "target")
     tiny_tokenizer().save_pretrained(tmp_path / "target")
@@ -42,6 +44,17 @@ def test_export_then_generate_and_bench_from_the_program(tmp_path, capsys):
     assert rc == 0, err
     assert any(line.startswith("ar ") for line in out.splitlines())
     assert any(line.startswith("prompts (fixed): ") for line in out.splitlines())  # the artifact has a tokenizer; its pair is unknown
+    # a run whose rows raise still closes the loaded program (its lane ends with the run)
+    closed, real_close = [], Program.close
+    monkeypatch.setattr(Program, "close", lambda self: (closed.append(self), real_close(self))[1])
+
+    def failing_rows(*args, **kwargs):
+        raise OSError("disk")
+
+    monkeypatch.setattr("saguaro.bench.rows.run_rows", failing_rows)
+    with pytest.raises(OSError, match="disk"):
+        main(["bench", "--program", str(out_dir), "--modes", "ar", "--prompts", "2", "--max-new-tokens", "4"])
+    assert len(closed) == 1
 
 
 def test_program_with_target_is_refused(tmp_path, capsys):
