@@ -114,7 +114,8 @@ def print_as_decided(tokenizer, prompt: str, stream, before_text=None) -> None:
 def stats_line(s: dict) -> str:
     """``[mode] N tokens in ...``; ``[ssd, ran as SD: no tree pays here] ...`` where SD's rounds ran
     (:func:`~saguaro.runtime.base.stats.ran_as_sd`)."""
-    label = f"{s['mode']}, {ran_as_sd(s)}" if ran_as_sd(s) else s["mode"]
+    why = ran_as_sd(s)
+    label = f"{s['mode']}, {why}" if why else s["mode"]
     hits = f", cache hit rate {s['cache_hit_rate']:.2f}" if "cache_hit_rate" in s else ""
     return (f"[{label}] {s['new_tokens']} tokens in {s['wall_s']:.2f}s: {s['tokens_per_s']:.1f} tokens/s, "
             f"mean accepted length {s['mean_accepted_len']:.2f}, {s['rounds']} rounds{hits}")
