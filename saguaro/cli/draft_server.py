@@ -2,7 +2,8 @@
 (``saguaro.compile(target, draft_address="HOST:PORT", lane="remote")`` connects to it).
 
 It binds only the address given (loopback when the host is omitted), prints that address and a ready
-line, and serves until interrupted (Ctrl-C ends it cleanly). A non-loopback address needs a shared
+line, and serves until interrupted (Ctrl-C ends it cleanly, within seconds even while it waits on a joining
+target: ``stop_watchdog``). A non-loopback address needs a shared
 secret (``--secret-file`` or ``SAGUARO_DRAFT_SECRET``): without one it refuses to start.
 """
 
@@ -12,6 +13,7 @@ import sys
 
 from saguaro.cli.args import int_at_least
 from saguaro.cli.registry import Subcommand
+from saguaro.cli.stop_watchdog import StopWatchdog
 
 
 def add_arguments(parser) -> None:
@@ -100,7 +102,8 @@ def run(args) -> int:
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     try:
-        server.serve()
+        with StopWatchdog("saguaro draft-server"):
+            server.serve()
     except KeyboardInterrupt:
         sys.stdout.write("saguaro draft-server: stopped\n")
     return 0

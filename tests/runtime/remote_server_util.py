@@ -32,14 +32,17 @@ class ServerProcess:
         self.address, self.draft_dir, self.secret_file = address, draft_dir, secret_file
         self.process: subprocess.Popen | None = None
         self.lines: list[str] = []
+        self.stderr_path = Path(secret_file).parent / "server.stderr"  # the stacks a forced stop writes
 
     def start(self) -> "ServerProcess":
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         env.pop("SAGUARO_DRAFT_SECRET", None)
-        self.process = subprocess.Popen(server_command(self.address, self.draft_dir, self.secret_file), cwd=ROOT,
-                                        env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        with open(self.stderr_path, "a") as stderr:
+            self.process = subprocess.Popen(server_command(self.address, self.draft_dir, self.secret_file), cwd=ROOT,
+                                            env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                            stderr=stderr, text=True)
         self.lines = [self.process.stdout.readline().strip(), self.process.stdout.readline().strip()]
-        assert self.lines[1] == "ready", f"the draft server did not start: {self.lines}"
+        assert self.lines[1] == "ready", f"the draft server did not start: {self.lines} {self.stderr()[-3000:]}"
         return self
 
     @property
@@ -53,8 +56,12 @@ class ServerProcess:
         self.process.kill()
         self.process.wait()
 
-    def interrupt(self, timeout_s: float = 60) -> tuple[int, str]:
-        """Ctrl-C: the exit status and what it printed after the ready line."""
+    def stderr(self) -> str:
+        return self.stderr_path.read_text() if self.stderr_path.exists() else ""
+
+    def interrupt(self, timeout_s: float = 30) -> tuple[int, str]:
+        """Ctrl-C: the exit status and what it printed after the ready line (its joining-target wait
+        times out after 60 s: ``timeout_s`` is shorter)."""
         self.process.send_signal(signal.SIGINT)
         rest, _ = self.process.communicate(timeout=timeout_s)
         return self.process.returncode, rest

@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import subprocess
+import warnings
 
 import pytest
 import torch
@@ -229,7 +230,9 @@ def test_a_non_loopback_address_without_a_secret_refuses_to_start(capsys, monkey
 
 def test_ctrl_c_ends_the_server_cleanly(server):
     code, printed = server.interrupt()
-    assert code == 0 and "stopped" in printed
+    assert code == 0 and "saguaro draft-server: stopped" in printed, (printed, server.stderr()[-3000:])
+    if "forced" in printed:  # a native wait held the interrupt (see stop_watchdog): where, for the log
+        warnings.warn(f"the draft server's stop was forced; its stacks:\n{server.stderr()[-3000:]}")
     host, port = server.address.rsplit(":", 1)
     with socket.socket() as s:  # the address is free again
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

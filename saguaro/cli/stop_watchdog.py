@@ -1,0 +1,68 @@
+"""Ctrl-C ends a serving process within seconds, even while its main thread waits in native code.
+
+Python runs a signal's handler (and so raises ``KeyboardInterrupt``) only when the main thread is back
+in the interpreter. ``torch.distributed`` waits (a store rendezvous while a target joins, a gloo receive
+after a doorbell) return only at their timeout, up to a minute later. ``StopWatchdog`` sees the signal at
+once: ``signal.set_wakeup_fd`` makes the interpreter's C-level handler write the signal's number to a pipe
+that a daemon thread reads. When the main thread has not finished stopping ``grace_s`` after the
+interrupt, the thread writes every thread's stack to stderr (where the wait was), says so, and ends the
+process with ``os._exit`` (the kernel frees its sockets; nothing of the server's is left half-written,
+it writes no files).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import threading
+
+GRACE_S = 5.0
+
+
+class StopWatchdog:
+    """``with StopWatchdog(name):`` around a serving loop run on the main thread; outside the main thread
+    (where Python delivers no signals) it does nothing."""
+
+    def __init__(self, name: str, grace_s: float = GRACE_S, exit_code: int = 0):
+        self.name, self.grace_s, self.exit_code = name, grace_s, exit_code
+        self.stopped = threading.Event()
+        self._pipe: tuple[int, int] | None = None
+        self._previous_fd = -1
+
+    def __enter__(self) -> "StopWatchdog":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # the C-level handler must never block on a full pipe
+        self._pipe = (read_fd, write_fd)
+        self._previous_fd = signal.set_wakeup_fd(write_fd)
+        threading.Thread(target=self._watch, args=(read_fd,), name=f"{self.name} stop watchdog", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            os.close(self._pipe[1])  # the watching thread reads end of file and returns
+
+    def _watch(self, read_fd: int) -> None:
+        try:
+            while True:
+                numbers = os.read(read_fd, 64)
+                if not numbers or self.stopped.is_set():
+                    return
+                if signal.SIGINT in numbers and not self.stopped.wait(self.grace_s):
+                    self._force()
+        finally:
+            os.close(read_fd)
+
+    def _force(self) -> None:
+        sys.stderr.write(f"{self.name}: still stopping {self.grace_s:g} s after Ctrl-C (a wait in native code "
+                         f"holds the interrupt); where each thread was:\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stdout.write(f"{self.name}: stopped (forced: a native wait did not return within {self.grace_s:g} s)\n")
+        sys.stdout.flush()
+        os._exit(self.exit_code)

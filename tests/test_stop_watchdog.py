@@ -1,0 +1,72 @@
+"""``StopWatchdog``: Ctrl-C ends a serving process even while its main thread waits in native code that
+holds the interrupt (a ``torch.distributed`` store wait returns only at its timeout), and an ordinary
+interrupt still ends it the ordinary way. Each case is a child process that prints ``waiting`` and is
+then sent SIGINT; what it printed says which way it ended (no clock is asserted on)."""
+
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from saguaro.cli.stop_watchdog import StopWatchdog
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = """
+import datetime, sys, time
+import torch.distributed as dist
+from saguaro.cli.stop_watchdog import StopWatchdog
+
+native = sys.argv[1] == "native"
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=120)) if native else None
+try:
+    with StopWatchdog("child", grace_s=1.0):
+        print("waiting", flush=True)
+        if native:
+            store.wait(["never set"])  # native: the interrupt waits for this to return
+            print("the native wait returned", flush=True)
+        else:
+            time.sleep(120)
+except KeyboardInterrupt:
+    print("child: stopped", flush=True)
+"""
+
+
+def interrupted(how: str) -> tuple[int, str, str]:
+    child = subprocess.Popen([sys.executable, "-c", CHILD, how], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "waiting"
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=90)  # the store's own timeout, 120 s, is longer
+    return child.returncode, out, err
+
+
+def test_a_native_wait_is_ended_with_every_threads_stack():
+    code, out, err = interrupted("native")
+    assert "child: stopped (forced: a native wait did not return within 1 s)" in out, (out, err)
+    assert "the native wait returned" not in out and code == 0
+    assert "still stopping 1 s after Ctrl-C" in err and 'line 12' in err and "<string>" in err, err
+
+
+def test_an_interruptible_wait_stops_the_ordinary_way():
+    code, out, err = interrupted("python")
+    assert out.strip() == "child: stopped" and code == 0, (out, err)
+    assert "still stopping" not in err, err
+
+
+def test_outside_the_main_thread_it_does_nothing_and_inside_it_restores_the_wakeup_fd():
+    seen = []
+
+    def body():
+        with StopWatchdog("x") as dog:
+            seen.append(dog._pipe)
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen == [None]
+    before = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(before)
+    with StopWatchdog("x") as dog:
+        assert signal.set_wakeup_fd(dog._pipe[1]) == dog._pipe[1]  # ours while inside
+    assert signal.set_wakeup_fd(before) == before
