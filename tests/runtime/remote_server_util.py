@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-BOOT = "import sys; from saguaro.cli.main import main; sys.exit(main(sys.argv[1:]))"
+# Ctrl-C as a terminal delivers it, however pytest was started: a process started in the background by a
+# non-interactive shell ignores SIGINT, and its children inherit that (a Ctrl-C test would then wait forever)
+BOOT = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from saguaro.cli.main import main; sys.exit(main(sys.argv[1:]))")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
