@@ -2,8 +2,8 @@
 (``saguaro.compile(target, draft_address="HOST:PORT", lane="remote")`` connects to it).
 
 It binds only the address given (loopback when the host is omitted), prints that address and a ready
-line, and serves until interrupted (Ctrl-C ends it cleanly, within seconds even while it waits on a joining
-target: ``stop_watchdog``). A non-loopback address needs a shared
+line, and serves until interrupted (Ctrl-C ends it cleanly, within seconds even while a
+``torch.distributed`` wait holds the interrupt: ``stop_watchdog``). A non-loopback address needs a shared
 secret (``--secret-file`` or ``SAGUARO_DRAFT_SECRET``): without one it refuses to start.
 """
 

@@ -25,8 +25,8 @@ class StopWatchdog:
     """``with StopWatchdog(name):`` around a serving loop run on the main thread; outside the main thread
     (where Python delivers no signals) it does nothing."""
 
-    def __init__(self, name: str, grace_s: float = GRACE_S, exit_code: int = 0):
-        self.name, self.grace_s, self.exit_code = name, grace_s, exit_code
+    def __init__(self, name: str, grace_s: float = GRACE_S):
+        self.name, self.grace_s = name, grace_s
         self.stopped = threading.Event()
         self._pipe: tuple[int, int] | None = None
         self._previous_fd = -1
@@ -65,4 +65,4 @@ class StopWatchdog:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stdout.write(f"{self.name}: stopped (forced: a native wait did not return within {self.grace_s:g} s)\n")
         sys.stdout.flush()
-        os._exit(self.exit_code)
+        os._exit(0)  # the stop the user asked for, as the ordinary way exits

@@ -63,8 +63,8 @@ class ServerProcess:
         return self.stderr_path.read_text() if self.stderr_path.exists() else ""
 
     def interrupt(self, timeout_s: float = 30) -> tuple[int, str]:
-        """Ctrl-C: the exit status and what it printed after the ready line (its joining-target wait
-        times out after 60 s: ``timeout_s`` is shorter)."""
+        """Ctrl-C: the exit status and what it printed after the ready line (a stop held up by a native
+        wait is forced 5 s after the signal, ``stop_watchdog``)."""
         self.process.send_signal(signal.SIGINT)
         rest, _ = self.process.communicate(timeout=timeout_s)
         return self.process.returncode, rest
