@@ -18,6 +18,7 @@ killed leaves nothing loadable at ``path``.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -34,7 +35,6 @@ from saguaro.artifact.manifest import (
 from saguaro.artifact.record import record_stages
 from saguaro.artifact.signature import describe, dynamic_shapes, examples
 from saguaro.artifact.weights import model_tensors, save_weights
-from saguaro.capture.capture_files import serialize_graph
 from saguaro.core.errors import ArtifactError
 from saguaro.core.schedule import round_schedule
 from saguaro.core.stages import stages_for
@@ -43,6 +43,17 @@ log = logging.getLogger(__name__)
 
 BUILTIN_NAMESPACES = ("aten", "prims")  # ops with C++ kernels that AOTInductor-compiled code can call
 
+
+
+def serialize_graph(program: torch.export.ExportedProgram):
+    """torch.export's serialized form of ``program`` (graph and example inputs; the weights are not
+    kept). torch 2.13's ``serialize`` can skip pickling the state dict and constants; torch 2.11's
+    always pickles them (time spent on bytes this function's callers drop)."""
+    from torch._export.serde.serialize import serialize
+
+    if "serialize_state_dict" in inspect.signature(serialize).parameters:
+        return serialize(program, serialize_state_dict=False, serialize_constants=False)
+    return serialize(program)
 
 def export_program(program, path, *, modes=None, sampling: bool = True, native: bool = True, max_batch: int = 64,
                    model_configs: dict | None = None, tokenizer=None, announce=None) -> Path:

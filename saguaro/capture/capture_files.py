@@ -1,6 +1,7 @@
 """Captures kept on disk, so a later process (the next ``saguaro generate``, a draft process, a test
-worker) skips ``torch.export`` for an architecture captured before: the graph only (torch.export's
-serialized form, no weights), bound to the new model's weights by name when read back.
+worker) skips ``torch.export`` for an architecture captured before: the graph only (no weights) as plain
+JSON (:mod:`~saguaro.capture.graph_file`: read back in milliseconds, where torch.export's own serialized
+form took seconds), bound to the new model's weights by name when read back.
 
 Where: ``$SAGUARO_CACHE_DIR/captures`` (default ``~/.cache/saguaro/captures``); ``SAGUARO_CAPTURE_CACHE=0``
 turns it off. One folder per fingerprint (:func:`~saguaro.capture.capture_cache.fingerprint`, plus the
@@ -12,22 +13,23 @@ differs, or that cannot be read, is a miss (logged); the capture then runs as if
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import logging
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
+from saguaro.capture import graph_file
 from saguaro.capture.capture_cache import named_tensors
 
 log = logging.getLogger(__name__)
 
 ENV_DIR, ENV_SWITCH = "SAGUARO_CACHE_DIR", "SAGUARO_CAPTURE_CACHE"
-FORMAT = 1
+FORMAT = 2  # 1: torch.export's serialized form; 2: graph_file's JSON
 
 
 def cache_root() -> Path | None:
@@ -56,8 +58,9 @@ def _entry(root: Path, key: tuple) -> tuple[Path, str]:
     return root / hashlib.sha256(described.encode()).hexdigest()[:40], described
 
 
-def write(key: tuple | None, program: torch.export.ExportedProgram) -> None:
-    """Keep ``program`` (the graph, not its weights) under ``key``; any failure is logged, never raised."""
+def write(key: tuple | None, graph_module: torch.fx.GraphModule) -> None:
+    """Keep ``graph_module`` (``ExportedProgram.module()``: the graph, not its weights) under ``key``; any
+    failure is logged, never raised."""
     root = cache_root()
     if key is None or root is None:
         return
@@ -68,18 +71,16 @@ def write(key: tuple | None, program: torch.export.ExportedProgram) -> None:
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
-        artifact = serialize_graph(program)
-        (tmp / "graph.ep").write_bytes(artifact.exported_program)
-        (tmp / "inputs.bin").write_bytes(artifact.example_inputs)
-        parameters = sorted(name for name, _ in program.named_parameters())
-        entry = dict(fingerprint=described, state_dict=sorted(program.state_dict), parameters=parameters,
-                     constants=sorted(program.constants))
-        (tmp / "entry.json").write_text(json.dumps(entry))
+        (tmp / "graph.json").write_text(graph_file.dumps(graph_module))
+        tensors = sorted({node.target for node in graph_module.graph.nodes if node.op == "get_attr"})
+        (tmp / "entry.json").write_text(json.dumps(dict(fingerprint=described, tensors=tensors)))
         try:
             tmp.rename(folder)
             tmp = None
         except OSError:  # another process wrote it first: theirs is the same graph
             pass
+    except graph_file.NotKept as exc:
+        log.info("capture cache: this graph is not kept on disk (%s)", exc)
     except Exception as exc:  # a full disk or an unwritable home must not stop a capture
         log.warning("could not keep the capture on disk in %s: %s", root, exc)
     finally:
@@ -102,38 +103,16 @@ def read(key: tuple | None, wrapper: torch.nn.Module) -> torch.fx.GraphModule | 
             log.info("capture cache: %s holds another fingerprint; capturing afresh", folder)
             return None
         own = dict(named_tensors(wrapper))
-        missing = [name for name in (*entry["state_dict"], *entry["constants"]) if name not in own]
+        missing = [name for name in entry["tensors"] if name not in own]
         if missing:
             log.info("capture cache: %s needs %s, which this model has not got; capturing afresh", folder, missing[0])
             return None
-        parameters = set(entry["parameters"])
-        state_dict = {name: own[name] if name not in parameters or isinstance(own[name], torch.nn.Parameter)
-                      else torch.nn.Parameter(own[name], requires_grad=False) for name in entry["state_dict"]}
-        constants = {name: own[name] for name in entry["constants"]}
-        return _deserialize(folder, state_dict, constants).module()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # pytree's LeafSpec deprecation, inside torch
+            return graph_file.loads((folder / "graph.json").read_text(), wrapper)
     except Exception as exc:  # a corrupt or foreign entry: capture as if it were not there
         log.warning("capture cache: could not read %s (%s: %s); capturing afresh", folder, type(exc).__name__, exc)
         return None
-
-
-def serialize_graph(program: torch.export.ExportedProgram):
-    """torch.export's serialized form of ``program`` (graph and example inputs; the weights are not
-    kept). torch 2.13's ``serialize`` can skip pickling the state dict and constants; torch 2.11's
-    always pickles them (time spent on bytes this function's callers drop)."""
-    from torch._export.serde.serialize import serialize
-
-    if "serialize_state_dict" in inspect.signature(serialize).parameters:
-        return serialize(program, serialize_state_dict=False, serialize_constants=False)
-    return serialize(program)
-
-
-def _deserialize(folder: Path, state_dict: dict, constants: dict):
-    from torch._export.serde import schema
-    from torch._export.serde.serialize import ExportedProgramDeserializer, _bytes_to_dataclass
-
-    serialized = _bytes_to_dataclass(schema.ExportedProgram, (folder / "graph.ep").read_bytes())
-    return ExportedProgramDeserializer().deserialize(serialized, state_dict, constants,
-                                                     (folder / "inputs.bin").read_bytes())
 
 
 def clear() -> None:

@@ -194,7 +194,7 @@ def capture(model: torch.nn.Module) -> CapturedModel:
             f"{len(attention_nodes)}; some attention does not go through AttentionInterface"
         )
     CAPTURES.put(key, graph_module)
-    capture_files.write(key, program)
+    capture_files.write(key, graph_module)
     elapsed = time.perf_counter() - start
     log.info("captured %s: %d layers, %d graph nodes in %.1fs", name, spec.num_layers,
              len(graph_module.graph.nodes), elapsed)

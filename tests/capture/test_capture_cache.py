@@ -160,7 +160,7 @@ def test_a_foreign_or_damaged_entry_is_a_miss(disk, cache, caplog, monkeypatch):
         assert exports == [1] and len(captured.graph_module.graph.nodes) > 0  # captured afresh
         assert damage in caplog.text
         (entry / "entry.json").write_text(json.dumps(described))  # the right fingerprint, ...
-        (entry / "graph.ep").write_bytes(b"not a graph")  # ... a damaged graph
+        (entry / "graph.json").write_text("not a graph")  # ... a damaged graph
 
 
 def test_an_unwritable_cache_folder_only_warns(cache, tmp_path, monkeypatch, caplog):
