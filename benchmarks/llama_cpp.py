@@ -1,0 +1,186 @@
+"""Saguaro against llama.cpp on this CPU, from your own llama.cpp build and GGUF files of the pair.
+
+    python benchmarks/llama_cpp.py --llama-cpp ~/llama.cpp/build \\
+        --target-gguf target-f32.gguf --draft-gguf draft-f32.gguf --threads 1,2 --json llama_cpp.json
+
+Rows, at each thread count (tokens/s; the median of ``--repeats`` passes, a pass being every prompt once;
+the llama.cpp rows' passes alternate with each other, the Saguaro rows' with each other, each Saguaro
+row in a process of its own, as ``saguaro bench`` runs them):
+
+- ``llama.cpp ar``: ``llama-completion`` per prompt, greedy, ``--ignore-eos``; tokens/s from its ``eval
+  time`` line (the generated tokens only, prompt processing excluded, as ``llama-bench``'s tg).
+- ``llama.cpp sd``: ``llama-speculative`` per prompt with ``--draft-max K``; its ``decoded N tokens in
+  S seconds`` line (drafting and verification after the prompt).
+- ``saguaro ar`` / ``saguaro sd``: ``saguaro bench --modes ar,sd`` on the same prompts, ``--k K``; its
+  tokens/s include the prompt's prefill, a small share at 128 new tokens: a conservative comparison.
+
+The prompts are ``saguaro bench``'s (held-out snippets of the default pair), written as text files that
+llama.cpp reads with ``-f``. Without a build (no ``--llama-cpp``, or its binaries not found) the script
+says why, writes the reason to ``--json`` and exits 0: the benchmark is optional. Flags that differ
+between llama.cpp versions can be added with ``--completion-args`` and ``--speculative-args``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+COMPLETION, SPECULATIVE = "llama-completion", "llama-speculative"
+EVAL_LINE = re.compile(r"(?<!prompt )eval time\s*=\s*([\d.]+) ms\s*/\s*(\d+) (?:runs|tokens)")
+DECODED_LINE = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp build folder (holding bin/llama-completion)")
+    p.add_argument("--target-gguf", metavar="FILE", help="the target as GGUF (float32 for an exact comparison)")
+    p.add_argument("--draft-gguf", metavar="FILE", help="the draft as GGUF")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    p.add_argument("--prompts", type=int, default=4, help="saguaro bench's first N prompts (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
+    p.add_argument("--k", type=int, default=5, help="speculation length of both (default 5)")
+    p.add_argument("--repeats", type=int, default=3, help="passes per row (default 3)")
+    p.add_argument("--saguaro-modes", default="ar,sd", help="Saguaro rows to run, '' for none (default ar,sd)")
+    p.add_argument("--completion-args", default="", help="more arguments for llama-completion")
+    p.add_argument("--speculative-args", default="", help="more arguments for llama-speculative")
+    p.add_argument("--json", metavar="PATH", help="write the table here as JSON")
+    return p.parse_args(argv)
+
+
+def find_binaries(folder: str | None) -> tuple[dict | None, str]:
+    """``({name: path}, "")``, or ``(None, why)`` when the build is not given or lacks a binary."""
+    if not folder:
+        return None, "no llama.cpp build given (--llama-cpp DIR, the folder holding bin/llama-completion)"
+    found = {}
+    for name in (COMPLETION, SPECULATIVE):
+        path = next((c for c in (Path(folder) / "bin" / name, Path(folder) / name) if c.is_file()), None)
+        if path is None or not os.access(path, os.X_OK):
+            return None, f"{name} not found in {folder} or {folder}/bin"
+        found[name] = str(path)
+    return found, ""
+
+
+def eval_speed(output: str) -> tuple[int, float]:
+    """``(tokens, seconds)`` from llama-completion's ``eval time = X ms / N runs`` line."""
+    match = EVAL_LINE.search(output)
+    if match is None:
+        raise ValueError(f"no 'eval time' line in llama-completion's output: {output[-500:]!r}")
+    return int(match.group(2)), float(match.group(1)) / 1000.0
+
+
+def decoded_speed(output: str) -> tuple[int, float]:
+    """``(tokens, seconds)`` from llama-speculative's ``decoded N tokens in S seconds`` line."""
+    match = DECODED_LINE.search(output)
+    if match is None:
+        raise ValueError(f"no 'decoded N tokens' line in llama-speculative's output: {output[-500:]!r}")
+    return int(match.group(1)), float(match.group(2))
+
+
+def llama_cpp_pass(binary: str, args: list, prompt_files: list, parse) -> float:
+    """One pass over the prompts: generated tokens / seconds, summed over prompts."""
+    tokens = seconds = 0.0
+    for prompt in prompt_files:
+        done = subprocess.run([binary, *args, "-f", prompt], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{Path(binary).name} exited {done.returncode}: {done.stderr[-800:]}")
+        n, s = parse(done.stdout + done.stderr)
+        tokens, seconds = tokens + n, seconds + s
+    return tokens / seconds
+
+
+def llama_cpp_rows(binaries: dict, args, threads: int, prompt_files: list) -> list:
+    common = ["-n", str(args.max_new_tokens), "-t", str(threads), "--temp", "0", "--top-k", "1", "--ignore-eos"]
+    runs = {
+        "llama.cpp ar": (binaries[COMPLETION], ["-m", args.target_gguf, *common,
+                                                *shlex.split(args.completion_args)], eval_speed),
+        "llama.cpp sd": (binaries[SPECULATIVE], ["-m", args.target_gguf, "-md", args.draft_gguf, "-td", str(threads),
+                                                 "--draft-max", str(args.k), *common,
+                                                 *shlex.split(args.speculative_args)], decoded_speed),
+    }
+    passes = {label: [] for label in runs}
+    for _ in range(args.repeats):  # the rows' passes alternate
+        for label, (binary, run_args, parse) in runs.items():
+            passes[label].append(llama_cpp_pass(binary, run_args, prompt_files, parse))
+    return [row(label, threads, speeds) for label, speeds in passes.items()]
+
+
+def saguaro_rows(args, threads: int, workdir: Path) -> list:
+    modes = [m for m in args.saguaro_modes.split(",") if m]
+    if not modes:
+        return []
+    out = workdir / f"saguaro_{threads}.json"
+    command = [sys.executable, "-c", "import sys; from saguaro.cli import main; sys.exit(main())", "bench", "--modes", ",".join(modes), "--k", str(args.k),
+               "--threads", str(threads), "--prompts", str(args.prompts), "--max-new-tokens",
+               str(args.max_new_tokens), "--repeats", str(args.repeats), "--json", str(out)]
+    subprocess.run(command, check=True, timeout=3600)
+    return rows_from_bench(json.loads(out.read_text()), threads)
+
+
+def rows_from_bench(report: dict, threads: int) -> list:
+    """The table's rows from a ``saguaro bench --json`` report."""
+    return [dict(row=f"saguaro {r['mode']}", threads=threads, tokens_per_s=r["tokens_per_s"],
+                 passes=r["tokens_per_s_reps"], spread_pct=r["spread_pct"]) for r in report["rows"]]
+
+
+def row(label: str, threads: int, speeds: list) -> dict:
+    median = statistics.median(speeds)
+    spread = 100.0 * (max(speeds) - min(speeds)) / median if len(speeds) > 1 else None
+    return dict(row=label, threads=threads, tokens_per_s=median, passes=speeds, spread_pct=spread)
+
+
+def write_prompts(count: int, max_new_tokens: int, workdir: Path) -> list:
+    """``saguaro bench``'s first ``count`` prompts as text files."""
+    import saguaro
+    from saguaro.bench.worker import BenchParams, run_prompts
+
+    target, _, tokenizer = saguaro.default_pair()
+    prompts = run_prompts(BenchParams(prompts=count, max_new_tokens=max_new_tokens), tokenizer, target)
+    files = []
+    for i, ids in enumerate(prompts.ids):
+        path = workdir / f"prompt_{i}.txt"
+        path.write_text(tokenizer.decode(ids[0]))
+        files.append(str(path))
+    return files
+
+
+def format_rows(rows: list) -> str:
+    lines = [f"{'row':<16}{'threads':>8}{'tokens/s':>10}{'spread':>9}"]
+    for r in rows:
+        spread = "-" if r["spread_pct"] is None else f"{r['spread_pct']:.1f}%"
+        lines.append(f"{r['row']:<16}{r['threads']:>8}{r['tokens_per_s']:>10.1f}{spread:>9}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    binaries, why = find_binaries(args.llama_cpp)
+    if binaries is None or not (args.target_gguf and args.draft_gguf):
+        why = why or "--target-gguf and --draft-gguf are both needed"
+        print(f"llama_cpp.py: skipped: {why}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"skipped": why}, indent=2))
+        return 0
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="saguaro-llama-cpp-") as tmp:
+        workdir = Path(tmp)
+        prompt_files = write_prompts(args.prompts, args.max_new_tokens, workdir)
+        for threads in (int(t) for t in args.threads.split(",")):
+            rows += llama_cpp_rows(binaries, args, threads, prompt_files)
+            rows += saguaro_rows(args, threads, workdir)
+            print(format_rows(rows), flush=True)
+    report = {"config": vars(args), "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""``benchmarks/llama_cpp.py``: skipped with its reason without a llama.cpp build; with one (here a fake
+build whose two programs print llama.cpp's own report lines, tokens/s set by the test) its llama.cpp rows
+are those lines' speeds, medians over alternating passes; Saguaro's rows come from ``saguaro bench``'s
+JSON report."""
+
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import llama_cpp  # noqa: E402
+
+COMPLETION_OUT = """llama_perf_context_print: prompt eval time =      12.00 ms /    20 tokens (0.60 ms per token)
+llama_perf_context_print:        eval time =    {ms} ms /   {n} runs   (    2.00 ms per token,   500.00 tokens per second)
+"""
+SPECULATIVE_OUT = "encoded   20 tokens in    0.010 seconds\ndecoded  {n} tokens in    {s} seconds, speed:  1.0 t/s\n"
+
+
+def _program(path: Path, body: str) -> None:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def test_without_a_build_it_says_why_and_writes_the_reason(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert llama_cpp.main(["--json", str(out)]) == 0
+    assert "skipped: no llama.cpp build given" in capsys.readouterr().out
+    assert "no llama.cpp build given" in json.loads(out.read_text())["skipped"]
+    assert llama_cpp.main(["--llama-cpp", str(tmp_path), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["skipped"] == f"llama-completion not found in {tmp_path} or {tmp_path}/bin"
+
+
+def test_the_report_lines_are_read_and_a_missing_one_is_named():
+    assert llama_cpp.eval_speed(COMPLETION_OUT.format(ms="254.00", n=127)) == (127, 0.254)  # not the prompt's
+    assert llama_cpp.decoded_speed(SPECULATIVE_OUT.format(n=128, s="0.200")) == (128, 0.2)
+    with pytest.raises(ValueError, match="no 'eval time' line"):
+        llama_cpp.eval_speed("llama_perf_context_print: prompt eval time = 1.0 ms / 3 tokens")
+
+
+def test_rows_from_a_fake_build_are_medians_of_alternating_passes(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    calls = tmp_path / "calls"
+    # each call appends its name; llama-completion's speed rises per call: 100, 200, 300 tokens/s
+    _program(bin_dir / "llama-completion", f'echo c >> {calls}; n=$(grep -c c {calls}); '
+             f'printf "{COMPLETION_OUT.format(ms="1000.00", n="$((n * 100))")}" >&2\n')
+    _program(bin_dir / "llama-speculative", f'echo s >> {calls}; printf "{SPECULATIVE_OUT.format(n=50, s="0.100")}"\n')
+    prompts = [str(tmp_path / "p0.txt")]
+    monkeypatch.setattr(llama_cpp, "write_prompts", lambda count, new, workdir: prompts)
+    out = tmp_path / "r.json"
+    assert llama_cpp.main(["--llama-cpp", str(tmp_path / "build"), "--target-gguf", "t.gguf", "--draft-gguf",
+                           "d.gguf", "--threads", "1,2", "--repeats", "3", "--saguaro-modes", "",
+                           "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["row"], r["threads"]) for r in rows] == [("llama.cpp ar", 1), ("llama.cpp sd", 1),
+                                                         ("llama.cpp ar", 2), ("llama.cpp sd", 2)]
+    assert rows[0]["passes"] == [100.0, 200.0, 300.0] and rows[0]["tokens_per_s"] == 200.0
+    assert rows[2]["passes"] == [400.0, 500.0, 600.0]
+    assert rows[1]["tokens_per_s"] == 500.0 and rows[1]["spread_pct"] == 0.0
+    assert calls.read_text().split() == ["c", "s"] * 6  # the two rows' passes alternate
+
+
+def test_saguaro_rows_are_read_from_the_bench_report():
+    report = {"rows": [{"mode": "sd", "tokens_per_s": 420.0, "tokens_per_s_reps": [400.0, 420.0, 430.0],
+                        "spread_pct": 7.1}]}
+    assert llama_cpp.rows_from_bench(report, 2) == [dict(row="saguaro sd", threads=2, tokens_per_s=420.0,
+                                                         passes=[400.0, 420.0, 430.0], spread_pct=7.1)]
+
+
+def test_saguaro_rows_run_saguaro_bench_with_the_same_settings(tmp_path, monkeypatch):
+    seen = []
+
+    def run(command, check, timeout):
+        seen.append(command)
+        out = Path(command[command.index("--json") + 1])
+        out.write_text(json.dumps({"rows": [{"mode": m, "tokens_per_s": 1.0, "tokens_per_s_reps": [1.0],
+                                             "spread_pct": None} for m in ("ar", "sd")]}))
+    monkeypatch.setattr(llama_cpp.subprocess, "run", run)
+    args = llama_cpp.parse_args(["--k", "5", "--prompts", "4", "--max-new-tokens", "128", "--repeats", "3"])
+    rows = llama_cpp.saguaro_rows(args, 2, tmp_path)
+    assert [r["row"] for r in rows] == ["saguaro ar", "saguaro sd"]
+    command = " ".join(seen[0][3:])
+    assert command.startswith("bench --modes ar,sd --k 5 --threads 2 --prompts 4 --max-new-tokens 128 --repeats 3")
