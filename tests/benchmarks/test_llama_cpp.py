@@ -13,9 +13,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import llama_cpp  # noqa: E402
 
-COMPLETION_OUT = """llama_perf_context_print: prompt eval time =      12.00 ms /    20 tokens (0.60 ms per token)
-llama_perf_context_print:        eval time =    {ms} ms /   {n} runs   (    2.00 ms per token,   500.00 tokens per second)
-"""
+COMPLETION_OUT = (
+    "llama_perf_context_print: prompt eval time =      12.00 ms /    20 tokens (0.60 ms per token)\n"
+    "llama_perf_context_print:        eval time =    {ms} ms /   {n} runs   (    2.00 ms per token,   500.00 tokens"
+    " per second)\n")
 SPECULATIVE_OUT = "encoded   20 tokens in    0.010 seconds\ndecoded  {n} tokens in    {s} seconds, speed:  1.0 t/s\n"
 
 
