@@ -119,7 +119,8 @@ def saguaro_rows(args, threads: int, workdir: Path) -> list:
     out = workdir / f"saguaro_{threads}.json"
     command = [sys.executable, "-c", "import sys; from saguaro.cli import main; sys.exit(main())",
                "bench", "--modes", ",".join(modes), "--k", str(args.k), "--threads", str(threads),
-               "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(args.repeats), "--json", str(out)]
+               "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
+               "--repeats", str(args.repeats), "--json", str(out)]
     subprocess.run(command, check=True, timeout=3600)
     return rows_from_bench(json.loads(out.read_text()), threads)
 
