@@ -73,7 +73,8 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
     models = {name: model for name, model in (("target", target), ("draft", draft)) if model is not None}
     graphs = {name: resolve_cuda_graphs(cfg.cuda_graphs, model_spec(model).device) for name, model in models.items()}
     # compile="background": one compile thread for both models' stages (saguaro.lower.tiered)
-    compiler = BackgroundCompiler() if cfg.compile == "background" and cfg.backend == "inductor" else None
+    # held until the first generation's first round is out (Program.generate releases it)
+    compiler = BackgroundCompiler(held=True) if cfg.compile == "background" and cfg.backend == "inductor" else None
     runners = {name: build_runner(name, model, cfg.backend, cfg.attention, graphs[name],
                                   shard if name == "target" else None, compiler)
                for name, model in models.items()}
@@ -123,6 +124,11 @@ class CompiledStages(PipelineStages):
         """True once no background compile is queued or running (at once without a compiler); False
         when ``timeout`` seconds passed first."""
         return True if self.compiler is None else self.compiler.wait(timeout)
+
+    def first_tokens_out(self) -> None:
+        """The first generation's first round is out: the held compiler may start (``BackgroundCompiler``)."""
+        if self.compiler is not None:
+            self.compiler.release()
 
     def stop_compiling(self) -> None:
         """Drop the queued background compiles and stop the thread (a later stage call starts it again)."""

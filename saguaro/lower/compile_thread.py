@@ -38,13 +38,28 @@ class BackgroundCompiler:
     in the thread: a thread left inside torch's C++ code while Python 3.11 finalizes aborts the process
     (a daemon thread would), and waiting for the compile could take tens of seconds."""
 
-    def __init__(self, name: str = "saguaro-compile"):
+    def __init__(self, name: str = "saguaro-compile", held: bool = False):
         self.name = name
         self._jobs: deque = deque()
         self._cond = threading.Condition()
         self._running: Job | None = None
         self._thread: threading.Thread | None = None
         self._exiting = False
+        self._held = held
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def release(self) -> None:
+        """Let queued jobs run. ``held=True`` keeps them queued until then (``saguaro.compile`` releases
+        its compiler when the first generation's first round is out: a compile holds the GIL for long
+        stretches, and the eager rounds that make the first text wait for it; measured on the 2-core CPU,
+        the demo's first text came 1.5-2 s later without the hold). A blocking :meth:`wait` and
+        :meth:`close` release it too."""
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -69,6 +84,8 @@ class BackgroundCompiler:
         me = threading.current_thread()
         while True:
             with self._cond:
+                while self._held and self._jobs and self._thread is me and not self._exiting:
+                    self._cond.wait()
                 if self._thread is not me or not self._jobs:  # closed, or no work left
                     if self._thread is me:
                         self._thread = None
@@ -104,7 +121,10 @@ class BackgroundCompiler:
             return len(self._jobs) + (self._running is not None)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until nothing is queued or compiling: True, or False when ``timeout`` seconds passed first."""
+        """Wait until nothing is queued or compiling: True, or False when ``timeout`` seconds passed first.
+        A wait that may block (``timeout`` None or above 0) releases a hold first."""
+        if timeout is None or timeout > 0:
+            self.release()
         with self._cond:
             return self._cond.wait_for(lambda: not self._jobs and self._running is None, timeout)
 
@@ -113,6 +133,7 @@ class BackgroundCompiler:
         and wait up to ``timeout`` seconds for the compile under way. A later job starts a new thread."""
         with self._cond:
             dropped, thread = list(self._jobs), self._thread
+            self._held = False
             self._jobs.clear()
             self._thread = None
             self._cond.notify_all()

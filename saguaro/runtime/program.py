@@ -29,7 +29,7 @@ from saguaro.runtime.base.sequences import SequenceBatch
 from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import Counters, since, summarize
 from saguaro.runtime.base.trace import GenerationTrace
-from saguaro.runtime.streaming import TokenStream, check_not_reading, streaming
+from saguaro.runtime.streaming import TokenStream, check_not_reading, first_round_tells, streaming
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class Program:
         with GenerationTrace(trace, runners, plan.lane if plan.run == "ssd" else None) as tracing:
             start = time.perf_counter()
             state = self._decode(plan, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator,
-                                 tracing.recorder, on_round)
+                                 tracing.recorder, first_round_tells(runners, on_round))
             wall = since(start) - state.counters.stream_s  # the time a streaming reader held the rounds: not ours
         sequences = state.seqs.result()[:, padded_ids.shape[1] - T:]  # without the bucket's padding columns
         new_tokens = sum(state.seqs.host_lengths) - B * state.seqs.prompt_len  # the host view: no read

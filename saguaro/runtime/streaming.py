@@ -108,6 +108,20 @@ def check_not_reading(lock) -> None:
                            "stream ends: finish or close() the stream first (or call from another thread)")
 
 
+def first_round_tells(runners, on_round):
+    """The round hook of one generation: tells each runner once that its first round is out
+    (``ModelRunner.first_tokens_out``: a background compiler held until the first text starts), then
+    feeds ``on_round`` (None: not streaming) every round."""
+    untold = list(runners)
+
+    def hook(seqs):
+        while untold:
+            untold.pop().first_tokens_out()
+        if on_round is not None:
+            on_round(seqs)
+    return hook
+
+
 @contextmanager
 def streaming(streamer, on_round, input_ids):
     """``generate``'s callback for the round hook (None: not streaming); ``streamer.end()`` on the way

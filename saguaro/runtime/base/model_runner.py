@@ -101,6 +101,12 @@ class ModelRunner:
         wait = getattr(self.build, "wait_compiled", None)
         return True if wait is None else wait(timeout)
 
+    def first_tokens_out(self) -> None:
+        """Tell the builder the first round of tokens is out (a held background compiler starts)."""
+        hook = getattr(self.build, "first_tokens_out", None)
+        if hook is not None:
+            hook()
+
     def stop_compiling(self) -> None:
         """Drop the builder's queued background compiles and stop its compile thread, if it has one."""
         stop = getattr(self.build, "stop_compiling", None)
