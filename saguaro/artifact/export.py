@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 BUILTIN_NAMESPACES = ("aten", "prims")  # ops with C++ kernels that AOTInductor-compiled code can call
 
 
-
 def serialize_graph(program: torch.export.ExportedProgram):
     """torch.export's serialized form of ``program`` (graph and example inputs; the weights are not
     kept). torch 2.13's ``serialize`` can skip pickling the state dict and constants; torch 2.11's
@@ -54,6 +53,7 @@ def serialize_graph(program: torch.export.ExportedProgram):
     if "serialize_state_dict" in inspect.signature(serialize).parameters:
         return serialize(program, serialize_state_dict=False, serialize_constants=False)
     return serialize(program)
+
 
 def export_program(program, path, *, modes=None, sampling: bool = True, native: bool = True, max_batch: int = 64,
                    model_configs: dict | None = None, tokenizer=None, announce=None) -> Path:

@@ -80,9 +80,14 @@ def _decode(value: Any, nodes: dict) -> Any:
         return float(item)
     if kind == "device":
         return torch.device(item)
-    found = getattr(torch, item, None)
+    return _enum(kind, item)
+
+
+def _enum(kind: str, name: str):
+    """``torch.<name>``, checked to be a ``kind`` (dtype, layout, memory format)."""
+    found = getattr(torch, name, None)
     if kind not in _ENUMS or not isinstance(found, _ENUMS[kind]):
-        raise ValueError(f"unknown {kind} {item!r}")
+        raise ValueError(f"unknown {kind} {name!r}")
     return found
 
 
@@ -154,7 +159,7 @@ def loads(text: str, root: torch.nn.Module) -> torch.fx.GraphModule:
             node.meta["torch_fn"] = tuple(node.meta["torch_fn"])
         if item["val"] is not None:
             val = item["val"]
-            node.meta["val"] = TensorSpec(_decode({"dtype": val["dtype"]}, nodes), tuple(val["shape"]))
+            node.meta["val"] = TensorSpec(_enum("dtype", val["dtype"]), tuple(val["shape"]))
         nodes[node.name] = node
     in_spec, out_spec = pytree.treespec_loads(data["in_spec"]), pytree.treespec_loads(data["out_spec"])
     graph._codegen = torch.fx.graph._PyTreeCodeGen(torch.fx.graph._PyTreeInfo(data["orig_args"], in_spec, out_spec))
