@@ -9,7 +9,8 @@ import logging
 import torch
 
 from saguaro.artifact.export import export_program
-from saguaro.capture import capture, model_spec
+from saguaro.capture import CapturedModel, capture, model_spec
+from saguaro.capture.captured_files import CapturedSource, load_captured
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.stages import Stage
@@ -75,28 +76,32 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
     # compile="background": one compile thread for both models' stages (saguaro.lower.tiered)
     # held until the first generation's first round is out (Program.generate releases it)
     compiler = BackgroundCompiler(held=True) if cfg.compile == "background" and cfg.backend == "inductor" else None
-    runners = {name: build_runner(name, model, cfg.backend, cfg.attention, graphs[name],
+    captures = {name: capture(model) for name, model in models.items()}
+    # what a draft process starts from: the draft's capture as files (None: its graph has no JSON form, and
+    # the draft process rebuilds the model from its class and captures it)
+    source = CapturedSource.of(captures["draft"]) if draft is not None else None
+    runners = {name: build_runner(name, captures[name], cfg.backend, cfg.attention, graphs[name],
                                   shard if name == "target" else None, compiler)
-               for name, model in models.items()}
+               for name in models}
     gen = getattr(target, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     pad = getattr(gen, "pad_token_id", None) if gen is not None else None
     if pad is None:
         pad = eos[0] if isinstance(eos, (list, tuple)) and eos else (eos if isinstance(eos, int) else 0)
-    remote = endpoint or (RemoteDraft(draft, cfg.backend, cfg.attention) if draft is not None else None)
+    remote = endpoint or (RemoteDraft(draft, cfg.backend, cfg.attention, source) if draft is not None else None)
     configs = {name: model.config for name, model in (("target", target), ("draft", draft)) if model is not None}
     return Program(cfg, runners["target"], runners.get("draft"), pad_token_id=int(pad), eos_token_id=eos,
                    shapes=shape_policy(cfg.backend), remote_draft=remote,
                    exporter=functools.partial(export_program, model_configs=configs))
 
 
-def build_runner(name: str, model: torch.nn.Module, backend: str, attention: str = "auto",
+def build_runner(name: str, model: torch.nn.Module | CapturedModel, backend: str, attention: str = "auto",
                  cuda_graphs: bool = False, shard=None, compiler: BackgroundCompiler | None = None) -> ModelRunner:
-    """Capture ``model``, run the base pass pipeline, and wrap it with the builder of its stages
-    (``cuda_graphs``: fixed-shape stages replay CUDA graphs over KV stores kept at fixed addresses;
-    ``shard``: a ``ShardTensorParallel`` pass after the base pipeline, the runner's spec its rank's heads;
-    ``compiler``: the thread of ``compile="background"``)."""
-    captured = capture(model)
+    """Capture ``model`` (or take its capture), run the base pass pipeline, and wrap it with the builder
+    of its stages (``cuda_graphs``: fixed-shape stages replay CUDA graphs over KV stores kept at fixed
+    addresses; ``shard``: a ``ShardTensorParallel`` pass after the base pipeline, the runner's spec its
+    rank's heads; ``compiler``: the thread of ``compile="background"``)."""
+    captured = model if isinstance(model, CapturedModel) else capture(model)
     captured.graph_module = run_pipeline(captured.graph_module, (shard,) if shard is not None else ())
     if shard is not None:
         captured.spec = shard.local_spec
@@ -213,6 +218,15 @@ def check_pair(target_spec, draft_spec, another_device: bool = False) -> None:
     if target_spec.dtype != draft_spec.dtype:
         raise ValueError(f"draft dtype {draft_spec.dtype} differs from the target's {target_spec.dtype}; "
                          "load both in the same dtype")
+
+
+def captured_draft_server(description: dict, config: SaguaroConfig) -> SpeculationServer:
+    """In a process lane's draft process: the speculation server of the draft's capture, read from the
+    files ``CapturedSource.save`` wrote (no model rebuilt, nothing captured, ``transformers`` not imported)."""
+    captured = load_captured(description, torch.device(description["device"]))
+    runner = build_runner("draft", captured, description["backend"], description["attention"],
+                          resolve_cuda_graphs(config.cuda_graphs, captured.spec.device))
+    return SpeculationServer(runner, config)
 
 
 def draft_server(description: dict, config: SaguaroConfig) -> SpeculationServer:

@@ -34,10 +34,11 @@ from saguaro.artifact.manifest import (
 )
 from saguaro.artifact.record import record_stages
 from saguaro.artifact.signature import describe, dynamic_shapes, examples
-from saguaro.artifact.weights import model_tensors, save_weights
+from saguaro.capture.captured_files import spec_json
 from saguaro.core.errors import ArtifactError
 from saguaro.core.schedule import round_schedule
 from saguaro.core.stages import stages_for
+from saguaro.core.tensor_files import model_tensors, save_tensors
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,8 @@ def export_program(program, path, *, modes=None, sampling: bool = True, native: 
         models = {}
         for name, recorder in recorders.items():
             runner = program.runner(name)
-            aliases = save_weights(tmp / f"weights/{name}.safetensors", model_tensors(recorder.graph_module))
-            models[name] = {"spec": _spec_dict(runner.spec), "width": runner.width, "weights":
+            aliases = save_tensors(tmp / f"weights/{name}.safetensors", model_tensors(recorder.graph_module))
+            models[name] = {"spec": spec_json(runner.spec), "width": runner.width, "weights":
                             f"weights/{name}.safetensors", "aliases": aliases}
             config = (model_configs or {}).get(name)
             if config is not None:
@@ -180,13 +181,6 @@ def _ranges(program, max_batch: int) -> dict:
     branches = max(program.max_branches, 1) if program.draft is not None else 1
     slots = program.shapes.capacity(longest + k + 2 + k * branches)
     return {"B": [1, max_batch], "T": [1, longest], "S": [1, slots], "MQ": [1, branches]}
-
-
-def _spec_dict(spec) -> dict:
-    d = asdict(spec)
-    d["dtype"] = str(spec.dtype).removeprefix("torch.")
-    d["device"] = str(spec.device)
-    return d
 
 
 def _schedule(program) -> dict:

@@ -15,11 +15,12 @@ from saguaro.artifact.checks import resolve_device, verify_environment, verify_f
 from saguaro.artifact.loaded_stage import LoadedStage, load_portable, stage_runner
 from saguaro.artifact.manifest import read_manifest
 from saguaro.artifact.signature import InputCheck
-from saguaro.artifact.weights import load_weights
-from saguaro.capture.export import CapturedModel, ModelSpec
+from saguaro.capture.captured_files import spec_from_json
+from saguaro.capture.export import CapturedModel
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ArtifactError
 from saguaro.core.stages import BY_QUALIFIED_NAME, Stage
+from saguaro.core.tensor_files import load_tensors
 from saguaro.runtime.draft.server import SpeculationServer
 from saguaro.runtime.base.model_runner import ModelRunner
 
@@ -117,8 +118,8 @@ def load_runner(root: Path, manifest: dict, model: str, device: torch.device, re
     rebuilt ones compiled now; portable ones are deserialized on first use (about a second each)."""
     started = time.perf_counter()
     info = manifest["models"][model]
-    spec = ModelSpec(**dict(info["spec"], dtype=getattr(torch, info["spec"]["dtype"]), device=device))
-    stages = ArtifactStages(root, model, manifest, load_weights(root / info["weights"], info["aliases"], device),
+    spec = spec_from_json(info["spec"], device)
+    stages = ArtifactStages(root, model, manifest, load_tensors(root / info["weights"], info["aliases"], device),
                             device, rebuild)
     runner = ModelRunner(model, CapturedModel(graph_module=None, spec=spec), stages, info["width"])
     if stages.kind != "portable":

@@ -60,12 +60,23 @@ def build_stage(base: torch.fx.GraphModule, stage: Stage, width: int, attention:
         observe("captured", gm)
     gm = manager.run(gm, observe)
     log.info("stage %s: %d nodes", stage.qualified, len(gm.graph.nodes))
-    # the stage graph beside Inductor's own artifacts in TORCH_TRACE (tlparse); free without a handler
-    trace_structured("artifact", metadata_fn=lambda: {"name": f"saguaro_stage_{stage.qualified}",
-                                                      "encoding": "string"},
-                     payload_fn=lambda: gm.print_readable(print_output=False, include_stride=True,
-                                                          include_device=True), expect_trace_id=False)
+    if structured_trace_on():  # the stage graph beside Inductor's own artifacts in TORCH_TRACE (tlparse)
+        trace_structured("artifact", metadata_fn=lambda: {"name": f"saguaro_stage_{stage.qualified}",
+                                                          "encoding": "string"},
+                         payload_fn=lambda: gm.print_readable(print_output=False, include_stride=True,
+                                                              include_device=True), expect_trace_id=False)
     return gm
+
+
+def structured_trace_on() -> bool:
+    """Whether torch's structured trace writes anywhere: TORCH_TRACE gave its handler a folder, or a
+    handler of someone's own was added. torch installs a handler without a folder in every process,
+    which writes nothing in its open-source build, and ``trace_structured`` computes the payload
+    whenever a handler is there: the verbose text of each stage graph (importing
+    ``torch.distributed.tensor`` on the first, about 2 s in a fresh process)."""
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    return any(not isinstance(h, LazyTraceHandler) or h.root_dir is not None for h in trace_log.handlers)
 
 
 class PipelineStages:

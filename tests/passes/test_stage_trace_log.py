@@ -3,7 +3,8 @@ by tlparse) as an artifact named after the stage."""
 
 import logging
 
-from torch._logging._internal import trace_log
+import torch
+from torch._logging._internal import LazyTraceHandler, trace_log
 
 from saguaro.core.stages import TARGET_VERIFY
 from saguaro.passes.pipeline import build_stage
@@ -32,3 +33,21 @@ def test_stage_graph_is_a_structured_trace_artifact():
     assert [r.metadata["artifact"]["name"] for r in artifacts] == ["saguaro_stage_target.verify_greedy"]
     payload = artifacts[0].payload
     assert "draft_tokens" in payload and payload.count("\n") >= len(gm.graph.nodes) - 5
+
+
+def test_without_a_trace_folder_the_stage_text_is_not_made(monkeypatch):
+    """torch's own handler, installed in every process, has no folder unless TORCH_TRACE gives it one: the
+    verbose text of a stage graph (costly: its first call imports ``torch.distributed.tensor``) is not made."""
+    _, _, program = tiny_pair("llama")
+    builder = program.target.build
+    folderless = LazyTraceHandler(None)  # what torch installs in a process without TORCH_TRACE
+    monkeypatch.setattr(trace_log, "handlers", [folderless])
+    made = []
+    real = torch.fx.GraphModule.print_readable
+    monkeypatch.setattr(torch.fx.GraphModule, "print_readable",
+                        lambda self, *a, **k: made.append(1) or real(self, *a, **k))
+    build_stage(builder.graph_module, TARGET_VERIFY.greedy, builder.width, attention=builder.attention)
+    assert made == []
+    trace_log.addHandler(Records())
+    build_stage(builder.graph_module, TARGET_VERIFY.greedy, builder.width, attention=builder.attention)
+    assert made == [1]  # the same build with a handler of one's own makes it

@@ -1,11 +1,13 @@
 """The draft model handed to a draft process without pickling the caller's objects.
 
-The caller writes the draft's config (``config.json``), its state (``model.safetensors``, tied
-tensors stored once and named as aliases) and every buffer as it is now (``buffers.safetensors``: non-persistent buffers
-such as rotary frequencies, in the dtype the model holds them) to a private temporary folder, and
-sends a small description: the model and config classes by import path, dtype, device, backend. The
-draft process imports those classes (never the caller's ``__main__``), rebuilds the model without
-random initialisation and loads the files, so its forward equals the caller's bit for bit.
+Where the draft's capture has a file form, the caller writes that (``CapturedSource.save``, in
+``saguaro.capture.captured_files``: graph, tensors, spec) to a private temporary folder, and the draft process
+builds its server from it without the model's code. Otherwise the caller writes the draft's config
+(``config.json``), its state (``model.safetensors``, tied tensors stored once and named as aliases) and every
+buffer as it is now (``buffers.safetensors``: non-persistent buffers such as rotary frequencies, in the dtype
+the model holds them), and sends a small description: the model and config classes by import path, dtype,
+device, backend. The draft process imports those classes (never the caller's ``__main__``), rebuilds the model
+without random initialisation and loads the files, so its forward equals the caller's bit for bit.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import importlib
 import os
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from saguaro.core.errors import SaguaroError
+from saguaro.core.tensor_files import load_tensors, save_tensors
 
 
 
@@ -46,42 +50,33 @@ def import_class(module: str, name: str) -> type:
 
 class RemoteDraft:
     """What a process lane rebuilds the draft side from: the model (kept here, in the caller), the
-    backend and attention choice."""
+    backend and attention choice, and the capture's ``source`` when it has files of its own (a
+    ``saguaro.capture.captured_files.CapturedSource``: the draft process then reads the captured graph
+    and never rebuilds the model)."""
 
-    def __init__(self, model: torch.nn.Module, backend: str, attention: str):
-        self.model, self.backend, self.attention = model, backend, attention
+    def __init__(self, model: torch.nn.Module, backend: str, attention: str, source=None):
+        self.model, self.backend, self.attention, self.source = model, backend, attention, source
 
     def save(self, directory: str) -> dict:
         """Write the draft to ``directory``; return the description the draft process loads it from."""
-        from safetensors.torch import save_file
-
+        described = {"backend": self.backend, "attention": self.attention,
+                     "device": str(next(self.model.parameters()).device)}
+        if self.source is not None:
+            return dict(self.source.save(directory), server="saguaro.compile:captured_draft_server", **described)
         model = self.model
-        state, aliases, seen = {}, {}, {}
-        for name, tensor in model.state_dict().items():  # tied weights: stored once, the others aliased
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-                   tensor.stride(), tensor.dtype)
-            if key in seen:
-                aliases[name] = seen[key]
-            else:
-                seen[key] = name
-                state[name] = tensor.detach().to("cpu", copy=True).contiguous()
-        description = {
-            "model_class": class_path(type(model)), "config_class": class_path(type(model.config)),
-            "directory": directory, "backend": self.backend, "attention": self.attention, "aliases": aliases,
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "device": str(next(model.parameters()).device),
-        }
+        aliases = save_tensors(os.path.join(directory, "model.safetensors"), model.state_dict())
+        description = dict(described, model_class=class_path(type(model)), config_class=class_path(type(model.config)),
+                           directory=directory, aliases=aliases,
+                           dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
         model.config.to_json_file(os.path.join(directory, "config.json"))
-        save_file(state, os.path.join(directory, "model.safetensors"))
         buffers = {name: b.detach().to("cpu", copy=True).contiguous() for name, b in model.named_buffers()}
         save_file(buffers, os.path.join(directory, "buffers.safetensors"))
         return description
 
 
 def load_draft(description: dict) -> torch.nn.Module:
-    """Rebuild the draft model a :meth:`RemoteDraft.save` wrote (in the draft process)."""
-    from safetensors.torch import load_file
-
+    """Rebuild the draft model a :meth:`RemoteDraft.save` wrote without a capture source (in the draft
+    process)."""
     model_cls = import_class(*description["model_class"])
     config_cls = import_class(*description["config_class"])
     directory, device = description["directory"], torch.device(description["device"])
@@ -91,8 +86,7 @@ def load_draft(description: dict) -> torch.nn.Module:
         model = model_cls._from_config(config, dtype=dtype)
     model.tie_weights()  # as the caller's model is, where the config ties them
     model.to(device)
-    state = load_file(os.path.join(directory, "model.safetensors"), device=str(device))
-    state.update({alias: state[name] for alias, name in description["aliases"].items()})
+    state = load_tensors(os.path.join(directory, "model.safetensors"), description["aliases"], device)
     model.load_state_dict(state, strict=True)
     for name, buffer in load_file(os.path.join(directory, "buffers.safetensors"), device=str(device)).items():
         owner, _, attr = name.rpartition(".")

@@ -1,7 +1,7 @@
 """The process lane: the draft server in another process, started through Saguaro's own entry point.
 
-Start-up: the caller writes the draft to a private temporary folder (``RemoteDraft.save``: config,
-weights, buffers; nothing of the caller's is pickled), starts ``python -P -c <boot>`` that imports
+Start-up: the caller writes the draft to a private temporary folder (``RemoteDraft.save``: its capture,
+or else its config, weights and buffers; nothing of the caller's is pickled), starts ``python -P -c <boot>`` that imports
 the lane's entry module (``saguaro.runtime.lanes.draft_process``) — never the caller's ``__main__``, so a script
 without a main guard, ``python -c`` and a notebook run once — and waits, up to
 ``lane_start_timeout_s``, for the draft process to report that its server is built.

@@ -1,7 +1,9 @@
-"""A model's weights, written once per model as safetensors and shared by all of its stages.
+"""Named tensors as a safetensors file, each storage once: a model's weights in an artifact (shared by all
+of its stages) and a captured draft handed to a draft process.
 
-Tied tensors (one storage under several names, e.g. tied embeddings) are written once; the manifest
-records the other names as aliases.
+Tied tensors (one storage under several names, e.g. tied embeddings) are written once; the writer keeps
+the other names as aliases (``{alias: written name}``), and reading binds each alias to the very tensor
+of its name, so the ties hold again.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ def model_tensors(gm: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach() for name, t in tensors.items()}
 
 
-def save_weights(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """Write ``tensors`` to ``path``, each storage once; returns ``{alias: written name}``."""
     unique, aliases, by_storage = {}, {}, {}
     for name in sorted(tensors):
@@ -34,7 +36,8 @@ def save_weights(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, str]
     return aliases
 
 
-def load_weights(path: Path, aliases: dict[str, str], device: torch.device) -> dict[str, torch.Tensor]:
+def load_tensors(path: Path, aliases: dict[str, str], device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors :func:`save_tensors` wrote to ``path``, on ``device``, aliases bound to their tensors."""
     tensors = load_file(str(path), device=str(device))
     for alias, name in aliases.items():
         tensors[alias] = tensors[name]
