@@ -1,10 +1,10 @@
 """The process lane: the draft server in another process, started through Saguaro's own entry point.
 
 Start-up: the caller writes the draft to a private temporary folder (``RemoteDraft.save``: its capture,
-or else its config, weights and buffers; nothing of the caller's is pickled), starts ``python -P -c <boot>`` that imports
-the lane's entry module (``saguaro.runtime.lanes.draft_process``) — never the caller's ``__main__``, so a script
-without a main guard, ``python -c`` and a notebook run once — and waits, up to
-``lane_start_timeout_s``, for the draft process to report that its server is built.
+or else its config, weights and buffers; nothing of the caller's is pickled), starts ``python -P -c
+<boot>`` that imports the lane's entry module (``saguaro.runtime.lanes.draft_process``) — never the
+caller's ``__main__``, so a script without a main guard, ``python -c`` and a notebook run once — and
+waits, up to ``lane_start_timeout_s``, for the draft process to report that its server is built.
 
 Transport: one anonymous ``socket.socketpair`` inherited by the child (``pass_fds``), framed by
 ``multiprocessing.connection``. Nothing listens on any address, so there is no port to reach and no
@@ -142,8 +142,9 @@ class ProcessLane:
 
     def __init__(self, remote_draft, config: SaguaroConfig, start_timeout_s: float, timeout_s: float):
         """``remote_draft.save(directory)`` writes the draft (or names where it lies) and returns the
-        description the child builds its server from (:mod:`saguaro.runtime.lanes.draft_process`, the child's module). Raises ``DraftLaneError`` when the lane cannot start; an interrupt during
-        start-up kills and reaps the child before it propagates."""
+        description the child builds its server from (:mod:`saguaro.runtime.lanes.draft_process`, the
+        child's module). Raises ``DraftLaneError`` when the lane cannot start; an interrupt during start-up
+        kills and reaps the child before it propagates."""
         self.timeout_s = timeout_s
         self.process: subprocess.Popen | None = None
         self._conn: Connection | None = None
