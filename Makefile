@@ -8,17 +8,18 @@ STAMP := $(VENV)/.installed
 
 # pip installs without byte-compiling (measured: torch 55 s with pip's one-file-at-a-time compile, 23 s
 # without); compileall then compiles on all cores the modules the tests and the demo can import (34 s on two
-# for everything, 19 s without the 2,600 files of transformers' model families other than `auto`, whose few
+# for everything, 19-25 s without the 2,600 files of transformers' model families other than `auto`, whose few
 # used modules compile on import in milliseconds, and without pip's, setuptools' and test folders).
 # The .pyc files must exist: where PYTHONDONTWRITEBYTECODE is set (as on this project's machines) no
 # import writes them, and every process would compile torch's modules again (about 10 s each). Like
-# pip's, it passes over a file written for a newer Python (torch ships one). The venv's own pip is recent
-# enough for an editable install (PEP 660), so it is not upgraded (4 s).
+# pip's, it passes over a file written for a newer Python (torch ships one).
 NOT_COMPILED := /site-packages/(transformers/models/(?!auto/|__init__)|pip/|setuptools/|.*/tests?/)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch==2.13.0: the CPU build on this disk; an unpinned torch would pull a CUDA build
-	$(PY) -m pip install --quiet --no-compile "torch==2.13.0" -e ".[dev]"
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch==2.13.0 first: the CPU build on this disk; an unpinned torch would pull a CUDA build
+	$(PY) -m pip install --quiet --no-compile "torch==2.13.0"
+	$(PY) -m pip install --quiet --no-compile -e ".[dev]"
 	$(PY) -c "import compileall, re, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0, \
 	  rx=re.compile(sys.argv[2]))" $(VENV)/lib '$(NOT_COMPILED)'
 	touch $(STAMP)
