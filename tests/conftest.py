@@ -5,14 +5,18 @@ import shutil
 import tempfile
 
 import pytest
-import torch
 
-import saguaro
-from tests.models import ARCHITECTURES, tiny_target, truncated_draft
+# torch, saguaro and the tiny models (about 9 s of imports) are imported where tests run, not here: with
+# pytest-xdist the controlling process loads this file too, before it starts the workers, and runs no test
+ARCH_NAMES = ("llama", "mistral", "qwen2", "qwen3")  # tests.models.ARCHITECTURES, sorted (checked by arch_pair)
 
 
-# Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine they lose a lot.
-torch.set_num_threads(1)
+@pytest.fixture(scope="session", autouse=True)
+def _one_intra_op_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine they lose a lot."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,6 +56,9 @@ def pytest_unconfigure(config):
 @functools.lru_cache(maxsize=None)
 def tiny_pair(arch: str, k: int = 4, backend: str = "eager"):
     """``(target, draft, program)`` for one architecture; captured once per test session."""
+    import saguaro
+    from tests.models import tiny_target, truncated_draft
+
     target = tiny_target(arch)
     draft = truncated_draft(target)
     return target, draft, saguaro.compile(target, draft, k=k, mode="sd", backend=backend, sd_when_faster=False)
@@ -65,8 +72,11 @@ def tiny_program(arch: str, k: int = 4, **runtime):
     return target, draft, program.reconfigure(**runtime)
 
 
-@pytest.fixture(params=sorted(ARCHITECTURES))
+@pytest.fixture(params=ARCH_NAMES)
 def arch_pair(request):
+    from tests.models import ARCHITECTURES
+
+    assert ARCH_NAMES == tuple(sorted(ARCHITECTURES)), "conftest.ARCH_NAMES must list tests.models.ARCHITECTURES"
     return tiny_pair(request.param)
 
 
