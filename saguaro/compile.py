@@ -78,8 +78,8 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
     compiler = BackgroundCompiler(held=True) if cfg.compile == "background" and cfg.backend == "inductor" else None
     captures = {name: capture(model) for name, model in models.items()}
     # what a draft process starts from: the draft's capture as files (None: its graph has no JSON form, and
-    # the draft process rebuilds the model from its class and captures it)
-    source = CapturedSource.of(captures["draft"]) if draft is not None else None
+    # the draft process rebuilds the model from its class and captures it; or a draft server serves the draft)
+    source = CapturedSource.of(captures["draft"]) if draft is not None and endpoint is None else None
     runners = {name: build_runner(name, captures[name], cfg.backend, cfg.attention, graphs[name],
                                   shard if name == "target" else None, compiler)
                for name in models}

@@ -72,7 +72,7 @@ def write(key: tuple | None, graph_module: torch.fx.GraphModule) -> None:
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
         (tmp / "graph.json").write_text(graph_file.dumps(graph_module))
-        tensors = sorted({node.target for node in graph_module.graph.nodes if node.op == "get_attr"})
+        tensors = graph_file.attribute_names(graph_module)
         (tmp / "entry.json").write_text(json.dumps(dict(fingerprint=described, tensors=tensors)))
         try:
             tmp.rename(folder)

@@ -3,8 +3,8 @@
 and its :class:`~saguaro.capture.export.ModelSpec` as JSON.
 
 A process lane's draft process starts from these: it neither imports ``transformers`` nor rebuilds the
-model nor captures it (measured on the tiny test draft: about 4 s less per draft process start, most
-of it ``transformers``' imports). The graph is the capture's, before any pass, so the draft process
+model nor captures it (a process lane's start on the default pair measured 2.5-2.9 s against 6.7-7.8 s,
+most of the difference ``transformers``' imports; ``benchmarks/lane_start.py``). The graph is the capture's, before any pass, so the draft process
 runs the same pass pipeline on it as the caller did.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict
+from operator import attrgetter
 
 import torch
 
@@ -39,8 +40,7 @@ class CapturedSource:
             text = graph_file.dumps(gm)
         except graph_file.NotKept:
             return None
-        names = sorted({node.target for node in gm.graph.nodes if node.op == "get_attr"})
-        return cls(text, {name: _attribute(gm, name) for name in names}, captured.spec)
+        return cls(text, {name: attrgetter(name)(gm) for name in graph_file.attribute_names(gm)}, captured.spec)
 
     def save(self, directory: str) -> dict:
         """Write the files to ``directory``; returns their description (names, aliases, spec)."""
@@ -75,9 +75,3 @@ def spec_json(spec: ModelSpec) -> dict:
 def spec_from_json(data: dict, device: torch.device) -> ModelSpec:
     return ModelSpec(**dict(data, dtype=getattr(torch, data["dtype"]), device=device,
                             layer_kinds=tuple(LayerKind(**kind) for kind in data["layer_kinds"])))
-
-
-def _attribute(module: torch.nn.Module, path: str) -> torch.Tensor:
-    for part in path.split("."):
-        module = getattr(module, part)
-    return module

@@ -115,6 +115,11 @@ def _value(val: Any) -> dict | None:
             "shape": [s if isinstance(s, int) else str(s) for s in val.shape]}
 
 
+def attribute_names(gm: torch.fx.GraphModule) -> list[str]:
+    """The ``get_attr`` targets of ``gm``'s graph, sorted: the paths of the tensors the graph reads."""
+    return sorted({node.target for node in gm.graph.nodes if node.op == "get_attr"})
+
+
 def dumps(gm: torch.fx.GraphModule) -> str:
     """``gm`` (``ExportedProgram.module()``) as JSON text; :class:`NotKept` when it cannot be."""
     codegen = gm.graph._codegen
