@@ -10,6 +10,7 @@ import torch
 
 from saguaro.artifact.export import export_program
 from saguaro.capture import CapturedModel, capture, model_spec
+from saguaro.capture.attention_op import direct_kernel_calls
 from saguaro.capture.captured_files import CapturedSource, load_captured
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError, SaguaroError
@@ -146,7 +147,10 @@ class CompiledStages(PipelineStages):
         return build_stage(self.graph_module, stage, self.width, attention=attention, observe=observe)
 
     def __call__(self, stage: Stage):
-        return lower_graph(self.stage_graph(stage), self.backend, stage.qualified, self.device_type,
+        gm = self.stage_graph(stage)
+        if self.backend == "eager":
+            gm = direct_kernel_calls(gm)
+        return lower_graph(gm, self.backend, stage.qualified, self.device_type,
                            cuda_graphs=self.cuda_graphs and captures_stage(stage), compiler=self.compiler)
 
 

@@ -30,6 +30,8 @@ the softmax and is dropped after it, GPT-OSS). Without softcap and sinks it is p
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 OP_NAMESPACE = "saguaro"
@@ -154,8 +156,7 @@ def _attention_with_variants(q, k_cache, v_cache, bias, scale: float, softcap: f
     return torch.matmul(probs.to(v_cache.dtype), v_cache)  # [B, Hkv, G*T, D]
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::attention_mask", mutates_args=())
-def saguaro_attention_mask(
+def attention_mask_kernel(
     write_slots: torch.Tensor,
     query_pos: torch.Tensor,
     query_branch: torch.Tensor,
@@ -175,6 +176,10 @@ def saguaro_attention_mask(
     return additive_mask(mask, groups, dtype)
 
 
+saguaro_attention_mask = torch.library.custom_op(f"{OP_NAMESPACE}::attention_mask", attention_mask_kernel,
+                                                 mutates_args=())
+
+
 @saguaro_attention_mask.register_fake
 def _saguaro_attention_mask_fake(write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window,
                                  chunk, groups, dtype):
@@ -189,8 +194,7 @@ def _write_kv(key, value, k_cache, v_cache, write_slots) -> None:
     v_cache.scatter_(2, index, value.to(v_cache.dtype))
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::attention", mutates_args=("k_cache", "v_cache"))
-def saguaro_attention(
+def attention_kernel(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -206,13 +210,16 @@ def saguaro_attention(
     return attention_reference(query, k_cache, v_cache, bias, scale)
 
 
+saguaro_attention = torch.library.custom_op(f"{OP_NAMESPACE}::attention", attention_kernel,
+                                            mutates_args=("k_cache", "v_cache"))
+
+
 @saguaro_attention.register_fake
 def _saguaro_attention_fake(query, key, value, k_cache, v_cache, write_slots, bias, scale):
     return query.new_empty(query.shape)  # contiguous [B, H, T, D], like the real output
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::attention_variants", mutates_args=("k_cache", "v_cache"))
-def saguaro_attention_variants(
+def attention_variants_kernel(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -231,6 +238,10 @@ def saguaro_attention_variants(
     return attention_reference(query, k_cache, v_cache, bias, scale, softcap, sinks)
 
 
+saguaro_attention_variants = torch.library.custom_op(f"{OP_NAMESPACE}::attention_variants", attention_variants_kernel,
+                                                     mutates_args=("k_cache", "v_cache"))
+
+
 @saguaro_attention_variants.register_fake
 def _saguaro_attention_variants_fake(query, key, value, k_cache, v_cache, write_slots, bias, scale, softcap, sinks):
     return query.new_empty(query.shape)  # contiguous [B, H, T, D], like the real output
@@ -240,3 +251,21 @@ ATTENTION_OP = torch.ops.saguaro.attention.default
 VARIANTS_OP = torch.ops.saguaro.attention_variants.default
 ATTENTION_OPS = (ATTENTION_OP, VARIANTS_OP)  # one of them per layer
 MASK_OP = torch.ops.saguaro.attention_mask.default
+
+# The ops' own Python kernels, for graphs that run eagerly (:func:`direct_kernel_calls`).
+KERNELS = {ATTENTION_OP: attention_kernel, VARIANTS_OP: attention_variants_kernel, MASK_OP: attention_mask_kernel}
+
+
+def direct_kernel_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule that shares ``gm``'s parameters and calls the saguaro ops' kernels directly, for the
+    eager backend: the same functions the ops dispatch to, the same tensors written in place, without the
+    dispatcher's way there (autograd, then a wrapper that imports ``torch._dynamo`` on its first call:
+    about 2.5 s in a process that compiles nothing, such as a draft process). ``gm`` keeps the ops (the
+    inspector and the exporter read it); a graph without them is returned as it is."""
+    if not any(n.op == "call_function" and n.target in KERNELS for n in gm.graph.nodes):
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in KERNELS:
+            node.target = KERNELS[node.target]
+    return torch.fx.GraphModule(gm, graph)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterable
 
 import torch
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from saguaro.passes.graph_splice import PassError
 
@@ -69,10 +70,22 @@ def record_of(gm: torch.fx.GraphModule) -> PassRecord:
 
 
 def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A GraphModule that shares ``gm``'s parameters, owns a copy of its graph and carries its record."""
-    new = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    """A GraphModule that shares ``gm``'s parameters, owns a copy of its graph and carries its record.
+
+    It generates its Python code when first called or read (torch.fx's ``_LazyGraphModule``, which
+    dynamo's own graphs use), not on every ``recompile()`` of the passes that rewrite it: the code of a
+    stage graph was generated and ``exec``-ed once per pass, half of a stage build's time. Call
+    :func:`settle_code` before handing it to ``torch.compile``."""
+    new = _LazyGraphModule(gm, copy.deepcopy(gm.graph))
     new.meta[RECORD_KEY] = record_of(gm)
     return new
+
+
+def settle_code(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Generate ``gm``'s code now if a pass left it stale (:func:`copy_graph`); returns ``gm``."""
+    if isinstance(gm, _LazyGraphModule):
+        gm.real_recompile()
+    return gm
 
 
 class GraphPass(abc.ABC):

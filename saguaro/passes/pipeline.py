@@ -17,7 +17,7 @@ from torch._logging import trace_structured
 from saguaro.capture.attention_op import MASK_OP
 from saguaro.core.stages import Stage
 from saguaro.passes.flatten_signature import FlattenSignature
-from saguaro.passes.graph_pass import GraphPass, PassManager, copy_graph
+from saguaro.passes.graph_pass import GraphPass, PassManager, copy_graph, settle_code
 from saguaro.passes.lower_attention import LowerAttention
 from saguaro.passes.specialize_attention import SpecializeAttention
 from saguaro.passes.splice_epilogue import SpliceEpilogue
@@ -58,7 +58,7 @@ def build_stage(base: torch.fx.GraphModule, stage: Stage, width: int, attention:
     gm = copy_graph(base)
     if observe is not None:
         observe("captured", gm)
-    gm = manager.run(gm, observe)
+    gm = settle_code(manager.run(gm, observe))
     log.info("stage %s: %d nodes", stage.qualified, len(gm.graph.nodes))
     if structured_trace_on():  # the stage graph beside Inductor's own artifacts in TORCH_TRACE (tlparse)
         trace_structured("artifact", metadata_fn=lambda: {"name": f"saguaro_stage_{stage.qualified}",

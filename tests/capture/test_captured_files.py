@@ -62,18 +62,26 @@ CHILD = """
 import json, sys, torch
 from saguaro.compile import captured_draft_server
 from saguaro.core.config import SaguaroConfig
+from saguaro.runtime.draft.server import GenerateSpec
 description = json.loads(sys.argv[1])
 server = captured_draft_server(description, SaguaroConfig(k=2, backend="eager"))
-print(json.dumps({"layers": server.draft.spec.num_layers,
-                  "transformers": sorted(m for m in sys.modules if m.split(".")[0] == "transformers")}))
+ids = torch.tensor([[1, 2, 3, 4]])
+spec = GenerateSpec(ids, torch.ones_like(ids), 8, 32, [], 0, 0.0, None)
+server.open(spec)  # the draft's prefill, then k steps: its attention runs
+speculation = server.start(torch.tensor([5]))
+print(json.dumps({"layers": server.draft.spec.num_layers, "tokens": list(speculation.tokens.shape),
+                  "transformers": sorted(m for m in sys.modules if m.split(".")[0] == "transformers"),
+                  "dynamo": "torch._dynamo" in sys.modules}))
 """
 
 
-def test_a_draft_process_builds_its_server_without_transformers(tmp_path):
+def test_a_draft_process_builds_its_server_and_speculates_without_transformers_or_dynamo(tmp_path):
     description = dict(source_description(tied_draft(), tmp_path / "draft"), backend="eager", attention="auto",
                        device="cpu")
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(description)], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result == {"layers": 1, "transformers": []}
+    # an eager draft calls the attention ops' kernels directly: a custom op's first call would import
+    # torch._dynamo (seconds) in a process that compiles nothing
+    assert result == {"layers": 1, "tokens": [1, 2], "transformers": [], "dynamo": False}

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from saguaro.capture import capture
-from saguaro.capture.attention_op import ATTENTION_OP, MASK_OP, VARIANTS_OP
+from saguaro.capture.attention_op import (ATTENTION_OP, MASK_OP, VARIANTS_OP, attention_kernel, attention_mask_kernel,
+                                          attention_variants_kernel, direct_kernel_calls)
 from saguaro.passes import run_pipeline
 from saguaro.passes.lower_attention import attention_flex, attention_inline, flex_block_mask, lower_attention
 from saguaro.passes.specialize_attention import specialize_attention
@@ -52,10 +53,13 @@ def span(start, length, batch=2):
 @torch.no_grad()
 def tree_logits(family, implementation="op"):
     """Logits ``[B, 2 branches, 2 depths, V]`` of a two-branch, two-deep tree over prompt + glue, and the
-    caches the stages wrote."""
+    caches the stages wrote; ``implementation``: the ``lower_attention`` pass's, or ``"direct"``."""
     _, gm, spec = base(family)
-    causal = lower_attention(specialize_attention(fresh(gm), "causal"), implementation)
-    tree = lower_attention(specialize_attention(fresh(gm), "tree"), implementation)
+    lowered = "op" if implementation == "direct" else implementation
+    causal = lower_attention(specialize_attention(fresh(gm), "causal"), lowered)
+    tree = lower_attention(specialize_attention(fresh(gm), "tree"), lowered)
+    if implementation == "direct":  # the eager backend's graphs: the ops' kernels called directly
+        causal, tree = direct_kernel_calls(causal), direct_kernel_calls(tree)
     store = KVStore(spec, 2, 24)
     call(causal, store, PROMPT, span(0, 10), span(0, 10))
     call(causal, store, GLUE, span(10, 4), span(10, 4))
@@ -112,3 +116,21 @@ def test_lowerings_give_the_op_results_with_softcap_and_sinks(family, implementa
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         for a, b in zip(caches, want_caches):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])  # softcap (the variants op); windows (the plain op)
+def test_direct_kernel_calls_give_the_ops_results_bit_for_bit(family):
+    want, want_caches = tree_logits(family, "op")
+    got, caches = tree_logits(family, "direct")
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(caches, want_caches))
+    _, gm, _ = base(family)  # the base graph: one mask op per layer kind, one attention op per layer
+    ops = {op: count(gm, op) for op in (MASK_OP, ATTENTION_OP, VARIANTS_OP)}
+    direct = direct_kernel_calls(gm)
+    kernels = {op: count(direct, kernel) for op, kernel in ((MASK_OP, attention_mask_kernel),
+                                                             (ATTENTION_OP, attention_kernel),
+                                                             (VARIANTS_OP, attention_variants_kernel))}
+    assert kernels == ops and sum(ops.values()) > 0
+    assert {op: count(gm, op) for op in ops} == ops  # the graph given keeps its ops (inspector, exporter)
+    assert all(count(direct, op) == 0 for op in ops)
+    inline = lower_attention(specialize_attention(fresh(gm), "causal"), "inline")
+    assert direct_kernel_calls(inline) is inline  # no op left: nothing to copy

@@ -187,6 +187,24 @@ def test_every_stage_builds_and_keeps_its_kv_writes():
         assert count(gm, MASK_OP) == 0
 
 
+def test_a_stage_graphs_code_is_generated_once_after_its_last_pass(monkeypatch):
+    model, captured = base_graph()
+    generated = []  # the graph of each python_code call
+    real = torch.fx.Graph.python_code
+    monkeypatch.setattr(torch.fx.Graph, "python_code",
+                        lambda self, *args, **kwargs: (generated.append(self), real(self, *args, **kwargs))[1])
+    gm = build_stage(captured.graph_module, TARGET_VERIFY.greedy, 8, attention="inline")
+    assert sum(graph is gm.graph for graph in generated) == 1  # three passes rewrote it; its code came once
+    store = prefilled_store(captured.spec, PROMPT)
+    before = len(generated)
+    accepted, nxt = call(gm, store, SPEC, spec_index(), SPEC[:, 1:])
+    assert len(generated) == before  # returned with its code ready: the call generated none
+    with torch.no_grad():
+        logits = model(torch.cat([PROMPT, SPEC], 1)).logits[:, 5:]
+    exp_acc, exp_next = verification.verify_greedy(logits, SPEC[:, 1:])
+    assert torch.equal(accepted, exp_acc) and torch.equal(nxt, exp_next)
+
+
 def test_pass_failures_name_the_fx_node():
     from saguaro.passes.graph_splice import PassError
 
