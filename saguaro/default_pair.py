@@ -162,7 +162,6 @@ def slice_digest(chunks: torch.Tensor) -> str:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def perplexity(model, chunks: torch.Tensor, batch_size: int = 8) -> float:
     """``exp`` of the mean next-token NLL over every chunk position after the first.
 
