@@ -9,7 +9,8 @@ row in a process of its own, as ``saguaro bench`` runs them):
 
 - ``llama.cpp ar``: ``llama-completion`` per prompt, greedy, ``--ignore-eos``; tokens/s from its ``eval
   time`` line (the generated tokens only, prompt processing excluded, as ``llama-bench``'s tg).
-- ``llama.cpp sd``: ``llama-speculative`` per prompt with ``--draft-max K``; its ``decoded N tokens in
+- ``llama.cpp sd``: ``llama-speculative`` per prompt drafting K tokens (``--spec-draft-n-max K``, or
+  ``--draft-max K`` in builds older than that flag); its ``decoded N tokens in
   S seconds`` line (drafting and verification after the prompt).
 - ``saguaro ar`` / ``saguaro sd``: ``saguaro bench --modes ar,sd`` on the same prompts, ``--k K``; its
   tokens/s include the prompt's prefill, a small share at 128 new tokens: a conservative comparison.
@@ -96,13 +97,20 @@ def llama_cpp_pass(binary: str, args: list, prompt_files: list, parse) -> float:
     return tokens / seconds
 
 
+def draft_max_flag(speculative: str) -> str:
+    """llama-speculative's flag for the number of tokens drafted: ``--spec-draft-n-max`` in builds that have it
+    (``--draft-max`` was removed from them), ``--draft-max`` in older ones."""
+    done = subprocess.run([speculative, "--help"], capture_output=True, text=True, timeout=60)
+    return "--spec-draft-n-max" if "--spec-draft-n-max" in done.stdout + done.stderr else "--draft-max"
+
+
 def llama_cpp_rows(binaries: dict, args, threads: int, prompt_files: list) -> list:
     common = ["-n", str(args.max_new_tokens), "-t", str(threads), "--temp", "0", "--top-k", "1", "--ignore-eos"]
     runs = {
         "llama.cpp ar": (binaries[COMPLETION], ["-m", args.target_gguf, *common,
                                                 *shlex.split(args.completion_args)], eval_speed),
         "llama.cpp sd": (binaries[SPECULATIVE], ["-m", args.target_gguf, "-md", args.draft_gguf, "-td", str(threads),
-                                                 "--draft-max", str(args.k), *common,
+                                                 draft_max_flag(binaries[SPECULATIVE]), str(args.k), *common,
                                                  *shlex.split(args.speculative_args)], decoded_speed),
     }
     passes = {label: [] for label in runs}

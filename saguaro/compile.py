@@ -9,6 +9,7 @@ import logging
 import torch
 
 from saguaro.artifact.export import export_program
+from saguaro.artifact.signature import varying_dims
 from saguaro.capture import CapturedModel, capture, model_spec
 from saguaro.capture.attention_op import direct_kernel_calls
 from saguaro.capture.captured_files import CapturedSource, load_captured
@@ -150,8 +151,12 @@ class CompiledStages(PipelineStages):
         gm = self.stage_graph(stage)
         if self.backend == "eager":
             gm = direct_kernel_calls(gm)
+        varying = None  # Inductor compiles the sizes that change from call to call dynamic at once
+        if self.backend == "inductor":
+            varying = varying_dims(stage, sum(1 for node in gm.graph.nodes if node.op == "placeholder"))
         return lower_graph(gm, self.backend, stage.qualified, self.device_type,
-                           cuda_graphs=self.cuda_graphs and captures_stage(stage), compiler=self.compiler)
+                           cuda_graphs=self.cuda_graphs and captures_stage(stage), compiler=self.compiler,
+                           dynamic_dims=varying)
 
 
 def compile_tensor_parallel(target, draft, cfg: SaguaroConfig):

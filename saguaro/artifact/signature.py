@@ -57,6 +57,24 @@ def input_layout(stage: Stage, num_layers: int) -> list[tuple[str, tuple]]:
     return layout
 
 
+# the dimensions whose sizes change from call to call of one program: the query length (a prompt's, a
+# tree's) and the KV slots (prompt + new tokens, and SSD's tree slots); batch and static sizes do not
+VARYING = ("T", "S", "MQ")
+
+
+def varying_dims(stage: Stage, input_count: int) -> dict[int, tuple[int, ...]]:
+    """``{input position: (dimension, ...)}`` of the :data:`VARYING` dimensions of a stage graph with
+    ``input_count`` flat inputs (their number tells the layers: two caches per layer)."""
+    fixed = len(QUERY_INPUTS) + len(SLOT_INPUTS) + len(stage.inputs)
+    layers, odd = divmod(input_count - fixed, 2)
+    if odd or layers < 0:
+        raise ArtifactError(f"stage {stage.qualified}: {input_count} inputs do not fit its layout ({fixed} "
+                            "besides two KV caches per layer)")
+    layout = input_layout(stage, layers)
+    return {i: dims for i, (_, symbols) in enumerate(layout)
+            if (dims := tuple(d for d, symbol in enumerate(symbols) if symbol in VARYING))}
+
+
 def describe(stage: Stage, recorded: list[torch.Tensor], num_layers: int, ranges: dict) -> list[dict]:
     """The manifest's description of each input: name, dtype and per dimension a symbol or a size."""
     layout = input_layout(stage, num_layers)

@@ -32,7 +32,11 @@ BACKENDS = ("eager", "inductor")
 # per-call overhead, not FLOPs. The wrapper (glue: allocations and kernel calls) is compiled apart from the
 # kernels, at -O1 rather than at the kernels' -O3: g++ time of an AR program's two stages (tiny Gemma 2,
 # precompiled headers warm) 13.7 / 14.6 s against 18.7 s in one file, the same tokens per second.
-INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}, "cuda": {}}
+# The kernels take the thread count at run time (``cpp.dynamic_threads``), so a stage SSD's lanes run with
+# one thread (dynamo recompiles it: it guards on the count) reuses the code compiled for all threads from
+# Inductor's cache in about a second rather than compiling it again (7-8 s a stage for the default pair).
+INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "cpp.dynamic_threads": True},
+                    "cuda": {}}
 COMPILE_LOG_S = 1.0  # a stage call this slow compiled (a new shape bucket, say): log it
 # Shape buckets of the inductor backend: the runtime left-pads prompts to a multiple of PROMPT_BUCKET
 # columns and rounds KV capacities up to a multiple of CAPACITY_BUCKET slots, so requests of nearby
@@ -107,14 +111,17 @@ class LoweringError(SaguaroError):
 
 
 def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: str = "cpu",
-                cuda_graphs: bool = False, compiler: BackgroundCompiler | None = None):
+                cuda_graphs: bool = False, compiler: BackgroundCompiler | None = None,
+                dynamic_dims: dict | None = None):
     """``eager`` runs the GraphModule itself; ``inductor`` compiles it with ``torch.compile``
-    (``fullgraph=True``: a graph break is an error). The first shape bucket a stage sees (the runtime
-    pads prompts and KV capacities to :data:`PROMPT_BUCKET` / :data:`CAPACITY_BUCKET` multiples)
-    compiles with static shapes; a second one recompiles the stage once with those dimensions dynamic
-    (dynamo's automatic dynamic shapes), which then serves every later bucket, so a stage compiles at
-    most twice per batch size and never hits dynamo's recompile limit. Inductor's FX graph cache (on
-    by default) serves repeated compiles of the same graph, in this process and the next.
+    (``fullgraph=True``: a graph break is an error). ``dynamic_dims`` (``{input position: (dimension,
+    ...)}``, the sizes that change from call to call: query length, KV slots) are compiled dynamic from
+    the first call, so one compile serves every prompt bucket and KV capacity (the runtime pads prompts
+    and capacities to :data:`PROMPT_BUCKET` / :data:`CAPACITY_BUCKET` multiples); a size of 1 stays
+    static (dynamo specialises it). Any other dimension that changes (a batch size, say) recompiles the
+    stage once with it dynamic (dynamo's automatic dynamic shapes), so a stage never hits dynamo's
+    recompile limit. Inductor's FX graph cache (on by default) serves repeated compiles of the same
+    graph, in this process and the next.
     ``device_type`` picks the per-device Inductor options (:data:`INDUCTOR_OPTIONS`).
     ``cuda_graphs`` (CUDA only; a fixed-shape stage, :func:`~saguaro.lower.cuda_graphs.captures_stage`)
     replays the stage as CUDA graphs (:class:`~saguaro.lower.cuda_graphs.GraphedStage`), the inputs it
@@ -138,7 +145,7 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
         compiled = torch.compile(gm.forward, backend="inductor", fullgraph=True, dynamic=None, options=options)
         if cuda_graphs:  # inside CompiledStage, which maps compile errors and logs the kernels
             compiled = GraphedStage(compiled, name, mutated_inputs(gm))
-        stage = CompiledStage(gm, compiled, name)
+        stage = CompiledStage(gm, compiled, name, {} if cuda_graphs else dynamic_dims or {})
         if compiler is not None and not cuda_graphs:
             return TieredStage(gm, stage, name, compiler, stage.written)
         return stage
@@ -147,10 +154,13 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
 class CompiledStage:
     """A compiled stage: logs each compilation (on :data:`PROGRESS_LOGGER` when a call brings shapes it
     has not run yet, :func:`~saguaro.lower.tiered.shape_key`) and turns compiler failures into
-    ``LoweringError``. ``written``: the positions of the inputs it writes in place (the KV caches)."""
+    ``LoweringError``. ``written``: the positions of the inputs it writes in place (the KV caches).
+    ``dynamic_dims``: the dimensions a call with new shapes marks dynamic before it compiles
+    (:func:`lower_graph`)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, compiled, name: str):
+    def __init__(self, gm: torch.fx.GraphModule, compiled, name: str, dynamic_dims: dict | None = None):
         self.gm, self.compiled, self.name = gm, compiled, name
+        self.dynamic_dims = dict(dynamic_dims or {})
         self.calls = 0
         self.compile_s: float | None = None  # the first call, compile included
         self.output_code: list[dict] = []  # what Inductor generated on the first call (kernel_log)
@@ -165,6 +175,7 @@ class CompiledStage:
         if new:
             progress.info("compiling stage %s with inductor", self.name,
                           extra={"compile_event": "start", "stage": self.name, "seconds": 0.0})
+            mark_dynamic(args, self.dynamic_dims)
         started = time.perf_counter()
         try:
             if self.calls == 1:
@@ -194,6 +205,15 @@ class CompiledStage:
         elif elapsed > COMPILE_LOG_S:  # a recompile the shape key did not foresee
             log.info("stage %s: call %d (compile included) took %.1fs", self.name, self.calls, elapsed)
         return out
+
+
+def mark_dynamic(args, dynamic_dims: dict) -> None:
+    """Mark ``dynamic_dims`` of the tensors among ``args`` dynamic for dynamo's next compile (a mark on a
+    size of 1, or on a size the graph fixes, is dropped: dynamo specialises it)."""
+    for position, dims in dynamic_dims.items():
+        if position < len(args) and isinstance(args[position], torch.Tensor):
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(args[position], dim)
 
 
 def responsible_node(gm: torch.fx.GraphModule, exc: BaseException) -> str | None:

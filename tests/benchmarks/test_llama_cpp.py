@@ -46,9 +46,11 @@ def test_rows_from_a_fake_build_are_medians_of_alternating_passes(tmp_path, monk
     bin_dir.mkdir(parents=True)
     calls = tmp_path / "calls"
     # each call appends its name; llama-completion's speed rises per call: 100, 200, 300 tokens/s
-    _program(bin_dir / "llama-completion", f'echo c >> {calls}; n=$(grep -c c {calls}); '
+    _program(bin_dir / "llama-completion", f'echo c >> {calls}; n=$(grep -c "^c" {calls}); '
              f'printf "{COMPLETION_OUT.format(ms="1000.00", n="$((n * 100))")}" >&2\n')
-    _program(bin_dir / "llama-speculative", f'echo s >> {calls}; printf "{SPECULATIVE_OUT.format(n=50, s="0.100")}"\n')
+    # llama-speculative's --help names the drafting flag of builds since --draft-max was removed
+    _program(bin_dir / "llama-speculative", 'if [ "$1" = --help ]; then echo "--spec-draft-n-max N"; exit 0; fi\n'
+             f'echo "s $*" >> {calls}; printf "{SPECULATIVE_OUT.format(n=50, s="0.100")}"\n')
     prompts = [str(tmp_path / "p0.txt")]
     monkeypatch.setattr(llama_cpp, "write_prompts", lambda count, new, workdir: prompts)
     out = tmp_path / "r.json"
@@ -61,7 +63,15 @@ def test_rows_from_a_fake_build_are_medians_of_alternating_passes(tmp_path, monk
     assert rows[0]["passes"] == [100.0, 200.0, 300.0] and rows[0]["tokens_per_s"] == 200.0
     assert rows[2]["passes"] == [400.0, 500.0, 600.0]
     assert rows[1]["tokens_per_s"] == 500.0 and rows[1]["spread_pct"] == 0.0
-    assert calls.read_text().split() == ["c", "s"] * 6  # the two rows' passes alternate
+    lines = calls.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["c", "s"] * 6  # the two rows' passes alternate
+    assert all("--spec-draft-n-max 5 " in line and "--draft-max" not in line for line in lines if line[0] == "s")
+
+
+def test_an_older_build_drafts_with_draft_max(tmp_path):
+    old = tmp_path / "llama-speculative"
+    _program(old, 'echo "--draft-max N    number of tokens to draft"\n')
+    assert llama_cpp.draft_max_flag(str(old)) == "--draft-max"
 
 
 def test_saguaro_rows_are_read_from_the_bench_report():

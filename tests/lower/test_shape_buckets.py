@@ -1,11 +1,15 @@
 """Shape buckets of the inductor backend: prompts left-padded to PROMPT_BUCKET columns (masked, and
 dropped from the result), KV capacities rounded up to CAPACITY_BUCKET slots; eager is untouched."""
 
+import pytest
 import torch
 
 import saguaro
+from saguaro.artifact.signature import varying_dims
+from saguaro.core.errors import ArtifactError
+from saguaro.core.stages import DRAFT_GLUE, DRAFT_TREE, TARGET_PREFILL, TARGET_VERIFY
 from saguaro.lower.lowering import CAPACITY_BUCKET, PROMPT_BUCKET, bucketed
-from tests.models import tiny_target, truncated_draft
+from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
 
 
 def test_bucketed_rounds_up_to_a_multiple():
@@ -28,3 +32,36 @@ def test_inductor_pads_prompts_and_capacities_to_buckets_and_eager_does_not():
     for tree in (False, True):  # the stores without and with SSD's tree scratch
         capacity = inductor._store_capacity(PROMPT_BUCKET, 20, tree)
         assert capacity % CAPACITY_BUCKET == 0 and capacity >= eager._store_capacity(PROMPT_BUCKET, 20, tree)
+
+
+def test_the_varying_dimensions_of_each_stage_layout():
+    layers = 2
+    prefill, verify = varying_dims(TARGET_PREFILL, 7 + 2 * layers), varying_dims(TARGET_VERIFY.greedy, 7 + 2 * layers
+                                                                                  + len(TARGET_VERIFY.greedy.inputs))
+    assert prefill == {**{i: (1,) for i in range(7)}, **{7 + i: (2,) for i in range(2 * layers)}}  # T, S; caches' S
+    assert verify == {5: (1,), 6: (1,), **{7 + i: (2,) for i in range(2 * layers)}}  # K+1 query tokens: static
+    tree = DRAFT_TREE.sampled  # inputs: inv_temperature, top, saguaro_c, u [B, MQ]
+    assert varying_dims(tree, 11 + 2 * layers) == {**{i: (1,) for i in range(7)},
+                                                    **{7 + i: (2,) for i in range(2 * layers)}, 10 + 2 * layers: (1,)}
+    glue = varying_dims(DRAFT_GLUE, 10 + 2 * layers)  # draft_tokens [B, K], branch_rows [MQ], branch_ranks [MQ]
+    assert 0 not in glue and glue[8 + 2 * layers] == (0,) and glue[9 + 2 * layers] == (0,)
+    with pytest.raises(ArtifactError, match="8 inputs do not fit"):
+        varying_dims(TARGET_PREFILL, 8)
+
+
+def test_a_stage_compiles_once_for_every_prompt_bucket_and_kv_capacity():
+    """Query length and KV slots are dynamic from the first compile: two prompt buckets and two capacity
+    buckets compile the prefill and the step once each (four compiles when the first is static), and the
+    tokens stay the target's greedy tokens."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_target("llama", seed=3)
+    program = saguaro.compile(target, None, mode="ar", backend="inductor")
+    counters.clear()
+    for length, new_tokens in ((5, 8), (2 * PROMPT_BUCKET - 3, 2 * CAPACITY_BUCKET - 30)):
+        ids, mask = prompts(1, length, seed=length)
+        assert program._store_capacity(bucketed(length, PROMPT_BUCKET), new_tokens) == \
+            bucketed(bucketed(length, PROMPT_BUCKET) + new_tokens, CAPACITY_BUCKET)
+        out = program.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None)
+        assert torch.equal(out.sequences, reference_greedy(target, ids, mask, new_tokens))
+    assert counters["stats"]["unique_graphs"] == 2  # target.prefill and target.step
