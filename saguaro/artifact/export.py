@@ -178,7 +178,7 @@ def _ranges(program, max_batch: int) -> dict:
     """Each dynamic dimension's range: batch, tokens (up to the program's maximum length), KV slots (the
     largest store a generation of that length allocates) and tree branches."""
     k, longest = program.config.k, program.max_length
-    branches = max(program.max_branches, 1) if program.draft is not None else 1
+    branches = max(program.max_branches, 2) if program.draft is not None else 1  # 2: a round without branches
     slots = program.shapes.capacity(longest + k + 2 + k * branches)
     return {"B": [1, max_batch], "T": [1, longest], "S": [1, slots], "MQ": [1, branches]}
 

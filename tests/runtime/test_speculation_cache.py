@@ -77,3 +77,22 @@ def test_cached_sampled_branches_carry_their_true_distributions():
         q = fresh_distributions(draft_model, tokens[None], 0.8)[-4:-1]  # after c, y_1, y_2: [k, V]
         expected = torch.stack([saguaro_distribution(q[d], fan_out[d], 0.5) for d in range(3)])
         torch.testing.assert_close(cache.probs[0, b], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_round_without_branches_forks_two_unused_candidates(monkeypatch):
+    """No branches (an SD round): the glue still forks, two candidates (``tree.UNUSED_FORK``; one would be a
+    size a compiler keeps static, a compile of its own), and the cache holds none of them."""
+    from saguaro.core.stages import DRAFT_GLUE
+    from saguaro.runtime.base.model_runner import ModelRunner
+
+    forked = []
+    real_run = ModelRunner.run
+
+    def run(self, stage, *args):
+        if stage is DRAFT_GLUE:
+            forked.append(args[-2].numel())  # branch_rows [MQ]
+        return real_run(self, stage, *args)
+
+    monkeypatch.setattr(ModelRunner, "run", run)
+    _, _, _, cache = prepare("llama", fan_out=(0, 0, 0, 0))
+    assert forked == [2] and cache.candidates.shape[1] == 0 and cache.branch_rows.numel() == 0

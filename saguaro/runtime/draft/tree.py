@@ -16,6 +16,8 @@ from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.sequences import host_to_device
 from saguaro.runtime.draft.speculation_cache import SpeculationCache
 
+UNUSED_FORK = [2]  # the fan-out the glue forks in a round without branches: two candidates at position 0
+
 
 @dataclass
 class GlueRequest:
@@ -82,9 +84,10 @@ class TreeBuild:
         self.rows, ranks = self.layout(req.fan_out)  # [MQ], [MQ]
         MQ = self.rows.numel()
         # the glue stage returns the fork's candidates [B, MQ] and each row's ranked tokens [B, K+1, W]; with no
-        # branches (an SD round) it forks one candidate that nobody uses, so the stage never sees MQ = 0 (a
-        # shape of its own for a compiler, and outside an exported stage's range)
-        layout = (self.rows, ranks) if MQ else self.layout([1])
+        # branches (an SD round) it forks candidates that nobody uses, so the stage never sees MQ = 0 (a shape
+        # of its own for a compiler, and outside an exported stage's range); two of them, as a compiler keeps a
+        # size of 1 static, so MQ = 1 would compile the glue once more than the trees' sizes do
+        layout = (self.rows, ranks) if MQ else self.layout(UNUSED_FORK)
         candidates, self.ranked = self.draft.run(DRAFT_GLUE, self.store, req.ids, req.positions, req.index,
                                                  req.draft_tokens, *layout)
         self.candidates = candidates[:, :MQ]
