@@ -39,8 +39,7 @@ def weight_matrices(target_dir: str | None) -> list[torch.Tensor]:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    mats = [m.weight.detach().float().contiguous() for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    return mats
+    return [m.weight.detach().float().contiguous() for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
 def products_summed(inputs: dict, mats: list) -> list:

@@ -145,7 +145,7 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
         compiled = torch.compile(gm.forward, backend="inductor", fullgraph=True, dynamic=None, options=options)
         if cuda_graphs:  # inside CompiledStage, which maps compile errors and logs the kernels
             compiled = GraphedStage(compiled, name, mutated_inputs(gm))
-        stage = CompiledStage(gm, compiled, name, {} if cuda_graphs else dynamic_dims or {})
+        stage = CompiledStage(gm, compiled, name, None if cuda_graphs else dynamic_dims)  # CUDA graphs: static
         if compiler is not None and not cuda_graphs:
             return TieredStage(gm, stage, name, compiler, stage.written)
         return stage
