@@ -17,7 +17,7 @@ from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.stages import Stage
 from saguaro.lower.cuda_graphs import captures_stage, resolve_cuda_graphs
-from saguaro.lower.lowering import attention_implementation, lower_graph, shape_policy
+from saguaro.lower.lowering import attention_implementation, linear_implementation, lower_graph, shape_policy
 from saguaro.lower.compile_thread import BackgroundCompiler
 from saguaro.passes import run_pipeline
 from saguaro.passes.pipeline import PipelineStages, build_stage
@@ -83,7 +83,7 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
     # the draft process rebuilds the model from its class and captures it; or a draft server serves the draft)
     source = CapturedSource.of(captures["draft"]) if draft is not None and endpoint is None else None
     runners = {name: build_runner(name, captures[name], cfg.backend, cfg.attention, graphs[name],
-                                  shard if name == "target" else None, compiler)
+                                  shard if name == "target" else None, compiler, cfg.linears)
                for name in models}
     gen = getattr(target, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
@@ -98,18 +98,20 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
 
 
 def build_runner(name: str, model: torch.nn.Module | CapturedModel, backend: str, attention: str = "auto",
-                 cuda_graphs: bool = False, shard=None, compiler: BackgroundCompiler | None = None) -> ModelRunner:
+                 cuda_graphs: bool = False, shard=None, compiler: BackgroundCompiler | None = None,
+                 linears: str = "auto") -> ModelRunner:
     """Capture ``model`` (or take its capture), run the base pass pipeline, and wrap it with the builder
     of its stages (``cuda_graphs``: fixed-shape stages replay CUDA graphs over KV stores kept at fixed
     addresses; ``shard``: a ``ShardTensorParallel`` pass after the base pipeline, the runner's spec its
-    rank's heads; ``compiler``: the thread of ``compile="background"``)."""
+    rank's heads; ``compiler``: the thread of ``compile="background"``; ``linears``: as
+    ``SaguaroConfig.linears``)."""
     captured = model if isinstance(model, CapturedModel) else capture(model)
     captured.graph_module = run_pipeline(captured.graph_module, (shard,) if shard is not None else ())
     if shard is not None:
         captured.spec = shard.local_spec
     width = min(captured.spec.vocab_size, RANK_WIDTH)  # fork / rank / Saguaro-sampling width
     builder = CompiledStages(name, captured.graph_module, width, backend, attention, captured.spec.device.type,
-                             cuda_graphs, compiler)
+                             cuda_graphs, compiler, linears)
     return ModelRunner(name, captured, builder, width, kv_pool=KVPool() if cuda_graphs else None)
 
 
@@ -122,10 +124,11 @@ class CompiledStages(PipelineStages):
 
     def __init__(self, model_name: str, graph_module: torch.fx.GraphModule, width: int, backend: str,
                  attention: str, device_type: str, cuda_graphs: bool = False,
-                 compiler: BackgroundCompiler | None = None):
+                 compiler: BackgroundCompiler | None = None, linears: str = "auto"):
         super().__init__(graph_module, width, attention_implementation(backend, attention))
         self.model_name, self.backend, self.device_type = model_name, backend, device_type
         self.requested_attention, self.cuda_graphs, self.compiler = attention, cuda_graphs, compiler
+        self.requested_linears = linears
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """True once no background compile is queued or running (at once without a compiler); False
@@ -142,13 +145,20 @@ class CompiledStages(PipelineStages):
         if self.compiler is not None:
             self.compiler.close()
 
-    def stage_graph(self, stage: Stage, observe=None):
-        """The stage's graph, its attention lowered as chosen for this stage's mask and device."""
+    def stage_graph(self, stage: Stage, observe=None, linears: str | None = None):
+        """The stage's graph, its attention lowered and its linears run as chosen for this stage and device
+        (``linears``, ``"gemm"`` or ``"reduction"``, when given, instead of the choice)."""
         attention = attention_implementation(self.backend, self.requested_attention, self.device_type, stage.mask)
-        return build_stage(self.graph_module, stage, self.width, attention=attention, observe=observe)
+        linears = linears or linear_implementation(self.backend, self.requested_linears, self.device_type,
+                                                   stage.family)
+        return build_stage(self.graph_module, stage, self.width, attention=attention, observe=observe, linears=linears)
 
     def __call__(self, stage: Stage):
-        gm = self.stage_graph(stage)
+        linears = linear_implementation(self.backend, self.requested_linears, self.device_type, stage.family)
+        gm = self.stage_graph(stage, linears=linears)
+        eager_gm = None  # what runs eager during a background compile: BLAS linears (an eager product is slow)
+        if self.compiler is not None and linears == "reduction":
+            eager_gm = self.stage_graph(stage, linears="gemm")
         if self.backend == "eager":
             gm = direct_kernel_calls(gm)
         varying = None  # Inductor compiles the sizes that change from call to call dynamic at once
@@ -156,7 +166,7 @@ class CompiledStages(PipelineStages):
             varying = varying_dims(stage, sum(1 for node in gm.graph.nodes if node.op == "placeholder"))
         return lower_graph(gm, self.backend, stage.qualified, self.device_type,
                            cuda_graphs=self.cuda_graphs and captures_stage(stage), compiler=self.compiler,
-                           dynamic_dims=varying)
+                           dynamic_dims=varying, eager_gm=eager_gm)
 
 
 def compile_tensor_parallel(target, draft, cfg: SaguaroConfig):
@@ -171,7 +181,7 @@ def compile_tensor_parallel(target, draft, cfg: SaguaroConfig):
     ranks = join_ranks(cfg.tensor_parallel, spec.device)
     if ranks.is_draft:
         def make_server():
-            return SpeculationServer(build_runner("draft", draft, cfg.backend, cfg.attention), cfg)
+            return SpeculationServer(build_runner("draft", draft, cfg.backend, cfg.attention, linears=cfg.linears), cfg)
         return DraftRankProgram(cfg, ranks, make_server, spec.vocab_size)
     shard = ShardTensorParallel(spec, Shard(ranks.rank, cfg.tensor_parallel, ranks.target_group.group_name))
     # SSD's rounds always: choosing SD by measured time would need the ranks to agree on one measurement

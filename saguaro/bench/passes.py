@@ -3,7 +3,9 @@
 Every row is warmed up first; then the rows' timed passes alternate, one pass of each row per round
 (``ar, sd, ssd, ar, sd, ssd, ...``), so a machine whose speed drifts over minutes slows every row alike.
 A row reports ``tokens_per_s``, the median of its passes' tokens/s, beside ``tokens_per_s_reps`` (each
-pass's) and ``spread_pct``, ``(max - min) / median * 100`` over them (None with one pass). The
+pass's) and ``spread_pct``, ``(max - min) / median * 100`` over them (None with one pass), and the same of
+the tokens after each call's prefill, ``decode_tokens_per_s`` and ``decode_tokens_per_s_reps`` (None for
+the ``transformers`` rows). The
 per-round and per-token percentiles, the accepted length and the SSD figures pool every timed call of
 every pass; ``new_tokens``, ``wall_s`` and ``rounds`` are totals over the passes.
 """
@@ -30,6 +32,8 @@ class TimedPass:
     ended: float | None = None
     new_tokens: int = 0
     wall_s: float = 0.0  # the generate calls alone, not the batching between them
+    decode_tokens: int = 0  # after each call's prefill
+    decode_s: float = 0.0
     accepted: float = 0.0  # sum over calls of (mean accepted length x rounds): per round once divided
     rounds: int = 0
     round_s: list = field(default_factory=list)
@@ -41,6 +45,10 @@ class TimedPass:
         self.new_tokens += produced
         self.wall_s += seconds
         stats = out.stats if out is not None else {}
+        if "prefill_s" in stats:
+            rows = out.sequences.shape[0]
+            self.decode_tokens += produced - rows
+            self.decode_s += seconds - stats["prefill_s"]
         if stats.get("rounds"):
             # weight each call's mean by its rounds, so the row's mean is per round
             self.accepted += stats["mean_accepted_len"] * stats["rounds"]
@@ -53,6 +61,11 @@ class TimedPass:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens/s after each call's prefill (None for a row without prefill times: ``transformers``)."""
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else None
 
     def brief(self) -> dict:
         """What a row's process reports of the pass it just ran."""
@@ -74,7 +87,10 @@ def combine(mode: str, passes: list) -> dict:
     token_s = [s for p in passes for s in p.token_s]
     row = {
         "mode": mode, "tokens_per_s": statistics.median(reps), "tokens_per_s_reps": reps,
-        "spread_pct": spread_pct(reps), "repeats": len(passes), "pass_times": [[p.started, p.ended] for p in passes],
+        "spread_pct": spread_pct(reps), "repeats": len(passes),
+        "decode_tokens_per_s": _median_or_none([p.decode_tokens_per_s for p in passes]),
+        "decode_tokens_per_s_reps": [p.decode_tokens_per_s for p in passes],
+        "pass_times": [[p.started, p.ended] for p in passes],
         "new_tokens": sum(p.new_tokens for p in passes), "wall_s": sum(p.wall_s for p in passes),
         "mean_accepted_len": sum(p.accepted for p in passes) / rounds if rounds else None,
         "rounds": rounds if rounds else None,
@@ -87,6 +103,10 @@ def combine(mode: str, passes: list) -> dict:
     if ssd:
         row.update(_ssd_summary(ssd, rounds))
     return row
+
+
+def _median_or_none(values: list):
+    return None if not values or None in values else statistics.median(values)
 
 
 def add_speedups(rows: list, ar: tuple, sd: tuple) -> None:

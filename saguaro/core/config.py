@@ -12,6 +12,7 @@ BACKENDS = ("eager", "inductor")
 FALLBACKS = ("auto", "neural", "fast")
 LANES = ("auto", "thread", "process", "remote")
 ATTENTIONS = ("auto", "op", "inline", "flex")
+LINEARS = ("auto", "gemm", "reduction")
 COMPILE_MODES = ("blocking", "background")
 MAX_K = 16
 DRAFT_DEVICE_TYPES = ("cpu", "cuda")
@@ -64,6 +65,11 @@ class SaguaroConfig:
         ``"auto"``: op for the eager backend, inline for Inductor. The tree stage of Inductor on CUDA
         is written to take flex under ``"auto"`` (``saguaro.lower.lowering.FLEX_TREE_ON_CUDA``, a
         one-line switch), off until ``benchmarks/gpu_probe.py`` shows it exact and faster than SDPA.
+    linears: how the linear layers of the few-row stages (step, verify, glue, tree; not prefill) run:
+        ``"reduction"`` (the ``linear_as_reduction`` pass: a product and a sum that Inductor fuses into one
+        reduction reading each weight once for all rows), ``"gemm"`` (the BLAS call, as captured) or
+        ``"auto"``: reduction for Inductor on CPU, gemm elsewhere (see
+        :func:`saguaro.lower.lowering.linear_implementation`).
     cuda_graphs: run the fixed-shape stages (verify, glue, tree, step; not prefill) as CUDA graphs
         (``saguaro.lower.cuda_graphs``: one replay instead of hundreds of Python kernel launches per
         call, so two lanes do not contend for the GIL): True (CUDA only: on another device
@@ -103,6 +109,7 @@ class SaguaroConfig:
     lane_start_timeout_s: float = 120.0
     sd_when_faster: bool = True
     attention: str = "auto"
+    linears: str = "auto"
     cuda_graphs: object = "auto"
     draft_device: str | None = None
     draft_address: str | None = None
@@ -136,6 +143,8 @@ class SaguaroConfig:
             raise ConfigError(f"lane_start_timeout_s={start!r} is not allowed: it must be > 0 seconds")
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"attention={self.attention!r} is not allowed: choose one of {', '.join(ATTENTIONS)}")
+        if self.linears not in LINEARS:
+            raise ConfigError(f"linears={self.linears!r} is not allowed: choose one of {', '.join(LINEARS)}")
         graphs = self.cuda_graphs  # True, False or "auto"; not 1 or 0
         if not isinstance(graphs, bool) and not (isinstance(graphs, str) and graphs == "auto"):
             raise ConfigError(f"cuda_graphs={graphs!r} is not allowed: choose 'auto', True or False")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.core.errors import ConfigError, SaguaroError
-from saguaro.core.stages import DRAFT_TREE
+from saguaro.core.stages import DRAFT_TREE, FEW_ROW_FAMILIES
 from saguaro.lower.cuda_graphs import GraphedStage
 from saguaro.lower.graph_inputs import mutated_inputs
 from saguaro.lower.kernel_log import capture_output_code
@@ -106,13 +106,28 @@ def attention_implementation(backend: str, requested: str = "auto", device_type:
     return "inline"
 
 
+def linear_implementation(backend: str, requested: str = "auto", device_type: str = "cpu",
+                          family: str | None = None) -> str:
+    """How the linears of a stage of ``family`` run: ``"reduction"`` (the ``linear_as_reduction`` pass: a
+    product and a sum that reads each weight once for all rows) or ``"gemm"`` (``aten.linear`` as
+    captured: the BLAS call). ``requested`` ``"gemm"`` keeps every stage's; ``"reduction"`` rewrites the
+    few-row stages (:data:`FEW_ROW_FAMILIES`) on any backend; ``"auto"`` does so for Inductor on CPU, where
+    its fused reduction streams the weights twice as fast as MKL's GEMV (``benchmarks/matmul_rates.py``).
+    Never chosen for CUDA by ``"auto"``: not yet measured there."""
+    if requested == "gemm" or family not in FEW_ROW_FAMILIES:
+        return "gemm"
+    if requested == "reduction" or (backend == "inductor" and device_type == "cpu"):
+        return "reduction"
+    return "gemm"
+
+
 class LoweringError(SaguaroError):
     """A stage graph could not be compiled; the message names the stage and the FX node."""
 
 
 def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: str = "cpu",
                 cuda_graphs: bool = False, compiler: BackgroundCompiler | None = None,
-                dynamic_dims: dict | None = None):
+                dynamic_dims: dict | None = None, eager_gm: torch.fx.GraphModule | None = None):
     """``eager`` runs the GraphModule itself; ``inductor`` compiles it with ``torch.compile``
     (``fullgraph=True``: a graph break is an error). ``dynamic_dims`` (``{input position: (dimension,
     ...)}``, the sizes that change from call to call: query length, KV slots) are compiled dynamic from
@@ -147,7 +162,7 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
             compiled = GraphedStage(compiled, name, mutated_inputs(gm))
         stage = CompiledStage(gm, compiled, name, None if cuda_graphs else dynamic_dims)  # CUDA graphs: static
         if compiler is not None and not cuda_graphs:
-            return TieredStage(gm, stage, name, compiler, stage.written)
+            return TieredStage(gm if eager_gm is None else eager_gm, stage, name, compiler, stage.written)
         return stage
 
 

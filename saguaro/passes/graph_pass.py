@@ -31,6 +31,7 @@ STAGE_MASK = "stage_mask"
 EPILOGUE_SPLICED = "epilogue_spliced"
 ATTENTION_LOWERED = "attention_lowered"
 TENSOR_PARALLEL = "tensor_parallel"
+LINEARS_AS_REDUCTIONS = "linears_as_reductions"
 FACTS = {
     GENERIC_MASK: "one saguaro::attention_mask node per layer kind (capture)",
     LOGITS_OUTPUT: "the logits [B, T, V] are the graph's only output (capture)",
@@ -40,6 +41,7 @@ FACTS = {
     EPILOGUE_SPLICED: "the stage's epilogue follows the logits; its results are the outputs (splice_epilogue)",
     ATTENTION_LOWERED: "attention nodes in the form the backend runs (lower_attention)",
     TENSOR_PARALLEL: "a rank's slice of each projection, an all-reduce per row-parallel one (shard_tensor_parallel)",
+    LINEARS_AS_REDUCTIONS: "each linear a product and a sum reading its weight once for all rows (linear_as_reduction)",
 }
 
 RECORD_KEY = "saguaro_pass_record"

@@ -1,6 +1,7 @@
 """How a row's timed passes combine: median tokens/s, spread, pooled counts; the interleaving order."""
 
 import pytest
+import torch
 
 from saguaro.bench.passes import TimedPass, add_speedups, combine, interleaved
 
@@ -22,3 +23,18 @@ def test_a_row_reports_the_median_and_spread_of_its_passes():
     rows = [row, alone]
     add_speedups(rows, ar=("ar",), sd=("sd",))
     assert [r["speedup_vs_sd"] for r in rows] == [1.0, 1.0] and [r["speedup_vs_ar"] for r in rows] == [None, None]
+
+
+def test_the_rate_after_the_prefill_leaves_out_each_call_s_prefill_and_first_tokens():
+    class Out:  # a generation of 2 rows: 0.5 s of its wall in the prefill
+        stats = {"prefill_s": 0.5}
+        sequences = torch.zeros(2, 11)
+
+    first, second = TimedPass(), TimedPass()
+    first.add(22, 2.5, Out())  # the prefill decides 2 of the 22 tokens: 20 in 2.0 s after it
+    second.add(22, 4.5, Out())  # 20 in 4.0 s
+    row = combine("sd", [first, second])
+    assert row["decode_tokens_per_s_reps"] == [10.0, 5.0] and row["decode_tokens_per_s"] == 7.5
+    assert row["tokens_per_s_reps"] == [22 / 2.5, 22 / 4.5]
+    transformers = combine("hf", [timed(16, 2.0, 0.0)])  # no prefill times: no rate after it
+    assert transformers["decode_tokens_per_s"] is None

@@ -74,11 +74,15 @@ def test_an_older_build_drafts_with_draft_max(tmp_path):
     assert llama_cpp.draft_max_flag(str(old)) == "--draft-max"
 
 
-def test_saguaro_rows_are_read_from_the_bench_report():
+def test_saguaro_rows_are_read_from_the_bench_report_after_the_prefill_as_llama_cpp_counts():
     report = {"rows": [{"mode": "sd", "tokens_per_s": 420.0, "tokens_per_s_reps": [400.0, 420.0, 430.0],
-                        "spread_pct": 7.1}]}
-    assert llama_cpp.rows_from_bench(report, 2) == [dict(row="saguaro sd", threads=2, tokens_per_s=420.0,
-                                                         passes=[400.0, 420.0, 430.0], spread_pct=7.1)]
+                        "spread_pct": 7.1, "decode_tokens_per_s": 450.0,
+                        "decode_tokens_per_s_reps": [440.0, 450.0, 462.5]}]}
+    assert llama_cpp.rows_from_bench(report, 2) == [dict(row="saguaro sd", threads=2, tokens_per_s=450.0,
+                                                         passes=[440.0, 450.0, 462.5], spread_pct=5.0,
+                                                         with_prefill_tokens_per_s=420.0)]
+    assert llama_cpp.format_rows(llama_cpp.rows_from_bench(report, 2)).splitlines()[1].split() == [
+        "saguaro", "sd", "2", "450.0", "5.0%", "420.0"]
 
 
 def test_saguaro_rows_run_saguaro_bench_with_the_same_settings(tmp_path, monkeypatch):
@@ -88,7 +92,8 @@ def test_saguaro_rows_run_saguaro_bench_with_the_same_settings(tmp_path, monkeyp
         seen.append(command)
         out = Path(command[command.index("--json") + 1])
         out.write_text(json.dumps({"rows": [{"mode": m, "tokens_per_s": 1.0, "tokens_per_s_reps": [1.0],
-                                             "spread_pct": None} for m in ("ar", "sd")]}))
+                                             "spread_pct": None, "decode_tokens_per_s_reps": [1.0]}
+                                            for m in ("ar", "sd")]}))
     monkeypatch.setattr(llama_cpp.subprocess, "run", run)
     args = llama_cpp.parse_args(["--k", "5", "--prompts", "4", "--max-new-tokens", "128", "--repeats", "3"])
     rows = llama_cpp.saguaro_rows(args, 2, tmp_path)

@@ -1,6 +1,7 @@
 """Inductor lowering on a model that mixes attention layer kinds and softcaps its logits (tiny Gemma 2):
 the eager tokens for AR, SD and SSD, greedy and sampled (one seed, the same uniforms, the same tokens),
-zero graph breaks, the attention math (masks per kind, softcap) inlined for Inductor to fuse, and
+zero graph breaks, the attention math (masks per kind, softcap) inlined for Inductor to fuse, the
+few-row stages' linears as fused reductions (``linear_as_reduction``), and
 ``saguaro inspect kernels`` over what it generated.
 
 The suite's test of Inductor-compiled generation (C++ on CPU, about ten seconds per stage graph); it is
@@ -17,7 +18,8 @@ from torch._dynamo.utils import counters
 
 import saguaro
 from saguaro.capture.attention_op import ATTENTION_OPS
-from saguaro.core.stages import TARGET_VERIFY, stages_for
+from saguaro.core.stages import TARGET_PREFILL, TARGET_VERIFY, stages_for
+from saguaro.passes.linear_as_reduction import LINEAR
 from saguaro.passes.lower_attention import attention_inline
 from tests.models import WINDOW, family_draft, prompts, reference_greedy, tiny_family_target
 
@@ -54,6 +56,10 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
         lowered = [n for n in verify.graph.nodes if n.op == "call_function" and n.target is attention_inline]
         assert len(lowered) == 2 and all(n.args[8] == 1.0 for n in lowered)  # one per layer, the softcap inlined
         assert not any(n.target in ATTENTION_OPS for n in verify.graph.nodes if n.op == "call_function")
+        # the few-row stages' linears as products and sums (linear_as_reduction); the prefill's stay GEMMs
+        linears = [n for n in verify.graph.nodes if n.op == "call_function" and n.target is LINEAR]
+        prefill = compiled.target.stage(TARGET_PREFILL).gm
+        assert not linears and any(n.target is LINEAR for n in prefill.graph.nodes if n.op == "call_function")
         # saguaro inspect kernels: each stage's compile time, generated code files and kernel names
         rows = saguaro.inspect(compiled).kernels("ssd", warm=False)
         assert [r["stage"] for r in rows] == [s.qualified for s in stages_for("ssd", 0.0)]

@@ -20,6 +20,7 @@ from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError
 from saguaro.core.stages import TARGET_PREFILL, TARGET_STEP, stages_for
 from saguaro.lower.tiered import TieredStage
+from saguaro.passes.linear_as_reduction import LINEAR
 from saguaro.runtime.generation_plan import COMPILING
 from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
 
@@ -102,6 +103,10 @@ def test_ar_runs_eager_at_once_then_compiled_with_the_same_tokens():
         assert set(before) == {TARGET_PREFILL.qualified, TARGET_STEP.qualified}
         assert before[TARGET_PREFILL.qualified] == (1, 0)  # a new shape's first call never waits for a compile
         assert before[TARGET_STEP.qualified][0] >= 1
+        # the step's eager form keeps the BLAS linears; its compiled form is linear_as_reduction's
+        step = program.target.stage(TARGET_STEP)
+        linears = lambda gm: sum(n.target is LINEAR for n in gm.graph.nodes)  # noqa: E731
+        assert linears(step.gm) == 15 and linears(step.compiled.gm) == 0
         assert program.wait_compiled(timeout=540)
         graphs = counters["stats"]["unique_graphs"]
         second = program.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None)

@@ -50,3 +50,6 @@ def test_sd_accepts_draft_tokens(arch_pair):
     out = program.generate(ids, attention_mask=mask, max_new_tokens=24, mode="sd", eos_token_id=None)
     assert out.stats["mean_accepted_len"] > 1.0
     assert out.stats["rounds"] < 24
+    # the rate after the prefill: the 23 tokens its rounds decided over the seconds after it
+    stats = out.stats
+    assert stats["decode_tokens_per_s"] == pytest.approx(23 / (stats["wall_s"] - stats["prefill_s"]))

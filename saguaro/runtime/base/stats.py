@@ -116,6 +116,8 @@ def summarize(counters: Counters, mode: str, new_tokens: int, batch: int, wall: 
         "new_tokens": new_tokens,
         "wall_s": wall,
         "tokens_per_s": new_tokens / wall if wall > 0 else 0.0,
+        # after the prefill: the tokens of the rounds over their seconds (llama.cpp's "eval" rate)
+        "decode_tokens_per_s": (new_tokens - batch) / (wall - c.prefill_s) if wall > c.prefill_s else 0.0,
         "rounds": c.rounds,
         "mean_accepted_len": c.mean_accepted_len,
         "prefill_s": c.prefill_s,
