@@ -66,11 +66,9 @@ def main(argv=None) -> int:
     s = out.stats
     print(f"--- {s['new_tokens']} tokens in {s['rounds']} rounds, mean accepted length "
           f"{s['mean_accepted_len']:.2f}, {run_label(s)} ---\n", flush=True)
-    if background:  # the table times compiled stages only: a program that compiles before it runs
+    if background:  # the table times compiled stages only: from now on a new shape compiles before it runs
         print("Compiling the stage shapes the table needs (the table times compiled stages only) ...", flush=True)
-        program.wait_compiled()
-        program.close()
-        program = compile_for(target, draft, k=args.k, backend=args.backend)
+        program.compile_blocking()
 
     prompts = bench_prompts(tokenizer, args.prompts, target.config.vocab_size, seed=0)
     rows = run_rows(target, draft, prompts, modes, args.k, args.max_new_tokens, temperature=0.0, batch=1, seed=0,

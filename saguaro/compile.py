@@ -145,6 +145,11 @@ class CompiledStages(PipelineStages):
         if self.compiler is not None:
             self.compiler.close()
 
+    def compile_blocking(self) -> None:
+        """Build later stages without the background compiler: compiled on their first call, blocking."""
+        self.stop_compiling()
+        self.compiler = None
+
     def stage_graph(self, stage: Stage, observe=None, linears: str | None = None):
         """The stage's graph, its attention lowered and its linears run as chosen for this stage and device
         (``linears``, ``"gemm"`` or ``"reduction"``, when given, instead of the choice)."""

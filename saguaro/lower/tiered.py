@@ -149,7 +149,8 @@ class TieredStage:
     """A stage lowered both ways: ``compiled`` (a :class:`~saguaro.lower.lowering.CompiledStage`) for
     the argument shapes it has compiled, ``gm`` (eager) for the others while ``compiler`` compiles them.
     ``eager_calls`` and ``compiled_calls`` count which form ran; ``written`` are the positions of the
-    inputs the stage writes in place."""
+    inputs the stage writes in place. With ``blocking`` set (``Program.compile_blocking``) a new shape
+    compiles on the caller's thread instead, and runs compiled."""
 
     def __init__(self, gm: torch.fx.GraphModule, compiled, name: str, compiler: BackgroundCompiler, written=()):
         self.gm, self.compiled, self.name, self.compiler = gm, compiled, name, compiler
@@ -161,6 +162,7 @@ class TieredStage:
         self._queued: set = set()  # shape keys queued, compiling, or whose compile failed
         self._failures = 0
         self._lock = threading.Lock()
+        self.blocking = False  # set by compile_blocking(): a new shape compiles on the caller's thread
 
     compile_s = property(lambda self: self.compiled.compile_s, doc="the first compile's seconds (None before)")
     output_code = property(lambda self: self.compiled.output_code, doc="what Inductor generated (kernel_log)")
@@ -172,7 +174,14 @@ class TieredStage:
             return self.compiled(*args)
         with self._lock:
             queue = key not in self._queued
-            self._queued.add(key)
+            compile_here = queue and self.blocking
+            if not compile_here:
+                self._queued.add(key)
+        if compile_here:  # blocking from now on: as a CompiledStage is (a failure raises LoweringError)
+            out = self.compiled(*args)
+            self._ready.add(key)
+            self.compiled_calls += 1
+            return out
         if queue:
             self.compiler.submit(CompileJob(self, key, scratch_args(args, self.written), call_modes()))
         self.eager_calls += 1

@@ -85,19 +85,18 @@ class Program:
         """A Program over the same captured and lowered stages with some options changed.
 
         Only runtime options may change (mode, fallback, fan-out, saguaro_c, lane, lane timeout); ``k``,
-        ``backend``, ``compile``, ``attention``, ``draft_device`` and ``cuda_graphs`` shape what was compiled.
+        ``backend``, ``compile``, ``attention``, ``linears``, ``draft_device``, ``cuda_graphs`` shape the stages.
         """
-        fixed = {"k", "backend", "compile", "attention", "draft_device", "cuda_graphs"} & set(changes)
+        fixed = {"k", "backend", "compile", "attention", "linears", "draft_device", "cuda_graphs"} & set(changes)
         if fixed:
             raise ValueError(f"{sorted(fixed)} cannot change after compile; call saguaro.compile again")
         return Program(replace(self.config, **changes), self.target, self.draft, self.pad_token_id,
                        self.eos_token_id, self.shapes, self.remote_draft, self.exporter, self._lock)
 
     def export(self, path, **options):
-        """Write this program to the directory ``path``: its stages compiled ahead of time, each model's
-        weights once, a manifest with every file's sha256 (``saguaro.load(path)`` loads it). Options:
-        ``modes``, ``sampling``, ``native``, ``max_batch``, ``tokenizer``, ``announce`` (see
-        :func:`saguaro.artifact.export.export_program`)."""
+        """Write this program to the directory ``path``: its stages compiled ahead of time, each model's weights
+        once, a manifest with every file's sha256 (``saguaro.load(path)`` loads it). Options: ``modes``,
+        ``sampling``, ``native``, ``max_batch``, ``tokenizer``, ``announce`` (``artifact.export.export_program``)."""
         if self.exporter is None:
             raise SaguaroError("this program cannot be exported: it was not made by saguaro.compile (a loaded "
                                "program holds no captured graphs); export the compiled program")
@@ -116,6 +115,15 @@ class Program:
         if self.lanes is not None:
             self.lanes.close()
         self.target.stop_compiling()  # compile="background": one compile thread serves the target and the draft
+
+    def compile_blocking(self) -> None:
+        """``compile="background"`` made blocking, what compiled kept: wait for the queued compiles; then each
+        new stage or shape compiles on the calling thread before it runs (``make demo``'s timed table)."""
+        for runner in filter(None, (self.target, self.draft)):
+            runner.compile_blocking()
+        with self._lock:
+            for program in (self, *self._variants.values()):
+                program.config = replace(program.config, compile="blocking")
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for ``compile="background"``'s queued stage compiles: True once done, False after ``timeout`` s."""

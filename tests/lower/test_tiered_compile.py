@@ -18,7 +18,7 @@ from saguaro.cli.generate import CompileProgress
 from saguaro.cli.main import main
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError
-from saguaro.core.stages import TARGET_PREFILL, TARGET_STEP, stages_for
+from saguaro.core.stages import TARGET_PREFILL, TARGET_STEP, TARGET_VERIFY, stages_for
 from saguaro.lower.tiered import TieredStage
 from saguaro.passes.linear_as_reduction import LINEAR
 from saguaro.runtime.generation_plan import COMPILING
@@ -232,6 +232,25 @@ def test_close_drops_queued_compiles_and_a_later_call_queues_them_again():
         gate.set()
         program.close()
 
+
+def test_compile_blocking_keeps_the_compiled_stages_and_compiles_new_shapes_on_the_caller():
+    target = tiny_target("llama", seed=2)
+    ids, mask = prompts(1, 7, seed=5)
+    expected = reference_greedy(target, ids, mask, NEW)
+    program = saguaro.compile(target, truncated_draft(target), k=3, backend="inductor", compile="background")
+    try:
+        forms = spy_on(program, "ar")  # the stages built so far: tiered, each form a spy (no Inductor)
+        program.compile_blocking()
+        assert program.config.compile == "blocking" and program.target.build.compiler is None
+        out = program.generate(ids, attention_mask=mask, max_new_tokens=NEW, mode="ar", eos_token_id=None)
+        assert torch.equal(out.sequences, expected)
+        for name, (eager, compiled) in forms.items():  # new shapes compiled where they were called, not eager
+            assert not eager.calls, f"{name} ran eager after compile_blocking"
+            assert compiled.calls and not compiled.compiles(), name
+        verify = program.target.stage(TARGET_VERIFY.greedy)  # built after it: no background compiler
+        assert not isinstance(verify, TieredStage)
+    finally:
+        program.close()
 
 
 @pytest.mark.parametrize("flags,expected", [([], "background"), (["--compile", "blocking"], "blocking")])

@@ -76,9 +76,12 @@ def test_the_few_row_stages_of_inductor_on_cpu_get_it_by_default():
     assert count(verify, LINEAR) == 15 and "linear_as_reduction" not in record_of(verify).ran
 
 
-def test_linears_must_name_an_implementation():
+def test_linears_must_name_an_implementation_and_is_fixed_after_compile():
     with pytest.raises(ConfigError, match=r"linears='blas' is not allowed: choose one of auto, gemm, reduction"):
         SaguaroConfig(linears="blas")
+    program = saguaro.compile(tiny_target("llama"), mode="ar", backend="eager")
+    with pytest.raises(ValueError, match=r"\['linears'\] cannot change after compile"):
+        program.reconfigure(linears="gemm")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", *FAMILIES])

@@ -113,6 +113,17 @@ class ModelRunner:
         if stop is not None:
             stop()
 
+    def compile_blocking(self) -> None:
+        """Wait for the background compiles, then compile every later new stage or shape on the calling
+        thread (the builder's ``compile_blocking``; each built stage that has a ``blocking`` switch)."""
+        self.wait_compiled()
+        hook = getattr(self.build, "compile_blocking", None)
+        if hook is not None:
+            hook()
+        for fn in self.built_stages.values():
+            if hasattr(fn, "blocking"):
+                fn.blocking = True
+
     @property
     def built_stages(self) -> dict:
         """``{stage: lowered callable}`` of every stage built so far."""
