@@ -4,17 +4,17 @@
         --target-gguf target-f32.gguf --draft-gguf draft-f32.gguf --threads 1,2 --json llama_cpp.json
 
 Rows, at each thread count (tokens/s; the median of ``--repeats`` passes, a pass being every prompt once;
-the llama.cpp rows' passes alternate with each other, the Saguaro rows' with each other, each Saguaro
-row in a process of its own, as ``saguaro bench`` runs them):
+every row's passes alternate, llama.cpp's and Saguaro's, each Saguaro row warm in a process of its own,
+as ``saguaro bench`` runs them):
 
 - ``llama.cpp ar``: ``llama-completion`` per prompt, greedy, ``--ignore-eos``; tokens/s from its ``eval
   time`` line (the generated tokens only, prompt processing excluded, as ``llama-bench``'s tg).
 - ``llama.cpp sd``: ``llama-speculative`` per prompt drafting K tokens (``--spec-draft-n-max K``, or
   ``--draft-max K`` in builds older than that flag); its ``decoded N tokens in
   S seconds`` line (drafting and verification after the prompt).
-- ``saguaro ar`` / ``saguaro sd``: ``saguaro bench --modes ar,sd`` on the same prompts, ``--k K``; tokens/s
-  after the prefill (its ``decode_tokens_per_s``: the tokens after the prefill's first over the seconds
-  after the prefill, as llama.cpp's lines count), the rate with the prefill in the last column.
+- ``saguaro ar`` / ``saguaro sd``: ``saguaro bench``'s rows (its worker processes) on the same prompts,
+  ``--k K``; tokens/s after the prefill (``decode_tokens_per_s``: the tokens after the prefill's first over
+  the seconds after the prefill, as llama.cpp's lines count), the rate with the prefill in the last column.
 
 The prompts are ``saguaro bench``'s (held-out snippets of the default pair), written as text files that
 llama.cpp reads with ``-f``. Without a build (no ``--llama-cpp``, or its binaries not found) the script
@@ -105,43 +105,59 @@ def draft_max_flag(speculative: str) -> str:
     return "--spec-draft-n-max" if "--spec-draft-n-max" in done.stdout + done.stderr else "--draft-max"
 
 
-def llama_cpp_rows(binaries: dict, args, threads: int, prompt_files: list) -> list:
+def llama_cpp_runs(binaries: dict, args, threads: int) -> dict:
+    """``{row label: (binary, arguments, report parser)}`` of the two llama.cpp rows."""
     common = ["-n", str(args.max_new_tokens), "-t", str(threads), "--temp", "0", "--top-k", "1", "--ignore-eos"]
-    runs = {
+    return {
         "llama.cpp ar": (binaries[COMPLETION], ["-m", args.target_gguf, *common,
                                                 *shlex.split(args.completion_args)], eval_speed),
         "llama.cpp sd": (binaries[SPECULATIVE], ["-m", args.target_gguf, "-md", args.draft_gguf, "-td", str(threads),
                                                  draft_max_flag(binaries[SPECULATIVE]), str(args.k), *common,
                                                  *shlex.split(args.speculative_args)], decoded_speed),
     }
-    passes = {label: [] for label in runs}
-    for _ in range(args.repeats):  # the rows' passes alternate
-        for label, (binary, run_args, parse) in runs.items():
-            passes[label].append(llama_cpp_pass(binary, run_args, prompt_files, parse))
-    return [row(label, threads, speeds) for label, speeds in passes.items()]
 
 
-def saguaro_rows(args, threads: int, workdir: Path) -> list:
-    modes = [m for m in args.saguaro_modes.split(",") if m]
-    if not modes:
-        return []
-    out = workdir / f"saguaro_{threads}.json"
-    command = [sys.executable, "-c", "import sys; from saguaro.cli import main; sys.exit(main())",
-               "bench", "--modes", ",".join(modes), "--k", str(args.k), "--threads", str(threads),
-               "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
-               "--repeats", str(args.repeats), "--json", str(out)]
-    subprocess.run(command, check=True, timeout=3600)
-    return rows_from_bench(json.loads(out.read_text()), threads)
+def start_saguaro_rows(args, threads: int) -> dict:
+    """``{row label: row}``: a ``saguaro bench`` row per Saguaro mode, each loaded, compiled and warmed up
+    in a process of its own (``saguaro.bench.worker``), the same prompts, ``--k``, threads and tokens."""
+    from saguaro.bench.run import start_row
+    from saguaro.bench.worker import BenchParams
 
-
-def rows_from_bench(report: dict, threads: int) -> list:
-    """The table's rows from a ``saguaro bench --json`` report: tokens/s after the prefill, as llama.cpp's
-    lines count them, the rate with the prefill beside it."""
-    rows = []
-    for r in report["rows"]:
-        line = row(f"saguaro {r['mode']}", threads, r["decode_tokens_per_s_reps"])
-        rows.append(line | {"with_prefill_tokens_per_s": r["tokens_per_s"]})
+    modes = tuple(m for m in args.saguaro_modes.split(",") if m)
+    params = BenchParams(modes=modes, prompts=args.prompts, k=args.k, max_new_tokens=args.max_new_tokens,
+                         threads=threads, repeats=args.repeats)
+    rows = {}
+    try:
+        for mode in modes:
+            rows[f"saguaro {mode}"] = start_row(params, mode, "inductor")
+    except BaseException:
+        for started in rows.values():
+            started.close()
+        raise
     return rows
+
+
+def interleaved_rows(binaries: dict, args, threads: int, prompt_files: list) -> list:
+    """Every row's timed passes alternate: llama.cpp AR, llama.cpp SD, then each Saguaro row's, ``--repeats``
+    rounds; medians per row. A Saguaro pass counts its tokens after each prefill (as llama.cpp's lines do);
+    the rate with the prefill rides along."""
+    runs = llama_cpp_runs(binaries, args, threads)
+    saguaro = start_saguaro_rows(args, threads)
+    passes = {label: [] for label in [*runs, *saguaro]}
+    with_prefill = {label: [] for label in saguaro}
+    try:
+        for _ in range(args.repeats):
+            for label, (binary, run_args, parse) in runs.items():
+                passes[label].append(llama_cpp_pass(binary, run_args, prompt_files, parse))
+            for label, started in saguaro.items():
+                timed = started.time_pass()
+                passes[label].append(timed["decode_tokens_per_s"])
+                with_prefill[label].append(timed["tokens_per_s"])
+    finally:
+        for started in saguaro.values():
+            started.close()
+    return [row(label, threads, speeds) | ({"with_prefill_tokens_per_s": statistics.median(with_prefill[label])}
+                                           if label in with_prefill else {}) for label, speeds in passes.items()]
 
 
 def row(label: str, threads: int, speeds: list) -> dict:
@@ -189,8 +205,7 @@ def main(argv=None) -> int:
         workdir = Path(tmp)
         prompt_files = write_prompts(args.prompts, args.max_new_tokens, workdir)
         for threads in (int(t) for t in args.threads.split(",")):
-            rows += llama_cpp_rows(binaries, args, threads, prompt_files)
-            rows += saguaro_rows(args, threads, workdir)
+            rows += interleaved_rows(binaries, args, threads, prompt_files)
             print(format_rows(rows), flush=True)
     report = {"config": vars(args), "rows": rows}
     if args.json:

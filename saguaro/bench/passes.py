@@ -69,7 +69,8 @@ class TimedPass:
 
     def brief(self) -> dict:
         """What a row's process reports of the pass it just ran."""
-        return {"tokens_per_s": self.tokens_per_s, "started": self.started, "ended": self.ended}
+        return {"tokens_per_s": self.tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s,
+                "started": self.started, "ended": self.ended}
 
 
 def spread_pct(values: list) -> float | None:

@@ -1,7 +1,7 @@
 """``benchmarks/llama_cpp.py``: skipped with its reason without a llama.cpp build; with one (here a fake
 build whose two programs print llama.cpp's own report lines, tokens/s set by the test) its llama.cpp rows
-are those lines' speeds, medians over alternating passes; Saguaro's rows come from ``saguaro bench``'s
-JSON report."""
+are those lines' speeds, medians over alternating passes; Saguaro's rows (``saguaro bench``'s worker
+processes, faked here) alternate with them and count the tokens after the prefill, as llama.cpp does."""
 
 import json
 import stat
@@ -74,29 +74,43 @@ def test_an_older_build_drafts_with_draft_max(tmp_path):
     assert llama_cpp.draft_max_flag(str(old)) == "--draft-max"
 
 
-def test_saguaro_rows_are_read_from_the_bench_report_after_the_prefill_as_llama_cpp_counts():
-    report = {"rows": [{"mode": "sd", "tokens_per_s": 420.0, "tokens_per_s_reps": [400.0, 420.0, 430.0],
-                        "spread_pct": 7.1, "decode_tokens_per_s": 450.0,
-                        "decode_tokens_per_s_reps": [440.0, 450.0, 462.5]}]}
-    assert llama_cpp.rows_from_bench(report, 2) == [dict(row="saguaro sd", threads=2, tokens_per_s=450.0,
-                                                         passes=[440.0, 450.0, 462.5], spread_pct=5.0,
-                                                         with_prefill_tokens_per_s=420.0)]
-    assert llama_cpp.format_rows(llama_cpp.rows_from_bench(report, 2)).splitlines()[1].split() == [
-        "saguaro", "sd", "2", "450.0", "5.0%", "420.0"]
+class FakeRow:
+    """A Saguaro row as ``start_row`` gives one: its passes' rates set by the test, its calls recorded."""
+
+    def __init__(self, label, calls, rates):
+        self.label, self.calls, self.rates = label, calls, iter(rates)
+        self.closed = False
+
+    def time_pass(self):
+        self.calls.append(self.label)
+        decode = next(self.rates)
+        return {"tokens_per_s": decode - 10.0, "decode_tokens_per_s": decode, "started": 0.0, "ended": 1.0}
+
+    def close(self):
+        self.closed = True
 
 
-def test_saguaro_rows_run_saguaro_bench_with_the_same_settings(tmp_path, monkeypatch):
-    seen = []
+def test_saguaro_rows_alternate_with_llama_cpp_s_and_read_the_rate_after_the_prefill(tmp_path, monkeypatch):
+    calls, started = [], {}
 
-    def run(command, check, timeout):
-        seen.append(command)
-        out = Path(command[command.index("--json") + 1])
-        out.write_text(json.dumps({"rows": [{"mode": m, "tokens_per_s": 1.0, "tokens_per_s_reps": [1.0],
-                                             "spread_pct": None, "decode_tokens_per_s_reps": [1.0]}
-                                            for m in ("ar", "sd")]}))
-    monkeypatch.setattr(llama_cpp.subprocess, "run", run)
-    args = llama_cpp.parse_args(["--k", "5", "--prompts", "4", "--max-new-tokens", "128", "--repeats", "3"])
-    rows = llama_cpp.saguaro_rows(args, 2, tmp_path)
-    assert [r["row"] for r in rows] == ["saguaro ar", "saguaro sd"]
-    command = " ".join(seen[0][3:])
-    assert command.startswith("bench --modes ar,sd --k 5 --threads 2 --prompts 4 --max-new-tokens 128 --repeats 3")
+    def start_rows(args, threads):
+        assert (args.k, args.prompts, args.max_new_tokens, threads) == (5, 4, 128, 2)
+        started.update({f"saguaro {m}": FakeRow(m, calls, rates) for m, rates in
+                        (("ar", [300.0, 320.0, 310.0]), ("sd", [400.0, 450.0, 500.0]))})
+        return dict(started)
+
+    monkeypatch.setattr(llama_cpp, "start_saguaro_rows", start_rows)
+    monkeypatch.setattr(llama_cpp, "llama_cpp_pass", lambda binary, run_args, prompts, parse: calls.append(binary)
+                        or 100.0)
+    monkeypatch.setattr(llama_cpp, "draft_max_flag", lambda speculative: "--spec-draft-n-max")
+    args = llama_cpp.parse_args(["--k", "5", "--prompts", "4", "--max-new-tokens", "128", "--repeats", "3",
+                                 "--target-gguf", "t.gguf", "--draft-gguf", "d.gguf"])
+    binaries = {llama_cpp.COMPLETION: "completion", llama_cpp.SPECULATIVE: "speculative"}
+    rows = llama_cpp.interleaved_rows(binaries, args, 2, ["p0.txt"])
+    assert calls == ["completion", "speculative", "ar", "sd"] * 3  # every row's passes alternate
+    assert [r["row"] for r in rows] == ["llama.cpp ar", "llama.cpp sd", "saguaro ar", "saguaro sd"]
+    assert rows[2]["passes"] == [300.0, 320.0, 310.0] and rows[2]["tokens_per_s"] == 310.0
+    assert rows[3]["tokens_per_s"] == 450.0 and rows[3]["with_prefill_tokens_per_s"] == 440.0
+    assert "with_prefill_tokens_per_s" not in rows[0] and all(row.closed for row in started.values())
+    assert llama_cpp.format_rows(rows[3:]).splitlines()[1].split() == ["saguaro", "sd", "2", "450.0", "22.2%",
+                                                                      "440.0"]
