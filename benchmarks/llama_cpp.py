@@ -86,14 +86,26 @@ def decoded_speed(output: str) -> tuple[int, float]:
     return int(match.group(1)), float(match.group(2))
 
 
+ATTEMPTS = 3  # a llama.cpp run here now and then exits 0 before its report lines: run that prompt again
+
+
 def llama_cpp_pass(binary: str, args: list, prompt_files: list, parse) -> float:
     """One pass over the prompts: generated tokens / seconds, summed over prompts."""
     tokens = seconds = 0.0
     for prompt in prompt_files:
-        done = subprocess.run([binary, *args, "-f", prompt], capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            raise RuntimeError(f"{Path(binary).name} exited {done.returncode}: {done.stderr[-800:]}")
-        n, s = parse(done.stdout + done.stderr)
+        for attempt in range(1, ATTEMPTS + 1):
+            done = subprocess.run([binary, *args, "-f", prompt], capture_output=True, text=True, timeout=600,
+                                  stdin=subprocess.DEVNULL)
+            if done.returncode != 0:
+                raise RuntimeError(f"{Path(binary).name} exited {done.returncode}: {done.stderr[-800:]}")
+            try:
+                n, s = parse(done.stdout + done.stderr)
+                break
+            except ValueError as exc:
+                if attempt == ATTEMPTS:
+                    raise
+                print(f"llama_cpp.py: {Path(binary).name} on {Path(prompt).name} gave no report "
+                      f"({str(exc)[:60]}...); running it again", flush=True)
         tokens, seconds = tokens + n, seconds + s
     return tokens / seconds
 
@@ -176,7 +188,8 @@ def write_prompts(count: int, max_new_tokens: int, workdir: Path) -> list:
     files = []
     for i, ids in enumerate(prompts.ids):
         path = workdir / f"prompt_{i}.txt"
-        path.write_text(tokenizer.decode(ids[0]))
+        # without the BOS text: llama.cpp adds its own BOS, so both read the same tokens
+        path.write_text(tokenizer.decode(ids[0], skip_special_tokens=True))
         files.append(str(path))
     return files
 
