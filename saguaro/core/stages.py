@@ -112,7 +112,7 @@ STAGES: tuple[Stage, ...] = (
 BY_QUALIFIED_NAME = {stage.qualified: stage for stage in STAGES}
 # The families of few query rows (a step's 1 or 2, verify and glue K+1, a tree's MQ), whose linears the
 # linear_as_reduction pass rewrites on CPU; a prefill's T rows are a GEMM's work (benchmarks/README.md).
-FEW_ROW_FAMILIES = tuple(family for family in ("step", "verify", "glue", "tree"))
+FEW_ROW_FAMILIES = ("step", "verify", "glue", "tree")
 
 
 def stage_named(qualified: str) -> Stage:

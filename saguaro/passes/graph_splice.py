@@ -1,5 +1,5 @@
 """Helpers the passes share: trace a plain tensor function with ``torch.fx`` and inline it, append
-inputs, replace outputs; and :class:`PassError`."""
+inputs, replace outputs, read a ``get_attr`` target; and :class:`PassError`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,13 @@ from saguaro.core.errors import SaguaroError
 class PassError(SaguaroError):
     """A pass found a graph it cannot rewrite (the message names the pass and the FX node), or was run
     on a graph that lacks a fact it requires (the message names the pass and the fact)."""
+
+
+def get_attribute(gm: torch.nn.Module, path: str):
+    """The attribute at dotted ``path`` of ``gm`` (a ``get_attr`` node's target: a parameter, buffer or constant)."""
+    for part in path.split("."):
+        gm = getattr(gm, part)
+    return gm
 
 
 def add_inputs(gm: torch.fx.GraphModule, names: list[str]) -> list[torch.fx.Node]:

@@ -31,6 +31,7 @@ import logging
 import torch
 
 from saguaro.passes.graph_pass import LINEARS_AS_REDUCTIONS, GraphPass
+from saguaro.passes.graph_splice import get_attribute
 
 log = logging.getLogger(__name__)
 
@@ -38,21 +39,14 @@ aten = torch.ops.aten
 LINEAR = aten.linear.default
 
 
-def _attribute(gm: torch.fx.GraphModule, path: str):
-    value = gm
-    for name in path.split("."):
-        value = getattr(value, name, None)
-    return value
-
-
-def _input_rank(gm: torch.fx.GraphModule, node) -> int | None:
-    """The rank of ``node``'s value: a parameter's own, else from the ``val`` metadata (a fake tensor, or a
+def _shape(gm: torch.fx.GraphModule, node) -> tuple | None:
+    """The shape of ``node``'s value: a parameter's own, else from the ``val`` metadata (a fake tensor, or a
     :class:`~saguaro.capture.graph_file.TensorSpec` in a graph read from disk); None when unknown."""
     if not isinstance(node, torch.fx.Node):
         return None
-    value = _attribute(gm, node.target) if node.op == "get_attr" else node.meta.get("val")
+    value = get_attribute(gm, node.target) if node.op == "get_attr" else node.meta.get("val")
     shape = getattr(value, "shape", None)
-    return len(shape) if isinstance(shape, (tuple, torch.Size)) else None
+    return tuple(shape) if isinstance(shape, (tuple, torch.Size)) else None
 
 
 def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
@@ -60,10 +54,10 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     graph = gm.graph
     x, weight = node.args[0], node.args[1]
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    rank, weight_rank = _input_rank(gm, x), _input_rank(gm, weight)
-    if rank is None or rank < 1 or weight_rank != 2:
+    x_shape, weight_shape = _shape(gm, x), _shape(gm, weight)
+    if not x_shape or weight_shape is None or len(weight_shape) != 2:
         return False
-    n, k = _attribute(gm, weight.target).shape if weight.op == "get_attr" else weight.meta["val"].shape
+    rank, (n, k) = len(x_shape), weight_shape
     call = graph.call_function
     with graph.inserting_before(node):
         leading = [call(aten.sym_size.int, (x, d)) for d in range(rank - 1)]  # the sizes of x's "..."

@@ -40,7 +40,7 @@ import torch
 from saguaro.capture.export import ModelSpec
 from saguaro.core.errors import CaptureError
 from saguaro.passes.graph_pass import FLAT_SIGNATURE, NO_RUNTIME_CHECKS, TENSOR_PARALLEL, GraphPass
-from saguaro.passes.graph_splice import PassError
+from saguaro.passes.graph_splice import PassError, get_attribute
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def shard_tensor_parallel(gm: torch.fx.GraphModule, spec: ModelSpec, shard: Shar
                             "not aten.linear")
         role, unit = PROJECTIONS[found.group(1)]
         dim = 0 if role == "column" else 1  # weight [out, in]: column-parallel splits out, row-parallel in
-        parts = _parts(spec, unit, _get(gm, weight.target).shape[dim], node, shard.world)
+        parts = _parts(spec, unit, get_attribute(gm, weight.target).shape[dim], node, shard.world)
         _slice(gm, weight, role, parts, shard, dim)
         bias = node.args[2] if len(node.args) > 2 else None
         if role == "column" and bias is not None:
@@ -147,7 +147,7 @@ def _reads_matrix_param(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     """Whether ``node`` takes a parameter of two or more dimensions (a matrix the pass should split)."""
     for arg in node.args:
         path = _param_path(arg)
-        if path is not None and getattr(_get(gm, path), "ndim", 0) >= 2:
+        if path is not None and getattr(get_attribute(gm, path), "ndim", 0) >= 2:
             return True
     return False
 
@@ -167,7 +167,7 @@ def _parts(spec: ModelSpec, unit: str, width: int, node: torch.fx.Node, world: i
 
 def _slice(gm, node: torch.fx.Node, role: str, parts: int, shard: Shard, dim: int) -> None:
     """Replace the parameter ``node`` reads with this rank's contiguous block of ``dim``."""
-    full = _get(gm, node.target)
+    full = get_attribute(gm, node.target)
     size = full.shape[dim]
     if size % parts or parts % shard.world:
         raise PassError(f"shard_tensor_parallel: {node.target} ({role}-parallel, node {node.name}) has {size} "
@@ -198,12 +198,6 @@ def _all_reduce_after(gm: torch.fx.GraphModule, node: torch.fx.Node, group_name:
         new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
     for user in users:
         user.replace_input_with(node, last)
-
-
-def _get(gm: torch.nn.Module, path: str):
-    for part in path.split("."):
-        gm = getattr(gm, part)
-    return gm
 
 
 def _set(gm: torch.nn.Module, path: str, value) -> None:
