@@ -51,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--k", type=int, default=5, help="speculation length of both (default 5)")
     p.add_argument("--repeats", type=int, default=3, help="passes per row (default 3)")
     p.add_argument("--saguaro-modes", default="ar,sd", help="Saguaro rows to run, '' for none (default ar,sd)")
+    p.add_argument("--linears", default="auto", help="SaguaroConfig.linears of the Saguaro rows (default auto)")
     p.add_argument("--completion-args", default="", help="more arguments for llama-completion")
     p.add_argument("--speculative-args", default="", help="more arguments for llama-speculative")
     p.add_argument("--json", metavar="PATH", help="write the table here as JSON")
@@ -137,7 +138,7 @@ def start_saguaro_rows(args, threads: int) -> dict:
 
     modes = tuple(m for m in args.saguaro_modes.split(",") if m)
     params = BenchParams(modes=modes, prompts=args.prompts, k=args.k, max_new_tokens=args.max_new_tokens,
-                         threads=threads, repeats=args.repeats)
+                         threads=threads, repeats=args.repeats, linears=args.linears)
     rows = {}
     try:
         for mode in modes:

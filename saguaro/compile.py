@@ -17,7 +17,9 @@ from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.stages import Stage
 from saguaro.lower.cuda_graphs import captures_stage, resolve_cuda_graphs
-from saguaro.lower.lowering import attention_implementation, linear_implementation, lower_graph, shape_policy
+from saguaro.lower.lowering import (
+    TEMPLATE_GEMM_CONFIG, attention_implementation, linear_implementation, lower_graph, shape_policy,
+)
 from saguaro.lower.compile_thread import BackgroundCompiler
 from saguaro.passes import run_pipeline
 from saguaro.passes.pipeline import PipelineStages, build_stage
@@ -152,10 +154,12 @@ class CompiledStages(PipelineStages):
 
     def stage_graph(self, stage: Stage, observe=None, linears: str | None = None):
         """The stage's graph, its attention lowered and its linears run as chosen for this stage and device
-        (``linears``, ``"gemm"`` or ``"reduction"``, when given, instead of the choice)."""
+        (``linears``, ``"gemm"``, ``"reduction"`` or ``"template"``, when given, instead of the choice; the
+        template's graph keeps the GEMMs, as ``"gemm"``'s: only its compile settings differ)."""
         attention = attention_implementation(self.backend, self.requested_attention, self.device_type, stage.mask)
         linears = linears or linear_implementation(self.backend, self.requested_linears, self.device_type,
                                                    stage.family)
+        linears = "gemm" if linears == "template" else linears
         return build_stage(self.graph_module, stage, self.width, attention=attention, observe=observe, linears=linears)
 
     def __call__(self, stage: Stage):
@@ -171,7 +175,8 @@ class CompiledStages(PipelineStages):
             varying = varying_dims(stage, sum(1 for node in gm.graph.nodes if node.op == "placeholder"))
         return lower_graph(gm, self.backend, stage.qualified, self.device_type,
                            cuda_graphs=self.cuda_graphs and captures_stage(stage), compiler=self.compiler,
-                           dynamic_dims=varying, eager_gm=eager_gm)
+                           dynamic_dims=varying, eager_gm=eager_gm,
+                           config_patch=TEMPLATE_GEMM_CONFIG if linears == "template" else None)
 
 
 def compile_tensor_parallel(target, draft, cfg: SaguaroConfig):

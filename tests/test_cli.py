@@ -118,6 +118,31 @@ def test_plan_always_ssd_turns_sd_when_faster_off(saved_pair, command, plan, cap
     assert "always-ssd" in run_cli([command, "--help"], capsys)[1]
 
 
+@pytest.mark.parametrize("command", ["generate", "bench"])
+@pytest.mark.parametrize("linears", [None, "template", "gemm"])
+def test_linears_reaches_compile(saved_pair, command, linears, capsys, monkeypatch):
+    """``--linears`` (documented in --help) is the ``linears`` the program compiles with; ``auto`` by default.
+    A bench row's worker compiles with its ``BenchParams.linears`` (``saguaro.bench.rows.compile_for``)."""
+    def stand_in(*args, **options):
+        raise Compiled(options.get("linears"))
+
+    def bench_stand_in(params, announce):
+        raise Compiled(params.linears)
+
+    monkeypatch.setattr(importlib.import_module("saguaro.compile"), "compile", stand_in)
+    monkeypatch.setattr(importlib.import_module("saguaro.bench.run"), "run_bench", bench_stand_in)
+    target_dir, draft_dir = saved_pair
+    argv = {"generate": ["generate", "--prompt", PROMPT], "bench": ["bench"]}[command]
+    with pytest.raises(Compiled) as compiled:
+        main(argv + ["--target", target_dir, "--draft", draft_dir, "--backend", "eager"]
+             + (["--linears", linears] if linears else []))
+    assert compiled.value.args == (linears or "auto",)
+    assert "template" in run_cli([command, "--help"], capsys)[1]
+    with pytest.raises(Compiled) as compiled:  # the worker's side: compile_for passes it on
+        importlib.import_module("saguaro.bench.rows").compile_for(None, None, 3, "eager", linears=linears or "auto")
+    assert compiled.value.args == (linears or "auto",)
+
+
 def table_rows(out: str) -> list[str]:
     """The first column of the bench table's rows (between the header rule and the notes after it)."""
     lines = out.splitlines()

@@ -51,6 +51,7 @@ class BenchParams:
     trace_dir: str | None = None  # write one timeline per Saguaro row here
     plan: str = "auto"  # "always-ssd": sd_when_faster=False, SSD's own rounds on any machine
     repeats: int = 3  # timed passes per row, the rows' passes alternating
+    linears: str = "auto"  # SaguaroConfig.linears of the Saguaro rows
 
     def __post_init__(self):
         if self.repeats < 1:
@@ -85,7 +86,8 @@ class RowSession:
         started = time.perf_counter()
         try:
             if mode in SAGUARO_MODES:
-                self.program = compile_for(target, draft, params.k, backend, sd_when_faster=params.plan != "always-ssd")
+                self.program = compile_for(target, draft, params.k, backend, sd_when_faster=params.plan != "always-ssd",
+                                           linears=params.linears)
             self.timer = RowTimer(target, draft, self.program, self.prompts.ids, mode, params.k,
                                   params.max_new_tokens, params.temperature, params.batch, params.seed)
             self.timer.warm_up()

@@ -62,6 +62,16 @@ def add_plan_arg(parser) -> None:
                              "machine (sd_when_faster=False). Default auto")
 
 
+def add_linears_arg(parser) -> None:
+    from saguaro.core.config import LINEARS
+
+    parser.add_argument("--linears", default="auto", choices=list(LINEARS),
+                        help="how the linear layers of the decode stages run (SaguaroConfig.linears): auto (on a CPU "
+                             "with inductor, one-pass reductions), gemm, reduction, or template: as auto, with SD's "
+                             "verify (and SSD's glue and tree) on Inductor's C++ GEMM template over frozen weights, "
+                             "faster there but compiled again in every process. Default auto")
+
+
 def sd_when_faster(args) -> bool:
     """The ``sd_when_faster`` option ``--plan`` asks for."""
     return args.plan != "always-ssd"

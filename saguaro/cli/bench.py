@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from saguaro.cli.args import add_bench_args, add_model_args, add_plan_arg, sd_when_faster
+from saguaro.cli.args import add_bench_args, add_linears_arg, add_model_args, add_plan_arg, sd_when_faster
 from saguaro.cli.program import add_program_arg, check_program_args, load_program
 from saguaro.cli.registry import Subcommand
 
@@ -14,6 +14,7 @@ def add_arguments(bench) -> None:
     add_bench_args(bench)
     add_plan_arg(bench)
     add_model_args(bench, backends=("eager", "inductor", "both"))
+    add_linears_arg(bench)
     add_program_arg(bench)
 
 
@@ -28,7 +29,8 @@ def run(args) -> int:
         target=args.target, draft=args.draft, modes=tuple(args.modes) if args.modes else None, prompts=args.prompts,
         batch=args.batch, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         backend=args.backend, device=args.device, dtype=args.dtype, seed=args.seed, threads=args.threads,
-        same_process=args.same_process, trace_dir=args.trace, plan=args.plan, repeats=args.repeats)
+        same_process=args.same_process, trace_dir=args.trace, plan=args.plan, repeats=args.repeats,
+        linears=args.linears)
     report = run_bench(params, announce=lambda line: sys.stdout.write(line + "\n"))
     sys.stdout.write(format_table(report["rows"]) + "\n")
     for mode, reason in report["skipped"].items():

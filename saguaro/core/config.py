@@ -12,7 +12,7 @@ BACKENDS = ("eager", "inductor")
 FALLBACKS = ("auto", "neural", "fast")
 LANES = ("auto", "thread", "process", "remote")
 ATTENTIONS = ("auto", "op", "inline", "flex")
-LINEARS = ("auto", "gemm", "reduction")
+LINEARS = ("auto", "gemm", "reduction", "template")
 COMPILE_MODES = ("blocking", "background")
 MAX_K = 16
 DRAFT_DEVICE_TYPES = ("cpu", "cuda")
@@ -69,7 +69,12 @@ class SaguaroConfig:
         ``"reduction"`` (the ``linear_as_reduction`` pass: a product and a sum that Inductor fuses into one
         reduction reading each weight once for all rows), ``"gemm"`` (the BLAS call, as captured) or
         ``"auto"``: reduction for Inductor on CPU, gemm elsewhere (see
-        :func:`saguaro.lower.lowering.linear_implementation`).
+        :func:`saguaro.lower.lowering.linear_implementation`). ``"template"`` (Inductor on CPU; elsewhere as
+        ``"auto"``): as ``"auto"``, but the stages of several rows per sequence (verify, glue, tree) keep their
+        GEMMs, compiled with Inductor's freezing (the weights become constants, packed once) and its C++ GEMM
+        template (register-blocked over the rows): SD's verify about 1.4x faster here. Costs: each such stage
+        holds its own packed copy of the weights, and Inductor does not cache a frozen graph across
+        processes (about 20 s more compile per process for the default pair).
     cuda_graphs: run the fixed-shape stages (verify, glue, tree, step; not prefill) as CUDA graphs
         (``saguaro.lower.cuda_graphs``: one replay instead of hundreds of Python kernel launches per
         call, so two lanes do not contend for the GIL): True (CUDA only: on another device

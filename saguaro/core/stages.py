@@ -113,6 +113,9 @@ BY_QUALIFIED_NAME = {stage.qualified: stage for stage in STAGES}
 # The families of few query rows (a step's 1 or 2, verify and glue K+1, a tree's MQ), whose linears the
 # linear_as_reduction pass rewrites on CPU; a prefill's T rows are a GEMM's work (benchmarks/README.md).
 FEW_ROW_FAMILIES = ("step", "verify", "glue", "tree")
+# Of those, the families of several rows per sequence (verify and glue K+1, a tree's MQ), whose GEMMs
+# linears="template" hands to Inductor's C++ GEMM template (register blocking over the rows).
+MULTI_ROW_FAMILIES = ("verify", "glue", "tree")
 
 
 def stage_named(qualified: str) -> Stage:

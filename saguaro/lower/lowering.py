@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.core.errors import ConfigError, SaguaroError
-from saguaro.core.stages import DRAFT_TREE, FEW_ROW_FAMILIES
+from saguaro.core.stages import DRAFT_TREE, FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES
 from saguaro.lower.cuda_graphs import GraphedStage
 from saguaro.lower.graph_inputs import mutated_inputs
 from saguaro.lower.kernel_log import capture_output_code
@@ -37,6 +38,12 @@ BACKENDS = ("eager", "inductor")
 # Inductor's cache in about a second rather than compiling it again (7-8 s a stage for the default pair).
 INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "cpp.dynamic_threads": True},
                     "cuda": {}}
+# linears="template": the Inductor settings a stage compiles under (a config patch around its compiling calls:
+# freezing is read outside the options torch.compile takes). Freezing makes the weights constants, which the
+# CPU weight prepacking packs once; max-autotune with the C++ backend then offers the GEMM template (a
+# register-blocked micro-kernel over the rows) beside ATen's call, and keeps the faster. Inductor's FX graph
+# cache skips such a graph (its packed weights do not pickle): it compiles again in every process.
+TEMPLATE_GEMM_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 COMPILE_LOG_S = 1.0  # a stage call this slow compiled (a new shape bucket, say): log it
 # Shape buckets of the inductor backend: the runtime left-pads prompts to a multiple of PROMPT_BUCKET
 # columns and rounds KV capacities up to a multiple of CAPACITY_BUCKET slots, so requests of nearby
@@ -113,10 +120,15 @@ def linear_implementation(backend: str, requested: str = "auto", device_type: st
     captured: the BLAS call). ``requested`` ``"gemm"`` keeps every stage's; ``"reduction"`` rewrites the
     few-row stages (:data:`FEW_ROW_FAMILIES`) on any backend; ``"auto"`` does so for Inductor on CPU, where
     its fused reduction streams the weights twice as fast as MKL's GEMV (``benchmarks/matmul_rates.py``).
-    Never chosen for CUDA by ``"auto"``: not yet measured there."""
+    ``"template"``: for Inductor on CPU, the stages of several rows (:data:`MULTI_ROW_FAMILIES`) keep their
+    GEMMs for Inductor's C++ GEMM template (:data:`TEMPLATE_GEMM_CONFIG`), the others as ``"auto"``;
+    elsewhere it is ``"auto"``. Never chosen for CUDA by ``"auto"``: not yet measured there."""
     if requested == "gemm" or family not in FEW_ROW_FAMILIES:
         return "gemm"
-    if requested == "reduction" or (backend == "inductor" and device_type == "cpu"):
+    on_cpu_inductor = backend == "inductor" and device_type == "cpu"
+    if requested == "template" and on_cpu_inductor and family in MULTI_ROW_FAMILIES:
+        return "template"
+    if requested == "reduction" or on_cpu_inductor:
         return "reduction"
     return "gemm"
 
@@ -127,7 +139,8 @@ class LoweringError(SaguaroError):
 
 def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: str = "cpu",
                 cuda_graphs: bool = False, compiler: BackgroundCompiler | None = None,
-                dynamic_dims: dict | None = None, eager_gm: torch.fx.GraphModule | None = None):
+                dynamic_dims: dict | None = None, eager_gm: torch.fx.GraphModule | None = None,
+                config_patch: dict | None = None):
     """``eager`` runs the GraphModule itself; ``inductor`` compiles it with ``torch.compile``
     (``fullgraph=True``: a graph break is an error). ``dynamic_dims`` (``{input position: (dimension,
     ...)}``, the sizes that change from call to call: query length, KV slots) are compiled dynamic from
@@ -143,7 +156,8 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
     writes in place (the KV caches, :func:`~saguaro.lower.graph_inputs.mutated_inputs`) kept at their
     addresses. ``compiler`` (``compile="background"``; not with ``cuda_graphs``, which compiles blocking):
     a :class:`~saguaro.lower.tiered.TieredStage` that runs the GraphModule itself for shapes Inductor has
-    not compiled yet while ``compiler``'s thread compiles them."""
+    not compiled yet while ``compiler``'s thread compiles them. ``config_patch`` (Inductor settings, such as
+    :data:`TEMPLATE_GEMM_CONFIG`): applied around each call that compiles."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not allowed: choose one of {', '.join(BACKENDS)}")
     if cuda_graphs and device_type != "cuda":
@@ -160,7 +174,8 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
         compiled = torch.compile(gm.forward, backend="inductor", fullgraph=True, dynamic=None, options=options)
         if cuda_graphs:  # inside CompiledStage, which maps compile errors and logs the kernels
             compiled = GraphedStage(compiled, name, mutated_inputs(gm))
-        stage = CompiledStage(gm, compiled, name, None if cuda_graphs else dynamic_dims)  # CUDA graphs: static
+        stage = CompiledStage(gm, compiled, name, None if cuda_graphs else dynamic_dims,  # CUDA graphs: static
+                              config_patch)
         if compiler is not None and not cuda_graphs:
             return TieredStage(gm if eager_gm is None else eager_gm, stage, name, compiler, stage.written)
         return stage
@@ -171,10 +186,12 @@ class CompiledStage:
     has not run yet, :func:`~saguaro.lower.tiered.shape_key`) and turns compiler failures into
     ``LoweringError``. ``written``: the positions of the inputs it writes in place (the KV caches).
     ``dynamic_dims``: the dimensions a call with new shapes marks dynamic before it compiles
-    (:func:`lower_graph`)."""
+    (:func:`lower_graph`). ``config_patch``: Inductor settings around a call with new shapes (its compile)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, compiled, name: str, dynamic_dims: dict | None = None):
+    def __init__(self, gm: torch.fx.GraphModule, compiled, name: str, dynamic_dims: dict | None = None,
+                 config_patch: dict | None = None):
         self.gm, self.compiled, self.name = gm, compiled, name
+        self.config_patch = dict(config_patch or {})
         self.dynamic_dims = dict(dynamic_dims or {})
         self.calls = 0
         self.compile_s: float | None = None  # the first call, compile included
@@ -193,12 +210,13 @@ class CompiledStage:
             mark_dynamic(args, self.dynamic_dims)
         started = time.perf_counter()
         try:
-            if self.calls == 1:
-                with capture_output_code() as files:
+            with inductor_settings(self.config_patch if new else None):
+                if self.calls == 1:
+                    with capture_output_code() as files:
+                        out = self.compiled(*args)
+                    self.output_code, self.compile_s = files, time.perf_counter() - started
+                else:
                     out = self.compiled(*args)
-                self.output_code, self.compile_s = files, time.perf_counter() - started
-            else:
-                out = self.compiled(*args)
         except Exception as exc:
             from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError, Unsupported
 
@@ -220,6 +238,15 @@ class CompiledStage:
         elif elapsed > COMPILE_LOG_S:  # a recompile the shape key did not foresee
             log.info("stage %s: call %d (compile included) took %.1fs", self.name, self.calls, elapsed)
         return out
+
+
+def inductor_settings(patch: dict | None):
+    """A context with Inductor's config patched by ``patch`` (nothing to do when it is empty or None)."""
+    if not patch:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(patch)
 
 
 def mark_dynamic(args, dynamic_dims: dict) -> None:

@@ -10,7 +10,7 @@ import saguaro
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError
 from saguaro.core.stages import STAGES, TARGET_PREFILL, TARGET_STEP, TARGET_VERIFY
-from saguaro.core.stages import FEW_ROW_FAMILIES
+from saguaro.core.stages import FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES
 from saguaro.lower.lowering import linear_implementation
 from saguaro.passes.graph_pass import LINEARS_AS_REDUCTIONS, record_of
 from saguaro.passes.linear_as_reduction import LINEAR, LinearAsReduction
@@ -67,7 +67,7 @@ def test_the_few_row_stages_of_inductor_on_cpu_get_it_by_default():
         assert linear_implementation("eager", "auto", "cpu", stage.family) == "gemm"
         assert linear_implementation("eager", "reduction", "cpu", stage.family) == "reduction"
         assert linear_implementation("inductor", "gemm", "cpu", stage.family) == "gemm"
-    for requested in ("auto", "reduction"):  # a prefill's T rows stay a GEMM
+    for requested in ("auto", "reduction", "template"):  # a prefill's T rows stay a GEMM
         assert linear_implementation("inductor", requested, "cpu", TARGET_PREFILL.family) == "gemm"
     _, captured = base_graph()
     step = build_stage(captured.graph_module, TARGET_STEP, 8, "op", linears="reduction")
@@ -76,8 +76,20 @@ def test_the_few_row_stages_of_inductor_on_cpu_get_it_by_default():
     assert count(verify, LINEAR) == 15 and "linear_as_reduction" not in record_of(verify).ran
 
 
+def test_template_takes_the_multi_row_stages_of_inductor_on_cpu_only():
+    assert set(MULTI_ROW_FAMILIES) == set(FEW_ROW_FAMILIES) - {"step"}
+    for stage in (s for s in STAGES if s.family in FEW_ROW_FAMILIES):
+        template = linear_implementation("inductor", "template", "cpu", stage.family)
+        # several rows per sequence: the GEMM template; a step's one row: the reductions, as "auto"
+        assert template == ("template" if stage.family in MULTI_ROW_FAMILIES else "reduction"), stage
+        for backend, device in (("inductor", "cuda"), ("eager", "cpu")):  # elsewhere, as "auto"
+            assert (linear_implementation(backend, "template", device, stage.family)
+                    == linear_implementation(backend, "auto", device, stage.family)), (backend, device)
+
+
 def test_linears_must_name_an_implementation_and_is_fixed_after_compile():
-    with pytest.raises(ConfigError, match=r"linears='blas' is not allowed: choose one of auto, gemm, reduction"):
+    with pytest.raises(ConfigError, match=r"linears='blas' is not allowed: choose one of auto, gemm, reduction, "
+                                          r"template"):
         SaguaroConfig(linears="blas")
     program = saguaro.compile(tiny_target("llama"), mode="ar", backend="eager")
     with pytest.raises(ValueError, match=r"\['linears'\] cannot change after compile"):
