@@ -1,10 +1,11 @@
-"""The ``linear_as_reduction`` pass measured: the default pair compiled twice by Inductor in one process,
+"""The ``linears`` settings measured: the default pair compiled twice by Inductor in one process, by default
 ``linears="gemm"`` (every linear a BLAS call, as captured) and ``linears="auto"`` (on CPU the few-row
 stages' linears as a product and a sum that Inductor fuses into one reduction reading each weight once).
 
     python benchmarks/linear_as_reduction.py --threads 1 --passes 5 --json linears.json
+    python benchmarks/linear_as_reduction.py --compare auto,template   # the GEMM template of the verify
 
-Both programs are warmed up in AR and SD (every shape compiled); then their timed passes alternate
+``--compare A,B`` names the two ``linears`` settings (default ``gemm,auto``). Both programs are warmed up in AR and SD (every shape compiled); then their timed passes alternate
 (``--prompts`` held-out prompts x ``--new`` tokens each, greedy). Prints a table of medians with B/A and
 whether every generation equals the target's own greedy ``generate``; writes JSON with ``--json``.
 """
@@ -19,16 +20,19 @@ import time
 import torch
 
 
-def timed_pass(program, prompts: list, mode: str, new: int) -> tuple[float, list]:
-    """Tokens per second of one pass over ``prompts`` and the sequences it gave."""
-    tokens, wall, outputs = 0, 0.0, []
+def timed_pass(program, prompts: list, mode: str, new: int) -> tuple[float, float, list]:
+    """Tokens per second of one pass over ``prompts`` (with the prefills, and after them: the tokens after
+    each prefill's first over the seconds after it) and the sequences it gave."""
+    tokens, wall, decoded, decode_s, outputs = 0, 0.0, 0, 0.0, []
     for ids in prompts:
         start = time.perf_counter()
         out = program.generate(ids, max_new_tokens=new, mode=mode)
         wall += time.perf_counter() - start
         tokens += out.stats["new_tokens"]
+        decoded += out.stats["new_tokens"] - ids.shape[0]
+        decode_s += out.stats["wall_s"] - out.stats["prefill_s"]
         outputs.append(out.sequences)
-    return tokens / wall, outputs
+    return tokens / wall, decoded / decode_s, outputs
 
 
 def main(argv=None) -> int:
@@ -41,8 +45,12 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=4, help="held-out prompts per pass (default 4)")
     p.add_argument("--new", type=int, default=128, help="new tokens per prompt (default 128)")
     p.add_argument("--k", type=int, default=5, help="SD's speculation length (default 5)")
+    p.add_argument("--compare", default="gemm,auto", help="the two linears settings compared, A,B (default gemm,auto)")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     args = p.parse_args(argv)
+    settings = args.compare.split(",")
+    if len(settings) != 2 or len(set(settings)) != 2:
+        p.error(f"--compare {args.compare!r}: name two different linears settings, A,B")
     if args.threads:
         torch.set_num_threads(args.threads)
     target, draft, tokenizer = saguaro.default_pair()
@@ -51,8 +59,9 @@ def main(argv=None) -> int:
     with torch.no_grad():
         expected = [target.generate(ids, max_new_tokens=args.new, do_sample=False) for ids in prompts]
     programs = {name: saguaro.compile(target, draft, k=args.k, mode="sd", backend="inductor", linears=linears)
-                for name, linears in (("gemm", "gemm"), ("reduction", "auto"))}
+                for name, linears in ((name, name) for name in settings)}
     rates = {(name, mode): [] for name in programs for mode in ("ar", "sd")}
+    decode = {(name, mode): [] for name in programs for mode in ("ar", "sd")}
     exact = True
     for program in programs.values():  # warm-up: every shape compiled before the clock
         for mode in ("ar", "sd"):
@@ -61,23 +70,29 @@ def main(argv=None) -> int:
         for mode in ("ar", "sd"):
             order = list(programs.items()) if rep % 2 == 0 else list(reversed(programs.items()))
             for name, program in order:
-                rate, outputs = timed_pass(program, prompts, mode, args.new)
+                rate, decode_rate, outputs = timed_pass(program, prompts, mode, args.new)
                 rates[(name, mode)].append(rate)
+                decode[(name, mode)].append(decode_rate)
                 exact &= all(torch.equal(got[:, :want.shape[1]], want) for got, want in zip(outputs, expected))
     for program in programs.values():
         program.close()
     rows = []
     print(f"threads {torch.get_num_threads()}, {args.prompts} prompts x {args.new} tokens, {args.passes} passes")
-    print(f"{'mode':<5}{'gemm tok/s':>12}{'reduction tok/s':>17}{'ratio':>8}")
+    first, second = settings
+    print(f"{'mode':<5}{first + ' tok/s':>16}{second + ' tok/s':>17}{'B/A':>7}{'after the prefill: A, B, B/A':>32}")
     for mode in ("ar", "sd"):
         a, b = (statistics.median(rates[(name, mode)]) for name in programs)
-        rows.append({"mode": mode, "gemm": a, "reduction": b, "ratio": b / a,
-                     "runs": {name: rates[(name, mode)] for name in programs}})
-        print(f"{mode:<5}{a:>12.1f}{b:>17.1f}{b / a:>8.2f}")
+        da, db = (statistics.median(decode[(name, mode)]) for name in programs)
+        rows.append({"mode": mode, first: a, second: b, "ratio": b / a,
+                     "decode": {first: da, second: db, "ratio": db / da},
+                     "runs": {name: rates[(name, mode)] for name in programs},
+                     "decode_runs": {name: decode[(name, mode)] for name in programs}})
+        print(f"{mode:<5}{a:>16.1f}{b:>17.1f}{b / a:>7.2f}{da:>14.1f}{db:>9.1f}{db / da:>9.2f}")
     print("every generation equals the target's greedy generate:", exact)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": torch.get_num_threads(), "exact": exact, "rows": rows}, f, indent=2)
+            json.dump({"threads": torch.get_num_threads(), "compare": settings, "exact": exact, "rows": rows}, f,
+                      indent=2)
     return 0 if exact else 1
 
 
