@@ -3,6 +3,7 @@ build whose two programs print llama.cpp's own report lines, tokens/s set by the
 are those lines' speeds, medians over alternating passes; Saguaro's rows (``saguaro bench``'s worker
 processes, faked here) alternate with them and count the tokens after the prefill, as llama.cpp does."""
 
+import importlib
 import json
 import stat
 import sys
@@ -114,3 +115,14 @@ def test_saguaro_rows_alternate_with_llama_cpp_s_and_read_the_rate_after_the_pre
     assert "with_prefill_tokens_per_s" not in rows[0] and all(row.closed for row in started.values())
     assert llama_cpp.format_rows(rows[3:]).splitlines()[1].split() == ["saguaro", "sd", "2", "450.0", "22.2%",
                                                                       "440.0"]
+
+
+def test_saguaro_rows_compile_with_the_linears_asked_for(monkeypatch):
+    started = []
+    monkeypatch.setattr(importlib.import_module("saguaro.bench.run"), "start_row",
+                        lambda params, mode, backend: started.append((params.linears, mode, backend)) or mode)
+    for given, expected in (([], "auto"), (["--linears", "template"], "template")):
+        started.clear()
+        args = llama_cpp.parse_args(["--saguaro-modes", "ar,sd", *given])
+        assert llama_cpp.start_saguaro_rows(args, 1) == {"saguaro ar": "ar", "saguaro sd": "sd"}
+        assert started == [(expected, "ar", "inductor"), (expected, "sd", "inductor")]
