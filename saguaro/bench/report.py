@@ -27,20 +27,23 @@ def row_label(row: dict) -> str:
 
 def format_table(rows) -> str:
     """The rows as a text table: tokens/s (the median over the row's timed passes), their spread
-    (``(max - min) / median``, ``-`` with one pass), mean accepted length, speed-up over AR and over SD
+    (``(max - min) / median``, ``-`` with one pass), the rate after the prefill (``decode tok/s``: the
+    tokens after each prefill's first over the seconds after it, the rate llama.cpp reports; ``-`` for
+    the ``transformers`` rows), mean accepted length, speed-up over AR and over SD
     (ratios of medians), the p99 time per round, and for SSD rows the cache hit rate, the draft wait per
     round and the overlap efficiency (against the verify alone). A row is named by :func:`row_label`."""
     with_hits = any(r.get("cache_hit_rate") is not None for r in rows)
     labels = [row_label(r) for r in rows]
     width = max([16] + [len(label) + 2 for label in labels])
-    header = (f"{'mode':<{width}}{'tokens/s':>10}{'spread':>8}{'accepted len':>14}{'vs AR':>8}{'vs SD':>8}"
+    header = (f"{'mode':<{width}}{'tokens/s':>10}{'spread':>8}{'decode tok/s':>14}{'accepted len':>14}"
+              f"{'vs AR':>8}{'vs SD':>8}"
               f"{'p99 ms/rd':>11}")
     if with_hits:
         header += f"{'cache hits':>12}{'wait ms/rd':>12}{'overlap eff':>13}"
     lines = [header, "-" * len(header)]
     for r, label in zip(rows, labels):
         line = (f"{label:<{width}}{r['tokens_per_s']:>10.1f}{_cell(r.get('spread_pct'), '.1f', 8, '%')}"
-                f"{_cell(r.get('mean_accepted_len'), '.2f', 14)}"
+                f"{_cell(r.get('decode_tokens_per_s'), '.1f', 14)}{_cell(r.get('mean_accepted_len'), '.2f', 14)}"
                 f"{_cell(r.get('speedup_vs_ar'), '.2f', 8, 'x')}{_cell(r.get('speedup_vs_sd'), '.2f', 8, 'x')}"
                 f"{_cell(r.get('round_ms_p99'), '.1f', 11)}")
         if with_hits:

@@ -26,3 +26,7 @@ def check_timed_passes(rows: list[dict], repeats: int, out: str) -> None:
         assert row["tokens_per_s"] == statistics.median(reps), row
         assert row["spread_pct"] == pytest.approx(100 * (max(reps) - min(reps)) / statistics.median(reps)), row
     assert table_column(out, "spread", len(rows)) == [f"{row['spread_pct']:.1f}%" for row in rows]
+    # the rate after the prefill: each Saguaro row's median over its passes; "-" where a row has none
+    decode = [row.get("decode_tokens_per_s") for row in rows]
+    assert table_column(out, "decode tok/s", len(rows)) == ["-" if d is None else f"{d:.1f}" for d in decode]
+    assert any(d is not None and d > 0 for d in decode), rows
