@@ -21,18 +21,17 @@ import torch
 
 
 def timed_pass(program, prompts: list, mode: str, new: int) -> tuple[float, float, list]:
-    """Tokens per second of one pass over ``prompts`` (with the prefills, and after them: the tokens after
-    each prefill's first over the seconds after it) and the sequences it gave."""
-    tokens, wall, decoded, decode_s, outputs = 0, 0.0, 0, 0.0, []
+    """Tokens per second of one pass over ``prompts`` (with the prefills, and after them: ``saguaro bench``'s
+    ``TimedPass`` counts both) and the sequences it gave."""
+    from saguaro.bench.passes import TimedPass
+
+    timed, outputs = TimedPass(), []
     for ids in prompts:
         start = time.perf_counter()
         out = program.generate(ids, max_new_tokens=new, mode=mode)
-        wall += time.perf_counter() - start
-        tokens += out.stats["new_tokens"]
-        decoded += out.stats["new_tokens"] - ids.shape[0]
-        decode_s += out.stats["wall_s"] - out.stats["prefill_s"]
+        timed.add(out.stats["new_tokens"], time.perf_counter() - start, out)
         outputs.append(out.sequences)
-    return tokens / wall, decoded / decode_s, outputs
+    return timed.tokens_per_s, timed.decode_tokens_per_s, outputs
 
 
 def main(argv=None) -> int:
