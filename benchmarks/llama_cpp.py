@@ -15,6 +15,8 @@ as ``saguaro bench`` runs them):
 - ``saguaro ar`` / ``saguaro sd``: ``saguaro bench``'s rows (its worker processes) on the same prompts,
   ``--k K``; tokens/s after the prefill (``decode_tokens_per_s``: the tokens after the prefill's first over
   the seconds after the prefill, as llama.cpp's lines count), the rate with the prefill in the last column.
+  ``--dtype`` casts the pair for these rows (``bfloat16`` beside f16 GGUF files: both halve the weights'
+  bytes; greedy text then need not equal float32's, see the README on reduced precision).
 
 The prompts are ``saguaro bench``'s (held-out snippets of the default pair), written as text files that
 llama.cpp reads with ``-f``. Without a build (no ``--llama-cpp``, or its binaries not found) the script
@@ -52,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="passes per row (default 3)")
     p.add_argument("--saguaro-modes", default="ar,sd", help="Saguaro rows to run, '' for none (default ar,sd)")
     p.add_argument("--linears", default="auto", help="SaguaroConfig.linears of the Saguaro rows (default auto)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights dtype of the Saguaro rows (default float32; give GGUF files of the matching "
+                        "precision, e.g. f16 ones beside bfloat16)")
     p.add_argument("--completion-args", default="", help="more arguments for llama-completion")
     p.add_argument("--speculative-args", default="", help="more arguments for llama-speculative")
     p.add_argument("--json", metavar="PATH", help="write the table here as JSON")
@@ -138,7 +143,8 @@ def start_saguaro_rows(args, threads: int) -> dict:
 
     modes = tuple(m for m in args.saguaro_modes.split(",") if m)
     params = BenchParams(modes=modes, prompts=args.prompts, k=args.k, max_new_tokens=args.max_new_tokens,
-                         threads=threads, repeats=args.repeats, linears=args.linears)
+                         threads=threads, repeats=args.repeats, linears=args.linears,
+                         dtype=args.dtype)
     rows = {}
     try:
         for mode in modes:

@@ -126,3 +126,16 @@ def test_saguaro_rows_compile_with_the_linears_asked_for(monkeypatch):
         args = llama_cpp.parse_args(["--saguaro-modes", "ar,sd", *given])
         assert llama_cpp.start_saguaro_rows(args, 1) == {"saguaro ar": "ar", "saguaro sd": "sd"}
         assert started == [(expected, "ar", "inductor"), (expected, "sd", "inductor")]
+
+
+def test_saguaro_rows_load_the_pair_in_the_dtype_asked_for(monkeypatch):
+    started = []
+    monkeypatch.setattr(importlib.import_module("saguaro.bench.run"), "start_row",
+                        lambda params, mode, backend: started.append((params.dtype, mode)) or mode)
+    for given, expected in (([], "float32"), (["--dtype", "bfloat16"], "bfloat16")):
+        started.clear()
+        args = llama_cpp.parse_args(["--saguaro-modes", "ar,sd", *given])
+        assert llama_cpp.start_saguaro_rows(args, 2) == {"saguaro ar": "ar", "saguaro sd": "sd"}
+        assert started == [(expected, "ar"), (expected, "sd")]
+    with pytest.raises(SystemExit):
+        llama_cpp.parse_args(["--dtype", "int8"])
