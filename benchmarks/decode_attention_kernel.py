@@ -15,7 +15,7 @@ Rows: one call alone per slot count and query count (``--slots``, 1 and 6 querie
 kernel, interleaved, medians; the largest difference from SDPA. With ``--programs``: the default pair
 compiled twice by Inductor in one process, the stages' inline attention being SDPA or this op (the op
 swapped in for the attention of layers without softcap or sinks, while the second program's stages are
-built), AR and SD passes alternating, tokens/s after the prefill, and whether every generation equals the
+built; ``--stages steps``: in the one-query stages only, the others keeping SDPA), AR and SD passes alternating, tokens/s after the prefill, and whether every generation equals the
 target's greedy ``generate``. Without a build (no compiler, no ninja, not float32-capable) it says why,
 writes the reason to ``--json`` and exits 0.
 """
@@ -163,8 +163,9 @@ def micro_rows(slots: list, repeats: int) -> list:
     return rows
 
 
-def program_rows(passes: int, new: int) -> dict:
-    """The default pair twice (stages' attention SDPA, then the op), AR and SD passes alternating."""
+def program_rows(passes: int, new: int, stages: str = "all") -> dict:
+    """The default pair twice (stages' attention SDPA, then the op: in every stage, or with ``stages="steps"``
+    in the one-query stages only), AR and SD passes alternating."""
     import saguaro
     import saguaro.passes.lower_attention as lowering
     from saguaro.bench.passes import TimedPass
@@ -173,7 +174,7 @@ def program_rows(passes: int, new: int) -> dict:
     inline = lowering.attention_inline
 
     def with_kernel(query, key, value, k_cache, v_cache, write_slots, bias, scale, softcap=0.0, sinks=None):
-        if softcap != 0.0 or sinks is not None:
+        if softcap != 0.0 or sinks is not None or (stages == "steps" and query.shape[2] != 1):
             return inline(query, key, value, k_cache, v_cache, write_slots, bias, scale, softcap, sinks)
         lowering.write_kv(key, value, k_cache, v_cache, write_slots)
         return torch.ops.saguaro_bench.decode_attention(query, k_cache, v_cache, bias, scale)
@@ -218,6 +219,8 @@ def main(argv=None) -> int:
     p.add_argument("--slots", default="128,256,1024", help="comma-separated KV slot counts (default 128,256,1024)")
     p.add_argument("--repeats", type=int, default=9, help="interleaved timings per call (default 9)")
     p.add_argument("--programs", action="store_true", help="also time the default pair's AR and SD with the op")
+    p.add_argument("--stages", choices=["all", "steps"], default="all",
+                   help="with --programs: the op in every stage, or in the one-query stages only (default all)")
     p.add_argument("--passes", type=int, default=3, help="passes per program and mode with --programs (default 3)")
     p.add_argument("--new", type=int, default=128, help="new tokens per prompt with --programs (default 128)")
     p.add_argument("--build-dir", help="where the extension is built (default: torch's extensions folder)")
@@ -241,7 +244,7 @@ def main(argv=None) -> int:
         print(f"{r['slots']:>6}{r['queries']:>9}{r['sdpa_us']:>9.1f}{r['kernel_us']:>9.1f}"
               f"{r['sdpa_us'] / r['kernel_us']:>7.2f}{r['max_abs_difference']:>12.1e}")
     if args.programs:
-        report["programs"] = program_rows(args.passes, args.new)
+        report["programs"] = program_rows(args.passes, args.new, args.stages)
         for r in report["programs"]["rows"]:
             print(f"{r['mode']}: sdpa {r['sdpa']:.1f}, kernel {r['kernel']:.1f} tokens/s after the prefill "
                   f"({r['kernel'] / r['sdpa']:.3f}x)")
