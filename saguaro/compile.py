@@ -21,6 +21,7 @@ from saguaro.lower.lowering import (
     TEMPLATE_GEMM_CONFIG, attention_implementation, linear_implementation, lower_graph, shape_policy,
 )
 from saguaro.lower.compile_thread import BackgroundCompiler
+from saguaro.lower.compile_helper import helper_wanted
 from saguaro.passes import run_pipeline
 from saguaro.passes.pipeline import PipelineStages, build_stage
 from saguaro.runtime.lanes.draft_files import RemoteDraft
@@ -79,7 +80,12 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
     graphs = {name: resolve_cuda_graphs(cfg.cuda_graphs, model_spec(model).device) for name, model in models.items()}
     # compile="background": one compile thread for both models' stages (saguaro.lower.tiered)
     # held until the first generation's first round is out (Program.generate releases it)
-    compiler = BackgroundCompiler(held=True) if cfg.compile == "background" and cfg.backend == "inductor" else None
+    # and, on a CPU with a second core, a compile helper process beside it (saguaro.lower.compile_helper)
+    compiler = None
+    if cfg.compile == "background" and cfg.backend == "inductor":
+        helper = helper_wanted() and target_spec.device.type == "cpu"
+        compiler = BackgroundCompiler(held=True, helper=helper)
+        compiler.start_helper()  # it warms Inductor up while the models are captured
     captures = {name: capture(model) for name, model in models.items()}
     # what a draft process starts from: the draft's capture as files (None: its graph has no JSON form, and
     # the draft process rebuilds the model from its class and captures it; or a draft server serves the draft)

@@ -43,6 +43,10 @@ def pytest_configure(config):
     # against 2.3 s with it (interleaved; equal at 8 layers, the cache 8 % faster at 32). Set here, before xdist
     # starts its workers, so they and every process a test starts inherit it; a value the user set stays.
     os.environ.setdefault("TORCH_FAKE_TENSOR_DISPATCH_CACHE", "0")
+    # no compile helper process beside a background compile (saguaro.lower.compile_helper): the suite already
+    # runs a worker per core, and a helper per program would only contend with them. The helper's own tests
+    # switch it on.
+    os.environ.setdefault("SAGUARO_COMPILE_HELPER", "0")
     if getattr(config.option, "dist", None) != "loadgroup":
         return
     version = tuple(int(part) for part in pytest.__version__.split(".")[:2] if part.isdigit())

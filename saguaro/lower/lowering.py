@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
-import traceback
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +12,7 @@ import torch
 from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.stages import DRAFT_TREE, FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES
 from saguaro.lower.cuda_graphs import GraphedStage
+from saguaro.lower.failed_node import responsible_node
 from saguaro.lower.graph_inputs import mutated_inputs
 from saguaro.lower.kernel_log import capture_output_code
 from saguaro.lower.compile_thread import BackgroundCompiler
@@ -169,16 +168,23 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
         # compile the generated forward itself: GraphModule.__call__'s error wrapper walks tracebacks
         # with a generator, which hides the real error of a failed compile under "trace generator"
         options = dict(INDUCTOR_OPTIONS.get(device_type, {}))
-        # the stage's weights are the captured model's and never change shape: no guards on them
-        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        compiled = torch.compile(gm.forward, backend="inductor", fullgraph=True, dynamic=None, options=options)
+        compiled = compile_with_inductor(gm, options)
         if cuda_graphs:  # inside CompiledStage, which maps compile errors and logs the kernels
             compiled = GraphedStage(compiled, name, mutated_inputs(gm))
         stage = CompiledStage(gm, compiled, name, None if cuda_graphs else dynamic_dims,  # CUDA graphs: static
-                              config_patch)
+                              config_patch, options if device_type == "cpu" and not cuda_graphs else None)
         if compiler is not None and not cuda_graphs:
             return TieredStage(gm if eager_gm is None else eager_gm, stage, name, compiler, stage.written)
         return stage
+
+
+def compile_with_inductor(gm: torch.fx.GraphModule, options: dict):
+    """``gm``'s forward under ``torch.compile`` with Inductor ``options``, here and in the compile helper
+    (whose compile must match this one for Inductor's caches to serve it)."""
+    options = dict(options)
+    # the stage's weights are the captured model's and never change shape: no guards on them
+    options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    return torch.compile(gm.forward, backend="inductor", fullgraph=True, dynamic=None, options=options)
 
 
 class CompiledStage:
@@ -186,12 +192,15 @@ class CompiledStage:
     has not run yet, :func:`~saguaro.lower.tiered.shape_key`) and turns compiler failures into
     ``LoweringError``. ``written``: the positions of the inputs it writes in place (the KV caches).
     ``dynamic_dims``: the dimensions a call with new shapes marks dynamic before it compiles
-    (:func:`lower_graph`). ``config_patch``: Inductor settings around a call with new shapes (its compile)."""
+    (:func:`lower_graph`). ``config_patch``: Inductor settings around a call with new shapes (its compile).
+    ``helper_options``: its Inductor options, where a compile helper may compile it too (None: not on CUDA)."""
 
     def __init__(self, gm: torch.fx.GraphModule, compiled, name: str, dynamic_dims: dict | None = None,
-                 config_patch: dict | None = None):
+                 config_patch: dict | None = None, helper_options: dict | None = None):
         self.gm, self.compiled, self.name = gm, compiled, name
         self.config_patch = dict(config_patch or {})
+        self.helper_options = helper_options
+        self._packed: dict | None = None  # the graph as the compile helper gets it, made once
         self.dynamic_dims = dict(dynamic_dims or {})
         self.calls = 0
         self.compile_s: float | None = None  # the first call, compile included
@@ -199,6 +208,23 @@ class CompiledStage:
         self.keys: set = set()  # the shape keys it has run
         self.written = frozenset(mutated_inputs(gm))  # the KV caches
         self._positions = KeyPositions(self.written)
+
+    @property
+    def helper_serves(self) -> bool:  # see helper_request
+        return self.helper_options is not None and not self.config_patch.get("freezing")
+
+    def helper_request(self, args: list, modes: tuple) -> dict | None:
+        """The compile helper's request to compile this stage for scratch ``args`` under ``modes`` as this
+        stage would (:mod:`~saguaro.lower.compile_helper_main`), or None: not on CPU, or frozen weights
+        (``TEMPLATE_GEMM_CONFIG``: Inductor's FX graph cache skips such a graph)."""
+        if not self.helper_serves:
+            return None
+        if self._packed is None:
+            from saguaro.lower.graph_transport import pack_graph
+
+            self._packed = pack_graph(self.gm)
+        return {"graph": self._packed, "args": args, "modes": modes, "dynamic_dims": self.dynamic_dims,
+                "options": self.helper_options, "config_patch": self.config_patch}
 
     def __call__(self, *args):
         self.calls += 1
@@ -256,20 +282,3 @@ def mark_dynamic(args, dynamic_dims: dict) -> None:
         if position < len(args) and isinstance(args[position], torch.Tensor):
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(args[position], dim)
-
-
-def responsible_node(gm: torch.fx.GraphModule, exc: BaseException) -> str | None:
-    """The FX node whose generated line the failure passed through last, if any."""
-    lines = gm.code.splitlines()
-    names = {n.name for n in gm.graph.nodes}
-    found = None
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if frame.filename.startswith("<eval_with_key>") and 0 < frame.lineno <= len(lines):
-            match = re.match(r"\s*(\w+)\s*=", lines[frame.lineno - 1])
-            if match and match.group(1) in names:
-                found = match.group(1)
-    text = str(exc)
-    for name in sorted(names, key=len, reverse=True):  # dynamo quotes the user code line it stopped at
-        if found is None and re.search(rf"\b{re.escape(name)} = ", text):
-            found = name
-    return found

@@ -117,22 +117,38 @@ def scratch_args(args, written) -> list:
     return out
 
 
+def materialise(args: list) -> list:
+    """:func:`scratch_args` with each :class:`Blank` made a tensor (one tensor for a Blank repeated)."""
+    made: dict = {}
+    for a in args:
+        if isinstance(a, Blank) and id(a) not in made:
+            made[id(a)] = a.make()
+    return [made[id(a)] if isinstance(a, Blank) else a for a in args]
+
+
 @dataclass
 class CompileJob:
     """One stage and shape key to compile, with the scratch arguments and the caller's
-    :func:`call_modes`."""
+    :func:`call_modes`. ``helper``: where a compile helper stands with it (``""`` not sent, ``"sent"``,
+    ``"done"``: Inductor's caches now hold it, ``"failed"``), see :mod:`saguaro.lower.compile_helper`."""
 
     stage: "TieredStage"
     key: tuple
     args: list
     modes: tuple
+    helper: str = ""
+
+    @property
+    def helper_serves(self) -> bool:
+        return bool(getattr(self.stage.compiled, "helper_serves", False))
+
+    def helper_request(self) -> dict | None:
+        """The compile helper's request for this job, or None where a helper cannot serve its stage."""
+        request = getattr(self.stage.compiled, "helper_request", None)
+        return None if request is None else request(self.args, self.modes)
 
     def run(self) -> None:
-        made: dict = {}  # a Blank repeated is one tensor
-        for a in self.args:
-            if isinstance(a, Blank) and id(a) not in made:
-                made[id(a)] = a.make()
-        args = [made[id(a)] if isinstance(a, Blank) else a for a in self.args]
+        args = materialise(self.args)
         inference, grad, threads = self.modes
         saved = torch.get_num_threads()
         if threads != saved:

@@ -1,0 +1,67 @@
+"""The compile helper process (``python -m saguaro.lower.compile_helper_main``, started by
+:class:`~saguaro.lower.compile_helper.CompileHelper`): it warms Inductor up, then compiles each stage it
+is sent as the compile thread would, which fills Inductor's caches, and replies."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+from saguaro.lower.compile_helper import read_message, write_message
+from saguaro.lower.graph_transport import unpack_graph
+from saguaro.lower.lowering import INDUCTOR_OPTIONS, compile_with_inductor, inductor_settings, mark_dynamic
+from saguaro.lower.tiered import materialise
+
+
+def compile_request(request: dict) -> None:
+    """Compile the stage of a request as the compile thread would (:class:`~saguaro.lower.tiered.CompileJob`),
+    which writes Inductor's cache entries; its outputs are thrown away."""
+    gm = unpack_graph(request["graph"])
+    compiled = compile_with_inductor(gm, request["options"])
+    args = materialise(request["args"])
+    mark_dynamic(args, request["dynamic_dims"])
+    inference, grad, threads = request["modes"]
+    torch.set_num_threads(threads)
+    with inductor_settings(request["config_patch"]), torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        compiled(*args)
+
+
+def warm_up() -> None:
+    """Inductor's one-time set-up on the CPU (its instruction-set probes and, for the C++ wrapper, the
+    precompiled header: 15-20 s on a 2-core machine), done on a trivial function before any request
+    comes. What it builds lands in Inductor's cache, where the compile thread finds it too."""
+    with torch.inference_mode():
+        torch.compile(lambda x: (x * 2).sum(), options=dict(INDUCTOR_OPTIONS["cpu"]))(torch.ones(64))
+
+
+def serve(requests, replies) -> None:
+    """The helper's loop: one reply per request, until the requests end."""
+    import torch._inductor.lowering  # noqa: F401 - registers prims.inductor_force_stride_order, which passes use
+    import saguaro  # noqa: F401 - registers Saguaro's operators
+
+    try:
+        warm_up()
+    except Exception:  # noqa: BLE001 - a request will meet the same failure and say it
+        pass
+
+    while (request := read_message(requests)) is not None:
+        started = time.perf_counter()
+        try:
+            compile_request(request)
+            reply = {"ok": True, "detail": f"{time.perf_counter() - started:.1f}s"}
+        except Exception as exc:  # noqa: BLE001 - the compile thread compiles the stage itself
+            reply = {"ok": False, "detail": f"{type(exc).__name__}: {str(exc).strip()[:500]}"}
+        write_message(replies, reply)
+
+
+def main() -> None:
+    replies = os.fdopen(os.dup(1), "wb")  # the replies' channel; what anything prints goes to stderr
+    os.dup2(2, 1)
+    serve(sys.stdin.buffer, replies)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""A stage GraphModule sent to another process, node for node, so that the GraphModule rebuilt there
+generates the same ``forward`` code (the compile helper's Inductor compile then writes the cache entries
+the sender's own compile of the stage reads, :mod:`saguaro.lower.compile_helper`).
+
+Pickling a GraphModule does not serve: it sends the code and traces it again on arrival, which renames
+and reorders nodes (measured: 4 of the default pair's 5 first stages came back with other code, and
+Inductor's caches missed). Here each node travels as its op, name, target (an operator's qualified name)
+and arguments, and is created again under the same name.
+
+Only what a compile reads travels: a weight is sent as its shape, strides and dtype and arrives
+uninitialised (:data:`SMALL_TENSOR_BYTES` and smaller ones are sent whole), since a compile specialises
+on metadata, never on a parameter's values. The receiver runs the compiled stage once, on such weights:
+its outputs are thrown away.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.fx.node import _get_qualified_name
+
+SMALL_TENSOR_BYTES = 64 * 1024  # attributes up to this size travel with their values
+
+
+@dataclass(frozen=True)
+class EmptyTensor:
+    """An attribute sent as its metadata: made uninitialised, a ``Parameter`` again if it was one."""
+
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    parameter: bool
+    requires_grad: bool
+
+    def make(self) -> torch.Tensor:
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype)
+        return torch.nn.Parameter(t, requires_grad=self.requires_grad) if self.parameter else t
+
+
+@dataclass(frozen=True)
+class _NodeRef:
+    name: str
+
+
+def _target_name(target) -> tuple:
+    if isinstance(target, str):  # placeholder, get_attr, call_method, call_module
+        return ("name", target)
+    if isinstance(target, torch._ops.OpOverload):
+        return ("op", target.namespace, target._opname, target._overloadname)
+    return ("callable", _get_qualified_name(target))
+
+
+def _target(encoded: tuple):
+    kind = encoded[0]
+    if kind == "name":
+        return encoded[1]
+    if kind == "op":
+        _, namespace, name, overload = encoded
+        return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    parts = encoded[1].split(".")
+    if len(parts) == 1:  # getattr, and other builtins
+        return getattr(builtins, parts[0])
+    for split in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for part in parts[split:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(f"cannot resolve the FX node target {encoded[1]!r}")
+
+
+def _encode(arg):
+    return fx.node.map_aggregate(arg, lambda a: _NodeRef(a.name) if isinstance(a, fx.Node) else a)
+
+
+def _decode(arg, nodes: dict):
+    if isinstance(arg, _NodeRef):
+        return nodes[arg.name]
+    if isinstance(arg, slice):
+        return slice(_decode(arg.start, nodes), _decode(arg.stop, nodes), _decode(arg.step, nodes))
+    if isinstance(arg, tuple) and hasattr(arg, "_fields"):  # a named tuple
+        return type(arg)(*(_decode(a, nodes) for a in arg))
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_decode(a, nodes) for a in arg)
+    if isinstance(arg, dict):
+        return {k: _decode(v, nodes) for k, v in arg.items()}
+    return arg
+
+
+def _attribute(gm: fx.GraphModule, qualified: str):
+    obj = gm
+    for part in qualified.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _sent(value):
+    if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > SMALL_TENSOR_BYTES:
+        return EmptyTensor(tuple(value.shape), tuple(value.stride()), value.dtype,
+                           isinstance(value, torch.nn.Parameter), value.requires_grad)
+    return value
+
+
+def pack_graph(gm: fx.GraphModule) -> dict:
+    """What :func:`unpack_graph` rebuilds ``gm`` from, picklable (``torch.save``): its nodes, its code
+    generator and its attributes (large tensors as :class:`EmptyTensor`). CPU stages only."""
+    nodes = [(n.op, n.name, _target_name(n.target), _encode(n.args), _encode(n.kwargs), n.type)
+             for n in gm.graph.nodes]
+    attributes = {n.target: _sent(_attribute(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+    return {"nodes": nodes, "attributes": attributes, "codegen": gm.graph._codegen}
+
+
+def unpack_graph(packed: dict) -> fx.GraphModule:
+    """The GraphModule :func:`pack_graph` described: the same nodes under the same names, so the same code."""
+    graph = fx.Graph()
+    graph._codegen = packed["codegen"]
+    nodes: dict = {}
+    for op, name, target, args, kwargs, type_expr in packed["nodes"]:
+        node = graph.create_node(op, _target(target), _decode(args, nodes), _decode(kwargs, nodes), name=name,
+                                 type_expr=type_expr)
+        if node.name != name:
+            raise ValueError(f"FX node {name!r} came back as {node.name!r}")
+        nodes[name] = node
+    attributes = {k: v.make() if isinstance(v, EmptyTensor) else v for k, v in packed["attributes"].items()}
+    return fx.GraphModule(attributes, graph)
