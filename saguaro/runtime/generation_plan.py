@@ -97,7 +97,8 @@ def plan_generation(program, mode: str, spec: GenerateSpec | None, target_capaci
     sd_round_s = None  # SD on the target's machine (every core; no SD without a local draft)
     try:
         if program.draft is not None:
-            sd_round_s = program.calibration.sd_round_s(batch, target_capacity, spec.capacity, spec.temperature)
+            # SD as it would run: its draft store holds no tree scratch (the target's capacity, Program._decode)
+            sd_round_s = program.calibration.sd_round_s(batch, target_capacity, target_capacity, spec.temperature)
         with one_thread_per_lane(spec.input_ids.device) if program.lanes.shares_host else nullcontext():
             calibrated = program.calibration.ready(lane, spec, target_capacity)
     except DraftLaneError as exc:

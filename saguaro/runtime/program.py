@@ -251,14 +251,14 @@ class Program:
     def _decode(self, plan: GenerationPlan, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature,
                 generator, recorder, on_round=None) -> DecodeState:
         B = padded_ids.shape[0]
-        # the target's store never holds a tree; the draft's store of an SSD generation run as SD keeps SSD's
-        # capacity: the shapes the warm-up compiled and timed
+        # the target's store never holds a tree, nor does the draft's of SD rounds: an SSD generation run as SD
+        # has SD's shapes (its draft steps attend over SD's slots, not over SSD's tree scratch too: measured at
+        # one thread, SD's rounds were 13 % slower with SSD's store; warm_sd_shapes compiled them before)
         capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens)
-        draft_capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, tree=plan.calibrated is not None)
         seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id)
         state = DecodeState(
             seqs=seqs, target_store=self.target.new_store(B, capacity),
-            draft_store=self.draft.new_store(B, draft_capacity) if plan.run == "sd" else None,
+            draft_store=self.draft.new_store(B, capacity) if plan.run == "sd" else None,
             temperature=float(temperature), generator=generator, k=self.config.k, recorder=recorder,
             on_round=on_round)
         if plan.calibrated is not None:  # SSD's ideal round: the verify alone (also for SSD run as SD)
