@@ -252,8 +252,8 @@ class Program:
                 generator, recorder, on_round=None) -> DecodeState:
         B = padded_ids.shape[0]
         # the target's store never holds a tree, nor does the draft's of SD rounds: an SSD generation run as SD
-        # has SD's shapes (its draft steps attend over SD's slots, not over SSD's tree scratch too: measured at
-        # one thread, SD's rounds were 13 % slower with SSD's store; warm_sd_shapes compiled them before)
+        # has SD's shapes, its draft steps attending over SD's slots only, not over SSD's tree scratch too
+        # (warm_sd_shapes ran them before; no speed-up measured on the default pair: benchmarks/README.md)
         capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens)
         seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id)
         state = DecodeState(
