@@ -13,6 +13,7 @@ from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.stages import DRAFT_TREE, FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES
 from saguaro.lower.cuda_graphs import GraphedStage
 from saguaro.lower.failed_node import responsible_node
+from saguaro.lower.forward_code import forward_outside_compiles
 from saguaro.lower.graph_inputs import mutated_inputs
 from saguaro.lower.kernel_log import capture_output_code
 from saguaro.lower.compile_thread import BackgroundCompiler
@@ -168,6 +169,7 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
         # compile the generated forward itself: GraphModule.__call__'s error wrapper walks tracebacks
         # with a generator, which hides the real error of a failed compile under "trace generator"
         options = dict(INDUCTOR_OPTIONS.get(device_type, {}))
+        forward_outside_compiles(gm)
         compiled = compile_with_inductor(gm, options)
         if cuda_graphs:  # inside CompiledStage, which maps compile errors and logs the kernels
             compiled = GraphedStage(compiled, name, mutated_inputs(gm))
