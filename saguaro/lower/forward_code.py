@@ -9,9 +9,9 @@ def forward_outside_compiles(gm: torch.fx.GraphModule) -> None:
     """Generate ``gm``'s forward code again while no dynamo compile runs in this process (under dynamo's
     compile lock). While dynamo compiles, it swaps FX's code generator for one that marks each new forward
     as never to be compiled, process-wide: a stage graph whose forward was generated then (built on one
-    thread while the compile thread compiled another stage, or a lazy GraphModule's first call) got such a
-    forward, and ``torch.compile`` then ran it eager on every call (measured: the default pair's AR step at
-    a quarter of its speed after an SSD generation in the background). Waits for a compile under way."""
+    thread while the compile thread compiled another stage) got such a forward, and ``torch.compile`` then
+    ran it eager on every call (measured: the default pair's AR step at a quarter of its speed after an SSD
+    generation in the background). Waits for a compile under way."""
     from torch._dynamo.convert_frame import compile_lock
 
     with compile_lock:
