@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import builtins
 import importlib
+from operator import attrgetter
 from dataclasses import dataclass
 
 import torch
@@ -80,24 +81,7 @@ def _encode(arg):
 
 
 def _decode(arg, nodes: dict):
-    if isinstance(arg, _NodeRef):
-        return nodes[arg.name]
-    if isinstance(arg, slice):
-        return slice(_decode(arg.start, nodes), _decode(arg.stop, nodes), _decode(arg.step, nodes))
-    if isinstance(arg, tuple) and hasattr(arg, "_fields"):  # a named tuple
-        return type(arg)(*(_decode(a, nodes) for a in arg))
-    if isinstance(arg, (list, tuple)):
-        return type(arg)(_decode(a, nodes) for a in arg)
-    if isinstance(arg, dict):
-        return {k: _decode(v, nodes) for k, v in arg.items()}
-    return arg
-
-
-def _attribute(gm: fx.GraphModule, qualified: str):
-    obj = gm
-    for part in qualified.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return fx.node.map_aggregate(arg, lambda a: nodes[a.name] if isinstance(a, _NodeRef) else a)
 
 
 def _sent(value):
@@ -112,7 +96,7 @@ def pack_graph(gm: fx.GraphModule) -> dict:
     generator and its attributes (large tensors as :class:`EmptyTensor`). CPU stages only."""
     nodes = [(n.op, n.name, _target_name(n.target), _encode(n.args), _encode(n.kwargs), n.type)
              for n in gm.graph.nodes]
-    attributes = {n.target: _sent(_attribute(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+    attributes = {n.target: _sent(attrgetter(n.target)(gm)) for n in gm.graph.nodes if n.op == "get_attr"}
     return {"nodes": nodes, "attributes": attributes, "codegen": gm.graph._codegen}
 
 

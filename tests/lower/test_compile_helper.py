@@ -18,6 +18,7 @@ from saguaro.lower.compile_helper import CompileHelper, read_message, write_mess
 from saguaro.lower.compile_thread import BackgroundCompiler
 from saguaro.lower import graph_transport
 from saguaro.lower.graph_transport import EmptyTensor, pack_graph, unpack_graph
+from saguaro.passes.graph_splice import get_attribute
 from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
 
 
@@ -39,7 +40,7 @@ def test_a_stage_graph_travels_with_its_code_and_its_weights_as_metadata(monkeyp
     big = {k: v for k, v in packed["attributes"].items() if isinstance(v, EmptyTensor)}
     assert big and len(big) < len(packed["attributes"]), "expected both large and small attributes"
     for name, v in packed["attributes"].items():
-        original = graph_transport._attribute(gm, name)
+        original = get_attribute(gm, name)
         if isinstance(v, EmptyTensor):
             assert original.untyped_storage().nbytes() > graph_transport.SMALL_TENSOR_BYTES
             assert v.parameter == isinstance(original, torch.nn.Parameter)
