@@ -12,6 +12,7 @@ import torch
 from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.stages import DRAFT_TREE, FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES
 from saguaro.lower.cuda_graphs import GraphedStage
+from saguaro.lower.direct_call import compile_with_inductor, direct_call, held_tensors, recording
 from saguaro.lower.failed_node import responsible_node
 from saguaro.lower.forward_code import forward_outside_compiles
 from saguaro.lower.graph_inputs import mutated_inputs
@@ -180,15 +181,6 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
         return stage
 
 
-def compile_with_inductor(gm: torch.fx.GraphModule, options: dict):
-    """``gm``'s forward under ``torch.compile`` with Inductor ``options``, here and in the compile helper
-    (whose compile must match this one for Inductor's caches to serve it)."""
-    options = dict(options)
-    # the stage's weights are the captured model's and never change shape: no guards on them
-    options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-    return torch.compile(gm.forward, backend="inductor", fullgraph=True, dynamic=None, options=options)
-
-
 class CompiledStage:
     """A compiled stage: logs each compilation (on :data:`PROGRESS_LOGGER` when a call brings shapes it
     has not run yet, :func:`~saguaro.lower.tiered.shape_key`) and turns compiler failures into
@@ -210,6 +202,16 @@ class CompiledStage:
         self.keys: set = set()  # the shape keys it has run
         self.written = frozenset(mutated_inputs(gm))  # the KV caches
         self._positions = KeyPositions(self.written)
+        # shape key -> DirectCall or None (dynamo's path), learnt from the key's first call (direct_call.py);
+        # off where `compiled` is not dynamo's function itself (CUDA graphs replay it)
+        self.direct_calls = not isinstance(compiled, GraphedStage)
+        self._direct: dict = {}
+        self._held = held_tensors(gm) if self.direct_calls else {}
+
+    @property
+    def direct_keys(self) -> int:
+        """How many shape keys its calls reach Inductor's function for without dynamo (direct_call.py)."""
+        return sum(call is not None for call in self._direct.values())
 
     @property
     def helper_serves(self) -> bool:  # see helper_request
@@ -231,6 +233,9 @@ class CompiledStage:
     def __call__(self, *args):
         self.calls += 1
         key = self._positions.key(args)
+        direct = self._direct.get(key)
+        if direct is not None:
+            return direct(args)
         new = key not in self.keys
         if new:
             progress.info("compiling stage %s with inductor", self.name,
@@ -239,12 +244,13 @@ class CompiledStage:
         started = time.perf_counter()
         try:
             with inductor_settings(self.config_patch if new else None):
-                if self.calls == 1:
-                    with capture_output_code() as files:
+                with recording() as calls:
+                    if self.calls == 1:
+                        with capture_output_code() as files:
+                            out = self.compiled(*args)
+                        self.output_code, self.compile_s = files, time.perf_counter() - started
+                    else:
                         out = self.compiled(*args)
-                    self.output_code, self.compile_s = files, time.perf_counter() - started
-                else:
-                    out = self.compiled(*args)
         except Exception as exc:
             from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError, Unsupported
 
@@ -259,6 +265,8 @@ class CompiledStage:
                 raise LoweringError(f"inductor could not compile stage {self.name}{where}: {first}") from exc
             raise
         elapsed = time.perf_counter() - started
+        if self.direct_calls and key not in self._direct:
+            self._direct[key] = direct_call(calls, args, out, self._held)
         if new:
             self.keys.add(key)
             progress.info("stage %s compiled in %.1fs (call %d)", self.name, elapsed, self.calls,

@@ -1,8 +1,8 @@
 """Inductor lowering on a model that mixes attention layer kinds and softcaps its logits (tiny Gemma 2):
 the eager tokens for AR, SD and SSD, greedy and sampled (one seed, the same uniforms, the same tokens),
-zero graph breaks, the attention math (masks per kind, softcap) inlined for Inductor to fuse, the
-few-row stages' linears as fused reductions (``linear_as_reduction``), and
-``saguaro inspect kernels`` over what it generated.
+zero graph breaks, stage calls past dynamo (``direct_call.py``), the attention math (masks per kind,
+softcap) inlined for Inductor to fuse, the few-row stages' linears as fused reductions
+(``linear_as_reduction``), and ``saguaro inspect kernels`` over what it generated.
 
 The suite's test of Inductor-compiled generation (C++ on CPU, about ten seconds per stage graph); it is
 slow by nature, so it covers every mode and both verifications in one go. Gemma 2's
@@ -51,6 +51,10 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
                                     temperature=1.0, seed=0)
             assert torch.equal(got.sequences, want.sequences), f"inductor sampled {mode} differs from eager"
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+        # the tokens above came from calls past dynamo too: every stage learnt a direct call (direct_call.py)
+        for runner in (compiled.target, compiled.draft):
+            for stage, fn in runner.built_stages.items():
+                assert fn.direct_keys > 0, stage.qualified
         assert counters["stats"]["unique_graphs"] >= 6  # the stages really went through dynamo
         verify = compiled.target.stage(TARGET_VERIFY.greedy).gm  # inductor compiles the attention math inline
         lowered = [n for n in verify.graph.nodes if n.op == "call_function" and n.target is attention_inline]

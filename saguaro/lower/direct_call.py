@@ -1,0 +1,161 @@
+"""Direct calls of a compiled stage: Inductor's compiled function called without dynamo in between.
+
+On each call of a ``torch.compile``-d function, dynamo looks up the compiled entry by its guards and runs
+bytecode that gathers the graph's inputs (the stage's arguments, the model's parameters, the symbolic
+sizes) before Inductor's function runs: about 0.5-0.8 ms per call of the default pair's target step here
+(a fifth of the step; ``benchmarks/README.md``), and as much per draft step, whose kernels take less.
+
+A :class:`~saguaro.lower.lowering.CompiledStage` already keys each call by everything those guards read
+(:func:`~saguaro.lower.tiered.shape_key`: sizes, strides, dtypes, devices, aliasing, grad and inference
+mode, threads). So the first call of a key goes through dynamo while :func:`recording` notes which
+compiled function dynamo ran and the inputs it gave it. When those inputs can be rebuilt from the stage's
+own arguments (each tensor one of the arguments or a tensor the graph module holds, each integer a size
+or stride of an argument: checked by rebuilding that very call's inputs) and the call returned the
+function's own outputs, later calls with that key call the function directly (:class:`DirectCall`).
+Anything else keeps dynamo's path. The function is the one dynamo would run, so outputs are the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_recorded = threading.local()  # .calls: a list while this thread records, else absent or None
+
+
+class RecordingInductor(torch._TorchCompileInductorWrapper):
+    """Inductor as ``torch.compile(backend="inductor", options=...)`` runs it, each compiled function it
+    returns wrapped in a :class:`CompiledEntry` that records its calls."""
+
+    def __init__(self, options: dict):
+        super().__init__(None, options, None)
+
+    def __call__(self, model_, inputs_, **kwargs):
+        return CompiledEntry(model_, super().__call__(model_, inputs_, **kwargs))
+
+
+def compile_with_inductor(gm: torch.fx.GraphModule, options: dict):
+    """``gm``'s forward under ``torch.compile`` with Inductor ``options``, here and in the compile helper
+    (whose compile must match this one for Inductor's caches to serve it)."""
+    # what torch.compile(backend="inductor", options=options) does, with Inductor's compiled functions
+    # recorded for direct calls (below); the stage's weights are the captured model's and never
+    # change shape: no guards on them
+    return torch._dynamo.optimize(backend=RecordingInductor(options), nopython=True, dynamic=None,
+                                  guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)(gm.forward)
+
+
+class CompiledEntry:
+    """One compiled form of a stage: Inductor's function, and for each of its inputs the symbols of the
+    sizes and strides (a tensor) or the symbol it is (an integer), read from dynamo's graph."""
+
+    def __init__(self, graph: torch.fx.GraphModule, compiled):
+        self.compiled = compiled
+        self.inputs = [input_symbols(node.meta.get("example_value"))
+                       for node in graph.graph.nodes if node.op == "placeholder"]
+
+    def __call__(self, *args):
+        out = self.compiled(*args)
+        calls = getattr(_recorded, "calls", None)
+        if calls is not None:
+            calls.append((self, args, out))
+        return out
+
+
+def input_symbols(value):
+    """An integer input: its symbol's name (None: not symbolic). A tensor input: ``(sizes, strides)``,
+    each a tuple of the symbol name of each dimension or None."""
+    if isinstance(value, torch.Tensor):
+        return tuple(symbol_name(s) for s in value.shape), tuple(symbol_name(s) for s in value.stride())
+    return symbol_name(value)
+
+
+def symbol_name(value):
+    return str(value.node.expr) if isinstance(value, torch.SymInt) else None
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the compiled functions this thread calls inside (a list of ``(entry, inputs, outputs)``)."""
+    previous = getattr(_recorded, "calls", None)
+    _recorded.calls = calls = []
+    try:
+        yield calls
+    finally:
+        _recorded.calls = previous
+
+
+class DirectCall:
+    """Calls ``entry``'s function with inputs rebuilt from a stage call's arguments by ``sources``: per
+    input ``(0, position)`` an argument, ``(1, tensor)`` a tensor the module holds, ``(2, (position, dim))``
+    a size, ``(3, (position, dim))`` a stride."""
+
+    def __init__(self, entry: CompiledEntry, sources: list):
+        self.compiled, self.sources = entry.compiled, sources
+
+    def inputs(self, args) -> list:
+        return [args[s] if kind == 0 else s if kind == 1 else
+                args[s[0]].size(s[1]) if kind == 2 else args[s[0]].stride(s[1]) for kind, s in self.sources]
+
+    def __call__(self, args) -> tuple:
+        return tuple(self.compiled(*self.inputs(args)))
+
+
+def direct_call(calls: list, args: tuple, out, held: dict) -> DirectCall | None:
+    """The direct call for later calls like this one, whose arguments were ``args`` and output ``out``,
+    ``calls`` what :func:`recording` saw during it, ``held`` ``{id: tensor}`` of the tensors the stage's
+    module holds (parameters, buffers, constants); None where they cannot be rebuilt (see the module)."""
+    if len(calls) != 1:
+        return None
+    entry, inputs, raw = calls[0]
+    if len(inputs) != len(entry.inputs) or not returns_own_outputs(out, raw):
+        return None
+    position = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            position.setdefault(id(a), i)
+    sources, symbols = [None] * len(inputs), {}
+    for j, (value, info) in enumerate(zip(inputs, entry.inputs)):
+        if not isinstance(value, torch.Tensor):
+            continue
+        if id(value) in position:
+            i = position[id(value)]
+            sources[j] = (0, i)
+            for kind, names in ((2, info[0]), (3, info[1])):
+                for dim, name in enumerate(names):
+                    if name is not None:
+                        symbols.setdefault((name, kind), (i, dim))
+        elif held.get(id(value)) is value:
+            sources[j] = (1, value)
+        else:
+            return None
+    for j, (value, info) in enumerate(zip(inputs, entry.inputs)):
+        if sources[j] is None:
+            kind = 2 if (info, 2) in symbols else 3 if (info, 3) in symbols else None
+            if type(value) is not int or info is None or kind is None:
+                return None
+            sources[j] = (kind, symbols[info, kind])
+    call = DirectCall(entry, sources)
+    rebuilt = call.inputs(args)
+    if not all(a is b if isinstance(b, torch.Tensor) else (type(a) is type(b) and a == b)
+               for a, b in zip(rebuilt, inputs)):
+        return None
+    return call
+
+
+def returns_own_outputs(out, raw) -> bool:
+    """Whether dynamo's result ``out`` is the compiled function's outputs ``raw``, as a tuple, unchanged."""
+    return (isinstance(out, tuple) and isinstance(raw, (list, tuple)) and len(out) == len(raw)
+            and all(a is b for a, b in zip(out, raw)))
+
+
+def held_tensors(gm: torch.nn.Module) -> dict:
+    """``{id: tensor}`` of the parameters, buffers and tensor attributes (FX constants) of ``gm``."""
+    held = {id(t): t for t in (*gm.parameters(), *gm.buffers())}
+    for module in gm.modules():
+        held.update((id(v), v) for v in vars(module).values() if isinstance(v, torch.Tensor))
+    return held

@@ -1,0 +1,115 @@
+"""Direct calls (``saguaro/lower/direct_call.py``): which recorded calls give a direct call, and that it rebuilds
+the inputs dynamo gave Inductor's function from a later call's arguments. Entries here are stand-ins (no
+compile); ``test_inductor.py`` runs the real ones and checks the tokens, and the last test here one real
+``torch.compile`` of a small function."""
+
+import pytest
+import torch
+
+from saguaro.lower.direct_call import (CompiledEntry, DirectCall, RecordingInductor, direct_call, held_tensors,
+                                       recording)
+
+PLAIN = ((None, None), (None, None))  # a tensor input of static sizes and strides
+
+
+class Entry:
+    """A stand-in for a CompiledEntry: ``inputs`` as input_symbols gives them, ``compiled`` records its inputs."""
+
+    def __init__(self, inputs):
+        self.inputs, self.seen = inputs, []
+
+    def compiled(self, *inputs):
+        self.seen.append(inputs)
+        return [inputs[1] + 1, inputs[1] * 2]
+
+
+def scenario():
+    """A stage of arguments ``(x [2, 3], cache [2, S])`` holding ``weight``; dynamo passed ``(weight, x, S,
+    cache)``, ``S`` being the cache's dynamic size ``s0``."""
+    weight, x, cache = torch.ones(3), torch.zeros(2, 3), torch.zeros(2, 5)
+    entry = Entry([PLAIN, PLAIN, "s0", ((None, "s0"), ("s0", None))])
+    inputs = (weight, x, 5, cache)
+    raw = entry.compiled(*inputs)
+    return entry, (x, cache), inputs, raw, {id(weight): weight}
+
+
+def test_a_direct_call_rebuilds_the_inputs_of_later_calls():
+    entry, args, inputs, raw, held = scenario()
+    call = direct_call([(entry, inputs, raw)], args, tuple(raw), held)
+    assert isinstance(call, DirectCall)
+    assert call.sources[0][0] == 1 and call.sources[1] == (0, 0) and call.sources[2] == (2, (1, 1))
+    x, cache = torch.full((2, 3), 4.0), torch.zeros(2, 7)  # another bucket: the size comes from the argument
+    out = call((x, cache))
+    assert isinstance(out, tuple) and torch.equal(out[0], x + 1) and torch.equal(out[1], x * 2)
+    weight, seen_x, size, seen_cache = entry.seen[-1]
+    assert weight is inputs[0] and seen_x is x and size == 7 and seen_cache is cache
+
+
+def test_a_symbol_found_only_in_a_stride_is_read_from_the_stride():
+    entry, args, inputs, raw, held = scenario()
+    entry.inputs[3] = ((None, None), ("s0", None))  # s0 only as the cache's first stride (5)
+    call = direct_call([(entry, inputs, raw)], args, tuple(raw), held)
+    assert call is not None and call.sources[2] == (3, (1, 0))
+
+
+@pytest.mark.parametrize("case", ["two calls", "unknown tensor", "int without symbol", "symbol nowhere",
+                                  "outputs changed", "outputs not a tuple", "rebuilt differs"])
+def test_calls_that_cannot_be_rebuilt_keep_dynamos_path(case):
+    entry, args, inputs, raw, held = scenario()
+    out, copies = tuple(raw), 1
+    if case == "two calls":
+        copies = 2
+    elif case == "unknown tensor":
+        held = {}
+    elif case == "int without symbol":
+        entry.inputs[2] = None
+    elif case == "symbol nowhere":
+        entry.inputs[2] = "s9"
+    elif case == "outputs changed":
+        out = (raw[0].clone(), raw[1])
+    elif case == "outputs not a tuple":
+        out = raw[0]
+    elif case == "rebuilt differs":  # dynamo passed 6 where the cache's size says 5
+        inputs = (inputs[0], inputs[1], 6, inputs[3])
+    assert direct_call([(entry, inputs, raw)] * copies, args, out, held) is None
+
+
+def test_held_tensors_finds_parameters_buffers_and_constants():
+    module = torch.nn.Linear(2, 2)
+    module.register_buffer("scale", torch.ones(1))
+    module.constant = torch.zeros(3)
+    held = held_tensors(torch.nn.Sequential(module))
+    assert all(held[id(t)] is t for t in (module.weight, module.bias, module.scale, module.constant))
+
+
+def test_recording_sees_the_calls_of_its_thread_only_inside():
+    entry = CompiledEntry(torch.fx.symbolic_trace(lambda x: x + 1), lambda *a: [a[0] + 1])
+    entry(torch.ones(1))  # not recording: nothing kept
+    with recording() as calls:
+        out = entry(torch.ones(1))
+    entry(torch.ones(1))
+    assert len(calls) == 1 and calls[0][0] is entry and calls[0][2] is out
+
+
+@pytest.mark.heavy
+def test_a_compiled_function_called_directly_gives_dynamos_outputs():
+    """One real compile: a function of a tensor with a dynamic size and a held weight, called through dynamo
+    once (recorded), then directly on another size, equal to eager."""
+    weight = torch.randn(4)
+    module = torch.nn.Module()
+    module.register_buffer("weight", weight)
+
+    def fn(x):
+        return (x * module.weight).sum(-1) + x.shape[0], x.cos()
+
+    compiled = torch._dynamo.optimize(backend=RecordingInductor({}), nopython=True, dynamic=None)(fn)
+    x = torch.randn(5, 4)
+    torch._dynamo.maybe_mark_dynamic(x, 0)
+    with recording() as calls:
+        out = compiled(x)
+    call = direct_call(calls, (x,), out, held_tensors(module))
+    assert call is not None
+    y = torch.randn(9, 4)
+    got = call((y,))
+    want = fn(y)
+    assert len(got) == 2 and all(torch.allclose(g, w) for g, w in zip(got, want))
