@@ -80,3 +80,22 @@ def test_the_host_view_follows_appends_with_one_read():
     seqs.append(torch.tensor([[1], [2]]), torch.tensor([1, 1]))  # stale now: the next question reads
     assert seqs.all_finished() and seqs.host_lengths == [4, 5]
     assert torch.equal(seqs.result(), torch.tensor([[3, 4, 5, 9, 0], [6, 7, 8, 1, 2]]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_append_one_equals_append_of_one_token(seed):
+    """AR's ``append_one`` against ``append(token[:, None], ones)``: rows finishing on EOS, on the token budget
+    and at the buffer's end, and rows already finished, appended again and again."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 6, (5, 4), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # a left-padded row
+    both = [SequenceBatch(ids, mask, max_new_tokens=6, capacity=8, eos_token_ids=[3, 5], pad_token_id=0)
+            for _ in range(2)]
+    for _ in range(8):
+        token = torch.randint(1, 7, (5,), generator=gen)
+        both[0].append(token[:, None], torch.ones_like(token))
+        both[1].append_one(token)
+        for name in ("tokens", "lengths", "finished"):
+            assert torch.equal(getattr(both[0], name), getattr(both[1], name)), name
+    assert both[1].all_finished() and both[1].finished.any()

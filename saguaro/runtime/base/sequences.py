@@ -96,6 +96,8 @@ class SequenceBatch:
 
     def tail_index(self, count: int) -> torch.Tensor:
         """Indices of the last ``count`` tokens of each row, ``[B, count]``."""
+        if count == 1:  # the pending token (AR's round): two operations
+            return (self.lengths - 1)[:, None]
         return self.lengths[:, None] - count + self._steps[None, :count]
 
     def forward_index(self, count: int) -> torch.Tensor:
@@ -128,6 +130,18 @@ class SequenceBatch:
         self.finished |= has_eos | (self.generated >= self.max_new_tokens)
         self._host = None
         return taken
+
+    def append_one(self, token: torch.Tensor) -> None:
+        """``append(token[:, None], ones)`` in a third of the tensor operations (AR's round is host-bound
+        on a CPU: measured on the default pair): ``token [B]``, one per active row."""
+        end = self.prompt_len + self.max_new_tokens
+        take = self.finished.logical_not() & (self.lengths < end)  # [B]
+        is_eos = torch.isin(token, self.eos) & take  # [B]
+        dest = self.lengths.clamp_max(self.tokens.shape[1] - 1)[:, None]  # [B, 1]
+        self.tokens.scatter_(1, dest, torch.where(take[:, None], token[:, None], self.tokens.gather(1, dest)))
+        self.lengths += take
+        self.finished |= is_eos | (self.lengths >= end)
+        self._host = None
 
     def result(self) -> torch.Tensor:
         """``[B, T + max generated]`` with finished rows padded, as ``transformers.generate`` returns."""

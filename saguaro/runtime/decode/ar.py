@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from saguaro.core.stages import TARGET_STEP
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.state import DecodeState
@@ -25,7 +23,7 @@ def decode_ar(target: ModelRunner, draft: ModelRunner | None, state: DecodeState
         counters.verify_s += since(started)
         token, _ = sample_tokens(logits, state.temperature, state.generator)
         decided = [1] * sum(seqs.host_active)  # fresh: all_finished() above read it
-        seqs.append(token[:, None], torch.ones_like(token))
+        seqs.append_one(token)
         counters.accepted_lengths.extend(decided)
         counters.rounds += 1
         counters.end_round(since(started), decided)

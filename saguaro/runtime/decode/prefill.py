@@ -26,7 +26,7 @@ def prefill(target: ModelRunner, draft: ModelRunner | None, state: DecodeState) 
         draft.run(DRAFT_PREFILL, state.draft_store, ids, pos, index)
     state.counters.prefill_s += since(started)
     first, _ = sample_tokens(logits, state.temperature, state.generator)
-    seqs.append(first[:, None], torch.ones_like(first))
+    seqs.append_one(first)
     seqs.read()  # the host view the rounds start from (a row may finish on its first token)
     state.round_committed()
     return first
