@@ -13,17 +13,18 @@ own arguments (each tensor one of the arguments or a tensor the graph module hol
 or stride of an argument: checked by rebuilding that very call's inputs) and the call returned the
 function's own outputs, later calls with that key call the function directly (:class:`DirectCall`).
 Anything else keeps dynamo's path. The function is the one dynamo would run, so outputs are the same.
+``SAGUARO_DIRECT_CALLS=0`` sends every call through dynamo.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
+import os
 import threading
 
 import torch
 
-log = logging.getLogger(__name__)
+DIRECT_CALLS_ENV = "SAGUARO_DIRECT_CALLS"  # "0": every call goes through dynamo (to rule direct calls out)
 
 _recorded = threading.local()  # .calls: a list while this thread records, else absent or None
 
@@ -76,6 +77,10 @@ def input_symbols(value):
 
 def symbol_name(value):
     return str(value.node.expr) if isinstance(value, torch.SymInt) else None
+
+
+def direct_calls_wanted() -> bool:
+    return os.environ.get(DIRECT_CALLS_ENV, "1") != "0"
 
 
 @contextlib.contextmanager

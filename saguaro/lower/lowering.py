@@ -12,7 +12,8 @@ import torch
 from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.stages import DRAFT_TREE, FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES
 from saguaro.lower.cuda_graphs import GraphedStage
-from saguaro.lower.direct_call import compile_with_inductor, direct_call, held_tensors, recording
+from saguaro.lower.direct_call import (compile_with_inductor, direct_call, direct_calls_wanted, held_tensors,
+                                       recording)
 from saguaro.lower.failed_node import responsible_node
 from saguaro.lower.forward_code import forward_outside_compiles
 from saguaro.lower.graph_inputs import mutated_inputs
@@ -203,8 +204,8 @@ class CompiledStage:
         self.written = frozenset(mutated_inputs(gm))  # the KV caches
         self._positions = KeyPositions(self.written)
         # shape key -> DirectCall or None (dynamo's path), learnt from the key's first call (direct_call.py);
-        # off where `compiled` is not dynamo's function itself (CUDA graphs replay it)
-        self.direct_calls = not isinstance(compiled, GraphedStage)
+        # off where `compiled` is not dynamo's function itself (CUDA graphs replay it), or with $SAGUARO_DIRECT_CALLS=0
+        self.direct_calls = not isinstance(compiled, GraphedStage) and direct_calls_wanted()
         self._direct: dict = {}
         self._held = held_tensors(gm) if self.direct_calls else {}
 
@@ -233,7 +234,7 @@ class CompiledStage:
     def __call__(self, *args):
         self.calls += 1
         key = self._positions.key(args)
-        direct = self._direct.get(key)
+        direct = self._direct.get(key) if self.direct_calls else None
         if direct is not None:
             return direct(args)
         new = key not in self.keys
@@ -267,6 +268,8 @@ class CompiledStage:
         elapsed = time.perf_counter() - started
         if self.direct_calls and key not in self._direct:
             self._direct[key] = direct_call(calls, args, out, self._held)
+            log.debug("stage %s: calls of a new shape key go %s", self.name,
+                      "past dynamo" if self._direct[key] else "through dynamo (inputs not rebuilt)")
         if new:
             self.keys.add(key)
             progress.info("stage %s compiled in %.1fs (call %d)", self.name, elapsed, self.calls,

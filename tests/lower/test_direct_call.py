@@ -113,3 +113,38 @@ def test_a_compiled_function_called_directly_gives_dynamos_outputs():
     got = call((y,))
     want = fn(y)
     assert len(got) == 2 and all(torch.allclose(g, w) for g, w in zip(got, want))
+
+
+def test_a_compiled_stage_learns_a_direct_call_and_can_go_back_through_dynamo(monkeypatch):
+    """CompiledStage with stand-ins: "dynamo" hands Inductor's "function" the held weight, the argument and its
+    dynamic size; the stage's second call of the shape calls the function directly, and with
+    ``direct_calls`` off (or ``SAGUARO_DIRECT_CALLS=0`` when the stage is made) through dynamo again."""
+    from saguaro.lower.lowering import CompiledStage
+
+    module = torch.nn.Module()
+    module.register_buffer("weight", torch.full((3,), 2.0))
+    gm = torch.fx.symbolic_trace(lambda x: x)
+    gm.register_buffer("weight", module.weight)
+    entry = CompiledEntry.__new__(CompiledEntry)
+    entry.inputs = [PLAIN, (("s0", None), (None, None)), "s0"]
+    entry.compiled = lambda weight, x, n: [x * weight + n]
+    through_dynamo = []
+
+    def dynamo(x):
+        through_dynamo.append(x)
+        return tuple(entry(gm.weight, x, x.shape[0]))
+
+    stage = CompiledStage(gm, dynamo, "toy")
+    x = torch.ones(4, 3)
+    first = stage(x)
+    second = stage(x)
+    assert len(through_dynamo) == 1 and stage.direct_keys == 1
+    assert torch.equal(first[0], second[0]) and torch.equal(second[0], torch.full((4, 3), 6.0))
+    stage.direct_calls = False
+    stage(x)
+    assert len(through_dynamo) == 2
+    monkeypatch.setenv("SAGUARO_DIRECT_CALLS", "0")
+    off = CompiledStage(gm, dynamo, "toy")
+    off(x)
+    off(x)
+    assert len(through_dynamo) == 4 and off.direct_keys == 0
