@@ -1,19 +1,20 @@
 """Direct calls of a compiled stage: Inductor's compiled function called without dynamo in between.
 
 On each call of a ``torch.compile``-d function, dynamo looks up the compiled entry by its guards and runs
-bytecode that gathers the graph's inputs (the stage's arguments, the model's parameters, the symbolic
-sizes) before Inductor's function runs: about 0.5-0.8 ms per call of the default pair's target step here
-(a fifth of the step; ``benchmarks/README.md``), and as much per draft step, whose kernels take less.
+bytecode that gathers the graph's inputs (the stage's arguments, the model's parameters, the symbolic sizes)
+before Inductor's function runs: about 0.5-0.8 ms per call of the default pair's target step here (a fifth of
+the step; ``benchmarks/README.md``), and as much per draft step, whose kernels take less.
 
-A :class:`~saguaro.lower.lowering.CompiledStage` already keys each call by everything those guards read
-(:func:`~saguaro.lower.tiered.shape_key`: sizes, strides, dtypes, devices, aliasing, grad and inference
-mode, threads). So the first call of a key goes through dynamo while :func:`recording` notes which
-compiled function dynamo ran and the inputs it gave it. When those inputs can be rebuilt from the stage's
-own arguments (each tensor one of the arguments or a tensor the graph module holds, each integer a size
-or stride of an argument: checked by rebuilding that very call's inputs) and the call returned the
-function's own outputs, later calls with that key call the function directly (:class:`DirectCall`).
-Anything else keeps dynamo's path. The function is the one dynamo would run, so outputs are the same.
-``SAGUARO_DIRECT_CALLS=0`` sends every call through dynamo.
+A :class:`~saguaro.lower.lowering.CompiledStage` already keys each call by what those guards read of the call
+(:func:`~saguaro.lower.tiered.shape_key`: sizes, strides, dtypes, devices, aliasing, grad and inference mode,
+threads); the rest of the global state they check (autocast, deterministic algorithms, ...) is dynamo's own
+``GlobalStateGuard``, taken at the recorded call and checked before each direct one. So the first call of a
+key goes through dynamo while :func:`recording` notes which compiled function dynamo ran and the inputs it
+gave it. When those inputs can be rebuilt from the stage's own arguments (each tensor one of the arguments or
+a tensor the graph module holds, each integer a size or stride of an argument: checked by rebuilding that very
+call's inputs) and the call returned the function's own outputs, later calls with that key call the function
+directly (:class:`DirectCall`). Anything else keeps dynamo's path. The function is the one dynamo would run,
+so outputs are the same. ``SAGUARO_DIRECT_CALLS=0`` sends every call through dynamo.
 """
 
 from __future__ import annotations
@@ -101,6 +102,13 @@ class DirectCall:
 
     def __init__(self, entry: CompiledEntry, sources: list):
         self.compiled, self.sources = entry.compiled, sources
+        # the global state dynamo guards on besides what the shape key holds (autocast, deterministic
+        # algorithms, ...), as it was at the recorded call: a call made in another state goes through dynamo
+        self.state = torch._C._dynamo.guards.GlobalStateGuard()
+
+    def applies(self) -> bool:
+        """Whether this thread's global state is the recorded call's (a C++ check, under a microsecond)."""
+        return self.state.check()
 
     def inputs(self, args) -> list:
         return [args[s] if kind == 0 else s if kind == 1 else

@@ -235,7 +235,7 @@ class CompiledStage:
         self.calls += 1
         key = self._positions.key(args)
         direct = self._direct.get(key) if self.direct_calls else None
-        if direct is not None:
+        if direct is not None and direct.applies():
             return direct(args)
         new = key not in self.keys
         if new:

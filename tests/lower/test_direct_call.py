@@ -117,8 +117,9 @@ def test_a_compiled_function_called_directly_gives_dynamos_outputs():
 
 def test_a_compiled_stage_learns_a_direct_call_and_can_go_back_through_dynamo(monkeypatch):
     """CompiledStage with stand-ins: "dynamo" hands Inductor's "function" the held weight, the argument and its
-    dynamic size; the stage's second call of the shape calls the function directly, and with
-    ``direct_calls`` off (or ``SAGUARO_DIRECT_CALLS=0`` when the stage is made) through dynamo again."""
+    dynamic size; the stage's second call of the shape calls the function directly, under other global state
+    (autocast) or with ``direct_calls`` off (or ``SAGUARO_DIRECT_CALLS=0`` when the stage is made) through
+    dynamo again."""
     from saguaro.lower.lowering import CompiledStage
 
     module = torch.nn.Module()
@@ -140,11 +141,16 @@ def test_a_compiled_stage_learns_a_direct_call_and_can_go_back_through_dynamo(mo
     second = stage(x)
     assert len(through_dynamo) == 1 and stage.direct_keys == 1
     assert torch.equal(first[0], second[0]) and torch.equal(second[0], torch.full((4, 3), 6.0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # global state dynamo guards on, outside the key
+        stage(x)
+    assert len(through_dynamo) == 2
+    stage(x)
+    assert len(through_dynamo) == 2  # back in the recorded state: direct again
     stage.direct_calls = False
     stage(x)
-    assert len(through_dynamo) == 2
+    assert len(through_dynamo) == 3
     monkeypatch.setenv("SAGUARO_DIRECT_CALLS", "0")
     off = CompiledStage(gm, dynamo, "toy")
     off(x)
     off(x)
-    assert len(through_dynamo) == 4 and off.direct_keys == 0
+    assert len(through_dynamo) == 5 and off.direct_keys == 0
