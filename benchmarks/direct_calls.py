@@ -15,7 +15,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,19 +36,6 @@ def use_direct_calls(stages: list, on: bool) -> None:
         stage.direct_calls = on
 
 
-def timed_pass(program, prompts: list, expected: list, mode: str, new: int) -> tuple[float, bool]:
-    """Tokens per second after the prefill of one pass, and whether every generation equals ``expected``."""
-    from saguaro.bench.passes import TimedPass
-
-    timed, exact = TimedPass(), True
-    for ids, want in zip(prompts, expected):
-        started = time.perf_counter()
-        out = program.generate(ids, max_new_tokens=new, mode=mode)
-        timed.add(out.stats["new_tokens"], time.perf_counter() - started, out)
-        exact &= torch.equal(out.sequences[:, :want.shape[1]], want)
-    return timed.decode_tokens_per_s, exact
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
@@ -67,30 +53,26 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     import saguaro
-    from saguaro.bench.prompts import bench_prompts
+    from linear_as_reduction import equal_to_expected, pair_and_prompts, timed_pass  # this folder's script
 
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, draft, tokenizer = saguaro.default_pair()
-    prompts = bench_prompts(tokenizer, args.prompts, target.config.vocab_size, 0, default_pair=True,
-                            max_tokens=target.config.max_position_embeddings - args.new)
-    with torch.no_grad():
-        expected = [target.generate(ids, max_new_tokens=args.new, do_sample=False) for ids in prompts]
+    target, draft, prompts, expected = pair_and_prompts(args.prompts, args.new)
     program = saguaro.compile(target, draft, k=args.k, mode="sd", backend="inductor", compile="blocking",
                               linears=args.linears)
     modes, exact = ("ar", "sd"), True
     for mode in modes:  # warm-up: every shape compiled, every direct call learnt
-        exact &= timed_pass(program, prompts, expected, mode, args.new)[1]
+        exact &= equal_to_expected(timed_pass(program, prompts, mode, args.new)[2], expected)
     stages = compiled_stages(program)
     rates = {(form, mode): [] for form in FORMS for mode in modes}
     for rep in range(args.passes):
         for mode in modes:
             for form in (FORMS if rep % 2 == 0 else FORMS[::-1]):
                 use_direct_calls(stages, form == "direct")
-                rate, same = timed_pass(program, prompts, expected, mode, args.new)
+                _, rate, outputs = timed_pass(program, prompts, mode, args.new)  # the rate after the prefill
                 rates[(form, mode)].append(rate)
-                exact &= same
+                exact &= equal_to_expected(outputs, expected)
     use_direct_calls(stages, True)
     program.close()
     rows = [{"mode": mode, **{form: statistics.median(rates[(form, mode)]) for form in FORMS},

@@ -34,9 +34,27 @@ def timed_pass(program, prompts: list, mode: str, new: int) -> tuple[float, floa
     return timed.tokens_per_s, timed.decode_tokens_per_s, outputs
 
 
-def main(argv=None) -> int:
+def pair_and_prompts(count: int, new: int) -> tuple:
+    """The default pair, ``count`` held-out prompts that leave room for ``new`` tokens, and the target's own
+    greedy ``generate`` of each: ``(target, draft, prompts, expected)``."""
     import saguaro
     from saguaro.bench.prompts import bench_prompts
+
+    target, draft, tokenizer = saguaro.default_pair()
+    prompts = bench_prompts(tokenizer, count, target.config.vocab_size, 0, default_pair=True,
+                            max_tokens=target.config.max_position_embeddings - new)
+    with torch.no_grad():
+        expected = [target.generate(ids, max_new_tokens=new, do_sample=False) for ids in prompts]
+    return target, draft, prompts, expected
+
+
+def equal_to_expected(outputs: list, expected: list) -> bool:
+    """Whether every generated sequence begins with the target's own greedy ``generate``."""
+    return all(torch.equal(got[:, :want.shape[1]], want) for got, want in zip(outputs, expected))
+
+
+def main(argv=None) -> int:
+    import saguaro
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
@@ -52,11 +70,7 @@ def main(argv=None) -> int:
         p.error(f"--compare {args.compare!r}: name two different linears settings, A,B")
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, draft, tokenizer = saguaro.default_pair()
-    prompts = bench_prompts(tokenizer, args.prompts, target.config.vocab_size, 0, default_pair=True,
-                            max_tokens=target.config.max_position_embeddings - args.new)
-    with torch.no_grad():
-        expected = [target.generate(ids, max_new_tokens=args.new, do_sample=False) for ids in prompts]
+    target, draft, prompts, expected = pair_and_prompts(args.prompts, args.new)
     programs = {name: saguaro.compile(target, draft, k=args.k, mode="sd", backend="inductor", linears=linears)
                 for name, linears in ((name, name) for name in settings)}
     rates = {(name, mode): [] for name in programs for mode in ("ar", "sd")}
@@ -72,7 +86,7 @@ def main(argv=None) -> int:
                 rate, decode_rate, outputs = timed_pass(program, prompts, mode, args.new)
                 rates[(name, mode)].append(rate)
                 decode[(name, mode)].append(decode_rate)
-                exact &= all(torch.equal(got[:, :want.shape[1]], want) for got, want in zip(outputs, expected))
+                exact &= equal_to_expected(outputs, expected)
     for program in programs.values():
         program.close()
     rows = []
