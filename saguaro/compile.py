@@ -158,6 +158,11 @@ class CompiledStages(PipelineStages):
         self.stop_compiling()
         self.compiler = None
 
+    def provides(self, stage: Stage) -> bool:
+        """Every stage, except stages whose epilogue writes its own inputs in place (AR's round: the sequence
+        buffers) under CUDA graphs, which would capture a graph for every generation's new buffers."""
+        return not (self.cuda_graphs and captures_stage(stage) and stage.reads)
+
     def stage_graph(self, stage: Stage, observe=None, linears: str | None = None):
         """The stage's graph, its attention lowered and its linears run as chosen for this stage and device
         (``linears``, ``"gemm"``, ``"reduction"`` or ``"template"``, when given, instead of the choice; the

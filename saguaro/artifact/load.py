@@ -88,6 +88,10 @@ class ArtifactStages:
                 f"{self.root}: stage {stage.qualified} was not exported (modes {self.manifest['modes']}, sampling "
                 f"{self.manifest['sampling']}); export with the modes and sampling you generate with")
 
+    def provides(self, stage: Stage) -> bool:
+        """Whether the artifact holds ``stage`` (one exported before AR's round stage existed runs AR by steps)."""
+        return stage.qualified in self.qualified
+
     def __call__(self, stage: Stage):
         self._check_exported(stage)
         return self.load(stage.qualified)

@@ -31,6 +31,12 @@ EXTRA_DIMS = {
     "top": (),
     "saguaro_c": (),
     "u": ("B",),
+    "tokens": ("B", "S"),  # AR's round: the sequence buffers, a token's index being its slot
+    "lengths": ("B",),
+    "finished": ("B",),
+    "padding": ("B",),
+    "eos_table": (None,),  # [V]
+    "end": (),
 }
 TREE_U = ("B", "MQ")
 

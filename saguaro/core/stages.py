@@ -7,7 +7,7 @@ nodes with them, and inspection and export walk :data:`STAGES`. Stage names are 
 elsewhere code reads ``stage.name`` / ``stage.qualified``.
 
 Shapes for batch ``B``: ``prefill [B, T]``, ``verify [B, K+1]``, ``step [B, 1]`` (``[B, n]`` for
-the first draft call of a round), ``glue [B, K+1]``, ``tree [B, MQ]`` (one call per depth).
+the first draft call of a round), ``round [B, 1]``, ``glue [B, K+1]``, ``tree [B, MQ]`` (one call per depth).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class Stage:
     """One stage of one model.
 
     ``model``: whose captured graph it is derived from, and so the lane it runs on in SSD.
-    ``family``: what it does (``prefill``, ``step``, ``verify``, ``glue``, ``tree``).
+    ``family``: what it does (``prefill``, ``step``, ``round``: AR's step and its round, ``verify``,
+    ``glue``, ``tree``).
     ``variant``: ``"greedy"`` / ``"sampled"`` for the stages whose epilogue depends on the
     temperature, ``None`` for the others. ``mask``: ``"causal"`` or ``"tree"`` (the
     ``specialize_attention`` pass). ``epilogue``: the :mod:`saguaro.tensor_math` function of the
@@ -33,7 +34,8 @@ class Stage:
     up when the stage is built; ``inputs`` are the extra graph inputs it appends, in call order;
     ``outputs`` name what the epilogue returns, which the stage graph then returns, in order;
     ``ranked`` marks epilogues that take the rank width (``fork`` and Saguaro sampling: top-``W``
-    tokens) as a constant.
+    tokens) as a constant. ``reads`` names inputs of the stage graph itself (the flat signature's
+    placeholders) that the epilogue also takes, after the logits and before ``inputs``.
     """
 
     model: str
@@ -44,6 +46,7 @@ class Stage:
     inputs: tuple = ()
     outputs: tuple = ()
     ranked: bool = False
+    reads: tuple = ()
 
     @property
     def name(self) -> str:
@@ -86,6 +89,12 @@ _SAMPLED_VERIFY_INPUTS = ("draft_tokens", "draft_probs", "inv_temperature", "acc
 _LOGITS = ("logits",)  # [B, V]: the last row's
 TARGET_PREFILL = Stage("target", "prefill", None, "causal", "sampling.last_logits", outputs=_LOGITS)
 TARGET_STEP = Stage("target", "step", None, "causal", "sampling.last_logits", outputs=_LOGITS)
+# AR's greedy round in one call: the step, the argmax appended to the sequences (tokens, lengths, finished
+# written in place) and the next round's query claimed in the store; returns that query and the active rows
+TARGET_ROUND = Stage("target", "round", "greedy", "causal", "ar_round.round_greedy",
+                     ("tokens", "lengths", "finished", "padding", "eos_table", "end"),
+                     ("input_ids", "positions", "write_slots", "active"),  # [B, 1] x 3, []
+                     reads=("slot_pos", "slot_branch"))
 TARGET_VERIFY = Variants(
     Stage("target", "verify", "greedy", "causal", "verification.verify_greedy", ("draft_tokens",),
           ("accepted", "next_token")),  # [B], [B]
@@ -108,11 +117,11 @@ DRAFT_TREE = Variants(
 )
 
 STAGES: tuple[Stage, ...] = (
-    TARGET_PREFILL, TARGET_STEP, *TARGET_VERIFY, DRAFT_PREFILL, *DRAFT_STEP, DRAFT_GLUE, *DRAFT_TREE)
+    TARGET_PREFILL, TARGET_STEP, TARGET_ROUND, *TARGET_VERIFY, DRAFT_PREFILL, *DRAFT_STEP, DRAFT_GLUE, *DRAFT_TREE)
 BY_QUALIFIED_NAME = {stage.qualified: stage for stage in STAGES}
 # The families of few query rows (a step's 1 or 2, verify and glue K+1, a tree's MQ), whose linears the
-# linear_as_reduction pass rewrites on CPU; a prefill's T rows are a GEMM's work (benchmarks/README.md).
-FEW_ROW_FAMILIES = ("step", "verify", "glue", "tree")
+# linear_as_reduction pass rewrites on CPU (AR's round is a step with its epilogue); a prefill's T rows are a GEMM's work (benchmarks/README.md).
+FEW_ROW_FAMILIES = ("step", "round", "verify", "glue", "tree")
 # Of those, the families of several rows per sequence (verify and glue K+1, a tree's MQ), whose GEMMs
 # linears="template" hands to Inductor's C++ GEMM template (register blocking over the rows).
 MULTI_ROW_FAMILIES = ("verify", "glue", "tree")
@@ -129,7 +138,7 @@ def stage_named(qualified: str) -> Stage:
 def stages_for(mode: str, temperature: float) -> tuple[Stage, ...]:
     """The stages a generation in ``mode`` calls at ``temperature``, target's first."""
     if mode == "ar":
-        return (TARGET_PREFILL, TARGET_STEP)
+        return (TARGET_PREFILL, TARGET_ROUND if temperature == 0 else TARGET_STEP)
     drafting = (TARGET_PREFILL, TARGET_VERIFY.at(temperature), DRAFT_PREFILL, DRAFT_STEP.at(temperature))
     if mode == "sd":
         return drafting

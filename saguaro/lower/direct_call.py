@@ -102,6 +102,11 @@ class DirectCall:
 
     def __init__(self, entry: CompiledEntry, sources: list):
         self.compiled, self.sources = entry.compiled, sources
+        # the held tensors in place once; per call only the arguments and the integers are filled in
+        self._template = [s if kind == 1 else None for kind, s in sources]
+        self._arguments = [(j, s) for j, (kind, s) in enumerate(sources) if kind == 0]
+        self._sizes = [(j, *s) for j, (kind, s) in enumerate(sources) if kind == 2]
+        self._strides = [(j, *s) for j, (kind, s) in enumerate(sources) if kind == 3]
         # the global state dynamo guards on besides what the shape key holds (autocast, deterministic
         # algorithms, ...), as it was at the recorded call: a call made in another state goes through dynamo
         self.state = torch._C._dynamo.guards.GlobalStateGuard()
@@ -111,8 +116,14 @@ class DirectCall:
         return self.state.check()
 
     def inputs(self, args) -> list:
-        return [args[s] if kind == 0 else s if kind == 1 else
-                args[s[0]].size(s[1]) if kind == 2 else args[s[0]].stride(s[1]) for kind, s in self.sources]
+        inputs = self._template.copy()
+        for j, i in self._arguments:
+            inputs[j] = args[i]
+        for j, i, dim in self._sizes:
+            inputs[j] = args[i].size(dim)
+        for j, i, dim in self._strides:
+            inputs[j] = args[i].stride(dim)
+        return inputs
 
     def __call__(self, args) -> tuple:
         return tuple(self.compiled(*self.inputs(args)))

@@ -71,8 +71,12 @@ def replace_outputs(gm: torch.fx.GraphModule, values) -> torch.fx.GraphModule:
 
 
 def keeps_mutations(node: torch.fx.Node) -> bool:
-    """The KV writes of the attention op are side effects: never dead."""
+    """The KV writes of the attention op are side effects: never dead; nor an epilogue's in-place method on
+    a graph input (AR's round writes the sequence buffers and the slot table: ``scatter_``, ``add_``)."""
     if node.op == "placeholder":
+        return True
+    if (node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__")
+            and node.args and getattr(node.args[0], "op", None) == "placeholder"):
         return True
     return node.is_impure() or (node.op == "call_function" and getattr(node.target, "_schema", None) is not None
                                 and node.target._schema.is_mutable)

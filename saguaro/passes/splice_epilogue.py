@@ -7,12 +7,14 @@ and the outputs it returns.
 Requires: a flat-signature graph (inputs are appended after the existing ones) whose only output is
 the logits ``[B, T, V]``.
 Guarantees: the graph also takes ``stage.inputs`` (after its own) and returns ``stage.outputs``, the
-epilogue's results over ``(logits, *inputs)`` (the rank width ``W`` baked in for ranked epilogues);
+epilogue's results over ``(logits, *reads, *inputs)`` (``stage.reads``: inputs of the graph itself) (the rank width ``W`` baked in for ranked epilogues);
 the logits stay inside. By stage: ``prefill``/``step`` → last-row logits ``[B, V]``;
 ``target.verify_*`` → ``accepted [B]``, ``next_token [B]``; ``draft.step_greedy`` → tokens ``[B]``;
 ``draft.step_sampled`` → tokens and ``q [B, V]``; ``draft.glue`` → ``candidates [B, MQ]`` (top-``F_j``
 of row ``j`` without ``x_{j+1}``) and ``ranked [B, K+1, W]``; ``draft.tree_greedy`` → tokens
-``[B, MQ]``; ``draft.tree_sampled`` → tokens drawn from Saguaro's ``q'`` and ``q' [B, MQ, V]``.
+``[B, MQ]``; ``draft.tree_sampled`` → tokens drawn from Saguaro's ``q'`` and ``q' [B, MQ, V]``;
+``target.round_greedy`` → the next round's query ``[B, 1]`` x 3 and the active rows ``[]``, its token
+appended to the sequence buffers and the next slot claimed in the store, in place.
 Contract (:mod:`~saguaro.passes.graph_pass`): requires ``flat_signature`` and ``logits_output``,
 which it invalidates; guarantees ``epilogue_spliced``.
 """
@@ -41,11 +43,17 @@ def check_width(stage: Stage, width: int) -> None:
 def splice_epilogue(gm: torch.fx.GraphModule, stage: Stage, width: int = 0) -> torch.fx.GraphModule:
     check_width(stage, width)
     logits = logits_node(gm)  # [B, T, V]
+    placeholders = {n.target: n for n in gm.graph.nodes if n.op == "placeholder"}
+    missing = [name for name in stage.reads if name not in placeholders]
+    if missing:
+        raise PassError(f"splice_epilogue({stage.qualified}): its epilogue reads graph inputs {', '.join(missing)}, "
+                        f"which the graph does not have (it has {', '.join(placeholders)})")
+    reads = [placeholders[name] for name in stage.reads]
     extra = add_inputs(gm, list(stage.inputs))
     constants = {"width": width} if stage.ranked else {}
     before = len(gm.graph.nodes)
     out = output_node(gm)
-    results = inline_function(gm, stage.epilogue_function, [logits, *extra], out, **constants)
+    results = inline_function(gm, stage.epilogue_function, [logits, *reads, *extra], out, **constants)
     results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
     if len(results) != len(stage.outputs):
         raise PassError(f"splice_epilogue({stage.qualified}): FX node {out.name!r} would return {len(results)} "

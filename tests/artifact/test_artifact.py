@@ -259,13 +259,17 @@ def test_bad_export_arguments_are_named(exported, tmp_path):
 
 
 def test_weights_are_written_once_outside_the_packages(exported):
-    """Each model's weights live in one safetensors file; the AOTInductor package holds code only, and
-    ``target.step`` shares ``target.prefill``'s package (one graph)."""
+    """Each model's weights live in one safetensors file; the AOTInductor package holds code only, greedy
+    AR's stages are the prefill and the round, and (in the portable export, which has sampled AR's step)
+    ``target.step`` shares ``target.prefill``'s files (one graph)."""
     import zipfile
 
-    native = exported[3]
+    portable, native = exported[2], exported[3]
     manifest = json.loads((native / "manifest.json").read_text())
-    assert manifest["stages"]["target.step"]["stem"] == manifest["stages"]["target.prefill"]["stem"]
+    assert sorted(manifest["stages"]) == ["target.prefill", "target.round_greedy"]
+    shared = json.loads((portable / "manifest.json").read_text())["stages"]
+    assert shared["target.step"]["stem"] == shared["target.prefill"]["stem"]
+    assert shared["target.round_greedy"]["stem"] != shared["target.prefill"]["stem"]
     assert sorted(manifest["models"]) == ["target"]  # AR only: the draft is not exported
     names = zipfile.ZipFile(native / "stages/target.prefill.pt2").namelist()
     assert not [n for n in names if "/weights/" in n or "/constants/" in n or n.endswith(".bin")], names

@@ -30,7 +30,7 @@ def test_export_then_generate_and_bench_from_the_program(tmp_path, capsys, monke
     rc, out, err = run_cli(["export", str(out_dir), "--target", str(tmp_path / "target"), "--modes", "ar",
                             "--no-sampling", "--portable", "--k", "2", "--backend", "eager"], capsys)
     assert rc == 0, err
-    assert "[1/2] target.prefill: exported" in out and "[2/2] target.step: same graph as" in out
+    assert "[1/2] target.prefill: exported" in out and "[2/2] target.round_greedy: exported" in out
     assert out.splitlines()[-1].startswith("total ")
     rc, out, err = run_cli(["generate", "--program", str(out_dir), "--prompt", PROMPT, "--mode", "ar",
                             "--max-new-tokens", "10"], capsys)

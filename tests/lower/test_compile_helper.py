@@ -28,7 +28,7 @@ def stage_graph():
     program = saguaro.compile(target, mode="ar", backend="eager", attention="inline", linears="reduction")
     ids, mask = prompts(1, 5, seed=6)
     program.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
-    return next(fn for stage, fn in program.target.built_stages.items() if stage.qualified == "target.step")
+    return next(fn for stage, fn in program.target.built_stages.items() if stage.qualified == "target.round_greedy")
 
 
 def test_a_stage_graph_travels_with_its_code_and_its_weights_as_metadata(monkeypatch):

@@ -18,7 +18,7 @@ from saguaro.cli.generate import CompileProgress
 from saguaro.cli.main import main
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError
-from saguaro.core.stages import TARGET_PREFILL, TARGET_STEP, TARGET_VERIFY, stages_for
+from saguaro.core.stages import TARGET_PREFILL, TARGET_ROUND, TARGET_VERIFY, stages_for
 from saguaro.lower.tiered import TieredStage
 from saguaro.passes.linear_as_reduction import LINEAR
 from saguaro.runtime.generation_plan import COMPILING
@@ -100,11 +100,11 @@ def test_ar_runs_eager_at_once_then_compiled_with_the_same_tokens():
         first = program.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None)
         assert torch.equal(first.sequences, expected)
         before = tiers(program)
-        assert set(before) == {TARGET_PREFILL.qualified, TARGET_STEP.qualified}
+        assert set(before) == {TARGET_PREFILL.qualified, TARGET_ROUND.qualified}  # greedy AR's round
         assert before[TARGET_PREFILL.qualified] == (1, 0)  # a new shape's first call never waits for a compile
-        assert before[TARGET_STEP.qualified][0] >= 1
-        # the step's eager form keeps the BLAS linears; its compiled form is linear_as_reduction's
-        step = program.target.stage(TARGET_STEP)
+        assert before[TARGET_ROUND.qualified][0] >= 1
+        # the round's eager form keeps the BLAS linears; its compiled form is linear_as_reduction's
+        step = program.target.stage(TARGET_ROUND)
         linears = lambda gm: sum(n.target is LINEAR for n in gm.graph.nodes)  # noqa: E731
         assert linears(step.gm) == 15 and linears(step.compiled.gm) == 0
         assert program.wait_compiled(timeout=540)
@@ -199,7 +199,7 @@ def test_a_failed_background_compile_warns_once_and_the_stage_stays_eager(caplog
         assert forms[TARGET_PREFILL.qualified][1].compiles() == 2  # once per bucket, never again
         counts = tiers(program)
         assert counts[TARGET_PREFILL.qualified] == (4, 0)
-        assert counts[TARGET_STEP.qualified][1] > 0  # the other stage switched
+        assert counts[TARGET_ROUND.qualified][1] > 0  # the other stage switched
     finally:
         program.close()
 

@@ -36,7 +36,7 @@ def test_trace_is_valid_and_names_every_stage_call(mode, tmp_path):
     assert target_calls[0] == "target.prefill"
     rounds = [s for s in slices(trace) if s.track == "host" and s.name == "round"]
     if mode == "ar":
-        assert target_calls[1:] == ["target.step"] * (len(target_calls) - 1) and not _names(trace, "draft")
+        assert target_calls[1:] == ["target.round_greedy"] * (len(target_calls) - 1) and not _names(trace, "draft")
         return
     assert len(rounds) == out.stats["rounds"] == target_calls.count("target.verify_greedy")
     assert [a for _, a in counters(trace, "accepted length")] and trace["otherData"]["stats"]["mode"] == mode

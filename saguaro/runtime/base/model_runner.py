@@ -95,6 +95,13 @@ class ModelRunner:
                     self.stage_build_s[stage.qualified] = time.perf_counter() - started
         return fn
 
+    def provides(self, stage: Stage) -> bool:
+        """Whether the builder offers ``stage`` (the builder's ``provides``; without one, every stage): a
+        loaded artifact offers the stages it holds, a CUDA-graphed program not AR's round (its sequence
+        buffers, written in place, would pin a graph per generation)."""
+        provides = getattr(self.build, "provides", None)
+        return True if provides is None else provides(stage)
+
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for the stage compiles the builder runs in the background (``compile="background"``, the
         builder's ``wait_compiled``): True once none is queued or running, False after ``timeout`` s."""
@@ -140,6 +147,7 @@ class ModelRunner:
         branch: torch.Tensor | None = None,  # [B, T]; None: shared (0)
         limit: torch.Tensor | None = None,  # [B, T]; None: the query's own position
         depth: int | None = None,  # tree depth, named in traces
+        claimed: bool = False,  # the write slots hold these tokens already (AR's round claimed them)
     ):
         """Call ``stage`` on the store; returns the stage's outputs (a tuple), on ``input_ids``' device."""
         caller, home = input_ids.device, self.spec.device
@@ -147,7 +155,7 @@ class ModelRunner:
             input_ids, positions, write_slots, branch, limit = (
                 to_device(t, home) for t in (input_ids, positions, write_slots, branch, limit))
             extra = tuple(to_device(t, home) for t in extra)
-        args = self._graph_args(store, input_ids, positions, write_slots, branch, limit)
+        args = self._graph_args(store, input_ids, positions, write_slots, branch, limit, claimed)
         fn = self.stage(stage)
         watch = Stopwatch(home)  # on the device's current stream: a lane's own, on a lane
         if self.recorder is None:
@@ -180,13 +188,14 @@ class ModelRunner:
         return to_device(self.captured.graph_module(*self._graph_args(store, *inputs))[0], caller)
 
     @staticmethod
-    def _graph_args(store: KVStore, input_ids, positions, write_slots, branch, limit) -> tuple:
-        """Claim the written slots and return the flat inputs every graph of a model shares."""
+    def _graph_args(store: KVStore, input_ids, positions, write_slots, branch, limit, claimed=False) -> tuple:
+        """Claim the written slots (unless ``claimed``) and return the flat inputs every graph of a model shares."""
         if branch is None:
             branch = torch.zeros_like(positions)  # shared
         if limit is None:
             limit = positions  # the query's own position
-        store.claim(write_slots, positions, branch)
+        if not claimed:
+            store.claim(write_slots, positions, branch)
         return (input_ids, positions, write_slots, branch, limit, store.slot_pos, store.slot_branch,
                 *store.k_caches, *store.v_caches)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from saguaro.tensor_math.ar_round import append_token
+
 
 def host_to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor (host bookkeeping: row indices, outcomes) on ``device`` without a host sync: on
@@ -42,6 +44,8 @@ class SequenceBatch:
         self.lengths = torch.full((B,), T, dtype=torch.long, device=dev)  # [B]
         self.finished = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
         self.eos = host_to_device(torch.tensor(eos_token_ids, dtype=torch.long, device="cpu"), dev)  # [E]
+        # the length at which a row has its max_new_tokens, as a tensor: a graph input of AR's round stage
+        self.end = torch.tensor(T + max_new_tokens, dtype=torch.long, device=dev)  # []
         # the step index every tail / forward index slices ([0, C)): no arange per call
         self._steps = torch.arange(capacity, device=dev)  # [C]
         self._host: tuple[list, list] | None = ([False] * B, [T] * B)  # (finished, lengths) on the host
@@ -133,14 +137,20 @@ class SequenceBatch:
 
     def append_one(self, token: torch.Tensor) -> None:
         """``append(token[:, None], ones)`` in a third of the tensor operations (AR's round is host-bound
-        on a CPU: measured on the default pair): ``token [B]``, one per active row."""
-        end = self.prompt_len + self.max_new_tokens
-        take = self.finished.logical_not() & (self.lengths < end)  # [B]
-        is_eos = torch.isin(token, self.eos) & take  # [B]
-        dest = self.lengths.clamp_max(self.tokens.shape[1] - 1)[:, None]  # [B, 1]
-        self.tokens.scatter_(1, dest, torch.where(take[:, None], token[:, None], self.tokens.gather(1, dest)))
-        self.lengths += take
-        self.finished |= is_eos | (self.lengths >= end)
+        on a CPU: measured on the default pair): ``token [B]``, one per active row. The same function
+        runs inside AR's greedy round stage (``tensor_math.ar_round``)."""
+        append_token(self.tokens, self.lengths, self.finished, token, torch.isin(token, self.eos), self.end)
+        self._host = None
+
+    def eos_table(self, vocab_size: int) -> torch.Tensor:
+        """``[vocab_size]`` bool, True at the EOS ids (AR's round stage looks its tokens up there)."""
+        table = torch.zeros(vocab_size, dtype=torch.bool, device=self.eos.device)
+        table[self.eos[(self.eos >= 0) & (self.eos < vocab_size)]] = True
+        return table
+
+    def changed(self) -> None:
+        """The buffers were written elsewhere (AR's round stage appends inside its graph): the host view
+        is stale until the next :meth:`read`."""
         self._host = None
 
     def result(self) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""The harness of the one-program A/B scripts (``direct_calls.py``, ``ar_round.py``): their common options, and
+timed passes that alternate between two forms of one warm program, so that the machine's drift falls on both.
+
+A pass is ``--prompts`` held-out prompts x ``--new`` tokens each, greedy; a rate is tokens per second after the
+prefill, as llama.cpp counts them; every generation is compared with the target's own greedy ``generate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+
+def ab_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every A/B script takes (``--threads``, ``--passes``, ``--prompts``, ``--new``, ``--json``)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--passes", type=int, default=5, help="timed passes per form and mode (default 5)")
+    p.add_argument("--prompts", type=int, default=4, help="held-out prompts per pass (default 4)")
+    p.add_argument("--new", type=int, default=128, help="new tokens per prompt (default 128)")
+    p.add_argument("--json", metavar="PATH", help="write the results here")
+    return p
+
+
+def checked(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    args = p.parse_args(argv)
+    if args.passes < 1:
+        p.error(f"--passes {args.passes}: at least 1")
+    return args
+
+
+def alternate(program, forms: tuple, use_form, modes: tuple, args, prompts: list, expected: list) -> tuple[dict, bool]:
+    """Warm ``program`` up in every form and mode (every shape compiled), then ``args.passes`` timed passes per
+    form and mode, the forms' order flipped every other pass (``use_form(form)`` switches). Returns
+    ``({(form, mode): [rates]}, whether every generation equalled expected)``."""
+    from linear_as_reduction import equal_to_expected, timed_pass  # this folder's script
+
+    exact = True
+    for form in forms:
+        use_form(form)
+        for mode in modes:
+            exact &= equal_to_expected(timed_pass(program, prompts, mode, args.new)[2], expected)
+    rates = {(form, mode): [] for form in forms for mode in modes}
+    for rep in range(args.passes):
+        for mode in modes:
+            for form in (forms if rep % 2 == 0 else forms[::-1]):
+                use_form(form)
+                _, rate, outputs = timed_pass(program, prompts, mode, args.new)  # the rate after the prefill
+                rates[(form, mode)].append(rate)
+                exact &= equal_to_expected(outputs, expected)
+    return rates, exact
+
+
+def report(forms: tuple, modes: tuple, rates: dict, exact: bool, args) -> list[dict]:
+    """Print the table of medians (second form / first) and write the JSON ``args.json`` names."""
+    a, b = forms
+    rows = [{"mode": mode, **{form: statistics.median(rates[(form, mode)]) for form in forms},
+             "passes": {form: rates[(form, mode)] for form in forms}} for mode in modes]
+    print(f"threads {torch.get_num_threads()}; tokens/s after the prefill, medians of {args.passes} passes")
+    print(f"{'mode':<6}{a:>9}{b:>9}{f'{b}/{a}':>15}")
+    for row in rows:
+        print(f"{row['mode']:<6}{row[a]:>9.1f}{row[b]:>9.1f}{row[b] / row[a]:>15.3f}")
+    print("every generation equals the target's greedy generate:", exact)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows, "exact": exact},
+                                              indent=2))
+    return rows
