@@ -89,11 +89,11 @@ _SAMPLED_VERIFY_INPUTS = ("draft_tokens", "draft_probs", "inv_temperature", "acc
 _LOGITS = ("logits",)  # [B, V]: the last row's
 TARGET_PREFILL = Stage("target", "prefill", None, "causal", "sampling.last_logits", outputs=_LOGITS)
 TARGET_STEP = Stage("target", "step", None, "causal", "sampling.last_logits", outputs=_LOGITS)
-# AR's greedy round in one call: the step, the argmax appended to the sequences (tokens, lengths, finished
-# written in place) and the next round's query claimed in the store; returns that query and the active rows
+# AR's greedy round in one call: the step, the argmax appended to the sequences (tokens written in place, the
+# new lengths and finished returned) and the next round's query claimed in the store; returns that query too
 TARGET_ROUND = Stage("target", "round", "greedy", "causal", "ar_round.round_greedy",
                      ("tokens", "lengths", "finished", "padding", "eos_table", "end"),
-                     ("input_ids", "positions", "write_slots", "active"),  # [B, 1] x 3, []
+                     ("input_ids", "positions", "write_slots", "lengths", "finished", "active"),  # [B, 1] x 3, [B] x 2, []
                      reads=("slot_pos", "slot_branch"))
 TARGET_VERIFY = Variants(
     Stage("target", "verify", "greedy", "causal", "verification.verify_greedy", ("draft_tokens",),

@@ -69,6 +69,8 @@ def _writes(node: torch.fx.Node) -> list:
         return written
     if node.op == "call_function" and (node.target is operator.setitem or node.target in IN_PLACE_OPERATORS):
         return [node.args[0]]
+    if node.op == "call_function" and getattr(node.target, "__module__", None) in ("operator", "_operator"):
+        return []  # a & b, a | b: operator.and_ / or_ end in "_" but write nothing
     declared = getattr(node.target, "mutates_args", None) if node.op == "call_function" else None
     if declared:  # a Python function called as one node says what it writes
         bound = inspect.signature(node.target).bind_partial(*node.args, **node.kwargs)

@@ -40,11 +40,13 @@ def test_round_epilogue_appends_and_claims_as_the_host_round_does(seed):
     host_pos.scatter_(1, index, host.positions(index))
     host_branch.scatter_(1, index, torch.zeros_like(index))
 
-    ids, positions, write_slots, active = round_greedy(
+    lengths, finished = graph.lengths.clone(), graph.finished.clone()
+    ids, positions, write_slots, new_lengths, new_finished, active = round_greedy(
         logits, slot_pos, slot_branch, graph.tokens, graph.lengths, graph.finished, graph.padding,
         graph.eos_table(vocab), graph.end)
-    assert torch.equal(graph.tokens, host.tokens) and torch.equal(graph.lengths, host.lengths)
-    assert torch.equal(graph.finished, host.finished)
+    assert torch.equal(graph.lengths, lengths) and torch.equal(graph.finished, finished)  # read, never written
+    assert torch.equal(graph.tokens, host.tokens) and torch.equal(new_lengths, host.lengths)
+    assert torch.equal(new_finished, host.finished)
     assert torch.equal(slot_pos, host_pos) and torch.equal(slot_branch, host_branch)
     assert torch.equal(write_slots, index) and torch.equal(positions, host.positions(index))
     assert torch.equal(ids, host.gather(index))
@@ -87,3 +89,16 @@ def test_builders_that_cannot_offer_the_round_say_so():
     assert not builder.provides(TARGET_ROUND) and builder.provides(TARGET_STEP)
     builder.cuda_graphs = False
     assert builder.provides(TARGET_ROUND)
+
+
+def test_the_round_graph_writes_the_tokens_and_slots_never_lengths_or_finished():
+    """A compiled kernel may run a one-element statement on every thread: the round's graph must not write
+    what it reads back (``lengths += 1`` raced at two threads), so lengths and finished are outputs."""
+    from saguaro.lower.graph_inputs import mutated_inputs
+
+    program = saguaro.compile(tiny_target("llama"), None, mode="ar", backend="eager")
+    gm = program.target.build.stage_graph(TARGET_ROUND)
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    written = {names[i] for i in mutated_inputs(gm)}
+    assert {"slot_pos", "slot_branch", "tokens"} <= written
+    assert not written & {"lengths", "finished", "padding", "eos_table", "end", "input_ids", "positions"}

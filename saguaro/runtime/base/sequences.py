@@ -139,7 +139,10 @@ class SequenceBatch:
         """``append(token[:, None], ones)`` in a third of the tensor operations (AR's round is host-bound
         on a CPU: measured on the default pair): ``token [B]``, one per active row. The same function
         runs inside AR's greedy round stage (``tensor_math.ar_round``)."""
-        append_token(self.tokens, self.lengths, self.finished, token, torch.isin(token, self.eos), self.end)
+        lengths, finished = append_token(self.tokens, self.lengths, self.finished, token,
+                                         torch.isin(token, self.eos), self.end)
+        self.lengths.copy_(lengths)
+        self.finished.copy_(finished)
         self._host = None
 
     def eos_table(self, vocab_size: int) -> torch.Tensor:
@@ -148,9 +151,10 @@ class SequenceBatch:
         table[self.eos[(self.eos >= 0) & (self.eos < vocab_size)]] = True
         return table
 
-    def changed(self) -> None:
-        """The buffers were written elsewhere (AR's round stage appends inside its graph): the host view
-        is stale until the next :meth:`read`."""
+    def advanced(self, lengths: torch.Tensor, finished: torch.Tensor) -> None:
+        """Take a round's new ``lengths`` and ``finished`` ``[B]`` (AR's round stage appends inside its graph
+        and returns them): the host view is stale until the next :meth:`read`."""
+        self.lengths, self.finished = lengths, finished
         self._host = None
 
     def result(self) -> torch.Tensor:

@@ -49,16 +49,16 @@ def decode_ar_in_graph(target: ModelRunner, state: DecodeState) -> None:
     input_ids, positions = seqs.gather(index), seqs.positions(index)  # [B, 1], [B, 1]
     branch = torch.zeros_like(positions)  # [B, 1]: shared
     store.claim(index, positions, branch)
-    buffers = (seqs.tokens, seqs.lengths, seqs.finished, seqs.padding, seqs.eos_table(target.spec.vocab_size),
-               seqs.end)
+    eos_table = seqs.eos_table(target.spec.vocab_size)  # [V]
     while active:
         started = time.perf_counter()
-        input_ids, positions, index, still_active = target.run(
-            TARGET_ROUND, store, input_ids, positions, index, *buffers, branch=branch, claimed=True)
+        input_ids, positions, index, lengths, finished, still_active = target.run(
+            TARGET_ROUND, store, input_ids, positions, index, seqs.tokens, seqs.lengths, seqs.finished, seqs.padding,
+            eos_table, seqs.end, branch=branch, claimed=True)
         decided = [1] * active
         active = int(still_active)  # the round's one device-to-host read
         counters.verify_s += since(started)
-        seqs.changed()
+        seqs.advanced(lengths, finished)
         counters.accepted_lengths.extend(decided)
         counters.rounds += 1
         counters.end_round(since(started), decided)
