@@ -167,7 +167,8 @@ class CompiledStages(PipelineStages):
         """The stage's graph, its attention lowered and its linears run as chosen for this stage and device
         (``linears``, ``"gemm"``, ``"reduction"`` or ``"template"``, when given, instead of the choice; the
         template's graph keeps the GEMMs, as ``"gemm"``'s: only its compile settings differ)."""
-        attention = attention_implementation(self.backend, self.requested_attention, self.device_type, stage.mask)
+        attention = attention_implementation(self.backend, self.requested_attention, self.device_type, stage.mask,
+                                             stage=stage)
         linears = linears or linear_implementation(self.backend, self.requested_linears, self.device_type,
                                                    stage.family)
         linears = "gemm" if linears == "template" else linears

@@ -18,6 +18,7 @@ the compile thread uses them. Set ``SAGUARO_COMPILE_HELPER=0`` to compile on the
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -163,3 +164,23 @@ class CompileHelper:
             proc.kill()
             proc.wait()
         self._fail("stopped")
+
+
+# What a stage's own compile (CompiledStage) and the helper's (compile_helper_main) must do alike, so that
+# Inductor's caches serve one from the other: the config patch around the compile, the dimensions marked dynamic
+def inductor_settings(patch: dict | None):
+    """A context with Inductor's config patched by ``patch`` (nothing to do when it is empty or None)."""
+    if not patch:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(patch)
+
+
+def mark_dynamic(args, dynamic_dims: dict) -> None:
+    """Mark ``dynamic_dims`` of the tensors among ``args`` dynamic for dynamo's next compile (a mark on a
+    size of 1, or on a size the graph fixes, is dropped: dynamo specialises it)."""
+    for position, dims in dynamic_dims.items():
+        if position < len(args) and isinstance(args[position], torch.Tensor):
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(args[position], dim)

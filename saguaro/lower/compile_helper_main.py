@@ -10,10 +10,10 @@ import time
 
 import torch
 
-from saguaro.lower.compile_helper import read_message, write_message
 from saguaro.lower.graph_transport import unpack_graph
 from saguaro.lower.direct_call import compile_with_inductor
-from saguaro.lower.lowering import INDUCTOR_OPTIONS, inductor_settings, mark_dynamic
+from saguaro.lower.compile_helper import inductor_settings, mark_dynamic, read_message, write_message
+from saguaro.lower.lowering import INDUCTOR_OPTIONS
 from saguaro.lower.tiered import materialise
 
 

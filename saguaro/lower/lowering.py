@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -10,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.core.errors import ConfigError, SaguaroError
-from saguaro.core.stages import DRAFT_TREE, FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES
+from saguaro.core.stages import DRAFT_TREE, FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES, TARGET_ROUND, TARGET_STEP, Stage
 from saguaro.lower.cuda_graphs import GraphedStage
 from saguaro.lower.direct_call import (compile_with_inductor, direct_call, direct_calls_wanted, held_tensors,
                                        recording)
@@ -18,6 +17,7 @@ from saguaro.lower.failed_node import responsible_node
 from saguaro.lower.forward_code import forward_outside_compiles
 from saguaro.lower.graph_inputs import mutated_inputs
 from saguaro.lower.kernel_log import capture_output_code
+from saguaro.lower.compile_helper import inductor_settings, mark_dynamic
 from saguaro.lower.compile_thread import BackgroundCompiler
 from saguaro.lower.tiered import KeyPositions, TieredStage
 
@@ -92,10 +92,13 @@ def shape_policy(backend: str) -> ShapePolicy:
 # dense additive mask. Off until benchmarks/gpu_probe.py shows flex exact and faster than SDPA there;
 # then this one line makes it the default (SDPA, "inline", stays the fallback everywhere else).
 FLEX_TREE_ON_CUDA = False
+# attention="auto" of Inductor on CPU for AR's target stages (one query row per head): "reduce", not SDPA (AR
+# 1.13-1.17x on the default pair; the draft's step measured 0.93-1.03x of SD with it: it keeps SDPA)
+REDUCED_ATTENTION = (TARGET_STEP, TARGET_ROUND)
 
 
 def attention_implementation(backend: str, requested: str = "auto", device_type: str = "cpu",
-                             mask: str | None = None, flex_tree: bool | None = None) -> str:
+                             mask: str | None = None, flex_tree: bool | None = None, stage: Stage | None = None) -> str:
     """How the ``lower_attention`` pass lowers the attention nodes of a stage with attention mask
     ``mask`` (``stage.mask``; None: any stage) on ``device_type``: ``requested`` unless ``"auto"``; then
     the custom op for the eager backend and the op's math inline for Inductor (it fuses the KV write;
@@ -104,7 +107,8 @@ def attention_implementation(backend: str, requested: str = "auto", device_type:
     of Inductor on CUDA when ``flex_tree`` (default :data:`FLEX_TREE_ON_CUDA`, off until measured):
     ``"flex"`` there. ``"flex"`` (FlexAttention under an in-graph block mask) is opt-in for every stage:
     with torch 2.13 Inductor on CPU compiles it for multi-token stages but not for one-token steps,
-    and it awaits a check on CUDA (``benchmarks/gpu_probe.py``). See ``passes/lower_attention.py``."""
+    and it awaits a check on CUDA (``benchmarks/gpu_probe.py``). ``"reduce"``: Inductor on CPU, for the
+    :data:`REDUCED_ATTENTION` ``stage``. See ``passes/lower_attention.py``."""
     if requested != "auto":
         return requested
     if backend != "inductor":
@@ -112,6 +116,8 @@ def attention_implementation(backend: str, requested: str = "auto", device_type:
     flex_tree = FLEX_TREE_ON_CUDA if flex_tree is None else flex_tree
     if flex_tree and device_type == "cuda" and mask == DRAFT_TREE.greedy.mask:
         return "flex"
+    if device_type == "cpu" and stage in REDUCED_ATTENTION:
+        return "reduce"
     return "inline"
 
 
@@ -278,20 +284,3 @@ class CompiledStage:
             log.info("stage %s: call %d (compile included) took %.1fs", self.name, self.calls, elapsed)
         return out
 
-
-def inductor_settings(patch: dict | None):
-    """A context with Inductor's config patched by ``patch`` (nothing to do when it is empty or None)."""
-    if not patch:
-        return contextlib.nullcontext()
-    import torch._inductor.config as inductor_config
-
-    return inductor_config.patch(patch)
-
-
-def mark_dynamic(args, dynamic_dims: dict) -> None:
-    """Mark ``dynamic_dims`` of the tensors among ``args`` dynamic for dynamo's next compile (a mark on a
-    size of 1, or on a size the graph fixes, is dropped: dynamo specialises it)."""
-    for position, dims in dynamic_dims.items():
-        if position < len(args) and isinstance(args[position], torch.Tensor):
-            for dim in dims:
-                torch._dynamo.maybe_mark_dynamic(args[position], dim)

@@ -16,6 +16,9 @@ Guarantees, by ``implementation``:
   cast, the softcap and the sink column into its kernels, writes the caches in place (its
   re-inplacing of ``index_put``), and drops the Python custom-op dispatch that costs more per layer
   than the attention itself on a small model. Outputs and cache contents equal the op's.
+* ``"reduce"`` (Inductor on CPU, AR's target stages): as ``"inline"``, the attention itself as products and
+  sums Inductor compiles into its own reductions rather than an SDPA call (:func:`attention_reduced`);
+  outputs equal the op's up to float rounding.
 * ``"flex"`` (opt-in, meant for Inductor on CUDA): the KV write as for ``"inline"``, then
   FlexAttention over the store under a block mask built once per forward per layer kind (full,
   sliding window, chunk: read from ``meta["saguaro_mask"]`` of the node that yields the layer's
@@ -44,7 +47,7 @@ from saguaro.passes.graph_splice import PassError, keeps_mutations
 
 log = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("op", "inline", "flex")
+IMPLEMENTATIONS = ("op", "inline", "flex", "reduce")
 # query, key, value, k_cache, v_cache, write_slots, bias, scale (+ softcap, sinks for the variants op)
 OP_ARGS = {op: 8 if op is ATTENTION_OP else 10 for op in ATTENTION_OPS}
 MASK_INPUTS = ("write_slots", "positions", "query_branch", "query_limit", "slot_pos", "slot_branch")
@@ -81,6 +84,29 @@ def attention_inline(
     """The ``saguaro::attention`` op as traceable tensor code; returns ``[B, H, T, D]``."""
     write_kv(key, value, k_cache, v_cache, write_slots)
     return attention_reference(query, k_cache, v_cache, bias, scale, softcap, sinks)
+
+
+def attention_reduced(query, key, value, k_cache, v_cache, write_slots, bias, scale: float, softcap: float = 0.0,
+                      sinks=None) -> torch.Tensor:  # the arguments (and their shapes) of attention_inline
+    """The op as ``"inline"`` lowers it, its attention as products and sums that Inductor compiles into its own
+    reductions (the logits over the slots, the softmax, the values weighted over the slots) instead of an SDPA
+    call: for a stage of one query row per head, where SDPA's CPU kernel spends most of its time in its BLAS
+    calls' set-up rather than in reading the store (``benchmarks/README.md``). The query is laid out in memory
+    once first, else Inductor recomputes its rotation for every slot. Softcap and sinks take the op's math
+    (:func:`attention_inline`). Returns ``[B, H, T, D]``; equal to the op's up to float rounding."""
+    from saguaro.passes.linear_as_reduction import force_stride_order
+
+    if softcap != 0.0 or sinks is not None:
+        return attention_inline(query, key, value, k_cache, v_cache, write_slots, bias, scale, softcap, sinks)
+    write_kv(key, value, k_cache, v_cache, write_slots)
+    B, H, T, D = query.shape
+    Hkv = k_cache.shape[1]
+    rows = (H // Hkv) * T  # a KV head's query rows: its group's heads, each T tokens
+    q = force_stride_order()(query.reshape(B, Hkv, rows, D), [Hkv * rows * D, rows * D, D, 1])
+    logits = (q[:, :, :, None, :] * k_cache[:, :, None, :, :]).sum(-1) * scale + bias  # [B, Hkv, rows, S]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(v_cache.dtype)  # [B, Hkv, rows, S]
+    out = (probs[..., None] * v_cache[:, :, None, :, :]).sum(-2)  # [B, Hkv, rows, D]
+    return out.reshape(B, H, T, D).to(query.dtype).contiguous()
 
 
 def flex_block_mask(
@@ -161,9 +187,9 @@ def lower_attention(gm: torch.fx.GraphModule, implementation: str, window: int =
         if len(node.args) != OP_ARGS[node.target] or node.kwargs:
             raise PassError(f"lower_attention: FX node {node.name!r} has {len(node.args)} positional and "
                             f"{len(node.kwargs)} keyword arguments, expected {OP_ARGS[node.target]} and 0")
-    if implementation == "inline":
-        for node in nodes:
-            node.target = attention_inline  # same arguments, same result, same cache writes
+    if implementation in ("inline", "reduce"):
+        for node in nodes:  # same arguments, same result (reduce: up to rounding), same cache writes
+            node.target = attention_inline if implementation == "inline" else attention_reduced
     else:
         inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
         missing = [name for name in MASK_INPUTS if name not in inputs]

@@ -3,7 +3,7 @@ the tree stage of Inductor on CUDA behind FLEX_TREE_ON_CUDA, off until the GPU p
 
 import pytest
 
-from saguaro.core.stages import DRAFT_GLUE, DRAFT_TREE, STAGES, TARGET_VERIFY
+from saguaro.core.stages import DRAFT_GLUE, DRAFT_STEP, DRAFT_TREE, STAGES, TARGET_ROUND, TARGET_STEP, TARGET_VERIFY
 from saguaro.lower import lowering
 from saguaro.lower.lowering import attention_implementation
 from saguaro.passes.lower_attention import attention_flex, attention_inline
@@ -47,3 +47,16 @@ def test_per_stage_choice_gives_flex_tree_graphs_and_inline_others():
         flex, inline = count(gm, attention_flex), count(gm, attention_inline)
         layers = captured.spec.num_layers
         assert (flex, inline) == ((layers, 0) if stage.mask == TREE else (0, layers)), stage.qualified
+
+
+def test_auto_reduces_the_attention_of_ars_target_stages_on_cpu_only():
+    """SDPA's CPU kernel spends a one-query call mostly in its BLAS set-up: AR's target stages compute the
+    attention as Inductor's own reductions there; the draft's step, the verify and CUDA keep SDPA."""
+    assert lowering.REDUCED_ATTENTION == (TARGET_STEP, TARGET_ROUND)
+    for stage in STAGES:
+        want = "reduce" if stage in (TARGET_STEP, TARGET_ROUND) else "inline"
+        assert attention_implementation("inductor", "auto", "cpu", stage.mask, stage=stage) == want, stage
+        assert attention_implementation("inductor", "auto", "cuda", stage.mask, stage=stage) != "reduce"
+        assert attention_implementation("eager", "auto", "cpu", stage.mask, stage=stage) == "op"
+        assert attention_implementation("inductor", "inline", "cpu", stage.mask, stage=stage) == "inline"
+    assert attention_implementation("inductor", "auto", "cpu", DRAFT_STEP.greedy.mask, stage=DRAFT_STEP.greedy) == "inline"

@@ -62,12 +62,13 @@ def stage_results(stage, implementation):
     return out, [c.clone() for c in store.k_caches + store.v_caches]
 
 
-@pytest.mark.parametrize("implementation", ["inline", "flex"])
-@pytest.mark.parametrize("stage", ["target.verify_greedy", "draft.glue", "draft.tree_greedy", "draft.step_greedy"])
+@pytest.mark.parametrize("implementation", ["inline", "flex", "reduce"])
+@pytest.mark.parametrize("stage", ["target.verify_greedy", "draft.glue", "draft.tree_greedy", "draft.step_greedy",
+                                   "target.step"])
 def test_lowered_attention_gives_the_op_outputs_and_kv_writes(stage, implementation):
     op_out, op_caches = stage_results(stage, "op")
     out, caches = stage_results(stage, implementation)
-    exact = implementation == "inline"  # flex sums in another order: equal up to float rounding
+    exact = implementation == "inline"  # flex and reduce sum in another order: equal up to float rounding
     assert len(op_out) == len(out) and len(op_caches) == len(caches)
     for a, b in zip(op_out, out):
         if exact or a.dtype == torch.long:
@@ -86,7 +87,8 @@ def test_lowered_attention_gives_the_op_outputs_and_kv_writes(stage, implementat
 def test_lower_attention_rejects_unknown_implementations_and_lowered_graphs():
     _, captured = base_graph()
     gm = build_stage(captured.graph_module, stage_named("draft.step_greedy"), 8, attention="inline")
-    with pytest.raises(ValueError, match="implementation='flash' is not allowed: choose one of op, inline"):
+    with pytest.raises(ValueError, match="implementation='flash' is not allowed: choose one of op, inline, flex, "
+                                         "reduce"):
         lower_attention(copy.deepcopy(gm), "flash")
     with pytest.raises(PassError, match="no saguaro::attention node"):
         lower_attention(gm, "inline")
