@@ -93,7 +93,8 @@ TARGET_STEP = Stage("target", "step", None, "causal", "sampling.last_logits", ou
 # new lengths and finished returned) and the next round's query claimed in the store; returns that query too
 TARGET_ROUND = Stage("target", "round", "greedy", "causal", "ar_round.round_greedy",
                      ("tokens", "lengths", "finished", "padding", "eos_table", "end"),
-                     ("input_ids", "positions", "write_slots", "lengths", "finished", "active"),  # [B, 1] x 3, [B] x 2, []
+                     # [B, 1] x 3, [B] x 2, []
+                     ("input_ids", "positions", "write_slots", "lengths", "finished", "active"),
                      reads=("slot_pos", "slot_branch"))
 TARGET_VERIFY = Variants(
     Stage("target", "verify", "greedy", "causal", "verification.verify_greedy", ("draft_tokens",),
@@ -120,7 +121,8 @@ STAGES: tuple[Stage, ...] = (
     TARGET_PREFILL, TARGET_STEP, TARGET_ROUND, *TARGET_VERIFY, DRAFT_PREFILL, *DRAFT_STEP, DRAFT_GLUE, *DRAFT_TREE)
 BY_QUALIFIED_NAME = {stage.qualified: stage for stage in STAGES}
 # The families of few query rows (a step's 1 or 2, verify and glue K+1, a tree's MQ), whose linears the
-# linear_as_reduction pass rewrites on CPU (AR's round is a step with its epilogue); a prefill's T rows are a GEMM's work (benchmarks/README.md).
+# linear_as_reduction pass rewrites on CPU (AR's round is a step with its epilogue); a prefill's T rows are a
+# GEMM's work (benchmarks/README.md).
 FEW_ROW_FAMILIES = ("step", "round", "verify", "glue", "tree")
 # Of those, the families of several rows per sequence (verify and glue K+1, a tree's MQ), whose GEMMs
 # linears="template" hands to Inductor's C++ GEMM template (register blocking over the rows).

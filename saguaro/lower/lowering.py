@@ -98,7 +98,8 @@ REDUCED_ATTENTION = (TARGET_STEP, TARGET_ROUND)
 
 
 def attention_implementation(backend: str, requested: str = "auto", device_type: str = "cpu",
-                             mask: str | None = None, flex_tree: bool | None = None, stage: Stage | None = None) -> str:
+                             mask: str | None = None, flex_tree: bool | None = None,
+                             stage: Stage | None = None) -> str:
     """How the ``lower_attention`` pass lowers the attention nodes of a stage with attention mask
     ``mask`` (``stage.mask``; None: any stage) on ``device_type``: ``requested`` unless ``"auto"``; then
     the custom op for the eager backend and the op's math inline for Inductor (it fuses the KV write;
@@ -210,7 +211,8 @@ class CompiledStage:
         self.written = frozenset(mutated_inputs(gm))  # the KV caches
         self._positions = KeyPositions(self.written)
         # shape key -> DirectCall or None (dynamo's path), learnt from the key's first call (direct_call.py);
-        # off where `compiled` is not dynamo's function itself (CUDA graphs replay it), or with $SAGUARO_DIRECT_CALLS=0
+        # off where `compiled` is not dynamo's function itself (CUDA graphs replay it), or with
+        # $SAGUARO_DIRECT_CALLS=0
         self.direct_calls = not isinstance(compiled, GraphedStage) and direct_calls_wanted()
         self._direct: dict = {}
         self._held = held_tensors(gm) if self.direct_calls else {}

@@ -7,14 +7,16 @@ and the outputs it returns.
 Requires: a flat-signature graph (inputs are appended after the existing ones) whose only output is
 the logits ``[B, T, V]``.
 Guarantees: the graph also takes ``stage.inputs`` (after its own) and returns ``stage.outputs``, the
-epilogue's results over ``(logits, *reads, *inputs)`` (``stage.reads``: inputs of the graph itself) (the rank width ``W`` baked in for ranked epilogues);
+epilogue's results over ``(logits, *reads, *inputs)`` (``stage.reads``: inputs of the graph itself; the rank
+width ``W`` baked in for ranked epilogues);
 the logits stay inside. By stage: ``prefill``/``step`` → last-row logits ``[B, V]``;
 ``target.verify_*`` → ``accepted [B]``, ``next_token [B]``; ``draft.step_greedy`` → tokens ``[B]``;
 ``draft.step_sampled`` → tokens and ``q [B, V]``; ``draft.glue`` → ``candidates [B, MQ]`` (top-``F_j``
 of row ``j`` without ``x_{j+1}``) and ``ranked [B, K+1, W]``; ``draft.tree_greedy`` → tokens
 ``[B, MQ]``; ``draft.tree_sampled`` → tokens drawn from Saguaro's ``q'`` and ``q' [B, MQ, V]``;
 ``target.round_greedy`` → the next round's query ``[B, 1]`` x 3, the new lengths and finished ``[B]`` and
-the active rows ``[]``, its token written into the token buffer and the next slot claimed in the store, in place.
+the active rows ``[]``, its token written into the token buffer and the next slot claimed in the store, in
+place.
 Contract (:mod:`~saguaro.passes.graph_pass`): requires ``flat_signature`` and ``logits_output``,
 which it invalidates; guarantees ``epilogue_spliced``.
 """

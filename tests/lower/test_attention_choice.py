@@ -59,4 +59,5 @@ def test_auto_reduces_the_attention_of_ars_target_stages_on_cpu_only():
         assert attention_implementation("inductor", "auto", "cuda", stage.mask, stage=stage) != "reduce"
         assert attention_implementation("eager", "auto", "cpu", stage.mask, stage=stage) == "op"
         assert attention_implementation("inductor", "inline", "cpu", stage.mask, stage=stage) == "inline"
-    assert attention_implementation("inductor", "auto", "cpu", DRAFT_STEP.greedy.mask, stage=DRAFT_STEP.greedy) == "inline"
+    draft_step = DRAFT_STEP.greedy
+    assert attention_implementation("inductor", "auto", "cpu", draft_step.mask, stage=draft_step) == "inline"

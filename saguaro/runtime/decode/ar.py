@@ -30,10 +30,7 @@ def decode_ar(target: ModelRunner, draft: ModelRunner | None, state: DecodeState
         token, _ = sample_tokens(logits, state.temperature, state.generator)
         decided = [1] * sum(seqs.host_active)  # fresh: all_finished() above read it
         seqs.append_one(token)
-        counters.accepted_lengths.extend(decided)
-        counters.rounds += 1
-        counters.end_round(since(started), decided)
-        state.round_committed()
+        end_round(state, started, decided)
 
 
 def decode_ar_in_graph(target: ModelRunner, state: DecodeState) -> None:
@@ -45,21 +42,28 @@ def decode_ar_in_graph(target: ModelRunner, state: DecodeState) -> None:
     active = sum(seqs.host_active)
     if not active:
         return
-    index = seqs.tail_index(1)  # [B, 1]: the pending token; the rounds claim the later ones
+    index = seqs.tail_index(1)  # [B, 1]: the pending token, claimed by the first call; each round claims the next
     input_ids, positions = seqs.gather(index), seqs.positions(index)  # [B, 1], [B, 1]
     branch = torch.zeros_like(positions)  # [B, 1]: shared
-    store.claim(index, positions, branch)
+    claimed = False
     eos_table = seqs.eos_table(target.spec.vocab_size)  # [V]
     while active:
         started = time.perf_counter()
         input_ids, positions, index, lengths, finished, still_active = target.run(
             TARGET_ROUND, store, input_ids, positions, index, seqs.tokens, seqs.lengths, seqs.finished, seqs.padding,
-            eos_table, seqs.end, branch=branch, claimed=True)
+            eos_table, seqs.end, branch=branch, claimed=claimed)
+        claimed = True
         decided = [1] * active
         active = int(still_active)  # the round's one device-to-host read
         counters.verify_s += since(started)
         seqs.advanced(lengths, finished)
-        counters.accepted_lengths.extend(decided)
-        counters.rounds += 1
-        counters.end_round(since(started), decided)
-        state.round_committed()
+        end_round(state, started, decided)
+
+
+def end_round(state: DecodeState, started: float, decided: list) -> None:
+    """Count a round of one token per active row (``decided``) that began at ``started`` and hand it on."""
+    counters = state.counters
+    counters.accepted_lengths.extend(decided)
+    counters.rounds += 1
+    counters.end_round(since(started), decided)
+    state.round_committed()
