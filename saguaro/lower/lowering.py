@@ -38,7 +38,13 @@ BACKENDS = ("eager", "inductor")
 # The kernels take the thread count at run time (``cpp.dynamic_threads``), so a stage SSD's lanes run with
 # one thread (dynamo recompiles it: it guards on the count) reuses the code compiled for all threads from
 # Inductor's cache in about a second rather than compiling it again (7-8 s a stage for the default pair).
-INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "cpp.dynamic_threads": True},
+# The wrapper's per-call work runs on one thread while the kernels' other threads wait: no size asserts on the
+# inputs (a stage is called only with the sizes and strides it was compiled for: dynamo's guards, or the key
+# of a direct call) and one pooled allocation for the intermediate buffers (``memory_planning``; 7 allocations
+# a call of the default pair's AR round instead of 114): the round takes 0.91x the time a call at two threads
+# (``benchmarks/README.md``).
+INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "cpp.dynamic_threads": True,
+                            "size_asserts": False, "memory_planning": True},
                     "cuda": {}}
 # linears="template": the Inductor settings a stage compiles under (a config patch around its compiling calls:
 # freezing is read outside the options torch.compile takes). Freezing makes the weights constants, which the
@@ -221,6 +227,11 @@ class CompiledStage:
     def direct_keys(self) -> int:
         """How many shape keys its calls reach Inductor's function for without dynamo (direct_call.py)."""
         return sum(call is not None for call in self._direct.values())
+
+    @property
+    def graph_keys(self) -> int:
+        """How many of those call Inductor's graph itself, past AOT autograd's wrapper (direct_call.py)."""
+        return sum(call is not None and call.boxed is not None for call in self._direct.values())
 
     @property
     def helper_serves(self) -> bool:  # see helper_request
