@@ -15,13 +15,21 @@ a tensor the graph module holds, each integer a size or stride of an argument: c
 call's inputs) and the call returned the function's own outputs, later calls with that key call the function
 directly (:class:`DirectCall`). Anything else keeps dynamo's path. The function is the one dynamo would run,
 so outputs are the same. ``SAGUARO_DIRECT_CALLS=0`` sends every call through dynamo.
+
+One level further down: the function dynamo runs is AOT autograd's runtime wrapper around Inductor's compiled
+graph, which for these inference graphs passes the inputs in and the outputs out unchanged, in Python, about
+0.1 ms a call (5 % of the default pair's AR round at two threads; ``benchmarks/README.md``). Where the recorded
+call shows it did exactly that (the graph called once, with the very inputs the wrapper was given, returning the
+very outputs the wrapper returned), the direct call calls the graph's own function (:func:`inductor_graph`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
+import types
 
 import torch
 
@@ -55,17 +63,75 @@ class CompiledEntry:
     """One compiled form of a stage: Inductor's function, and for each of its inputs the symbols of the
     sizes and strides (a tensor) or the symbol it is (an integer), read from dynamo's graph."""
 
+    boxed = None  # the Inductor graph's own function, when found
+
     def __init__(self, graph: torch.fx.GraphModule, compiled):
         self.compiled = compiled
         self.inputs = [input_symbols(node.meta.get("example_value"))
                        for node in graph.graph.nodes if node.op == "placeholder"]
+        inner = inductor_graph(compiled)
+        self.boxed = None if inner is None else record_inner_calls(inner)  # the graph's own function
 
     def __call__(self, *args):
-        out = self.compiled(*args)
         calls = getattr(_recorded, "calls", None)
-        if calls is not None:
-            calls.append((self, args, out))
+        if calls is None:
+            return self.compiled(*args)
+        _recorded.inner = inner = []
+        try:
+            out = self.compiled(*args)
+        finally:
+            _recorded.inner = None
+        calls.append((self, args, out, inner if self.boxed is not None else None))
         return out
+
+
+def inductor_graph(fn):
+    """The one compiled graph of Inductor's (``CompiledFxGraph``) that ``fn``, the function dynamo runs, wraps:
+    found through the closures, ``__wrapped__`` and ``compiled_fn`` of the wrappers around it; None unless exactly
+    one."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    found, seen, todo = [], set(), [fn]
+    while todo and len(seen) < 256:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, CompiledFxGraph):
+            found.append(obj)
+        elif isinstance(obj, functools.partial):
+            todo.append(obj.func)
+        elif isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    todo.append(cell.cell_contents)
+            if getattr(obj, "__wrapped__", None) is not None:
+                todo.append(obj.__wrapped__)
+        elif callable(getattr(obj, "compiled_fn", None)):  # AOT autograd's wrapper objects
+            todo.append(obj.compiled_fn)
+    return found[0] if len(found) == 1 else None
+
+
+def record_inner_calls(graph):
+    """Route ``graph``'s calls through a recorder that notes, on a thread inside a recorded entry call, the
+    inputs and outputs of each (:func:`direct_call` compares them with the entry's); returns the graph's own
+    function, which takes the inputs as a list (and empties it)."""
+    own = graph.current_callable
+    if hasattr(own, "records_for"):  # recorded already (another entry of the same graph)
+        return own.records_for
+
+    def current_callable(inputs):
+        sink = getattr(_recorded, "inner", None)
+        if sink is None:
+            return own(inputs)
+        given = list(inputs)
+        out = own(inputs)
+        sink.append((given, out))
+        return out
+
+    current_callable.records_for = own
+    graph.current_callable = current_callable
+    return own
 
 
 def input_symbols(value):
@@ -86,7 +152,8 @@ def direct_calls_wanted() -> bool:
 
 @contextlib.contextmanager
 def recording():
-    """Record the compiled functions this thread calls inside (a list of ``(entry, inputs, outputs)``)."""
+    """Record the compiled functions this thread calls inside (a list of ``(entry, inputs, outputs)``, and for
+    an entry whose Inductor graph was found, the ``(inputs, outputs)`` of that graph's calls inside it)."""
     previous = getattr(_recorded, "calls", None)
     _recorded.calls = calls = []
     try:
@@ -100,8 +167,9 @@ class DirectCall:
     input ``(0, position)`` an argument, ``(1, tensor)`` a tensor the module holds, ``(2, (position, dim))``
     a size, ``(3, (position, dim))`` a stride."""
 
-    def __init__(self, entry: CompiledEntry, sources: list):
+    def __init__(self, entry: CompiledEntry, sources: list, boxed=None):
         self.compiled, self.sources = entry.compiled, sources
+        self.boxed = boxed  # Inductor's graph function, when the wrapper around it only passes things through
         # the held tensors in place once; per call only the arguments and the integers are filled in
         self._template = [s if kind == 1 else None for kind, s in sources]
         self._arguments = [(j, s) for j, (kind, s) in enumerate(sources) if kind == 0]
@@ -126,6 +194,8 @@ class DirectCall:
         return inputs
 
     def __call__(self, args) -> tuple:
+        if self.boxed is not None and not torch.autograd.profiler._is_profiler_enabled:
+            return tuple(self.boxed(self.inputs(args)))  # (the profiler's records come from the wrapper)
         return tuple(self.compiled(*self.inputs(args)))
 
 
@@ -135,7 +205,8 @@ def direct_call(calls: list, args: tuple, out, held: dict) -> DirectCall | None:
     module holds (parameters, buffers, constants); None where they cannot be rebuilt (see the module)."""
     if len(calls) != 1:
         return None
-    entry, inputs, raw = calls[0]
+    entry, inputs, raw = calls[0][:3]
+    inner = calls[0][3] if len(calls[0]) > 3 else None
     if len(inputs) != len(entry.inputs) or not returns_own_outputs(out, raw):
         return None
     position = {}
@@ -163,12 +234,18 @@ def direct_call(calls: list, args: tuple, out, held: dict) -> DirectCall | None:
             if type(value) is not int or info is None or kind is None:
                 return None
             sources[j] = (kind, symbols[info, kind])
-    call = DirectCall(entry, sources)
-    rebuilt = call.inputs(args)
-    if not all(a is b if isinstance(b, torch.Tensor) else (type(a) is type(b) and a == b)
-               for a, b in zip(rebuilt, inputs)):
+    passes_through = (inner is not None and len(inner) == 1 and same_inputs(inner[0][0], inputs)
+                      and returns_own_outputs(tuple(raw), inner[0][1]))
+    call = DirectCall(entry, sources, entry.boxed if passes_through else None)
+    if not same_inputs(call.inputs(args), inputs):
         return None
     return call
+
+
+def same_inputs(given, inputs) -> bool:
+    """Whether ``given`` holds the very tensors of ``inputs``, and equal integers, in the same places."""
+    return len(given) == len(inputs) and all(
+        a is b if isinstance(b, torch.Tensor) else (type(a) is type(b) and a == b) for a, b in zip(given, inputs))
 
 
 def returns_own_outputs(out, raw) -> bool:

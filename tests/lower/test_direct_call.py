@@ -6,8 +6,12 @@ compile); ``test_inductor.py`` runs the real ones and checks the tokens, and the
 import pytest
 import torch
 
+import functools
+
+from torch._inductor.output_code import CompiledFxGraph
+
 from saguaro.lower.direct_call import (CompiledEntry, DirectCall, RecordingInductor, direct_call, held_tensors,
-                                       recording)
+                                       inductor_graph, record_inner_calls, recording)
 
 PLAIN = ((None, None), (None, None))  # a tensor input of static sizes and strides
 
@@ -74,6 +78,65 @@ def test_calls_that_cannot_be_rebuilt_keep_dynamos_path(case):
     assert direct_call([(entry, inputs, raw)] * copies, args, out, held) is None
 
 
+@pytest.mark.parametrize("case", ["passes through", "two inner calls", "other inputs", "other outputs", "none"])
+def test_the_graphs_own_function_is_called_only_where_the_wrapper_passed_everything_through(case):
+    entry, args, inputs, raw, held = scenario()
+    entry.boxed = lambda given: [given[1] - 1]  # "Inductor's graph function": its inputs as a list
+    inner = [(list(inputs), raw)]
+    if case == "two inner calls":
+        inner = inner * 2
+    elif case == "other inputs":  # the wrapper handed the graph a copy of an input
+        inner = [([inputs[0], inputs[1].clone(), inputs[2], inputs[3]], raw)]
+    elif case == "other outputs":  # the wrapper returned something else than the graph's outputs
+        inner = [(list(inputs), [raw[0], raw[1].clone()])]
+    elif case == "none":
+        inner = None
+    call = direct_call([(entry, inputs, raw, inner)], args, tuple(raw), held)
+    assert call is not None
+    x, cache = torch.full((2, 3), 4.0), torch.zeros(2, 7)
+    if case != "passes through":
+        assert call.boxed is None and torch.equal(call((x, cache))[0], x + 1)
+        return
+    assert call.boxed is entry.boxed
+    before = len(entry.seen)
+    assert torch.equal(call((x, cache))[0], x - 1) and len(entry.seen) == before  # the graph's function only
+    with torch.profiler.profile():  # under the profiler, through the wrapper (whose records it shows)
+        assert torch.equal(call((x, cache))[0], x + 1) and len(entry.seen) == before + 1
+
+
+def test_the_inductor_graph_is_found_through_its_wrappers_and_records_its_calls():
+    graph = CompiledFxGraph.__new__(CompiledFxGraph)
+    graph.compiled_fn_runner = None
+    graph.current_callable = lambda inputs: [inputs[0] * 2]
+
+    def inner(*args):  # Inductor's graph behind wrappers: a closure, a partial, __wrapped__, an object's compiled_fn
+        return graph.current_callable(list(args))
+
+    class Holder:
+        compiled_fn = staticmethod(functools.partial(inner))
+
+    @functools.wraps(inner)
+    def outer(*args):
+        return Holder.compiled_fn(*args)
+
+    outer.__wrapped__ = Holder()
+    assert inductor_graph(outer) is graph and inductor_graph(functools.partial(inner)) is graph
+    other = CompiledFxGraph.__new__(CompiledFxGraph)
+    other.compiled_fn_runner = None
+    assert inductor_graph(lambda: None) is None
+    assert inductor_graph((lambda g, o: (lambda: (g, o)))(graph, other)) is None  # two graphs: none chosen
+    own = graph.current_callable
+    x = torch.ones(2)
+    entry = CompiledEntry(torch.fx.symbolic_trace(lambda x: x), outer)
+    assert entry.boxed is own and record_inner_calls(graph) is own  # installed once
+    assert torch.equal(entry(x)[0], x * 2)  # not recording: passes through
+    with recording() as calls:
+        out = entry(x)
+    (recorded_entry, given, raw, inner_calls), = calls
+    assert recorded_entry is entry and raw is out and given == (x,) and len(inner_calls) == 1
+    assert inner_calls[0][0][0] is x and inner_calls[0][1] is out
+
+
 def test_held_tensors_finds_parameters_buffers_and_constants():
     module = torch.nn.Linear(2, 2)
     module.register_buffer("scale", torch.ones(1))
@@ -108,7 +171,7 @@ def test_a_compiled_function_called_directly_gives_dynamos_outputs():
     with recording() as calls:
         out = compiled(x)
     call = direct_call(calls, (x,), out, held_tensors(module))
-    assert call is not None
+    assert call is not None and call.boxed is not None  # Inductor's graph function, past AOT's wrapper
     y = torch.randn(9, 4)
     got = call((y,))
     want = fn(y)
