@@ -44,9 +44,13 @@ class RecordingInductor(torch._TorchCompileInductorWrapper):
 
     def __init__(self, options: dict):
         super().__init__(None, options, None)
+        self.cpp_wrapper = bool(options.get("cpp_wrapper"))
 
     def __call__(self, model_, inputs_, **kwargs):
-        return CompiledEntry(model_, super().__call__(model_, inputs_, **kwargs))
+        entry = CompiledEntry(model_, super().__call__(model_, inputs_, **kwargs))
+        # the C++ wrapper's graph function takes its integer inputs as tensors too (it makes one of each int)
+        entry.int_tensors = self.cpp_wrapper
+        return entry
 
 
 def compile_with_inductor(gm: torch.fx.GraphModule, options: dict):
@@ -64,6 +68,7 @@ class CompiledEntry:
     sizes and strides (a tensor) or the symbol it is (an integer), read from dynamo's graph."""
 
     boxed = None  # the Inductor graph's own function, when found
+    int_tensors = False  # whether that function takes integer inputs as 0-d int64 tensors
 
     def __init__(self, graph: torch.fx.GraphModule, compiled):
         self.compiled = compiled
@@ -170,6 +175,7 @@ class DirectCall:
     def __init__(self, entry: CompiledEntry, sources: list, boxed=None):
         self.compiled, self.sources = entry.compiled, sources
         self.boxed = boxed  # Inductor's graph function, when the wrapper around it only passes things through
+        self._int_tensors = {} if boxed is not None and entry.int_tensors else None  # {int: 0-d tensor}
         # the held tensors in place once; per call only the arguments and the integers are filled in
         self._template = [s if kind == 1 else None for kind, s in sources]
         self._arguments = [(j, s) for j, (kind, s) in enumerate(sources) if kind == 0]
@@ -195,8 +201,18 @@ class DirectCall:
 
     def __call__(self, args) -> tuple:
         if self.boxed is not None and not torch.autograd.profiler._is_profiler_enabled:
-            return tuple(self.boxed(self.inputs(args)))  # (the profiler's records come from the wrapper)
+            inputs = self.inputs(args)
+            if self._int_tensors is not None:  # the same 0-d tensor for a size each call, not a new one
+                for j, _, _ in (*self._sizes, *self._strides):
+                    inputs[j] = self._int_tensor(inputs[j])
+            return tuple(self.boxed(inputs))  # (the profiler's records come from the wrapper)
         return tuple(self.compiled(*self.inputs(args)))
+
+    def _int_tensor(self, value: int) -> torch.Tensor:
+        held = self._int_tensors.get(value)
+        if held is None:
+            held = self._int_tensors[value] = torch.tensor(value, dtype=torch.int64)
+        return held
 
 
 def direct_call(calls: list, args: tuple, out, held: dict) -> DirectCall | None:

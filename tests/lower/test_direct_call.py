@@ -19,6 +19,8 @@ PLAIN = ((None, None), (None, None))  # a tensor input of static sizes and strid
 class Entry:
     """A stand-in for a CompiledEntry: ``inputs`` as input_symbols gives them, ``compiled`` records its inputs."""
 
+    int_tensors = False
+
     def __init__(self, inputs):
         self.inputs, self.seen = inputs, []
 
@@ -102,6 +104,22 @@ def test_the_graphs_own_function_is_called_only_where_the_wrapper_passed_everyth
     assert torch.equal(call((x, cache))[0], x - 1) and len(entry.seen) == before  # the graph's function only
     with torch.profiler.profile():  # under the profiler, through the wrapper (whose records it shows)
         assert torch.equal(call((x, cache))[0], x + 1) and len(entry.seen) == before + 1
+
+
+def test_a_cpp_wrapper_graph_gets_its_integer_inputs_as_the_same_tensors_each_call():
+    entry, args, inputs, raw, held = scenario()
+    seen = []
+    entry.boxed = lambda given: seen.append(list(given)) or [given[1] + 1]
+    entry.int_tensors = True  # RecordingInductor with cpp_wrapper
+    call = direct_call([(entry, inputs, raw, [(list(inputs), raw)])], args, tuple(raw), held)
+    x, cache = torch.zeros(2, 3), torch.zeros(2, 7)
+    call((x, cache))
+    call((x, cache))
+    first, second = seen
+    assert first[1] is x and first[3] is cache and first[0] is inputs[0]  # tensors as they are
+    assert isinstance(first[2], torch.Tensor) and first[2].dtype == torch.int64 and int(first[2]) == 7
+    assert second[2] is first[2]  # one tensor per size, not a new one per call
+    assert RecordingInductor({"cpp_wrapper": True}).cpp_wrapper and not RecordingInductor({}).cpp_wrapper
 
 
 def test_the_inductor_graph_is_found_through_its_wrappers_and_records_its_calls():
