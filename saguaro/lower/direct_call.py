@@ -47,10 +47,7 @@ class RecordingInductor(torch._TorchCompileInductorWrapper):
         self.cpp_wrapper = bool(options.get("cpp_wrapper"))
 
     def __call__(self, model_, inputs_, **kwargs):
-        entry = CompiledEntry(model_, super().__call__(model_, inputs_, **kwargs))
-        # the C++ wrapper's graph function takes its integer inputs as tensors too (it makes one of each int)
-        entry.int_tensors = self.cpp_wrapper
-        return entry
+        return CompiledEntry(model_, super().__call__(model_, inputs_, **kwargs), int_tensors=self.cpp_wrapper)
 
 
 def compile_with_inductor(gm: torch.fx.GraphModule, options: dict):
@@ -70,8 +67,10 @@ class CompiledEntry:
     boxed = None  # the Inductor graph's own function, when found
     int_tensors = False  # whether that function takes integer inputs as 0-d int64 tensors
 
-    def __init__(self, graph: torch.fx.GraphModule, compiled):
+    def __init__(self, graph: torch.fx.GraphModule, compiled, int_tensors: bool = False):
         self.compiled = compiled
+        # the C++ wrapper's graph function takes integer inputs as tensors too (it makes one of each int)
+        self.int_tensors = int_tensors
         self.inputs = [input_symbols(node.meta.get("example_value"))
                        for node in graph.graph.nodes if node.op == "placeholder"]
         inner = inductor_graph(compiled)
@@ -157,8 +156,8 @@ def direct_calls_wanted() -> bool:
 
 @contextlib.contextmanager
 def recording():
-    """Record the compiled functions this thread calls inside (a list of ``(entry, inputs, outputs)``, and for
-    an entry whose Inductor graph was found, the ``(inputs, outputs)`` of that graph's calls inside it)."""
+    """Record the compiled functions this thread calls inside: a list of ``(entry, inputs, outputs, inner)``,
+    ``inner`` the ``(inputs, outputs)`` of the entry's Inductor graph's calls inside it (None: no graph found)."""
     previous = getattr(_recorded, "calls", None)
     _recorded.calls = calls = []
     try:
@@ -221,8 +220,7 @@ def direct_call(calls: list, args: tuple, out, held: dict) -> DirectCall | None:
     module holds (parameters, buffers, constants); None where they cannot be rebuilt (see the module)."""
     if len(calls) != 1:
         return None
-    entry, inputs, raw = calls[0][:3]
-    inner = calls[0][3] if len(calls[0]) > 3 else None
+    entry, inputs, raw, inner = calls[0]
     if len(inputs) != len(entry.inputs) or not returns_own_outputs(out, raw):
         return None
     position = {}

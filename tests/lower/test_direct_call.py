@@ -3,11 +3,10 @@ the inputs dynamo gave Inductor's function from a later call's arguments. Entrie
 compile); ``test_inductor.py`` runs the real ones and checks the tokens, and the last test here one real
 ``torch.compile`` of a small function."""
 
-import pytest
-import torch
-
 import functools
 
+import pytest
+import torch
 from torch._inductor.output_code import CompiledFxGraph
 
 from saguaro.lower.direct_call import (CompiledEntry, DirectCall, RecordingInductor, direct_call, held_tensors,
@@ -41,7 +40,7 @@ def scenario():
 
 def test_a_direct_call_rebuilds_the_inputs_of_later_calls():
     entry, args, inputs, raw, held = scenario()
-    call = direct_call([(entry, inputs, raw)], args, tuple(raw), held)
+    call = direct_call([(entry, inputs, raw, None)], args, tuple(raw), held)
     assert isinstance(call, DirectCall)
     assert call.sources[0][0] == 1 and call.sources[1] == (0, 0) and call.sources[2] == (2, (1, 1))
     x, cache = torch.full((2, 3), 4.0), torch.zeros(2, 7)  # another bucket: the size comes from the argument
@@ -54,7 +53,7 @@ def test_a_direct_call_rebuilds_the_inputs_of_later_calls():
 def test_a_symbol_found_only_in_a_stride_is_read_from_the_stride():
     entry, args, inputs, raw, held = scenario()
     entry.inputs[3] = ((None, None), ("s0", None))  # s0 only as the cache's first stride (5)
-    call = direct_call([(entry, inputs, raw)], args, tuple(raw), held)
+    call = direct_call([(entry, inputs, raw, None)], args, tuple(raw), held)
     assert call is not None and call.sources[2] == (3, (1, 0))
 
 
@@ -77,7 +76,7 @@ def test_calls_that_cannot_be_rebuilt_keep_dynamos_path(case):
         out = raw[0]
     elif case == "rebuilt differs":  # dynamo passed 6 where the cache's size says 5
         inputs = (inputs[0], inputs[1], 6, inputs[3])
-    assert direct_call([(entry, inputs, raw)] * copies, args, out, held) is None
+    assert direct_call([(entry, inputs, raw, None)] * copies, args, out, held) is None
 
 
 @pytest.mark.parametrize("case", ["passes through", "two inner calls", "other inputs", "other outputs", "none"])
