@@ -15,6 +15,9 @@ as ``saguaro bench`` runs them):
 - ``saguaro ar`` / ``saguaro sd``: ``saguaro bench``'s rows (its worker processes) on the same prompts,
   ``--k K``; tokens/s after the prefill (``decode_tokens_per_s``: the tokens after the prefill's first over
   the seconds after the prefill, as llama.cpp's lines count), the rate with the prefill in the last column.
+  Their float32 weights whose values are float16 values (the default pair's) are held as float16 in the
+  one-row stages (``SaguaroConfig.narrow_weights``: the same float32 arithmetic); ``--narrow-weights both``
+  adds each Saguaro row with every weight as loaded (``saguaro ar f32 weights``), ``off`` runs only those.
   ``--dtype`` casts the pair for these rows (``bfloat16`` beside f16 GGUF files: both halve the weights'
   bytes; greedy text then need not equal float32's, see the README on reduced precision).
 
@@ -54,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="passes per row (default 3)")
     p.add_argument("--saguaro-modes", default="ar,sd", help="Saguaro rows to run, '' for none (default ar,sd)")
     p.add_argument("--linears", default="auto", help="SaguaroConfig.linears of the Saguaro rows (default auto)")
+    p.add_argument("--narrow-weights", default="on", choices=["on", "off", "both"],
+                   help="SaguaroConfig.narrow_weights of the Saguaro rows: on (the default), off, or both: each "
+                        "Saguaro row twice, the second labelled 'f32 weights' (every weight as loaded)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights dtype of the Saguaro rows (default float32; give GGUF files of the matching "
                         "precision, e.g. f16 ones beside bfloat16)")
@@ -142,13 +148,16 @@ def start_saguaro_rows(args, threads: int) -> dict:
     from saguaro.bench.worker import BenchParams
 
     modes = tuple(m for m in args.saguaro_modes.split(",") if m)
-    params = BenchParams(modes=modes, prompts=args.prompts, k=args.k, max_new_tokens=args.max_new_tokens,
-                         threads=threads, repeats=args.repeats, linears=args.linears,
-                         dtype=args.dtype)
+    narrow = {"on": (True,), "off": (False,), "both": (True, False)}[args.narrow_weights]
     rows = {}
     try:
-        for mode in modes:
-            rows[f"saguaro {mode}"] = start_row(params, mode, "inductor")
+        for narrow_weights in narrow:
+            params = BenchParams(modes=modes, prompts=args.prompts, k=args.k, max_new_tokens=args.max_new_tokens,
+                                 threads=threads, repeats=args.repeats, linears=args.linears, dtype=args.dtype,
+                                 narrow_weights=narrow_weights)
+            suffix = "" if narrow_weights or args.narrow_weights == "off" else " f32 weights"
+            for mode in modes:
+                rows[f"saguaro {mode}{suffix}"] = start_row(params, mode, "inductor")
     except BaseException:
         for started in rows.values():
             started.close()
@@ -202,12 +211,12 @@ def write_prompts(count: int, max_new_tokens: int, workdir: Path) -> list:
 
 
 def format_rows(rows: list) -> str:
-    lines = [f"{'row':<16}{'threads':>8}{'tokens/s':>10}{'spread':>9}{'with prefill':>14}"]
+    lines = [f"{'row':<24}{'threads':>8}{'tokens/s':>10}{'spread':>9}{'with prefill':>14}"]
     for r in rows:
         spread = "-" if r["spread_pct"] is None else f"{r['spread_pct']:.1f}%"
         prefill = r.get("with_prefill_tokens_per_s")
         prefill = "-" if prefill is None else f"{prefill:.1f}"
-        lines.append(f"{r['row']:<16}{r['threads']:>8}{r['tokens_per_s']:>10.1f}{spread:>9}{prefill:>14}")
+        lines.append(f"{r['row']:<24}{r['threads']:>8}{r['tokens_per_s']:>10.1f}{spread:>9}{prefill:>14}")
     return "\n".join(lines)
 
 

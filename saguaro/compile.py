@@ -91,7 +91,7 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
     # the draft process rebuilds the model from its class and captures it; or a draft server serves the draft)
     source = CapturedSource.of(captures["draft"]) if draft is not None and endpoint is None else None
     runners = {name: build_runner(name, captures[name], cfg.backend, cfg.attention, graphs[name],
-                                  shard if name == "target" else None, compiler, cfg.linears)
+                                  shard if name == "target" else None, compiler, cfg.linears, cfg.narrow_weights)
                for name in models}
     gen = getattr(target, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
@@ -107,19 +107,19 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
 
 def build_runner(name: str, model: torch.nn.Module | CapturedModel, backend: str, attention: str = "auto",
                  cuda_graphs: bool = False, shard=None, compiler: BackgroundCompiler | None = None,
-                 linears: str = "auto") -> ModelRunner:
+                 linears: str = "auto", narrow_weights: bool = True) -> ModelRunner:
     """Capture ``model`` (or take its capture), run the base pass pipeline, and wrap it with the builder
     of its stages (``cuda_graphs``: fixed-shape stages replay CUDA graphs over KV stores kept at fixed
     addresses; ``shard``: a ``ShardTensorParallel`` pass after the base pipeline, the runner's spec its
-    rank's heads; ``compiler``: the thread of ``compile="background"``; ``linears``: as
-    ``SaguaroConfig.linears``)."""
+    rank's heads; ``compiler``: the thread of ``compile="background"``; ``linears``, ``narrow_weights``: as
+    ``SaguaroConfig``'s)."""
     captured = model if isinstance(model, CapturedModel) else capture(model)
     captured.graph_module = run_pipeline(captured.graph_module, (shard,) if shard is not None else ())
     if shard is not None:
         captured.spec = shard.local_spec
     width = min(captured.spec.vocab_size, RANK_WIDTH)  # fork / rank / Saguaro-sampling width
     builder = CompiledStages(name, captured.graph_module, width, backend, attention, captured.spec.device.type,
-                             cuda_graphs, compiler, linears)
+                             cuda_graphs, compiler, linears, narrow_weights)
     return ModelRunner(name, captured, builder, width, kv_pool=KVPool() if cuda_graphs else None)
 
 
@@ -132,11 +132,11 @@ class CompiledStages(PipelineStages):
 
     def __init__(self, model_name: str, graph_module: torch.fx.GraphModule, width: int, backend: str,
                  attention: str, device_type: str, cuda_graphs: bool = False,
-                 compiler: BackgroundCompiler | None = None, linears: str = "auto"):
+                 compiler: BackgroundCompiler | None = None, linears: str = "auto", narrow_weights: bool = True):
         super().__init__(graph_module, width, attention_implementation(backend, attention))
         self.model_name, self.backend, self.device_type = model_name, backend, device_type
         self.requested_attention, self.cuda_graphs, self.compiler = attention, cuda_graphs, compiler
-        self.requested_linears = linears
+        self.requested_linears, self.narrow_weights = linears, narrow_weights
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """True once no background compile is queued or running (at once without a compiler); False
@@ -172,7 +172,11 @@ class CompiledStages(PipelineStages):
         linears = linears or linear_implementation(self.backend, self.requested_linears, self.device_type,
                                                    stage.family)
         linears = "gemm" if linears == "template" else linears
-        return build_stage(self.graph_module, stage, self.width, attention=attention, observe=observe, linears=linears)
+        # narrow weights where their reads fuse into Inductor's kernels (before a BLAS call the widening
+        # would write a float32 copy each call): the reduction linears'
+        narrow = self.narrow_weights and self.backend == "inductor" and linears == "reduction"
+        return build_stage(self.graph_module, stage, self.width, attention=attention, observe=observe, linears=linears,
+                           narrow=narrow)
 
     def __call__(self, stage: Stage):
         linears = linear_implementation(self.backend, self.requested_linears, self.device_type, stage.family)
@@ -203,7 +207,8 @@ def compile_tensor_parallel(target, draft, cfg: SaguaroConfig):
     ranks = join_ranks(cfg.tensor_parallel, spec.device)
     if ranks.is_draft:
         def make_server():
-            return SpeculationServer(build_runner("draft", draft, cfg.backend, cfg.attention, linears=cfg.linears), cfg)
+            return SpeculationServer(build_runner("draft", draft, cfg.backend, cfg.attention, linears=cfg.linears,
+                                                  narrow_weights=cfg.narrow_weights), cfg)
         return DraftRankProgram(cfg, ranks, make_server, spec.vocab_size)
     shard = ShardTensorParallel(spec, Shard(ranks.rank, cfg.tensor_parallel, ranks.target_group.group_name))
     # SSD's rounds always: choosing SD by measured time would need the ranks to agree on one measurement
@@ -266,7 +271,8 @@ def captured_draft_server(description: dict, config: SaguaroConfig) -> Speculati
     files ``CapturedSource.save`` wrote (no model rebuilt, nothing captured, ``transformers`` not imported)."""
     captured = load_captured(description, torch.device(description["device"]))
     runner = build_runner("draft", captured, description["backend"], description["attention"],
-                          resolve_cuda_graphs(config.cuda_graphs, captured.spec.device))
+                          resolve_cuda_graphs(config.cuda_graphs, captured.spec.device),
+                          narrow_weights=config.narrow_weights)
     return SpeculationServer(runner, config)
 
 
@@ -277,5 +283,6 @@ def draft_server(description: dict, config: SaguaroConfig) -> SpeculationServer:
 
     model = load_draft(description)
     runner = build_runner("draft", model, description["backend"], description["attention"],
-                          resolve_cuda_graphs(config.cuda_graphs, next(model.parameters()).device))
+                          resolve_cuda_graphs(config.cuda_graphs, next(model.parameters()).device),
+                          narrow_weights=config.narrow_weights)
     return SpeculationServer(runner, config)

@@ -52,6 +52,7 @@ class BenchParams:
     plan: str = "auto"  # "always-ssd": sd_when_faster=False, SSD's own rounds on any machine
     repeats: int = 3  # timed passes per row, the rows' passes alternating
     linears: str = "auto"  # SaguaroConfig.linears of the Saguaro rows
+    narrow_weights: bool = True  # SaguaroConfig.narrow_weights of the Saguaro rows
 
     def __post_init__(self):
         if self.repeats < 1:
@@ -87,7 +88,7 @@ class RowSession:
         try:
             if mode in SAGUARO_MODES:
                 self.program = compile_for(target, draft, params.k, backend, sd_when_faster=params.plan != "always-ssd",
-                                           linears=params.linears)
+                                           linears=params.linears, narrow_weights=params.narrow_weights)
             self.timer = RowTimer(target, draft, self.program, self.prompts.ids, mode, params.k,
                                   params.max_new_tokens, params.temperature, params.batch, params.seed)
             self.timer.warm_up()

@@ -37,7 +37,7 @@ class DraftRunners:
         from saguaro.compile import build_runner
 
         self.base = build_runner("draft", model, "eager", "auto")
-        self.runners = {("eager", "auto", False): self.base}
+        self.runners = {("eager", "auto", False, True): self.base}
 
     def server(self, config):
         from saguaro.compile import CompiledStages
@@ -48,10 +48,10 @@ class DraftRunners:
 
         captured = self.base.captured
         graphs = resolve_cuda_graphs(config.cuda_graphs, captured.spec.device)
-        key = (config.backend, config.attention, graphs)
+        key = (config.backend, config.attention, graphs, config.narrow_weights)
         if key not in self.runners:
             builder = CompiledStages("draft", captured.graph_module, self.base.width, config.backend, config.attention,
-                                     captured.spec.device.type, graphs)
+                                     captured.spec.device.type, graphs, narrow_weights=config.narrow_weights)
             self.runners[key] = ModelRunner("draft", captured, builder, self.base.width,
                                             kv_pool=KVPool() if graphs else None)
         return SpeculationServer(self.runners[key], config)

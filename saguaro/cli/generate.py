@@ -60,7 +60,8 @@ def run(args) -> int:
         if args.mode == "ar":
             draft = None  # AR never runs the draft: do not capture it
         program = saguaro_compile(target, draft, k=args.k, mode=args.mode, backend=args.backend,
-                                  compile=args.compile, sd_when_faster=sd_when_faster(args), linears=args.linears)
+                                  compile=args.compile, sd_when_faster=sd_when_faster(args), linears=args.linears,
+                                  narrow_weights=args.narrow_weights == "on")
     if not sd_when_faster(args) and args.program is not None:
         program = program.reconfigure(sd_when_faster=False)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids

@@ -75,6 +75,13 @@ class SaguaroConfig:
         template (register-blocked over the rows): SD's verify about 1.4x faster here. Costs: each such stage
         holds its own packed copy of the weights, and Inductor does not cache a frozen graph across
         processes (about 20 s more compile per process for the default pair).
+    narrow_weights: True (the default): in Inductor's stages whose linears are reductions (``linears``
+        above: on a CPU every decode stage under ``"auto"``, the one-row ones under ``"template"``), each
+        float32 weight whose values are all exactly float16 (or bfloat16) values, as in a checkpoint
+        published in that dtype and loaded as float32, is held in that dtype and widened to float32 inside
+        the kernels that read it (the ``narrow_weights`` pass): the same float32 arithmetic on the same
+        values, half the bytes streamed per token. False keeps every weight as loaded. Other weights, and
+        other stages, are never changed.
     cuda_graphs: run the fixed-shape stages (verify, glue, tree, step; not prefill) as CUDA graphs
         (``saguaro.lower.cuda_graphs``: one replay instead of hundreds of Python kernel launches per
         call, so two lanes do not contend for the GIL): True (CUDA only: on another device
@@ -115,6 +122,7 @@ class SaguaroConfig:
     sd_when_faster: bool = True
     attention: str = "auto"
     linears: str = "auto"
+    narrow_weights: bool = True
     cuda_graphs: object = "auto"
     draft_device: str | None = None
     draft_address: str | None = None
@@ -150,6 +158,9 @@ class SaguaroConfig:
             raise ConfigError(f"attention={self.attention!r} is not allowed: choose one of {', '.join(ATTENTIONS)}")
         if self.linears not in LINEARS:
             raise ConfigError(f"linears={self.linears!r} is not allowed: choose one of {', '.join(LINEARS)}")
+        if not isinstance(self.narrow_weights, bool):
+            raise ConfigError(f"narrow_weights={self.narrow_weights!r} is not allowed: it must be True or "
+                              "False")
         graphs = self.cuda_graphs  # True, False or "auto"; not 1 or 0
         if not isinstance(graphs, bool) and not (isinstance(graphs, str) and graphs == "auto"):
             raise ConfigError(f"cuda_graphs={graphs!r} is not allowed: choose 'auto', True or False")

@@ -32,6 +32,7 @@ from saguaro.runtime.base.trace import GenerationTrace
 from saguaro.runtime.streaming import TokenStream, check_not_reading, first_round_tells, streaming
 
 log = logging.getLogger(__name__)
+STAGE_OPTIONS = {"k", "backend", "compile", "attention", "linears", "narrow_weights", "draft_device", "cuda_graphs"}
 
 
 @dataclass
@@ -84,11 +85,10 @@ class Program:
     def reconfigure(self, **changes) -> "Program":
         """A Program over the same captured and lowered stages with some options changed.
 
-        Only runtime options may change (mode, fallback, fan-out, saguaro_c, lane, lane timeout); ``k``,
-        ``backend``, ``compile``, ``attention``, ``linears``, ``draft_device``, ``cuda_graphs`` shape the stages.
+        Only runtime options may change (mode, fallback, fan-out, saguaro_c, lane, lane timeout); ``k``, ``backend``,
+        ``compile``, ``attention``, ``linears``, ``narrow_weights``, ``draft_device``, ``cuda_graphs`` shape the stages.
         """
-        fixed = {"k", "backend", "compile", "attention", "linears", "draft_device", "cuda_graphs"} & set(changes)
-        if fixed:
+        if fixed := set(changes) & STAGE_OPTIONS:
             raise ValueError(f"{sorted(fixed)} cannot change after compile; call saguaro.compile again")
         return Program(replace(self.config, **changes), self.target, self.draft, self.pad_token_id,
                        self.eos_token_id, self.shapes, self.remote_draft, self.exporter, self._lock)

@@ -128,6 +128,22 @@ def test_saguaro_rows_compile_with_the_linears_asked_for(monkeypatch):
         assert started == [(expected, "ar", "inductor"), (expected, "sd", "inductor")]
 
 
+def test_saguaro_rows_hold_narrow_weights_as_asked_and_both_ways_side_by_side(monkeypatch):
+    started = []
+    monkeypatch.setattr(importlib.import_module("saguaro.bench.run"), "start_row",
+                        lambda params, mode, backend: started.append((params.narrow_weights, mode)) or mode)
+    for given, expected in (([], {"saguaro ar": (True, "ar")}),
+                            (["--narrow-weights", "off"], {"saguaro ar": (False, "ar")}),
+                            (["--narrow-weights", "both"], {"saguaro ar": (True, "ar"),
+                                                            "saguaro ar f32 weights": (False, "ar")})):
+        started.clear()
+        args = llama_cpp.parse_args(["--saguaro-modes", "ar", *given])
+        rows = llama_cpp.start_saguaro_rows(args, 2)
+        assert list(rows) == list(expected) and started == list(expected.values()), given
+    with pytest.raises(SystemExit):
+        llama_cpp.parse_args(["--narrow-weights", "maybe"])
+
+
 def test_saguaro_rows_load_the_pair_in_the_dtype_asked_for(monkeypatch):
     started = []
     monkeypatch.setattr(importlib.import_module("saguaro.bench.run"), "start_row",

@@ -2,7 +2,8 @@
 the eager tokens for AR, SD and SSD, greedy and sampled (one seed, the same uniforms, the same tokens),
 zero graph breaks, stage calls past dynamo (``direct_call.py``), the attention math (masks per kind,
 softcap) inlined for Inductor to fuse, the few-row stages' linears as fused reductions
-(``linear_as_reduction``), and ``saguaro inspect kernels`` over what it generated.
+(``linear_as_reduction``) reading weights held as bfloat16 (``narrow_weights``), and ``saguaro inspect
+kernels`` over what it generated.
 
 The suite's test of Inductor-compiled generation (C++ on CPU, about ten seconds per stage graph); it is
 slow by nature, so it covers every mode and both verifications in one go. Gemma 2's
@@ -21,6 +22,7 @@ from saguaro.capture.attention_op import ATTENTION_OPS
 from saguaro.core.stages import TARGET_PREFILL, TARGET_VERIFY, stages_for
 from saguaro.passes.linear_as_reduction import LINEAR
 from saguaro.passes.lower_attention import attention_inline
+from saguaro.passes.narrow_weights import ATTRIBUTE_PREFIX
 from tests.models import WINDOW, family_draft, prompts, reference_greedy, tiny_family_target
 
 
@@ -29,6 +31,9 @@ from tests.models import WINDOW, family_draft, prompts, reference_greedy, tiny_f
 def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
     target = tiny_family_target("gemma2")
     draft = family_draft(target)
+    with torch.no_grad():  # bfloat16 values, as a bfloat16 checkpoint loaded as float32: narrow_weights holds them so
+        for p in (*target.parameters(), *draft.parameters()):
+            p.copy_(p.bfloat16().float())
     ids, mask = prompts(2, 7, seed=2, pad_rows={1: 2})
     new = 3 * WINDOW  # past the sliding window
     expected = reference_greedy(target, ids, mask, new)
@@ -65,12 +70,17 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
         linears = [n for n in verify.graph.nodes if n.op == "call_function" and n.target is LINEAR]
         prefill = compiled.target.stage(TARGET_PREFILL).gm
         assert not linears and any(n.target is LINEAR for n in prefill.graph.nodes if n.op == "call_function")
+        # their weights held as bfloat16, widened inside the kernels (narrow_weights); the prefill's GEMMs read float32
+        assert any(name.startswith(ATTRIBUTE_PREFIX) for name, _ in verify.named_buffers())
+        assert not any(name.startswith(ATTRIBUTE_PREFIX) for name, _ in prefill.named_buffers())
         # saguaro inspect kernels: each stage's compile time, generated code files and kernel names
         rows = saguaro.inspect(compiled).kernels("ssd", warm=False)
         assert [r["stage"] for r in rows] == [s.qualified for s in stages_for("ssd", 0.0)]
         for row in rows:
             assert row["compile_s"] > 0 and row["files"] and all(os.path.exists(f) for f in row["files"]), row
             assert row["kernel_count"] > 0 and all(k.startswith(("cpp_", "triton_")) for k in row["kernels"]), row
+            if row["stage"] == TARGET_VERIFY.greedy.qualified:  # the kernels load the narrow weights themselves
+                assert any("bfloat16" in open(f).read() for f in row["files"]), row
     finally:
         eager.close()
         compiled.close()

@@ -1,0 +1,107 @@
+"""Pass: each float32 weight whose values are all exactly float16 (or bfloat16) stored in that dtype,
+widened back to float32 where the graph reads it.
+
+A decode step streams every weight of the model from memory once per call (``linear_as_reduction``):
+its time is the weights' bytes over the memory's rate. Most checkpoints are published in float16 or
+bfloat16 and loaded as float32 for a CPU, so every float32 value is one of the narrower dtype's: the
+float32 copy spends half its bytes on zero bits. This pass keeps, for each weight matrix the graph reads
+(a ``get_attr`` of a float32 tensor of at least :data:`MIN_ELEMENTS` elements), the narrow copy instead,
+and converts it back to float32 right after the read (``prims.convert_element_type``). The conversion is
+exact (every float16 and bfloat16 value is a float32 value), so the stage computes the same float32
+products and sums of the same values: outputs are unchanged, bit for bit, wherever the backend keeps its
+summation order. Inductor fuses the conversion into the kernels that read the weight (the reductions of
+``linear_as_reduction``, the embedding's gather), so each call reads half the bytes: the default pair's
+target then fits this machine's L3 cache (``benchmarks/README.md``).
+
+A weight is narrowed only when converting it to the narrow dtype and back gives every value unchanged
+(NaN never compares equal, so a weight holding one stays as it is); float16 is tried first, then bfloat16.
+The check runs once per weight tensor and its narrow copy is shared by every stage graph that reads it
+(:data:`_NARROWED`, keyed by the tensor, dropped with it).
+
+Meant for graphs whose weight reads fuse into the kernels that use them: ``saguaro.compile`` runs it on
+Inductor's stages whose linears are reductions (``SaguaroConfig.narrow_weights``); before a BLAS call
+(``aten.linear``, ``aten.mm``) the conversion would write a float32 copy of the weight on every call.
+
+Requires: nothing (each weight read is replaced by an exact equivalent). Guarantees: ``weights_narrowed``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from saguaro.passes.graph_pass import WEIGHTS_NARROWED, GraphPass
+from saguaro.passes.graph_splice import PassError, get_attribute
+
+log = logging.getLogger(__name__)
+
+NARROW_DTYPES = (torch.float16, torch.bfloat16)  # tried in this order
+MIN_ELEMENTS = 4096  # smaller tensors (norm scales, biases) are not worth a conversion node
+ATTRIBUTE_PREFIX = "saguaro_narrow_"  # the stage module's buffer holding a narrow copy
+_NARROWED = WeakIdKeyDictionary()  # float32 tensor -> its narrow copy, or None where none is exact
+
+
+def narrow_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` (float32) in the first of :data:`NARROW_DTYPES` that holds every value exactly; None when
+    neither does. Computed once per tensor."""
+    if weight in _NARROWED:
+        return _NARROWED[weight]
+    found = None
+    with torch.no_grad():
+        for dtype in NARROW_DTYPES:
+            narrow = weight.detach().to(dtype)
+            if torch.equal(narrow.to(torch.float32), weight):
+                found = narrow
+                break
+    _NARROWED[weight] = found
+    return found
+
+
+def narrowable(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.numel() >= MIN_ELEMENTS
+
+
+def narrow_weights(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Rewrite every read of a narrowable float32 weight of ``gm`` as a read of its narrow copy (a buffer of
+    ``gm``) converted back to float32; returns ``gm``."""
+    graph = gm.graph
+    narrowed, saved = 0, 0
+    attributes: dict = {}  # get_attr target -> the narrow buffer's name (a weight read by several nodes)
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        weight = get_attribute(gm, node.target)
+        narrow = narrow_copy(weight) if narrowable(weight) else None
+        if narrow is None:
+            continue
+        name = attributes.get(node.target)
+        if name is None:
+            name = attributes[node.target] = ATTRIBUTE_PREFIX + node.target.replace(".", "_")
+            if hasattr(gm, name):
+                raise PassError(f"narrow_weights: the module already has an attribute {name!r}")
+            gm.register_buffer(name, narrow, persistent=False)
+            saved += weight.numel() * (weight.element_size() - narrow.element_size())
+        with graph.inserting_before(node):
+            read = graph.get_attr(name)
+            wide = graph.call_function(torch.ops.prims.convert_element_type.default, (read, torch.float32))
+        # later passes read shapes from "val" (linear_as_reduction's ranks): the float32 weight's own
+        wide.meta["val"] = torch.empty(weight.shape, dtype=torch.float32, device="meta")
+        node.replace_all_uses_with(wide)
+        graph.erase_node(node)
+        narrowed += 1
+    graph.lint()
+    gm.recompile()
+    log.info("narrow_weights: %d weight reads narrowed, %.1f MiB fewer bytes a call", narrowed, saved / 2**20)
+    return gm
+
+
+class NarrowWeights(GraphPass):
+    name = "narrow_weights"
+    requires = frozenset()
+    requires_nothing_because = "each weight read is replaced by an exact equivalent, whatever reads it"
+    guarantees = frozenset({WEIGHTS_NARROWED})
+
+    def run(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        return narrow_weights(gm)
