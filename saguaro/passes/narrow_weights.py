@@ -16,7 +16,8 @@ target then fits this machine's L3 cache (``benchmarks/README.md``).
 A weight is narrowed only when converting it to the narrow dtype and back gives every value unchanged
 (NaN never compares equal, so a weight holding one stays as it is); float16 is tried first, then bfloat16.
 The check runs once per weight tensor and its narrow copy is shared by every stage graph that reads it
-(:data:`_NARROWED`, keyed by the tensor, dropped with it).
+(:data:`_NARROWED`, keyed by the tensor, dropped with it). The copy is taken once: a weight changed in place
+afterwards is not seen by the narrowed stages (as frozen weights are not).
 
 Meant for graphs whose weight reads fuse into the kernels that use them: ``saguaro.compile`` runs it on
 Inductor's stages whose linears are reductions (``SaguaroConfig.narrow_weights``); before a BLAS call
