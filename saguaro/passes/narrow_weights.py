@@ -15,9 +15,10 @@ target then fits this machine's L3 cache (``benchmarks/README.md``).
 
 A weight is narrowed only when converting it to the narrow dtype and back gives every value unchanged
 (NaN never compares equal, so a weight holding one stays as it is); float16 is tried first, then bfloat16.
-The check runs once per weight tensor and its narrow copy is shared by every stage graph that reads it
-(:data:`_NARROWED`, keyed by the tensor, dropped with it). The copy is taken once: a weight changed in place
-afterwards is not seen by the narrowed stages (as frozen weights are not).
+The check runs once per weight tensor and version and its narrow copy is shared by every stage graph that
+reads it (:data:`_NARROWED`, keyed by the tensor, dropped with it). A stage holds the copy taken when it was
+built: a weight changed in place afterwards is not seen by the stages built before (as frozen weights are
+not); stages built after the change (a new ``saguaro.compile``) take a new copy (the tensor's version moved).
 
 Meant for graphs whose weight reads fuse into the kernels that use them: ``saguaro.compile`` runs it on
 Inductor's stages whose linears are reductions (``SaguaroConfig.narrow_weights``); before a BLAS call
@@ -41,14 +42,15 @@ log = logging.getLogger(__name__)
 NARROW_DTYPES = (torch.float16, torch.bfloat16)  # tried in this order
 MIN_ELEMENTS = 4096  # smaller tensors (norm scales, biases) are not worth a conversion node
 ATTRIBUTE_PREFIX = "saguaro_narrow_"  # the stage module's buffer holding a narrow copy
-_NARROWED = WeakIdKeyDictionary()  # float32 tensor -> its narrow copy, or None where none is exact
+_NARROWED = WeakIdKeyDictionary()  # float32 tensor -> (its version, its narrow copy or None where none is exact)
 
 
 def narrow_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` (float32) in the first of :data:`NARROW_DTYPES` that holds every value exactly; None when
-    neither does. Computed once per tensor."""
-    if weight in _NARROWED:
-        return _NARROWED[weight]
+    neither does. Computed once per tensor and version (an in-place change moves ``weight._version``)."""
+    known = _NARROWED.get(weight)
+    if known is not None and known[0] == weight._version:
+        return known[1]
     found = None
     with torch.no_grad():
         for dtype in NARROW_DTYPES:
@@ -56,7 +58,7 @@ def narrow_copy(weight: torch.Tensor) -> torch.Tensor | None:
             if torch.equal(narrow.to(torch.float32), weight):
                 found = narrow
                 break
-    _NARROWED[weight] = found
+    _NARROWED[weight] = (weight._version, found)
     return found
 
 

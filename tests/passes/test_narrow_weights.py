@@ -79,6 +79,19 @@ def test_a_weight_read_by_two_nodes_has_one_narrow_copy():
     assert all(torch.equal(out, x @ root.w) for out in gm(x))
 
 
+def test_a_weight_changed_in_place_gets_a_new_copy_in_stages_built_after():
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(4)).half().float()
+    first = narrow_copy(weight)
+    assert narrow_copy(weight) is first  # once per tensor and version
+    with torch.no_grad():
+        weight.mul_(2)  # still float16 values, new ones
+    second = narrow_copy(weight)
+    assert second is not first and torch.equal(second.float(), weight) and torch.equal(first.float() * 2, weight)
+    with torch.no_grad():
+        weight.add_(1 / 3)  # no longer float16 values
+    assert narrow_copy(weight) is None
+
+
 def test_a_weight_with_a_nan_or_values_no_narrow_dtype_holds_stays_float32():
     nan = torch.zeros(64, 64)
     nan[3, 5] = float("nan")
