@@ -4,8 +4,9 @@ The target's verify alone, with the draft lane idle: SSD's ideal is a round that
 ``overlap_efficiency`` is measured against it (during SSD rounds the verify shares the machine with
 the draft lane and slows down). And the draft lane's warm-up: every stage shape the generation may
 use called once (a compiling backend compiles them now, not inside a round or against the lane's
-timeout), then the planner's stage costs measured, the verify timed while the lane builds each
-candidate tree. Both once per lane and shape.
+timeout), then the planner's stage costs measured: each stage alone first, then the verify and the
+lane's build timed while both run, for each candidate tree, and those contended costs are the ones the
+planner charges (a round's build runs against its verify). Both once per lane and shape.
 
 Every time here is the device's (:class:`~saguaro.runtime.base.timing.Stopwatch`): on CUDA two events
 on the stream the stage runs on, waited for alone, so timing the verify never waits for the draft
@@ -135,6 +136,10 @@ class Calibration:
         self._remeasure[verdict] = min(2 * interval, REMEASURE_MOST)
         return False
 
+    def ssd_over_sd(self, verdict: tuple) -> float | None:
+        """The last SSD generation's mean round over its SD round timed alone (None: none measured yet)."""
+        return self._ssd_over_sd.get(verdict)
+
     def record_ssd(self, verdict: tuple, round_s: list, sd_round_s: float | None) -> None:
         """The rounds of an SSD generation with this :meth:`verdict_key` (seconds each), against
         ``sd_round_s``, an SD round of the generation's shape timed alone (None: no local SD, no verdict)."""
@@ -183,11 +188,12 @@ class Calibration:
                 if timed_again or self.target.wait_compiled(timeout=0):
                     break
                 self.target.wait_compiled()  # compile="background": what ran eager was timed; once more, compiled
-            if costs is not None:
+            if costs is not None:  # both sides of a round timed while both run: the verify and each build
                 for budget in sorted(costs.tree_s) + [0]:
                     for _ in range(2):
                         lane.build_budget(budget)
                         costs.observe_verify(budget, verify(1))
                         lane.finished()  # waits for the build
+                costs.under_contention(copy.deepcopy(lane.plan_costs()))
             self._costs[key] = (alone, costs)
         return self._costs[key]

@@ -11,15 +11,14 @@ that the planner's prior estimate.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 
 from saguaro.core.warnings_at_caller import warn_at_caller
-from saguaro.runtime.draft.planner import ssd_pays
+from saguaro.runtime.draft.planner import ssd_pays, why_no_tree_pays
 from saguaro.runtime.draft.server import GenerateSpec
-from saguaro.runtime.lanes.protocol import DraftClient, DraftLaneError, one_thread_per_lane
+from saguaro.runtime.lanes.protocol import DraftClient, DraftLaneError
 
 
 @dataclass(frozen=True)
@@ -99,7 +98,7 @@ def plan_generation(program, mode: str, spec: GenerateSpec | None, target_capaci
         if program.draft is not None:
             # SD as it would run: its draft store holds no tree scratch (the target's capacity, Program._decode)
             sd_round_s = program.calibration.sd_round_s(batch, target_capacity, target_capacity, spec.temperature)
-        with one_thread_per_lane(spec.input_ids.device) if program.lanes.shares_host else nullcontext():
+        with program.lanes.ssd_context(spec.input_ids.device):  # timed as the rounds run
             calibrated = program.calibration.ready(lane, spec, target_capacity)
     except DraftLaneError as exc:
         warn_at_caller(f"saguaro: {exc}; generating with {alone.upper()} instead (output stays exact)")
@@ -109,12 +108,22 @@ def plan_generation(program, mode: str, spec: GenerateSpec | None, target_capaci
     costs = calibrated[1]
     if config.sd_when_faster and costs is not None and sd_round_s is not None and program.calibration.run_as_sd(
             verdict, ssd_pays(costs, sd_round_s, config.k, program.draft_width)):
-        return GenerationPlan(mode, "sd", f"no tree pays here: an SD round on every core "
-                                          f"({1000 * sd_round_s:.2f} ms) is faster than SSD's on the lanes' "
-                                          "share (sd_when_faster=True)",
+        return GenerationPlan(mode, "sd", f"no tree pays here: {_why_sd(program, verdict, costs, sd_round_s)} "
+                                          "(sd_when_faster=True)",
                               tree_policy=tree_policy, calibrated=calibrated, spec=spec, sd_round_s=sd_round_s)
     return GenerationPlan(mode, "ssd", f"SSD on the {lane.kind} lane", lane, tree_policy, calibrated, spec,
                           sd_round_s)
+
+
+def _why_sd(program, verdict: tuple, costs, sd_round_s: float) -> str:
+    """Why an SSD generation runs as SD, in words: the last SSD generation's measured rounds, or before any,
+    the planner's estimate from the contended costs."""
+    ratio = program.calibration.ssd_over_sd(verdict)
+    if ratio is not None:
+        return (f"the last SSD generation of this kind took {ratio:.2f}x an SD round ({1000 * sd_round_s:.2f} ms, "
+                "timed alone) a round; SSD is measured again now and then")
+    device = program.target.spec.device.type
+    return why_no_tree_pays(costs, sd_round_s, program.config.k, program.draft_width, device)
 
 
 class _Warmed(Exception):

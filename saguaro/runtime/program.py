@@ -23,7 +23,6 @@ from saguaro.runtime.decode.prefill import prefill
 from saguaro.runtime.draft.server import GenerateSpec
 from saguaro.runtime.base.inputs import check_generate_args
 from saguaro.runtime.lanes.owner import LaneOwner
-from saguaro.runtime.lanes.protocol import one_thread_per_lane
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.sequences import SequenceBatch
 from saguaro.runtime.base.state import DecodeState
@@ -264,7 +263,7 @@ class Program:
         if plan.calibrated is not None:  # SSD's ideal round: the verify alone (also for SSD run as SD)
             state.counters.verify_alone_s = plan.calibrated[0]
         ssd = plan.run == "ssd"
-        with one_thread_per_lane(self.target.spec.device) if ssd and self.lanes.shares_host else nullcontext():
+        with self.lanes.ssd_context(self.target.spec.device) if ssd else nullcontext():  # a priority stream on GPU
             first = prefill(self.target, self.draft, state)
             DECODERS[plan.run](self.target, self.draft, state, plan, first)
         if ssd and state.counters.lane_failures:

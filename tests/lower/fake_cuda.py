@@ -1,5 +1,6 @@
-"""A CPU stand-in for the parts of ``torch.cuda`` that ``saguaro.lower.cuda_graphs`` calls, so the CUDA
-branch's logic (signatures, static buffers, warm-up, capture, replay, fallback) runs on CPU.
+"""A CPU stand-in for the parts of ``torch.cuda`` that ``saguaro.lower.cuda_graphs`` (and the runtime's
+stream logic) calls, so the CUDA branch's logic (signatures, static buffers, warm-up, capture, replay,
+fallback, a stream's priority and the waits between streams) runs on CPU.
 
 It keeps CUDA's semantics where they matter: while a graph captures, the "kernels" a stage launches do
 not run but are recorded; a replay runs the recorded kernels again on the same tensors. A stage opts in
@@ -16,8 +17,8 @@ import torch
 
 
 class FakeStream:
-    def __init__(self, cuda: "FakeCuda", name: str, device=None):
-        self.cuda, self.name, self.device = cuda, name, device
+    def __init__(self, cuda: "FakeCuda", name: str, device=None, priority: int = 0):
+        self.cuda, self.name, self.device, self.priority = cuda, name, device, priority
         self.waited_on: list[str] = []
 
     def wait_stream(self, other: "FakeStream") -> None:
@@ -44,6 +45,7 @@ class FakeCuda:
         self.active: FakeStream = self.current
         self._local = threading.local()  # captures are per thread (capture_error_mode="thread_local")
         self.events: list = []
+        self.streams: list[FakeStream] = []  # every torch.cuda.Stream made, in order
         self.capture_kwargs: list[dict] = []
         self.fail_capture = False
 
@@ -57,13 +59,20 @@ class FakeCuda:
         self._local.graph = graph
 
     def install(self, monkeypatch) -> "FakeCuda":
-        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(self, "side", device))
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "Stream", self.new_stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.active)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "stream", self.stream)
         monkeypatch.setattr(torch.cuda, "graph", self.graph)
         monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: FakeGraph(self))
         monkeypatch.setattr(torch.cuda, "device", self.device)
         return self
+
+    def new_stream(self, device=None, priority: int = 0) -> FakeStream:
+        """``torch.cuda.Stream``: named "side", or "high-priority" below the default priority 0."""
+        stream = FakeStream(self, "side" if priority >= 0 else "high-priority", device, priority)
+        self.streams.append(stream)
+        return stream
 
     @contextlib.contextmanager
     def device(self, device):

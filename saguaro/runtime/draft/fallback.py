@@ -3,6 +3,8 @@ and the policy that picks one for ``fallback="auto"``."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from saguaro.runtime.draft.decode import draft_decode
@@ -49,15 +51,21 @@ def fast_fallback(seqs: SequenceBatch, rows: torch.Tensor, k: int, vocab_size: i
 
 
 AUTO_NEURAL_MAX_BATCH = 8  # the paper: neural fallback pays at small batch, fast at large
+WINDOW = 32  # the running means cover this many of the latest measurements of each kind
+EXPLORE_EVERY = 8  # after this many fallback rounds of one kind in a row, the other kind is taken once
 
 
 class FallbackPolicy:
-    """``auto``: per round, the fallback with the higher expected tokens per second.
+    """``auto``: per round, the fallback with the higher expected tokens per second, exploring the other.
 
     Neural: ``acc_neural / (T_verify + T_neural)``; fast: ``acc_fast / T_verify``. Costs and accepted
-    lengths are running means of what this generation measured. The first miss takes the kind the batch
-    size suggests (neural up to ``AUTO_NEURAL_MAX_BATCH`` rows), the next one tries the other kind once,
-    and from then on the measured rates decide.
+    lengths are means over the latest :data:`WINDOW` measurements of this generation. The first miss
+    takes the kind the batch size suggests (neural up to :data:`AUTO_NEURAL_MAX_BATCH` rows), the next
+    one tries the other kind once, and from then on the measured rates decide, except that after
+    :data:`EXPLORE_EVERY` fallback rounds of one kind in a row the other kind is taken once more: one
+    unlucky round never locks a kind out (its mean is measured again, and wins back where it pays).
+    ``choose`` only reads; the server reports what each fallback round took (:meth:`took`) and the
+    accepted lengths by kind (:meth:`observe_round`).
     """
 
     def __init__(self, kind: str, batch: int, fixed_costs: tuple | None = None, timed: bool = True):
@@ -68,11 +76,31 @@ class FallbackPolicy:
         self.batch = batch
         self.fixed_costs = fixed_costs
         self.timed = timed
-        self.accepted = {name: [] for name in FALLBACK_KINDS}
-        self.neural_s: list[float] = []
-        self.verify_s: list[float] = []
+        self.accepted = {name: deque(maxlen=WINDOW) for name in FALLBACK_KINDS}  # tokens decided per row
+        self.neural_s: deque = deque(maxlen=WINDOW)
+        self.verify_s: deque = deque(maxlen=WINDOW)
+        self.streak = (None, 0)  # (the kind the latest fallback rounds took, how many in a row)
+
+    def observe_round(self, sources: list, accepted: list, verify_s: float) -> None:
+        """A verified round: each row's speculation came from ``sources[b]`` (``"hit"``, ``"neural"`` or
+        ``"fast"``) and accepted ``accepted[b]`` tokens (None: the row was not active); the verify took
+        ``verify_s``. Rows of a fallback kind add their decided tokens ``a + 1`` to its mean."""
+        self.verify_s.append(verify_s)
+        for kind, a in zip(sources, accepted):
+            if a is not None and kind in self.accepted:
+                self.accepted[kind].append(a + 1)
+
+    def took(self, kind: str) -> None:
+        """A fallback round took ``kind``."""
+        last, count = self.streak
+        self.streak = (kind, count + 1 if kind == last else 1)
+
+    def mean_accepted(self, kind: str, default: float | None = None) -> float | None:
+        lengths = self.accepted[kind]
+        return sum(lengths) / len(lengths) if lengths else default
 
     def choose(self) -> str:
+        """The kind the next miss takes (reads only: the same answer until something is observed)."""
         if self.kind != "auto":
             return self.kind
         tried = {kind for kind, lengths in self.accepted.items() if lengths}
@@ -80,13 +108,15 @@ class FallbackPolicy:
             return "neural" if self.batch <= AUTO_NEURAL_MAX_BATCH else "fast"
         if len(tried) == 1:  # explore the other kind once
             return "fast" if "neural" in tried else "neural"
-        mean = lambda xs: sum(xs[-32:]) / len(xs[-32:])  # noqa: E731
+        last, count = self.streak
+        if count >= EXPLORE_EVERY:  # keep exploring: the other kind's mean may be out of date
+            return "fast" if last == "neural" else "neural"
         if self.fixed_costs is not None:
             t_verify, t_neural = self.fixed_costs
         elif self.neural_s and self.verify_s:
-            t_verify, t_neural = mean(self.verify_s), mean(self.neural_s)
+            t_verify, t_neural = sum(self.verify_s) / len(self.verify_s), sum(self.neural_s) / len(self.neural_s)
         else:
             return "neural"
-        neural_rate = mean(self.accepted["neural"]) / (t_verify + t_neural)
-        fast_rate = mean(self.accepted["fast"]) / t_verify
-        return "neural" if neural_rate >= fast_rate else "fast"
+        # acc_neural / (T_verify + T_neural) >= acc_fast / T_verify, without dividing by a zero cost
+        neural_wins = self.mean_accepted("neural") * t_verify >= self.mean_accepted("fast") * (t_verify + t_neural)
+        return "neural" if neural_wins else "fast"

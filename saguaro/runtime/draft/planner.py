@@ -90,6 +90,15 @@ class StageCosts:
     def observe_step(self, step_s: float) -> None:
         self.step_s = self._mean(self.step_s, step_s)
 
+    def under_contention(self, contended: "StageCosts | None") -> "StageCosts":
+        """These costs with the glue and tree depths that ``contended`` measured while the target verified
+        (calibration's builds) in place of those timed alone: in a round the build runs against the verify
+        (on one GPU their kernels share the device, on CPU the cores). Returns ``self``."""
+        if contended is not None:
+            self.glue_s = contended.glue_s if contended.glue_s is not None else self.glue_s
+            self.tree_s |= contended.tree_s
+        return self
+
     def tree(self, budget: int) -> float:
         return self.tree_s.get(budget, 0.0)  # optimistic while unmeasured: each candidate is tried once
 
@@ -143,12 +152,34 @@ class Planner:
 PRIOR_ALPHA, PRIOR_RHO = 0.8, 1.5  # the outcomes assumed before a generation has seen any
 
 
-def ssd_pays(costs: StageCosts, sd_round_s: float, k: int, cap: int) -> bool:
-    """Whether SSD's best plan, costed with a lane's warm-up ``costs`` (each lane on its share of the
-    cores), beats plain SD, whose round ``sd_round_s`` (verify + ``k`` draft steps, with every core)
-    was timed alone, under the prior outcomes :data:`PRIOR_ALPHA` and :data:`PRIOR_RHO`."""
+def prior_plan(costs: StageCosts, k: int, cap: int) -> Plan:
+    """SSD's best plan costed with ``costs`` under the prior outcomes :data:`PRIOR_ALPHA`, :data:`PRIOR_RHO`."""
     planner = Planner(k, [0, *costs.tree_s], cap)
     planner.costs = costs
-    plan = planner.plan(PRIOR_ALPHA, lambda j, f: (f + 1.0) ** (-PRIOR_RHO))
-    tokens = sum(p * (j + 1) for j, p in enumerate(outcome_probabilities(PRIOR_ALPHA, k)))
-    return plan.rate > tokens / sd_round_s
+    return planner.plan(PRIOR_ALPHA, lambda j, f: (f + 1.0) ** (-PRIOR_RHO))
+
+
+def prior_tokens(k: int) -> float:
+    """Tokens a round decides per row under the prior acceptance :data:`PRIOR_ALPHA`."""
+    return sum(p * (j + 1) for j, p in enumerate(outcome_probabilities(PRIOR_ALPHA, k)))
+
+
+def ssd_pays(costs: StageCosts, sd_round_s: float, k: int, cap: int) -> bool:
+    """Whether SSD's best plan, costed with a lane's calibrated ``costs`` (the verify and each build timed
+    while both run: on one GPU, their kernels sharing it; on CPU, each lane on its share of the cores),
+    beats plain SD, whose round ``sd_round_s`` (verify + ``k`` draft steps) was timed alone, under the prior
+    outcomes :data:`PRIOR_ALPHA` and :data:`PRIOR_RHO`."""
+    return prior_plan(costs, k, cap).rate > prior_tokens(k) / sd_round_s
+
+
+def why_no_tree_pays(costs: StageCosts, sd_round_s: float, k: int, cap: int, device: str) -> str:
+    """In words, with the figures, why :func:`ssd_pays` is False for these costs (``device``: the type of
+    the device the target and the lane share, "cuda" or "cpu")."""
+    plan = prior_plan(costs, k, cap)
+    build = (costs.glue_s or 0.0) + (k * costs.tree(plan.budget) if plan.budget else 0.0)
+    where = "sharing one GPU" if device == "cuda" else "each on its share of the cores"
+    tree = f"{plan.budget} branches" if plan.budget else "no tree, the glue only"
+    return (f"SSD's best round ({tree}: the verify {1000 * costs.verify(plan.budget):.2f} ms and the "
+            f"draft's build {1000 * build:.2f} ms, timed while both run, {where}) is expected to decide "
+            f"{plan.rate * sd_round_s / prior_tokens(k):.2f}x the tokens per second of an SD round "
+            f"({1000 * sd_round_s:.2f} ms, timed alone)")

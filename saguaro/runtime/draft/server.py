@@ -35,7 +35,7 @@ from saguaro.runtime.base.trace import TraceRecorder, traced
 from saguaro.tensor_math.fork import ranks_from_ranked
 from saguaro.tensor_math.verification import outcome_tokens
 
-HIT, NEURAL = SOURCES.index("hit"), SOURCES.index("neural")
+HIT, NEURAL, FAST = SOURCES.index("hit"), SOURCES.index("neural"), SOURCES.index("fast")
 MAX_LAYOUTS = 64  # branch layouts (index tensors per fan-out) a server keeps on its device
 
 
@@ -135,9 +135,8 @@ class SpeculationServer:
         if fan_out is not None:
             self.fan_out = list(fan_out)
         elif self.planner is not None:
-            fast = self.policy.accepted["fast"][-32:]
             self.fan_out = self.planner.plan(self.estimator.alpha, self.estimator.miss_function(),
-                                             self.policy.choose(), sum(fast) / len(fast) if fast else 1.0).fan_out
+                                             self.policy.choose(), self.policy.mean_accepted("fast", 1.0)).fan_out
         else:
             self.fan_out = self._fixed_fan_out()
         recorder = self.draft.recorder
@@ -187,6 +186,7 @@ class SpeculationServer:
     def fallback(self, missed: list) -> Speculation:
         """The next speculation with the rows ``missed [B]`` (host bools) made by the fallback the policy picks."""
         kind = self.policy.choose()
+        self.policy.took(kind)
         with traced(self.draft.recorder, "draft", f"fallback ({kind})"):
             return self._fallback(missed, kind)
 
@@ -217,8 +217,8 @@ class SpeculationServer:
         choose; the neural fallback for all ``B`` rows, one and ``B − 1``: after two sizes a compiling
         backend compiles the batch dimension dynamically) on a throwaway generation, so that a compiling
         backend compiles them now, not inside the rounds; then, for the planner, time each of them once
-        more. Returns the measured :class:`~saguaro.runtime.draft.planner.StageCosts` (None without a
-        planner). The next :meth:`open` starts afresh."""
+        more. Returns the :class:`~saguaro.runtime.draft.planner.StageCosts` so measured, each stage alone
+        (None without a planner); :meth:`plan_costs` has the builds' costs after it. :meth:`open` starts afresh."""
         self.open(spec)
         self.start(first_tokens)
         budgets = self.planner.budgets if self.planner is not None else [None]
@@ -236,7 +236,12 @@ class SpeculationServer:
             watch = Stopwatch(self.device)
             neural_fallback(self.draft, self.store, self.seqs, rows, self.k, self.temperature, self.generator)
             self.planner.costs.observe_step(watch.stop().seconds / self.k)
-        return self.planner.costs
+        alone, self.planner.costs = self.planner.costs, StageCosts()  # the next builds run against the verify
+        return alone
+
+    def plan_costs(self) -> StageCosts | None:
+        """What the builds since :meth:`warm_up` measured (calibration runs them while the target verifies)."""
+        return self.planner.costs if self.planner is not None else None
 
     def build_budget(self, budget: int | None) -> None:
         """:meth:`build` with a tree of ``budget`` branches (None: the configured fan-out)."""
@@ -251,10 +256,9 @@ class SpeculationServer:
 
     def _new_planner(self) -> Planner | None:
         """For ``fan_out="auto"``: a planner over the multiples of ``k+1`` up to the budget (and 0)."""
-        if self.config.fan_out != "auto":
-            return None
-        budgets = list(range(0, self.config.budget + 1, self.k + 1)) + [self.config.budget]
-        return Planner(self.k, budgets, self.draft.width)
+        auto = self.config.fan_out == "auto"
+        return Planner(self.k, list(range(0, self.config.budget + 1, self.k + 1)) + [self.config.budget],
+                       self.draft.width) if auto else None
 
     def trace_start(self) -> None:
         """Record this side's stage calls and methods (in the draft process: on its own recorder)."""
@@ -273,15 +277,12 @@ class SpeculationServer:
         rows that were not active). ρ needs the rank of ``r'`` among the glue's candidates, computed
         here on the device and read with the next build's table (:meth:`_read_build`), so the match
         never waits on it."""
-        self.estimator.observe([a for a in accepted if a is not None])
+        # α from the draft's own speculations only (hits, neural): an n-gram proposal accepts less
+        self.estimator.observe([a for a, code in zip(accepted, self.current.source) if a is not None and code != FAST])
         self._pending_ranks = (accepted, ranks_from_ranked(self.cache.ranked, accepted_d, outcome_d))  # [B]
-        self.policy.verify_s.append(verify_s)
+        self.policy.observe_round([SOURCES[code] for code in self.current.source], accepted, verify_s)
         if self.planner is not None:
             self.planner.measured.observe_verify(sum(self.fan_out), verify_s)
-        for code, a in zip(self.current.source, accepted):
-            name = SOURCES[code]
-            if a is not None and name in self.policy.accepted:
-                self.policy.accepted[name].append(a + 1)
 
     def _read_build(self) -> None:
         """The build's one device→host read, at its end (off the critical path): the candidate table

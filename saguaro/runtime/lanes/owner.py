@@ -12,14 +12,18 @@ An interrupt during start-up is not a failure: the next call tries again.
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.warnings_at_caller import warn_at_caller
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.draft.server import SpeculationServer
-from saguaro.runtime.lanes.protocol import DraftClient, DraftLane, DraftLaneError
+from saguaro.runtime.lanes.protocol import DraftClient, DraftLane, DraftLaneError, one_thread_per_lane
+from saguaro.runtime.lanes.streams import VerifyStream, same_gpu
 from saguaro.runtime.lanes.thread import ThreadLane
 
 
@@ -93,6 +97,7 @@ class LaneOwner:
         self.failure: DraftLaneError | None = None  # why no lane can start (remembered until close)
         self._client: DraftClient | None = None
         self._finalizer = None
+        self._verify_stream = VerifyStream()  # the target's high-priority stream while a lane shares its GPU
 
     def lane(self) -> DraftClient | None:
         """The lane's client, the lane started on first use (down the fallback chain when a kind cannot
@@ -119,6 +124,16 @@ class LaneOwner:
     def shares_host(self) -> bool:
         """Whether the current lane's draft computes on the target's machine."""
         return LANES[self.kind].shares_host
+
+    @contextmanager
+    def ssd_context(self, device: torch.device):
+        """Where SSD's rounds (and their calibration) run, the target on ``device``: where the lane's draft
+        shares the target's cores (on CPU) each lane has one intra-op thread; where it shares the target's
+        GPU, the caller's work runs on a high-priority stream (:class:`~saguaro.runtime.lanes.streams.VerifyStream`)."""
+        gpu = self.shares_host and self.draft is not None and same_gpu(device, self.draft.spec.device)
+        threads = one_thread_per_lane(device) if self.shares_host else nullcontext()
+        with threads, self._verify_stream.over(device, gpu):
+            yield
 
     def begin_call(self) -> None:
         """A ``generate`` begins: a start failure of a ``retry_each_call`` kind is forgotten (tried again)."""

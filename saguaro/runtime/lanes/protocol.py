@@ -38,6 +38,7 @@ class Method(enum.Enum):
     FINISHED = "finished"
     TRACE_START = "trace_start"
     TRACE_TAKE = "trace_take"
+    PLAN_COSTS = "plan_costs"  # last: a method's index is its number on the remote lane's wire
 
     def bound_to(self, server: SpeculationServer):
         """The server's bound method."""
@@ -124,6 +125,11 @@ class DraftClient:
     def build_budget(self, budget: int | None) -> None:
         """Posted: a build with the planner's fan-out for ``budget`` branches (calibration)."""
         self.lane.post(Method.BUILD_BUDGET, budget)
+
+    def plan_costs(self):
+        """Waits for what was posted; the stage costs the builds measured since ``warm_up`` returned (the
+        builds calibration ran while the target verified: costs under contention), or None."""
+        return self.lane.call(Method.PLAN_COSTS)
 
     def finished(self) -> bool:
         """Waits for what was posted; True once every row of the server's generation has finished."""

@@ -141,7 +141,7 @@ def encode_args(method: Method, args: tuple) -> list:
         return [torch.tensor([bool(m) for m in args[0]], dtype=I64, device="cpu")]
     if method is Method.BUILD_BUDGET:
         return [torch.tensor([-1 if args[0] is None else args[0]], dtype=I64, device="cpu")]
-    return []  # BUILD, FINISHED, TRACE_START, TRACE_TAKE: no arguments
+    return []  # BUILD, FINISHED, TRACE_START, TRACE_TAKE, PLAN_COSTS: no arguments
 
 
 def decode_args(method: Method, ts: list, bounds: Bounds) -> tuple:
@@ -157,7 +157,7 @@ def decode_args(method: Method, ts: list, bounds: Bounds) -> tuple:
         if first.numel() != bounds.batch:
             raise WireError(f"warm_up: {first.numel()} first tokens for a batch of {bounds.batch}")
         return spec, first
-    if method in (Method.BUILD, Method.FINISHED, Method.TRACE_START, Method.TRACE_TAKE):
+    if method in (Method.BUILD, Method.FINISHED, Method.TRACE_START, Method.TRACE_TAKE, Method.PLAN_COSTS):
         _count(0, ts, method.value)
         return ()
     if bounds.batch is None:
@@ -221,7 +221,7 @@ def encode_result(method: Method, result) -> list:
     if method is Method.MATCH:
         hit = torch.tensor([bool(h) for h in result.hit], dtype=I64, device="cpu")  # [B]
         return _encode_speculation(result.speculation) + [hit]
-    if method is Method.WARM_UP:
+    if method in (Method.WARM_UP, Method.PLAN_COSTS):
         return [] if result is None else [encode_costs(result)]
     if method is Method.FINISHED:
         return [torch.tensor([bool(result)], dtype=I64, device="cpu")]
@@ -241,7 +241,7 @@ def decode_result(method: Method, ts: list, bounds: Bounds, device: torch.device
         if len(hit) != bounds.batch or any(h not in (0, 1) for h in hit):
             raise WireError(f"match: expected {bounds.batch} hit flags of 0 or 1")
         return Lookup([bool(h) for h in hit], _decode_speculation(ts, bounds, device))
-    if method is Method.WARM_UP:
+    if method in (Method.WARM_UP, Method.PLAN_COSTS):
         return decode_costs(_tensor(ts, 0, (F64,), 2, "stage costs")) if ts else None
     if method is Method.FINISHED:
         _count(1, ts, "finished")

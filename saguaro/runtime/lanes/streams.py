@@ -21,11 +21,18 @@ lane protocol says, and a server method may read its own results to the host), a
 computes is read by the other before it is written, nor its memory reused while the other reads it. On CPU (the lane's
 device is not CUDA) there are no streams: :meth:`send` and :meth:`serve` only move tensors to the
 other side's device (nothing moves when both are the same), and :meth:`receive` returns the result.
+
+Where the lane's draft shares the target's GPU, the two compete for it: the lane's build is queued while
+the target verifies, and on the device their kernels interleave. The caller's side of SSD (the verify
+and what the round queues around it) then runs on a high-priority stream (:class:`VerifyStream`), so
+the GPU's scheduler runs the verify's kernels ahead of the build's waiting ones and the critical path
+(the verify) is slowed down as little as the build allows; the lane's stream keeps the default priority.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -140,3 +147,43 @@ class StreamHandoff:
         for tensor in tensors_in(reply.value):
             _record_stream(tensor, reply.caller_stream)
         return reply.value
+
+
+HIGH_PRIORITY = -1  # torch.cuda.Stream(priority=-1): scheduled ahead of the lane's stream (priority 0)
+
+
+def same_gpu(a: torch.device, b: torch.device | None) -> bool:
+    """Whether ``a`` and ``b`` are the same CUDA device (an index-less ``cuda`` is the current device)."""
+    if b is None or torch.device(a).type != "cuda" or torch.device(b).type != "cuda":
+        return False
+    index = lambda d: d.index if d.index is not None else torch.cuda.current_device()  # noqa: E731
+    return index(torch.device(a)) == index(torch.device(b))
+
+
+class VerifyStream:
+    """A high-priority CUDA stream per device for the caller's side of SSD while the draft lane shares its
+    GPU. :meth:`over` runs a block on it, ordered after what the caller's stream queued before and with the
+    caller's stream ordered after the block (events, no host synchronisation): every entry waits for the
+    caller's stream, so memory this stream freed is only reused after the caller's work on it."""
+
+    def __init__(self):
+        self._streams: dict = {}
+
+    @contextmanager
+    def over(self, device: torch.device, active: bool = True):
+        """The block on the high-priority stream of ``device`` if ``active`` and ``device`` is CUDA; else
+        nothing changes (CPU: no streams)."""
+        device = torch.device(device)
+        if not active or device.type != "cuda":
+            yield None
+            return
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
+        caller = torch.cuda.current_stream(device)
+        stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(stream):
+                yield stream
+        finally:
+            caller.wait_stream(stream)
