@@ -120,8 +120,8 @@ def _why_sd(program, verdict: tuple, costs, sd_round_s: float) -> str:
     the planner's estimate from the contended costs."""
     ratio = program.calibration.ssd_over_sd(verdict)
     if ratio is not None:
-        return (f"the last SSD generation of this kind took {ratio:.2f}x an SD round ({1000 * sd_round_s:.2f} ms, "
-                "timed alone) a round; SSD is measured again now and then")
+        return (f"the last SSD generation at this batch took {ratio:.2f}x an SD round's time ({1000 * sd_round_s:.2f} "
+                "ms, timed alone) a round; SSD runs again now and then to measure it anew")
     device = program.target.spec.device.type
     return why_no_tree_pays(costs, sd_round_s, program.config.k, program.draft_width, device)
 

@@ -53,3 +53,29 @@ def test_rho_estimate_converges_on_synthetic_ranks():
     assert est.rho == pytest.approx(rho, rel=0.2)
     # and the allocation reacts: a steeper miss curve (higher ρ) flattens the fan-out less
     assert geometric_fan_out(0.8, est.rho, 5, 18) != geometric_fan_out(0.8, 0.2, 5, 18)
+
+
+@pytest.mark.parametrize("fallback", ["fast", "neural"])
+def test_alpha_counts_only_speculations_the_draft_made(monkeypatch, fallback):
+    """α comes from hits and neural fallbacks, never from fast (n-gram) rounds, which accept less and would
+    bias it down. Fan-out 0: every lookup misses; the first round's speculation is the draft's own (the
+    neural ``start``), every later one the fallback's."""
+    from tests.conftest import tiny_program
+    from tests.models import prompts
+
+    seen = []
+    real = OutcomeEstimator.observe
+
+    def recording(self, accepted, ranks=None):
+        seen.append(list(accepted))
+        return real(self, accepted, ranks)
+
+    monkeypatch.setattr(OutcomeEstimator, "observe", recording)
+    _, _, program = tiny_program("llama", k=3, mode="ssd", fan_out=0, fallback=fallback, lane="thread")
+    ids, mask = prompts(1, 8, seed=6)
+    out = program.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None)
+    rounds = out.stats["rounds"]
+    assert out.stats["fallbacks"][fallback] == rounds - 1 and rounds > 2
+    assert len(seen) == rounds - 1  # the outcome of every round but the last reaches the draft side
+    observed = [a for round_seen in seen for a in round_seen]
+    assert len(observed) == (1 if fallback == "fast" else rounds - 1)  # fast: the first round's outcome only
