@@ -169,3 +169,72 @@ def test_a_dataclass_result_crossing_keeps_its_type_and_fields(fake_cuda):
     assert torch.equal(sent.input_ids, spec.input_ids) and torch.equal(sent.attention_mask, spec.attention_mask)
     rest = [f.name for f in dataclasses.fields(spec) if f.name not in ("input_ids", "attention_mask")]
     assert [getattr(sent, name) for name in rest] == [getattr(spec, name) for name in rest]
+
+
+def test_the_verify_stream_runs_a_block_on_a_high_priority_stream_ordered_both_ways(monkeypatch):
+    """Where the lane shares the target's GPU, the caller's side of SSD runs on a high-priority stream: it
+    waits for the caller's stream on entry, the caller's stream waits for it on exit (events, no host
+    synchronisation), and one stream per device is made once and reused."""
+    from tests.lower.fake_cuda import FakeCuda
+
+    cuda = FakeCuda().install(monkeypatch)
+    verify = streams.VerifyStream()
+    for _ in range(2):
+        with verify.over(torch.device("cuda:0")) as stream:
+            assert torch.cuda.current_stream() is stream and stream.priority == streams.HIGH_PRIORITY < 0
+            cuda.events.append(("verify runs on", torch.cuda.current_stream().name))
+        assert torch.cuda.current_stream() is cuda.current  # the caller's stream again
+    assert len(cuda.streams) == 1 and cuda.streams[0].device == torch.device("cuda:0")
+    one_block = [("wait", "high-priority", "current"), ("stream", "high-priority"),
+                 ("verify runs on", "high-priority"), ("wait", "current", "high-priority")]
+    assert cuda.events == one_block * 2
+    # inactive (no lane on this GPU), or not CUDA: nothing changes, no stream is made
+    for device, active in ((torch.device("cuda:0"), False), (torch.device("cpu"), True)):
+        with verify.over(device, active) as stream:
+            assert stream is None
+    assert len(cuda.events) == 8 and len(cuda.streams) == 1
+
+
+def test_same_gpu_compares_cuda_devices_with_the_current_one_for_no_index(monkeypatch):
+    from tests.lower.fake_cuda import FakeCuda
+
+    FakeCuda().install(monkeypatch)  # the current device is 0
+    cuda, cuda0, cuda1 = torch.device("cuda"), torch.device("cuda:0"), torch.device("cuda:1")
+    assert streams.same_gpu(cuda0, cuda0) and streams.same_gpu(cuda, cuda0) and streams.same_gpu(cuda0, cuda)
+    assert not streams.same_gpu(cuda0, cuda1) and not streams.same_gpu(cuda0, None)
+    assert not streams.same_gpu(torch.device("cpu"), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("lane, draft_device, prioritised", [
+    ("thread", "cuda:0", True),  # the lane's build and the verify share the GPU
+    ("thread", "cuda:1", False),  # draft_device: the draft has a GPU of its own
+    ("remote", "cuda:0", False),  # the draft runs on another machine
+])
+def test_ssd_rounds_run_on_the_priority_stream_only_where_the_lane_shares_the_gpu(monkeypatch, lane, draft_device,
+                                                                                     prioritised):
+    from saguaro.core.config import SaguaroConfig
+    from saguaro.runtime.lanes.owner import LaneOwner
+    from tests.lower.fake_cuda import FakeCuda
+
+    cuda = FakeCuda().install(monkeypatch)
+    draft = types.SimpleNamespace(spec=types.SimpleNamespace(device=torch.device(draft_device)))
+    remote = {"draft_address": "127.0.0.1:1"} if lane == "remote" else {}  # never connected to here
+    owner = LaneOwner(SaguaroConfig(lane=lane, **remote), draft, remote_draft=None)
+    threads = torch.get_num_threads()
+    with owner.ssd_context(torch.device("cuda:0")):
+        running = torch.cuda.current_stream()
+        assert torch.get_num_threads() == threads  # on CUDA no intra-op thread setting changes
+    assert (running.name == "high-priority") is prioritised and (running is cuda.current) is not prioritised
+    assert len(cuda.streams) == int(prioritised)
+
+
+def test_on_cpu_ssd_rounds_give_each_lane_one_thread_and_no_stream():
+    from saguaro.core.config import SaguaroConfig
+    from saguaro.runtime.lanes.owner import LaneOwner
+
+    draft = types.SimpleNamespace(spec=types.SimpleNamespace(device=torch.device("cpu")))
+    owner = LaneOwner(SaguaroConfig(lane="thread"), draft, remote_draft=None)
+    threads = torch.get_num_threads()
+    with owner.ssd_context(torch.device("cpu")):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == threads
