@@ -99,3 +99,19 @@ def test_registering_a_lane_that_falls_back_to_an_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="falls back to 'carrier pigeon', which is not registered"):
         lane_owner.register_lane("avian", lambda owner: None, falls_back_to="carrier pigeon")
     assert "avian" not in lane_owner.LANES
+
+
+def test_plan_costs_travel_over_the_remote_wire_as_the_warm_up_costs_do():
+    """``plan_costs`` (the builds calibration timed against the verify) takes no argument and answers stage
+    costs, or nothing without a planner; it is the last method, so every earlier one keeps its number."""
+    from saguaro.runtime.draft.planner import StageCosts
+    from saguaro.runtime.lanes.remote_messages import METHODS, Bounds, decode_args, decode_result, encode_args, \
+        encode_result
+
+    assert METHODS[-1] is Method.PLAN_COSTS and METHODS.index(Method.TRACE_TAKE) == 9
+    bounds = Bounds(vocab=16, k=3, max_capacity=64)
+    assert encode_args(Method.PLAN_COSTS, ()) == [] and decode_args(Method.PLAN_COSTS, [], bounds) == ()
+    costs = StageCosts(glue_s=1.5e-3, step_s=None, tree_s={4: 4e-3, 8: 4.5e-3}, verify_s={0: 7e-3})
+    back = decode_result(Method.PLAN_COSTS, encode_result(Method.PLAN_COSTS, costs), bounds, torch.device("cpu"))
+    assert (back.glue_s, back.step_s, back.tree_s, back.verify_s) == (1.5e-3, None, {4: 4e-3, 8: 4.5e-3}, {0: 7e-3})
+    assert decode_result(Method.PLAN_COSTS, encode_result(Method.PLAN_COSTS, None), bounds, torch.device("cpu")) is None
