@@ -37,7 +37,8 @@ class SaguaroConfig:
         a seed reproduces its tokens only with ``"blocking"``. With ``sd_when_faster``, an SSD generation
         runs SD's rounds the first time its shape comes and while compiles are queued, so the planner
         times SSD on compiled stages only. CUDA-graph stages always block.
-    fallback: on an SSD cache miss, ``"neural"``, ``"fast"`` or ``"auto"``.
+    fallback: on an SSD cache miss, ``"neural"``, ``"fast"`` or ``"auto"`` (the one with the higher measured
+        tokens per second, the other taken again after 8 rounds of one in a row).
     fan_out: ``"auto"`` (the planner, :mod:`saguaro.runtime.draft.planner`, picks each round's branch count
         among the multiples of ``k+1`` up to the budget, 0 meaning an SD round, and its fan-out from
         measured costs and outcomes), ``"geometric"`` (always the whole budget, split geometrically),

@@ -12,9 +12,10 @@ where ``P_hit(M) = Σ_j P(j) · (1 − miss(j, F_j))`` for the fan-out ``F`` of 
 maximises it (``miss(j, F)``: the chance that the outcome token at position ``j`` is not among the
 top ``F`` candidates, so branches go where outcomes are likely and misses frequent). ``M = 0`` builds the glue only: every row then misses and drafts with the neural
 fallback, which is an SD round whose glue overlaps the verify. So when no tree pays, SSD runs SD
-rounds. The cost terms start from what the draft lane measured while it warmed up and, for greedy
-generations, follow running means of what it measures each round (a candidate not measured yet counts
-its tree as free, so it is tried once). Sampled generations keep the warm-up costs: the plan then
+rounds. The cost terms start from what calibration measured with the verify and the lane's build
+running together (:meth:`StageCosts.under_contention`: the round's real costs, on one GPU or on the
+lanes' share of the cores, not each stage's alone) and, for greedy generations, follow running means of
+what it measures each round (a candidate not measured yet counts its tree as free, so it is tried once). Sampled generations keep the warm-up costs: the plan then
 depends on the seed's outcomes only, so a seed fixes the tokens. ``P(j)`` and ``miss`` come from the
 :class:`~saguaro.runtime.draft.fan_out.OutcomeEstimator`.
 """
