@@ -19,6 +19,7 @@ from saguaro.core.warnings_at_caller import warn_at_caller
 from saguaro.runtime.draft.planner import ssd_pays, why_no_tree_pays
 from saguaro.runtime.draft.server import GenerateSpec
 from saguaro.runtime.lanes.protocol import DraftClient, DraftLaneError
+from saguaro.runtime.lanes.streams import same_gpu
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,14 @@ def _why_sd(program, verdict: tuple, costs, sd_round_s: float) -> str:
     if ratio is not None:
         return (f"the last SSD generation at this batch took {ratio:.2f}x an SD round's time ({1000 * sd_round_s:.2f} "
                 "ms, timed alone) a round; SSD runs again now and then to measure it anew")
-    device = program.target.spec.device.type
-    return why_no_tree_pays(costs, sd_round_s, program.config.k, program.draft_width, device)
+    device = program.target.spec.device
+    if not program.lanes.shares_host:
+        where = "the draft on a machine of its own"
+    elif device.type == "cpu":
+        where = "each on its share of the cores"
+    else:
+        where = "sharing one GPU" if same_gpu(device, program.draft.spec.device) else "each on a device of its own"
+    return why_no_tree_pays(costs, sd_round_s, program.config.k, program.draft_width, where)
 
 
 class _Warmed(Exception):

@@ -63,12 +63,11 @@ def test_whether_ssd_pays_over_sd_is_decided_with_the_contended_costs():
     sd_round_s = VERIFY_ALONE_S + K * STEP_S  # 12 ms: SD timed alone
     assert ssd_pays(contended(6.5, 0.6, {4: 0.5, 8: 0.7}), sd_round_s, K, CAP)
     assert not ssd_pays(contended(7.0, 1.5, {4: 4.0, 8: 4.5}), sd_round_s, K, CAP)
-    why = why_no_tree_pays(contended(7.0, 1.5, {4: 4.0, 8: 4.5}), sd_round_s, K, CAP, "cuda")
+    why = why_no_tree_pays(contended(7.0, 1.5, {4: 4.0, 8: 4.5}), sd_round_s, K, CAP, "sharing one GPU")
     assert "timed while both run, sharing one GPU" in why and "12.00 ms, timed alone" in why
     assert "the verify 7.00 ms" in why and "no tree, the glue only" in why  # M = 0: the build is the glue
     assert "the draft's build 1.50 ms" in why
-    assert "its share of the cores" in why_no_tree_pays(contended(7.0, 1.5, {4: 4.0, 8: 4.5}), 1e-3, K, CAP, "cpu")
-    tree = why_no_tree_pays(contended(6.5, 0.6, {4: 0.5, 8: 0.7}), 1e-3, K, CAP, "cpu")
+    tree = why_no_tree_pays(contended(6.5, 0.6, {4: 0.5, 8: 0.7}), 1e-3, K, CAP, "each on its share of the cores")
     assert "(8 branches: the verify 7.54 ms and the draft's build 2.70 ms" in tree
 
 
@@ -156,3 +155,22 @@ def test_a_generation_plans_with_the_contended_costs_and_says_why_in_words(monke
     assert measured.stats["ran_as"] == "sd" and measured.stats["plan"].startswith(
         "no tree pays here: the last SSD generation at this batch took 2.00x an SD round's time (12.00 ms, timed "
         "alone)")
+
+
+@pytest.mark.parametrize("target, draft, shares_host, where", [
+    ("cuda:0", "cuda:0", True, "sharing one GPU"),  # the one-GPU case: the same words as on CPU, its figures
+    ("cuda:0", "cuda:1", True, "each on a device of its own"),  # draft_device
+    ("cuda:0", "cuda:0", False, "the draft on a machine of its own"),
+    ("cpu", "cpu", True, "each on its share of the cores"),
+])
+def test_the_words_say_where_the_contended_costs_were_timed(target, draft, shares_host, where):
+    from saguaro.runtime.generation_plan import _why_sd
+
+    program = SimpleNamespace(
+        calibration=SimpleNamespace(ssd_over_sd=lambda verdict: None), lanes=SimpleNamespace(shares_host=shares_host),
+        target=SimpleNamespace(spec=SimpleNamespace(device=torch.device(target))),
+        draft=SimpleNamespace(spec=SimpleNamespace(device=torch.device(draft))), config=SimpleNamespace(k=K),
+        draft_width=CAP)
+    costs = contended(7.0, 1.5, {4: 4.0, 8: 4.5})
+    assert _why_sd(program, ("verdict",), costs, 12e-3) == why_no_tree_pays(costs, 12e-3, K, CAP, where)
+    assert f"timed while both run, {where})" in _why_sd(program, ("verdict",), costs, 12e-3)

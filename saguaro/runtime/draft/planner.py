@@ -15,8 +15,9 @@ fallback, which is an SD round whose glue overlaps the verify. So when no tree p
 rounds. The cost terms start from what calibration measured with the verify and the lane's build
 running together (:meth:`StageCosts.under_contention`: the round's real costs, on one GPU or on the
 lanes' share of the cores, not each stage's alone) and, for greedy generations, follow running means of
-what it measures each round (a candidate not measured yet counts its tree as free, so it is tried once). Sampled generations keep the warm-up costs: the plan then
-depends on the seed's outcomes only, so a seed fixes the tokens. ``P(j)`` and ``miss`` come from the
+what it measures each round (a candidate not measured yet counts its tree as free, so it is tried
+once). Sampled generations keep the warm-up costs: the plan then depends on the seed's outcomes only,
+so a seed fixes the tokens. ``P(j)`` and ``miss`` come from the
 :class:`~saguaro.runtime.draft.fan_out.OutcomeEstimator`.
 """
 
@@ -173,12 +174,11 @@ def ssd_pays(costs: StageCosts, sd_round_s: float, k: int, cap: int) -> bool:
     return prior_plan(costs, k, cap).rate > prior_tokens(k) / sd_round_s
 
 
-def why_no_tree_pays(costs: StageCosts, sd_round_s: float, k: int, cap: int, device: str) -> str:
-    """In words, with the figures, why :func:`ssd_pays` is False for these costs (``device``: the type of
-    the device the target and the lane share, "cuda" or "cpu")."""
+def why_no_tree_pays(costs: StageCosts, sd_round_s: float, k: int, cap: int, where: str) -> str:
+    """In words, with the figures, why :func:`ssd_pays` is False for these costs (``where`` the target and
+    the lane ran while calibration timed them, e.g. "sharing one GPU")."""
     plan = prior_plan(costs, k, cap)
     build = (costs.glue_s or 0.0) + (k * costs.tree(plan.budget) if plan.budget else 0.0)
-    where = "sharing one GPU" if device == "cuda" else "each on its share of the cores"
     tree = f"{plan.budget} branches" if plan.budget else "no tree, the glue only"
     return (f"SSD's best round ({tree}: the verify {1000 * costs.verify(plan.budget):.2f} ms and the "
             f"draft's build {1000 * build:.2f} ms, timed while both run, {where}) is expected to decide "
