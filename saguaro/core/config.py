@@ -93,8 +93,8 @@ class SaguaroConfig:
     lane_timeout_s: seconds the target waits for one answer of the draft lane, during a generation,
         before finishing that generation with SD.
     sd_when_faster: with ``fan_out="auto"``, an SSD generation whose warm-up measures that no tree pays
-        on the lanes' share of the cores (one intra-op thread each on CPU) runs as plain SD on every
-        core instead (``stats["planned_sd"]``, ``stats["ran_as"] == "sd"``: "ran as SD" wherever it is
+        with the verify and the build timed while both run (on the lanes' share of the cores, one
+        intra-op thread each on CPU; sharing one GPU) runs as plain SD instead (``stats["planned_sd"]``, ``stats["ran_as"] == "sd"``: "ran as SD" wherever it is
         shown); False always runs SSD's rounds (``--plan always-ssd`` on the command line).
     lane_start_timeout_s: seconds a process lane may take to start (a new Python process imports
         torch and Saguaro and captures the draft); past it the lane is given up for the Program's

@@ -2,8 +2,9 @@
 
 AR and SD run as asked. SSD needs a draft lane (started on first use; none can start → SD, the same
 tokens), the lane warmed up for this shape and the costs measured (:mod:`saguaro.runtime.calibration`),
-and then the verdict: where no tree pays on the lanes' share of the machine, plain SD on every core is
-faster, so the rounds run are SD's (``sd_when_faster``; the stats stay SSD's). The verdict holds per lane,
+and then the verdict: where no tree pays with the verify and the build costed as they run together (on
+the lanes' share of the cores, or sharing one GPU), plain SD timed alone is faster, so the rounds run
+are SD's (``sd_when_faster``; the stats stay SSD's, and ``stats["plan"]`` says why with the figures). The verdict holds per lane,
 batch and sampled-or-greedy across store capacities: measured SSD rounds over SD's once an SSD generation
 has run (re-measured now and then, :meth:`~saguaro.runtime.calibration.Calibration.run_as_sd`), before
 that the planner's prior estimate.
