@@ -4,7 +4,7 @@ and its :class:`~saguaro.capture.export.ModelSpec` as JSON.
 
 A process lane's draft process starts from these: it neither imports ``transformers`` nor rebuilds the
 model nor captures it (a process lane's start on the default pair measured 2.5-2.9 s against 6.7-7.8 s,
-most of the difference ``transformers``' imports; ``benchmarks/lane_start.py``). The graph is the
+most of the difference ``transformers``' imports; ``benchmarks/parts/lane_start.py``). The graph is the
 capture's, before any pass, so the draft process runs the same pass pipeline on it as the caller did.
 """
 

@@ -1,4 +1,4 @@
-"""``benchmarks/ar_round.py`` and its harness ``benchmarks/alternating.py`` without a compile (the A/B itself runs
+"""``benchmarks/parts/ar_round.py`` and its harness ``benchmarks/parts/alternating.py`` without a compile (the A/B itself runs
 for minutes): the options, the switch between AR's two forms, the alternating order and the report."""
 
 import json
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "parts"))
 import alternating  # noqa: E402
 import ar_round as script  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""``benchmarks/direct_calls.py`` without its compile (the A/B itself runs for minutes): its options, and that a
+"""``benchmarks/parts/direct_calls.py`` without its compile (the A/B itself runs for minutes): its options, and that a
 pass's form reaches every compiled stage of both models and nothing else."""
 
 import sys
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "parts"))
 import direct_calls as script  # noqa: E402
 
 

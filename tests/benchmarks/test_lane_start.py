@@ -1,4 +1,4 @@
-"""benchmarks/lane_start.py refuses a repeat count it cannot run, naming it (the timing itself needs the
+"""benchmarks/parts/lane_start.py refuses a repeat count it cannot run, naming it (the timing itself needs the
 default pair and a draft process: run by hand, figures in benchmarks/README.md)."""
 
 import sys
@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_zero_repeats_are_refused_naming_the_value(capsys):
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "parts"))
     try:
         import lane_start
     finally:

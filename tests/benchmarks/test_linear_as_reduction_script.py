@@ -1,4 +1,4 @@
-"""``benchmarks/linear_as_reduction.py``: ``--compare`` must name two different ``linears`` settings (checked
+"""``benchmarks/parts/linear_as_reduction.py``: ``--compare`` must name two different ``linears`` settings (checked
 before any model loads)."""
 
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "parts"))
 import linear_as_reduction  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""``benchmarks/llama_cpp.py``: skipped with its reason without a llama.cpp build; with one (here a fake
+"""``benchmarks/compare/llama_cpp.py``: skipped with its reason without a llama.cpp build; with one (here a fake
 build whose two programs print llama.cpp's own report lines, tokens/s set by the test) its llama.cpp rows
 are those lines' speeds, medians over alternating passes; Saguaro's rows (``saguaro bench``'s worker
 processes, faked here) alternate with them and count the tokens after the prefill, as llama.cpp does."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "compare"))
 import llama_cpp  # noqa: E402
 
 COMPLETION_OUT = (

@@ -1,4 +1,4 @@
-"""benchmarks/time_to_text.py times what a user watching a command sees: the first output, the first text
+"""benchmarks/parts/time_to_text.py times what a user watching a command sees: the first output, the first text
 after a marker line (the demo's streamed completion), the end; and --cold gives the command empty caches."""
 
 import json
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "time_to_text.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "parts" / "time_to_text.py"
 CHILD = ("import os, sys, time\n"
          "print('loading', flush=True); time.sleep(0.3)\n"
          "print('--- Saguaro (ssd) completes', flush=True); print('', flush=True); time.sleep(0.4)\n"

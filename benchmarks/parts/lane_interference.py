@@ -14,7 +14,7 @@ From these: an SD round is ``verify(all threads) + k · step(best threads)``; an
 shorter than ``max(verify beside the build, build)``; their ratio bounds SSD ÷ SD from above (times
 the tokens per round, which SSD can at most equal on a hit). Prints a table and writes JSON.
 
-    python benchmarks/lane_interference.py --json lane_interference.json
+    python benchmarks/parts/lane_interference.py --json lane_interference.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout without install
 K = 5
 
@@ -48,7 +48,7 @@ def recorded_calls(threads: int) -> dict:
     keys)."""
     torch.set_num_threads(threads)
     import saguaro
-    from benchmarks.stage_costs import Recorder
+    from benchmarks.parts.stage_costs import Recorder
     from saguaro.bench.rows import bench_prompts
 
     target, draft, tokenizer = saguaro.default_pair()

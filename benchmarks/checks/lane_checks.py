@@ -6,9 +6,11 @@
    and three times mid-generation, each caught as in a notebook: how soon control returns, and the
    next call's time, mode and exactness; then a Ctrl-C that ends the script, and what is left running.
 
-    python benchmarks/lane_checks.py
+    python benchmarks/checks/lane_checks.py --json lane_checks.json
 """
 
+import argparse
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +20,7 @@ import textwrap
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 UNGUARDED = """
 import time, saguaro
@@ -59,21 +61,25 @@ while True:
 """
 
 
-def run_unguarded(folder: Path) -> None:
+def run_unguarded(folder: Path) -> dict:
     (folder / "script.py").write_text(UNGUARDED)
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "script.py"], cwd=folder, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     print(textwrap.indent(out.stdout.strip(), "  "))
-    print(f"  top level ran {(folder / 'marker.txt').read_text().count('top level ran')} time(s); "
-          f"script wall {time.perf_counter() - started:.1f}s, exit code {out.returncode}")
+    ran = (folder / "marker.txt").read_text().count("top level ran")
+    wall = time.perf_counter() - started
+    print(f"  top level ran {ran} time(s); script wall {wall:.1f}s, exit code {out.returncode}")
+    return {"calls": out.stdout.strip().splitlines(), "top_level_runs": ran, "wall_s": round(wall, 2),
+            "exit_code": out.returncode}
 
 
-def run_interrupted(folder: Path) -> None:
+def run_interrupted(folder: Path) -> dict:
     (folder / "interrupted.py").write_text(INTERRUPTED)
     proc = subprocess.Popen([sys.executable, "interrupted.py"], cwd=folder, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    result = {"control_back_ms": [], "next_calls": []}
     for delay in (2.0, 0.5, 0.5, 0.5):  # the first lands in the lane's start-up (seconds long)
         while proc.stdout.readline().strip() != "go":
             pass
@@ -82,22 +88,33 @@ def run_interrupted(folder: Path) -> None:
         os.killpg(proc.pid, signal.SIGINT)
         reply = proc.stdout.readline().split()
         if reply and reply[0] == "interrupted":
-            print(f"  Ctrl-C returned control after {1000 * (float(reply[1]) - sent):.0f} ms")
-        print("  " + proc.stdout.readline().strip())
-    print("  " + proc.stdout.readline().strip())
+            result["control_back_ms"].append(round(1000 * (float(reply[1]) - sent)))
+            print(f"  Ctrl-C returned control after {result['control_back_ms'][-1]} ms")
+        result["next_calls"].append(json.loads(proc.stdout.readline()))
+        print("  " + json.dumps(result["next_calls"][-1]))
+    result["next_calls"].append(json.loads(proc.stdout.readline()))
+    print("  " + json.dumps(result["next_calls"][-1]))
     pid = int(proc.stdout.readline().split()[1])
     time.sleep(0.5)
     sent = time.perf_counter()
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait()
-    print(f"  a Ctrl-C that ends the script: exited after {time.perf_counter() - sent:.2f}s")
+    result["exit_after_ctrl_c_s"] = round(time.perf_counter() - sent, 2)
+    print(f"  a Ctrl-C that ends the script: exited after {result['exit_after_ctrl_c_s']:.2f}s")
     time.sleep(0.5)
-    print(f"  draft process {pid} still running: {Path(f'/proc/{pid}').exists()}")
+    result["draft_process_left"] = Path(f"/proc/{pid}").exists()
+    print(f"  draft process {pid} still running: {result['draft_process_left']}")
+    return result
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", metavar="PATH", help="write what was measured as JSON")
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         print("unguarded script, three SSD calls, lane='process':")
-        run_unguarded(Path(tmp))
+        results = {"unguarded": run_unguarded(Path(tmp))}
         print("Ctrl-C to the process group, caught (as in a notebook):")
-        run_interrupted(Path(tmp))
+        results["interrupted"] = run_interrupted(Path(tmp))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))

@@ -13,7 +13,7 @@ target process talks to the server's process): a warm-up generation, then ``--re
 generations over held-out prompts; tokens/s is new tokens ÷ wall time of the timed ones. SSD rows
 run SSD's own rounds (``sd_when_faster=False``). Prints a table and writes JSON.
 
-    python benchmarks/remote_draft.py --json remote_draft.json [--backend eager|inductor]
+    python benchmarks/parts/remote_draft.py --json remote_draft.json [--backend eager|inductor]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout without install
 ROWS = {"ssd (remote lane)": dict(mode="ssd", lane="remote"), "sd": dict(mode="sd"),
         "ssd (thread lane)": dict(mode="ssd", lane="thread")}

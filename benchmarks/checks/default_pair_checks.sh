@@ -2,9 +2,10 @@
 # The default-pair benchmark grid the SSD and compiler issues check: batch 1 and 4, temperature 0
 # and 1, 128 new tokens, 8 held-out prompts; plus eager vs inductor at batch 1, greedy.
 # Each run prints its table and writes JSON under ${OUT:-bench_results}/. Takes about 15 minutes on
-# a 2-core CPU. Usage: bash benchmarks/default_pair_checks.sh
+# a 2-core CPU. Usage: bash benchmarks/checks/default_pair_checks.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
+cd "$(dirname "$0")/../.."
 out=${OUT:-bench_results}
 mkdir -p "$out"
 saguaro=${SAGUARO:-.venv/bin/saguaro}

@@ -3,7 +3,7 @@ stage a round uses, the tree stage at several branch counts ``MQ``, and the SD /
 
 Each stage's last call in a real generation is re-timed ``--repeats`` times (a stage rewrites the
 same slots, so repeats leave the store as they found it). Prints a table and writes JSON.
-Example: ``python benchmarks/stage_costs.py --backend inductor --json stage_costs.json``.
+Example: ``python benchmarks/parts/stage_costs.py --backend inductor --json stage_costs.json``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 
 def parse_args(argv=None):

@@ -2,8 +2,8 @@
 ``linears="gemm"`` (every linear a BLAS call, as captured) and ``linears="auto"`` (on CPU the few-row
 stages' linears as a product and a sum that Inductor fuses into one reduction reading each weight once).
 
-    python benchmarks/linear_as_reduction.py --threads 1 --passes 5 --json linears.json
-    python benchmarks/linear_as_reduction.py --compare auto,template   # the GEMM template of the verify
+    python benchmarks/parts/linear_as_reduction.py --threads 1 --passes 5 --json linears.json
+    python benchmarks/parts/linear_as_reduction.py --compare auto,template   # the GEMM template of the verify
 
 ``--compare A,B`` names the two ``linears`` settings (default ``gemm,auto``). Both programs are warmed up in AR and SD (every shape compiled); then their timed passes alternate
 (``--prompts`` held-out prompts x ``--new`` tokens each, greedy). Prints a table of medians with B/A and

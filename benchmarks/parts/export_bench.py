@@ -1,7 +1,7 @@
 """Export vs compile on the default pair: export time, artifact size, load time, load + first generation
 vs a cold compile + first generation, and tokens/s of the loaded program vs the compiled one.
 
-    python benchmarks/export_bench.py --modes ar,sd --json export_bench.json
+    python benchmarks/parts/export_bench.py --modes ar,sd --json export_bench.json
 
 The compiled side runs in this process with an empty Inductor cache (a temporary TORCHINDUCTOR_CACHE_DIR,
 so its compile is cold); the loaded side runs in a fresh Python process, as a user loading the
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def timed_generations(program, prompts, mode, max_new_tokens):

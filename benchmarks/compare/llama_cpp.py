@@ -1,6 +1,6 @@
 """Saguaro against llama.cpp on this CPU, from your own llama.cpp build and GGUF files of the pair.
 
-    python benchmarks/llama_cpp.py --llama-cpp ~/llama.cpp/build \\
+    python benchmarks/compare/llama_cpp.py --llama-cpp ~/llama.cpp/build \\
         --target-gguf target-f32.gguf --draft-gguf draft-f32.gguf --threads 1,2 --json llama_cpp.json
 
 Rows, at each thread count (tokens/s; the median of ``--repeats`` passes, a pass being every prompt once;

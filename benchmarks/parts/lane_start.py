@@ -1,7 +1,7 @@
 """Time a process lane's start on the default pair: the draft process's start-up until its server is built,
 and its close, after one generation warmed the caller.
 
-    python benchmarks/lane_start.py --repeats 3 --json lane_start.json
+    python benchmarks/parts/lane_start.py --repeats 3 --json lane_start.json
 
 Prints the seconds of each start and writes them as JSON.
 """

@@ -2,7 +2,7 @@
 Inductor, warmed up in AR and SD (every shape compiled, every stage's direct calls learnt), then timed passes
 that alternate between the stages' direct calls and dynamo's path (the same compiled code behind both).
 
-    python benchmarks/direct_calls.py --threads 1 --passes 5 --json direct_calls.json
+    python benchmarks/parts/direct_calls.py --threads 1 --passes 5 --json direct_calls.json
 
 Passes, the table and the JSON as ``alternating.py`` describes; the table's last column is direct/dynamo.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 FORMS = ("dynamo", "direct")
 

@@ -69,3 +69,9 @@ def report(forms: tuple, modes: tuple, rates: dict, exact: bool, args) -> list[d
         Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows, "exact": exact},
                                               indent=2))
     return rows
+
+
+if __name__ == "__main__":  # a harness, not a benchmark of its own: say so and what runs it
+    ab_parser(__doc__ + "\nNot a benchmark by itself: run ar_round.py or direct_calls.py, which take these "
+              "options.").parse_args()
+    raise SystemExit("alternating.py is the harness of ar_round.py and direct_calls.py: run one of those")

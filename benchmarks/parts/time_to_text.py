@@ -1,9 +1,9 @@
 """Time a command's output as a user watching it sees it: when its first line comes, when the first text
 after a marker line comes (the demo's streamed completion) and when it ends.
 
-    python benchmarks/time_to_text.py --json demo_warm.json
-    python benchmarks/time_to_text.py --cold --json demo_cold.json
-    python benchmarks/time_to_text.py --marker "" -- saguaro generate --prompt "def f(x):"
+    python benchmarks/parts/time_to_text.py --json demo_warm.json
+    python benchmarks/parts/time_to_text.py --cold --json demo_cold.json
+    python benchmarks/parts/time_to_text.py --marker "" -- saguaro generate --prompt "def f(x):"
 
 The command (default: this interpreter running ``examples/demo.py``) runs behind a pipe with
 ``PYTHONUNBUFFERED=1``; its output is echoed with the seconds since start. ``--cold`` runs it with a new
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO_MARKER = "--- Saguaro ("  # the line before the demo's streamed completion
 
 

@@ -3,7 +3,7 @@ and the next slot claimed inside the graph) measured against AR by the step (``t
 the argmax, the append and the claim as tensor operations on the host): the default pair compiled once by
 Inductor, warmed up in both forms, then timed AR passes alternating between them.
 
-    python benchmarks/ar_round.py --threads 1 --passes 5 --json ar_round.json
+    python benchmarks/parts/ar_round.py --threads 1 --passes 5 --json ar_round.json
 
 Passes, the table and the JSON as ``alternating.py`` describes; the table's last column is round/step.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 FORMS = ("step", "round")
 

@@ -3,10 +3,10 @@
 tiny Llama, against the unsharded eager program's tokens (which the tests check against
 ``transformers`` ``generate``). Prints one line per mode and rank.
 
-    python benchmarks/tp_inductor_check.py
+    python benchmarks/checks/tp_inductor_check.py --json tp_inductor.json
 """
-import datetime, os, socket, sys, tempfile, time
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+import argparse, datetime, json, os, socket, sys, tempfile, time
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
 import torch, torch.distributed as dist
 import torch.multiprocessing as mp
 import saguaro
@@ -29,6 +29,9 @@ def run(rank, port, out):
     dist.destroy_process_group()
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", metavar="PATH", help="write one row per mode and rank as JSON")
+    args = parser.parse_args()
     s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
     out = tempfile.mkdtemp(prefix="saguaro-tp-")
     mp.start_processes(run, args=(port, out), nprocs=3, start_method="spawn", join=True)
@@ -36,8 +39,15 @@ if __name__ == "__main__":
     target = tiny_target("llama")
     ref = saguaro.compile(target, truncated_draft(target), k=4, mode="sd", backend="eager", fan_out="geometric",
                           lane="thread", sd_when_faster=False)
+    rows = []
+    print(f"{'mode':<5} {'rank':>4} {'equal':>6} {'lane':>8} {'failures':>8} {'seconds':>8}")
     for mode in ("ar", "sd", "ssd"):
         want = ref.generate(ids, attention_mask=mask, max_new_tokens=16, mode=mode).sequences
         for r in range(3):
             seq, lane, fails, secs = torch.load(f"{out}/r{r}.pt", weights_only=False)[mode]
-            print(mode, "rank", r, "equal", torch.equal(seq, want), "lane", lane, "failures", fails, f"{secs:.1f}s")
+            rows.append({"mode": mode, "rank": r, "equal": torch.equal(seq, want), "lane": lane,
+                         "failures": fails, "seconds": round(secs, 1)})
+            print(f"{mode:<5} {r:>4} {str(rows[-1]['equal']):>6} {str(lane):>8} {str(fails):>8} {secs:>8.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)

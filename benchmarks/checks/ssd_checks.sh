@@ -2,9 +2,10 @@
 # The checks of the SSD-speed issue on the default pair: each row in a process of its own, every
 # prompt warmed up before timing, torch's default threads, k=5, 128 new tokens, 8 prompts, inductor.
 # Prints each table and writes JSON under ${OUT:-bench_results}/. Pass a check name to run only it:
-#   bash benchmarks/ssd_checks.sh [greedy|sampled|eager|batch4|batch16]
+#   bash benchmarks/checks/ssd_checks.sh [greedy|sampled|eager|batch4|batch16]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
+cd "$(dirname "$0")/../.."
 out=${OUT:-bench_results}
 mkdir -p "$out"
 saguaro=${SAGUARO:-.venv/bin/saguaro}

@@ -1,6 +1,6 @@
 """What tracing costs: tokens/s of the same generations with and without ``trace=``, in adjacent pairs.
 
-    python benchmarks/trace_overhead.py --mode ssd --lane thread --reps 12 --prompts 4 --max-new-tokens 48
+    python benchmarks/parts/trace_overhead.py --mode ssd --lane thread --reps 12 --prompts 4 --max-new-tokens 48
 
 Each pair decodes one prompt twice, back to back: once untraced and once traced to a JSON file (which
 goes first alternates from pair to pair), on the default pair (one intra-op thread per lane). Pairs are
