@@ -36,8 +36,8 @@ def parse_args(argv=None):
     from . import __doc__ as doc
 
     p = argparse.ArgumentParser(prog="gpu_probe", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", default="all", type=str.upper, choices=[*PARTS, "ALL"],
-                   help="one part A-E, or all of them in sequence (default all)")
+    p.add_argument("--part", default="all", type=str.upper,
+                   help="a part A-E, several (A,C), or all of them in sequence (default all)")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     p.add_argument("--scale", choices=["auto", "8b", "tiny"], default="auto",
                    help="speed pair: 8b (Llama-3.1-8B's shape, 32 layers, bf16; the default on CUDA) or tiny (CPU)")
@@ -87,10 +87,13 @@ def parse_args(argv=None):
     args.isolate = (not cpu) if args.isolate == "auto" else args.isolate == "yes"
     if args.exactness == "auto":
         args.exactness = "eager" if cpu else "inductor_cuda_graphs,eager"
-    for name, allowed in (("exactness", SUBPHASES), ("pairs", ("llama", "qwen2")), ("compiled_pairs", ("llama", "qwen2"))):
-        bad = [x for x in getattr(args, name).split(",") if x not in allowed]
+    args.parts = list(PARTS) if args.part == "ALL" else args.part.split(",")
+    for name, allowed in (("parts", PARTS), ("exactness", SUBPHASES), ("pairs", ("llama", "qwen2")), ("compiled_pairs", ("llama", "qwen2"))):
+        value = getattr(args, name)
+        bad = [x for x in (value if isinstance(value, list) else value.split(",")) if x not in allowed]
         if bad:
-            p.error(f"--{name.replace('_', '-')} {','.join(bad)} is not allowed: choose from {', '.join(allowed)}")
+            flag = "part" if name == "parts" else name.replace("_", "-")
+            p.error(f"--{flag} {','.join(bad)} is not allowed: choose from {', '.join(allowed)}")
     if not 0.0 < args.acceptance < 1.0:
         p.error(f"--acceptance {args.acceptance} is not allowed: choose a fraction between 0 and 1")
     return args
@@ -112,7 +115,8 @@ def run_part(name: str, args, report: Report, deadline: float) -> None:
 
     keys, started, ctx = ("parts", name), time.time(), {}
     log(f"part {name}: start ({deadline - started:.0f}s)")
-    report.update(keys, {"title": parts.TITLES[name], "status": "running", "budget_s": round(deadline - started)})
+    report.update(keys, {"title": parts.TITLES[name], "status": "running", "budget_s": round(deadline - started),
+                         "pid": os.getpid()})
 
     def record(data: dict) -> None:
         report.update(keys, {**data, "status": "running"})
@@ -147,10 +151,11 @@ def mark_terminated(report: Report, name: str, why: str) -> None:
     report.update(("parts", name), changes)
 
 
-def run_child(name: str, args, report: Report, budget: float) -> None:
-    """Part ``name`` in a child process group: SIGTERM when ``budget`` is spent, SIGKILL ``--grace-s`` later."""
-    cmd = [sys.executable, "-m", "benchmarks.gpu_probe", *args.argv, "--unit", name,
-           "--unit-deadline", str(time.time() + budget)]
+def run_child(name: str, args, report: Report, budget: float, cmd: list | None = None) -> None:
+    """Part ``name`` in a child process group: SIGTERM when ``budget`` is spent, SIGKILL ``--grace-s`` later.
+    ``cmd``: another child command (tests)."""
+    cmd = cmd or [sys.executable, "-m", "benchmarks.gpu_probe", *args.argv, "--unit", name,
+                  "--unit-deadline", str(time.time() + budget)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, process_group=0)
     why = None
@@ -206,7 +211,7 @@ def main(argv=None) -> int:
     Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).mkdir(parents=True, exist_ok=True)
     started = time.time()
     report.path.unlink(missing_ok=True)
-    wanted = list(PARTS) if args.part == "ALL" else [args.part]
+    wanted = args.parts
     report.update(("probe",), {"argv": args.argv, "scale": args.scale, "device": args.device, "parts": wanted,
                                "budget_s_per_part": args.budget_s, "isolate": args.isolate,
                                "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"],
