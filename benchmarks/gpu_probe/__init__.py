@@ -3,9 +3,9 @@
     python benchmarks/gpu_probe.py --part A --out DIR      # (or python -m benchmarks.gpu_probe ...)
     python benchmarks/gpu_probe.py --scale tiny --device cpu --out DIR   # every part on tiny models
 
-A  environment (versions, GPU, commit), copy bandwidth, the verify's few-row linears (cuBLAS against
-   Inductor's reductions) and decode attention at a 2,048-token context (SDPA against flex), then AR
-   at batch 1 with cuda_graphs off and on.
+A  environment (versions, GPU, commit), copy bandwidth, AR at batch 1 with cuda_graphs off and on, then
+   the verify's few-row linears (cuBLAS against Inductor's reductions) and decode attention at a
+   2,048-token context (SDPA against flex).
 B  SD at batch 1 with cuda_graphs off and on (and c, a draft step's time over a verify's).
 C  SSD at batch 1 (its own rounds, and the planner's choice), and how much of the draft lane's build
    hides under the verify.

@@ -26,7 +26,7 @@ def config_info(program) -> dict:
     return {n: getattr(program.config, n) for n in names if hasattr(program.config, n)}
 
 
-def measure(program, ids, args, label: str, part: dict, hang=None) -> dict:
+def measure(program, ids, args, label: str, part: dict) -> dict:
     """The row ``label`` of ``program`` on ``ids``; ``part`` holds ``bandwidth`` and ``pair`` (models)."""
     from . import counting
     from .models import acceptance, pair_bytes, round_bytes
@@ -34,8 +34,6 @@ def measure(program, ids, args, label: str, part: dict, hang=None) -> dict:
     started = time.perf_counter()
     program.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=None)
     first_s = time.perf_counter() - started
-    if hang is not None:
-        hang()  # testing: the part's time share runs out here
     runs = [program.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=None)
             for _ in range(REPEATS.get(ids.device.type, 1))]
     out = sorted(runs, key=lambda o: o.stats["tokens_per_s"])[len(runs) // 2]
