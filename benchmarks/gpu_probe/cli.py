@@ -154,8 +154,9 @@ def mark_terminated(report: Report, name: str, why: str) -> None:
 def run_child(name: str, args, report: Report, budget: float, cmd: list | None = None) -> None:
     """Part ``name`` in a child process group: SIGTERM when ``budget`` is spent, SIGKILL ``--grace-s`` later.
     ``cmd``: another child command (tests)."""
-    cmd = cmd or [sys.executable, "-m", "benchmarks.gpu_probe", *args.argv, "--unit", name,
-                  "--unit-deadline", str(time.time() + budget)]
+    cmd = cmd or [sys.executable, "-m", "benchmarks.gpu_probe", *args.argv, "--unit", name,  # run from REPO:
+                  "--out", str(Path(args.out).resolve()),  # the parent's folders, wherever it was started
+                  "--cache-dir", os.environ["TORCHINDUCTOR_CACHE_DIR"], "--unit-deadline", str(time.time() + budget)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, process_group=0)
     why = None

@@ -259,3 +259,41 @@ def test_rounds_pair_each_verify_with_the_build_posted_for_it():
     assert [r["hidden_gpu"] for r in found["per_round"]] == [0.5, 1.0]
     assert found["hidden_fraction_gpu"] == round((2.0 + 2.0) / (4.0 + 2.0), 3)
     assert found["stages"]["verify [caller]"]["calls"] == 2
+
+
+class _FakeEvent:
+    """``torch.cuda.Event`` on a CPU: each record reads a clock that advances 2 ms per reading."""
+
+    clock = 0.0
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self, stream=None):
+        _FakeEvent.clock += 2.0
+        self.at = _FakeEvent.clock
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return other.at - self.at
+
+
+def test_cuda_timing_and_key_averages_paths_on_a_cpu(monkeypatch):
+    """The CUDA branches a CPU can reach: event timing (against a stand-in event) and the profiler's
+    device columns (zero on a CPU trace, but read the way a CUDA one is)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.gpu_probe import hardware, trace
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    calls = []
+    assert hardware.median_s(lambda: calls.append(1), torch.device("cuda"), repeats=5) == pytest.approx(0.002)
+    assert len(calls) == 3 + 5  # warm-up, then the timed calls
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    found = trace.key_averages(prof, rounds=2, cuda=True)
+    assert found["sorted_by"] == "self_device_ms" and found["top"]
+    assert found["device_ms_total"] == 0.0 and found["device_kernels_per_round"] == 0.0
+    assert found["cpu_ms_per_round"] == pytest.approx(found["cpu_ms_total"] / 2, abs=1e-3)
