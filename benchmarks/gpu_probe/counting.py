@@ -162,21 +162,17 @@ def stage_launches(fn) -> tuple[int | None, str, bool]:
     return None, f"not countable ({type(fn).__name__})", graphed
 
 
-def program_launches(program, mode: str) -> dict:
-    """``launches_per_stage`` of the stages a greedy generation in ``mode`` ran, and how counted."""
-    from saguaro.core.stages import stages_for
-
+def program_launches(program) -> dict:
+    """``launches_per_stage`` of every stage ``program``'s runners have built (the stages of the modes its
+    rows ran: a graphed AR may run the step rather than the round), and how they were counted."""
     counts, how, graphed = {}, set(), []
-    for stage in stages_for(mode, 0.0):
-        runner = program.runner(stage.model)
-        fn = runner.built_stages.get(stage) if runner is not None else None
-        if fn is None:
-            continue
-        n, source, is_graphed = stage_launches(fn)
-        counts[stage.qualified] = n
-        how.add(source)
-        if is_graphed:
-            graphed.append(stage.qualified)
+    for runner in filter(None, (program.target, program.draft)):
+        for stage, fn in runner.built_stages.items():
+            n, source, is_graphed = stage_launches(fn)
+            counts[stage.qualified] = n
+            how.add(source)
+            if is_graphed:
+                graphed.append(stage.qualified)
     return {"launches_per_stage": counts, "launches_source": sorted(how), "graphed_stages": graphed}
 
 

@@ -70,7 +70,7 @@ def measure(program, ids, args, label: str, part: dict) -> dict:
                   "overlap_efficiency": round(stats.get("overlap_efficiency", 0.0), 4), "lane": stats.get("lane"),
                   "lane_failures": stats.get("lane_failures"),
                   "draft_wait_ms_per_round": round(1000 * stats.get("draft_wait_s", 0.0) / rounds, 4)}
-    entry |= counting.program_launches(program, stats.get("ran_as") or ran)
+    entry |= counting.program_launches(program)
     entry |= counted_generation(program, ids, args)
     return entry
 
