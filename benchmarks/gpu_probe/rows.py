@@ -70,6 +70,9 @@ def measure(program, ids, args, label: str, part: dict) -> dict:
                   "overlap_efficiency": round(stats.get("overlap_efficiency", 0.0), 4), "lane": stats.get("lane"),
                   "lane_failures": stats.get("lane_failures"),
                   "draft_wait_ms_per_round": round(1000 * stats.get("draft_wait_s", 0.0) / rounds, 4)}
+    graphs = {k: v for k, v in stats.items() if "graph" in k}  # what the build says of its CUDA graphs, if anything
+    if graphs:
+        entry["graph_stats"] = graphs
     entry |= counting.program_launches(program)
     entry |= counted_generation(program, ids, args)
     return entry
