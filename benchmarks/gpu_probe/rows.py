@@ -56,13 +56,13 @@ def measure(program, ids, args, label: str, part: dict) -> dict:
         "rounds": stats.get("rounds"), "mean_accepted_len": round(stats.get("mean_accepted_len", 0.0), 3),
         "round_ms_p50": stats.get("round_ms_p50"), "per_round_ms": stats.get("per_round_ms"),
         "bytes_per_round": per_round, "bytes_per_token": round(per_round / tokens_per_round),
-        "roofline_share": round(per_round / (ms_per_round / 1000) / bandwidth, 4) if bandwidth and ms_per_round > 0 else None,
+        "roofline_share": _sig(per_round / (ms_per_round / 1000) / bandwidth) if bandwidth and ms_per_round > 0 else None,
     }
     if ran != "ar":
         entry["acceptance"] = acceptance(out.counters, program.config.k)
     if ran == "sd" and stats.get("draft_s") and stats.get("verify_s"):
         step = stats["draft_s"] / (rounds * program.config.k)
-        entry["c_measured"] = round(step / (stats["verify_s"] / rounds), 4)
+        entry["c_measured"] = _sig(step / (stats["verify_s"] / rounds))
         entry["stage_ms"] = {"draft_step": round(1000 * step, 4), "verify": round(1000 * stats["verify_s"] / rounds, 4)}
     if "cache_hit_rate" in stats:
         entry |= {"cache_hit_rate": round(stats["cache_hit_rate"], 4), "hits_by_position": stats.get("hits_by_position"),
@@ -76,6 +76,11 @@ def measure(program, ids, args, label: str, part: dict) -> dict:
     entry |= counting.program_launches(program)
     entry |= counted_generation(program, ids, args)
     return entry
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits (a small share stays above zero)."""
+    return float(f"{x:.{digits}g}")
 
 
 def counted_generation(program, ids, args) -> dict:
