@@ -72,7 +72,10 @@ def speed_rows(name, args, ctx, result, record, deadline, plan, hang=None) -> di
             entry.update(rows.error_entry(label, exc))
         record(result)
         if entry["status"] == "ok" and "trace" not in result:
-            result["trace"] = {"row": label} | trace.profile_rounds(prog, ids, args.max_new_tokens, Path(args.out), name)
+            try:
+                result["trace"] = {"row": label} | trace.profile_rounds(prog, ids, args.max_new_tokens, Path(args.out), name)
+            except Exception as exc:  # noqa: BLE001 - the rows go on without it
+                result["trace"] = {"row": label, "file": None, "status": f"error: {type(exc).__name__}: {str(exc)[:500]}"}
             record(result)
         if hang is not None:
             hang()
