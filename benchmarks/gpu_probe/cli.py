@@ -1,6 +1,6 @@
 """The probe's command line: parts, budgets, child processes, the report.
 
-Each part runs under its time budget (``--budget-s``, 390 s each on CUDA, so a part ends in under 7
+Each part runs under its time budget (``--budget-s``, 380 s each at 8B scale, so a part ends in under 7
 minutes on a cold H200, process start included). On CUDA each part runs in a child process of its own
 process group (a CUDA error cannot spoil the next part); when its budget is spent the child gets
 SIGTERM, then ``--grace-s`` seconds to write what it was doing as terminated, then SIGKILL. What a part
@@ -21,8 +21,8 @@ from pathlib import Path
 from .report import PARTS, Report, table
 
 REPO = Path(__file__).resolve().parents[2]
-BUDGET_S = {"8b": 390.0, "tiny": 120.0}  # per part
-GRACE_S = 20.0
+BUDGET_S = {"8b": 380.0, "tiny": 120.0}  # per part
+GRACE_S = 15.0
 CACHE = REPO / ".probe_cache" / "inductor"
 GRAPHS = {"default": None, "on": True, "off": False}
 SUBPHASES = ("inductor_cuda_graphs", "inductor_cuda_graphs_flex", "inductor", "eager")
@@ -43,7 +43,7 @@ def parse_args(argv=None):
                    help="speed pair: 8b (Llama-3.1-8B's shape, 32 layers, bf16; the default on CUDA) or tiny (CPU)")
     p.add_argument("--out", metavar="DIR", default=os.environ.get("OUT") or "bench_results",
                    help="where gpu_probe.json and the traces go (default $OUT, else bench_results)")
-    p.add_argument("--budget-s", type=float, default=None, help="seconds per part (default 390 at 8b, 120 tiny)")
+    p.add_argument("--budget-s", type=float, default=None, help="seconds per part (default 380 at 8b, 120 tiny)")
     p.add_argument("--grace-s", type=float, default=GRACE_S, help=f"after SIGTERM, seconds before SIGKILL ({GRACE_S:.0f})")
     p.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto",
                    help="one child process per part (default: yes on CUDA, no on CPU)")
