@@ -1,26 +1,20 @@
-"""The probe's overlap phase: how much of the draft lane's build hides under the target's verify.
+"""Part C's overlap: how much of the draft lane's build hides under the target's verify.
 
-For one SSD generation per batch size (the speed phase's program, ``sd_when_faster=False``), every
+For one SSD generation at batch 1 (the part's program, ``sd_when_faster=False``), every
 verify (the caller's thread, the default stream), every build (the lane's thread and stream) and every
 stage call is timed twice: by the host clock around the call (launch time: what the host spends issuing
 it) and, on CUDA, by events recorded on the calling stream before and after (GPU time: from the stream
 reaching the first event to it reaching the last). Per round, the build's share inside the verify's
 interval is the fraction hidden. On CPU there are no CUDA events: host clocks only, and the report says
-so. Then a ``torch.profiler`` trace of three SSD rounds is written beside the JSON (gzipped, or dropped,
-past 16 MiB).
+so.
 """
 
 from __future__ import annotations
 
-import gzip
 import importlib
-import shutil
 import threading
 import time
-from pathlib import Path
 
-BATCHES = (1, 8)
-TRACE_LIMIT = 16 * 2**20  # what the device machine sends back per file
 MAX_ROUNDS_LISTED = 40
 
 
@@ -147,81 +141,17 @@ def summary(calls: list, cuda: bool) -> dict:
             "stages": dict(sorted(stages.items()))}
 
 
-def run(args, ctx, record, deadline: float) -> dict:
-    from probe_speed import compile_program, prompt
-
-    program = compile_program(args, ctx)
-    ssd = program.variant(mode="ssd", sd_when_faster=False)
-    device = program.target.spec.device
-    cuda = device.type == "cuda"
-    result = {"clocks": "CUDA events and host perf_counter" if cuda else "host perf_counter only",
-              "batches": {}, "k": ssd.config.k}
+def measure(ssd, ids, args) -> dict:
+    """The overlap of one SSD generation of ``ssd`` (whose shapes have run) on ``ids``."""
+    cuda = ids.device.type == "cuda"
+    with Timeline(cuda) as timeline:
+        out = ssd.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=None)
+    stats = out.stats
+    result = summary(timeline.intervals(), cuda) | {
+        "clocks": "CUDA events and host perf_counter" if cuda else "host perf_counter only",
+        "tokens_per_s": round(stats["tokens_per_s"], 1), "overlap_efficiency": stats.get("overlap_efficiency"),
+        "cache_hit_rate": stats.get("cache_hit_rate"), "ran": stats.get("mode"), "plan": stats.get("plan"),
+        "lane_failures": stats.get("lane_failures"), "generation_rounds": stats.get("rounds")}
     if not cuda:
         result["cuda_events"] = "CUDA-only: not measured on cpu (no GPU time, launch time is all the host sees)"
-    vocab = program.target.spec.vocab_size
-    for batch in BATCHES:
-        if time.time() > deadline - 10:
-            result["batches"][str(batch)] = {"status": "skipped: time budget"}
-            continue
-        ids = prompt(batch, vocab, args.prompt_len, device)
-        ssd.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=None)  # compiled, lane warm
-        with Timeline(cuda) as timeline:
-            out = ssd.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=None)
-        stats = out.stats
-        result["batches"][str(batch)] = summary(timeline.intervals(), cuda) | {
-            "tokens_per_s": round(stats["tokens_per_s"], 1), "overlap_efficiency": stats.get("overlap_efficiency"),
-            "cache_hit_rate": stats.get("cache_hit_rate"), "ran": stats.get("mode"), "plan": stats.get("plan"),
-            "lane_failures": stats.get("lane_failures"), "generation_rounds": stats.get("rounds")}
-        record(result)
-    if time.time() < deadline - 5:
-        ids = prompt(1, vocab, args.prompt_len, device)
-        result["trace"] = profile_rounds(ssd, ids, args.max_new_tokens, Path(args.out), cuda)
-    else:
-        result["trace"] = "skipped: time budget"
     return result
-
-
-def profile_rounds(program, ids, max_new_tokens: int, out: Path, cuda: bool) -> str:
-    """A ``torch.profiler`` trace of three SSD rounds (after one skipped and one warm-up round), from a
-    generation of the shape already timed (nothing compiles inside it)."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    path = out / "gpu_probe_trace.json"
-    path.unlink(missing_ok=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    ssd = importlib.import_module("saguaro.runtime.decode.ssd")
-    original = getattr(ssd, "ssd_round", None)
-    k = program.config.k
-    if original is None:  # the round function moved: profile a short generation whole
-        with profile(activities=activities) as prof:
-            program.generate(ids, max_new_tokens=min(max_new_tokens, 3 * (k + 1)), eos_token_id=None)
-        prof.export_chrome_trace(str(path))
-        what = "a whole short generation (saguaro.runtime.decode.ssd.ssd_round not found)"
-    else:
-        prof = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
-                       on_trace_ready=lambda p: p.export_chrome_trace(str(path)))
-
-        def stepped(*args, **kwargs):
-            try:
-                return original(*args, **kwargs)
-            finally:
-                prof.step()
-        ssd.ssd_round = stepped
-        try:
-            with prof:
-                program.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=None)
-        finally:
-            ssd.ssd_round = original
-        what = "three SSD rounds"
-    if not path.exists():
-        return f"no trace written ({what}: the generation ran fewer rounds than the schedule needs)"
-    if path.stat().st_size > TRACE_LIMIT:
-        with path.open("rb") as src, gzip.open(f"{path}.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        path.unlink()
-        path = Path(f"{path}.gz")
-        if path.stat().st_size > TRACE_LIMIT:
-            size = path.stat().st_size
-            path.unlink()
-            return f"dropped: {what}, {size / 2**20:.1f} MiB gzipped, over the 16 MiB limit"
-    return f"{path.name}: {what}, {path.stat().st_size / 2**20:.2f} MiB"

@@ -1,5 +1,5 @@
-"""The probe's exactness phase: tiny float32 pairs, greedy outputs against ``transformers`` ``generate``
-and sampled outputs checked for validity, under one configuration per sub-phase.
+"""Part D, exactness: tiny float32 pairs, greedy outputs against ``transformers`` ``generate`` and
+sampled outputs checked for validity, under one configuration per sub-phase (:data:`CONFIGS`).
 
 Each check is ``{"name", "ok", ...}``: ``ok`` is token equality with ``generate`` (greedy) or validity
 (sampled: the shape, the prompt kept, every token in the vocabulary, the same seed giving the same
@@ -12,14 +12,15 @@ at a bug). Checks run most telling first; past the deadline the rest are recorde
 
 from __future__ import annotations
 
-import copy
 import time
 import traceback
 
 K, NEW, PROMPT_LEN, VOCAB, PAD = 3, 16, 9, 128, 0
 BATCHES = {1: {}, 3: {1: 4, 2: 1}}  # batch -> {row: left-padding}
-CONFIGS = {"eager": {"backend": "eager"}, "inductor": {"backend": "inductor"},
-           "inductor_cuda_graphs_flex": {"backend": "inductor", "attention": "flex", "cuda_graphs": True}}
+CONFIGS = {"inductor_cuda_graphs": {"backend": "inductor", "cuda_graphs": True},
+           "inductor_cuda_graphs_flex": {"backend": "inductor", "attention": "flex", "cuda_graphs": True},
+           "inductor": {"backend": "inductor"}, "eager": {"backend": "eager"}}
+CUDA_ONLY = ("inductor_cuda_graphs", "inductor_cuda_graphs_flex")
 SLACK_S = 5.0  # a check is not started with less than this left
 
 
@@ -34,27 +35,9 @@ def tiny_pair(arch: str, device, seed: int = 0):
                         pad_token_id=PAD, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(seed)
     target = model_cls(config).eval()
+    from .models import truncated
+
     return target.to(device), truncated(target, 1).to(device)
-
-
-def truncated(target, layers: int):
-    """A draft of ``target``'s embeddings, first ``layers`` layers, final norm and head (copied)."""
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = layers
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = config.layer_types[:layers]
-    import torch
-
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(target.dtype)  # built where and as the target is: no float32 copy on the host
-    try:
-        with torch.device(target.device):
-            draft = type(target)(config).eval()
-    finally:
-        torch.set_default_dtype(default)
-    own = draft.state_dict()
-    draft.load_state_dict({k: v for k, v in target.state_dict().items() if k in own})
-    return draft
 
 
 def prompts(batch: int, device, seed: int):
