@@ -71,6 +71,19 @@ class FallbackPolicy:
         self.accepted = {name: [] for name in FALLBACK_KINDS}
         self.neural_s: list[float] = []
         self.verify_s: list[float] = []
+        self._neural_pending: list = []  # neural fallbacks' Intervals (runtime.base.timing) not read yet
+
+    def time_neural(self, interval) -> list:
+        """Queue a neural fallback's device-time ``Interval``; add to ``neural_s`` and return the seconds of
+        those queued that are ready now, oldest first. On CUDA a fallback's time is so read once a later
+        call finds its events passed, never by waiting (its tokens go to the verify on the device: the
+        caller needs no host copy of them); on CPU at once."""
+        self._neural_pending.append(interval)
+        ready = []
+        while self._neural_pending and self._neural_pending[0].ready():
+            ready.append(self._neural_pending.pop(0).seconds)
+        self.neural_s.extend(ready)
+        return ready
 
     def choose(self) -> str:
         if self.kind != "auto":
