@@ -1,4 +1,4 @@
-"""Device→host reads counted on the CPU, by round and by lane (``test_host_syncs.py``, ``test_late_read.py``).
+"""Device→host reads counted on the CPU, by round and by lane (``test_host_syncs.py``).
 
 On CUDA a read of a device tensor (``.item()``, ``bool(t)``, ``int(t)``, ``.tolist()``, ``.cpu()``,
 ``.nonzero()``, a boolean-mask index) waits for the device, and so does synchronizing a CUDA event the
