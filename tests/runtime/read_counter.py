@@ -83,16 +83,28 @@ class ReadCounter:
         self.caller = threading.current_thread()
         self._lock = threading.Lock()
 
-    def install(self, monkeypatch, count_rounds: bool = True, cuda_late_reads: bool = True) -> "ReadCounter":
+    def install(self, monkeypatch, count_rounds: bool = True, cuda_late_reads: bool = True,
+                fake_events: bool = True) -> "ReadCounter":
         """Patch the reading functions, the caller's ``Stopwatch`` (fake CUDA events) and, when
-        ``count_rounds``, the target's round calls (each begins a round); ``cuda_late_reads``: see above."""
+        ``count_rounds``, the target's round calls (each begins a round); ``cuda_late_reads``: see above.
+        On a real GPU, ``fake_events=False`` (and ``cuda_late_reads=False``) keeps CUDA's own events and
+        counts a wait for one the device has not passed."""
         for name in READS:
             monkeypatch.setattr(torch.Tensor, name, self._counted(name, getattr(torch.Tensor, name)))
         monkeypatch.setattr(torch, "nonzero", self._counted("torch.nonzero", torch.nonzero))
         for name in ("__getitem__", "__setitem__"):
             monkeypatch.setattr(torch.Tensor, name, self._masked(name, getattr(torch.Tensor, name)))
-        monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: FakeEvent(self, enable_timing))
-        monkeypatch.setattr(timing.Stopwatch, "__init__", self._stopwatch(timing.Stopwatch.__init__))
+        if fake_events:
+            monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: FakeEvent(self, enable_timing))
+            monkeypatch.setattr(timing.Stopwatch, "__init__", self._stopwatch(timing.Stopwatch.__init__))
+        else:
+            synchronize = torch.cuda.Event.synchronize
+
+            def counted_synchronize(event):
+                if not event.query():
+                    self.record("event.synchronize")
+                return synchronize(event)
+            monkeypatch.setattr(torch.cuda.Event, "synchronize", counted_synchronize)
         if cuda_late_reads:
             monkeypatch.setattr(timing.LateRead, "__init__", self._late_read(timing.LateRead.__init__))
             monkeypatch.setattr(timing, "pinned_like", lambda value: torch.empty_like(value, device="cpu"))
