@@ -58,7 +58,7 @@ def test_an_ar_round_never_syncs_and_reads_the_active_rows_a_round_late(case, mo
     assert out.stats["mode"] == "ar" and rounds == 23  # 24 new tokens, the prefill decided the first
     assert calls == rounds  # the budget ends every row: the host sees it coming, no round past the end
     sync, late = counter.per_round(calls), counter.per_round(calls, "late")
-    copies = [n for r, kind, _, what, _ in counter.reads if kind == "late" and what == "tolist" for n in [r]]
+    copies = [r for r, kind, _, what, _ in counter.reads if kind == "late" and what == "tolist"]  # rounds
     report = f"{case}: syncs per round {sync}, late reads {late}, {counter.setup()} before; where:\n{counter.where()}"
     print(report)
     assert sync[:-1] == [0] * (calls - 1), report  # no round waits for the device ...
