@@ -81,6 +81,30 @@ def test_greedy_ar_runs_one_round_call_per_token_and_equals_the_step():
     assert calls[1:] == [TARGET_STEP] * (generated - 1) and by_steps.stats["rounds"] == generated - 1
 
 
+@pytest.mark.parametrize("round_stage", [True, False], ids=["round", "step"])
+def test_ar_runs_one_round_past_an_eos_end_which_appends_nothing(round_stage):
+    """The host reads the rows still active a round late: when every row ends by EOS, one more round is
+    queued before the host knows; it runs on finished rows only, appends nothing and is not counted."""
+    target = tiny_target("llama", logit_scale=4.0)
+    ids, mask = prompts(3, 7, pad_rows={1: 3})
+    T = ids.shape[1]
+    free = reference_greedy(target, ids, mask, 12)
+    eos = sorted({int(free[b, T + 2 + b]) for b in range(3)})  # row b ends by its (b+3)-th new token at the latest
+    expected = reference_greedy(target, ids, mask, 12, eos_token_id=eos)
+    program = saguaro.compile(target, None, mode="ar", backend="eager")
+    runner, calls = program.target, []
+    if not round_stage:
+        runner.provides = lambda stage: stage is not TARGET_ROUND
+    run = runner.run
+    runner.run = lambda stage, *args, **kwargs: calls.append(stage) or run(stage, *args, **kwargs)
+    out = program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos)
+    assert torch.equal(out.sequences, expected)
+    generated = expected.shape[1] - T
+    assert generated <= 5  # every row ended by EOS, long before its budget
+    assert out.stats["rounds"] == generated - 1 and out.stats["new_tokens"] == int((expected[:, T:] != PAD).sum())
+    assert calls[1:] == [TARGET_ROUND if round_stage else TARGET_STEP] * generated  # one past the end
+
+
 def test_builders_that_cannot_offer_the_round_say_so():
     from saguaro.compile import CompiledStages
 

@@ -1,102 +1,96 @@
-"""Device→host reads per SSD round, counted on the CPU.
+"""Device→host reads per round, counted on the CPU for every mode (``read_counter.py`` says how: the
+calls that sync on CUDA, a ``Stopwatch``'s events faked so a wait for one counts, and the late reads of
+``LateRead`` told apart from syncs).
 
-On CUDA a device→host read (``.item()``, ``bool(t)``, ``int(t)``, ``.tolist()``, ``.cpu()``,
-``.nonzero()``, a boolean-mask index) waits for the device. On the CPU the same calls cost nothing, but
-they are exactly the calls that sync on CUDA, so counting them during an SSD generation on the CPU is
-the honest check that a round stays at one read per lane: the outcome on the target lane (``commit``),
-the build's candidate table on the draft lane (``SpeculationServer._read_build``, off the critical
-path). Everything else a round decides is host data.
+- AR (greedy by its round stage or by the step, and sampled): no sync in a round. The rows still active
+  are read a round late (one ``late`` read a round, after the first), and the one sync is the closing
+  read after the last round (the result's host view).
+- SD (greedy and sampled): at most one sync a round, ``commit`` reading the outcome; the verify's timing
+  is read after it, never waited for.
+- SSD: at most one read per lane a round: the outcome on the target lane (``commit``), the build's
+  candidate table on the draft lane (``SpeculationServer._read_build``, off the critical path).
+  Everything else a round decides is host data.
 """
 
 from __future__ import annotations
 
-import collections
-import sys
-import threading
-from pathlib import Path
-
 import pytest
-import torch
 
-import saguaro
+from saguaro.core.stages import TARGET_ROUND
 from saguaro.runtime.decode import ssd
 from tests.conftest import tiny_program
 from tests.models import prompts
+from tests.runtime.read_counter import ReadCounter
 
-READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero")
-PACKAGE = Path(saguaro.__file__).parent
-# the fan-out estimator's statistics are CPU tensors by construction (device="cpu"), fed host lists:
-# its reads are host work, not syncs
-HOST_MODULES = (PACKAGE / "runtime" / "draft" / "fan_out.py",)
-MAX_READS_PER_ROUND = 2  # the outcome (target lane) and the candidate table (draft lane)
+MAX_READS_PER_ROUND = 2  # SSD: the outcome (target lane) and the candidate table (draft lane)
+MAX_SETUP_READS = 4  # the input checks and the prefill's read of the finished flags
 
 
-class ReadCounter:
-    """Records every device→host read made by Saguaro code while installed: ``(round, what, where)``;
-    ``round`` is the SSD round running when it happened (None before the first)."""
-
-    def __init__(self):
-        self.round = None
-        self.reads: list[tuple] = []
-        self._lock = threading.Lock()
-
-    def install(self, monkeypatch) -> None:
-        for name in READS:
-            monkeypatch.setattr(torch.Tensor, name, self._counted(name, getattr(torch.Tensor, name)))
-        monkeypatch.setattr(torch, "nonzero", self._counted("torch.nonzero", torch.nonzero))
-        for name in ("__getitem__", "__setitem__"):
-            monkeypatch.setattr(torch.Tensor, name, self._masked(name, getattr(torch.Tensor, name)))
-        real_round = ssd.ssd_round
-
-        def counted_round(*args):
-            self.round = 1 if self.round is None else self.round + 1
-            return real_round(*args)
-
-        monkeypatch.setattr(ssd, "ssd_round", counted_round)
-
-    def _record(self, what: str) -> None:
-        frame = sys._getframe(2)
-        while frame is not None and not frame.f_code.co_filename.startswith(str(PACKAGE)):
-            frame = frame.f_back  # torch's own Python code on the way: the read belongs to its Saguaro caller
-        if frame is None or Path(frame.f_code.co_filename) in HOST_MODULES:
-            return
-        where = f"{Path(frame.f_code.co_filename).relative_to(PACKAGE.parent)}:{frame.f_lineno}"
-        with self._lock:
-            self.reads.append((self.round, what, where))
-
-    def _counted(self, name, original):
-        def counted(*args, **kwargs):
-            self._record(name)
-            return original(*args, **kwargs)
-        return counted
-
-    def _masked(self, name, original):
-        def indexed(tensor, index, *value):
-            parts = index if isinstance(index, tuple) else (index,)
-            if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
-                self._record(f"{name} with a boolean mask")  # a nonzero inside
-            return original(tensor, index, *value)
-        return indexed
-
-    def per_round(self, rounds: int) -> list[int]:
-        counts = collections.Counter(r for r, _, _ in self.reads)
-        return [counts.get(r, 0) for r in range(1, rounds + 1)]
-
-    def where(self) -> str:
-        places = collections.Counter((what, where) for _, what, where in self.reads)
-        return "\n".join(f"  {n:4d} x {what} at {where}" for (what, where), n in places.most_common())
+def counted_generate(program, monkeypatch, **call):
+    """Generate twice (the first warms every stage up, uncounted); count the second's reads."""
+    ids, mask = prompts(3, 8, seed=2, pad_rows={1: 3})
+    call = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=None, seed=0) | call
+    try:
+        program.generate(ids, **call)
+        counter = ReadCounter().install(monkeypatch)
+        out = program.generate(ids, **call)
+        monkeypatch.undo()
+    finally:
+        program.close()
+    return out, counter
 
 
-CASES = {
+AR_CASES = {
+    "greedy-round": dict(temperature=0.0),
+    "greedy-step": dict(temperature=0.0, round_stage=False),
+    "sampled": dict(temperature=1.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(AR_CASES))
+def test_an_ar_round_never_syncs_and_reads_the_active_rows_a_round_late(case, monkeypatch):
+    options = dict(AR_CASES[case])
+    _, _, program = tiny_program("llama", mode="ar")
+    if not options.pop("round_stage", True):
+        monkeypatch.setattr(program.target, "provides", lambda stage: stage is not TARGET_ROUND)
+    out, counter = counted_generate(program, monkeypatch, **options)
+    rounds, calls = out.stats["rounds"], counter.round
+    assert out.stats["mode"] == "ar" and rounds == 23  # 24 new tokens, the prefill decided the first
+    assert calls == rounds  # the budget ends every row: the host sees it coming, no round past the end
+    sync, late = counter.per_round(calls), counter.per_round(calls, "late")
+    copies = [r for r, kind, _, what, _ in counter.reads if kind == "late" and what == "tolist"]  # rounds
+    report = f"{case}: syncs per round {sync}, late reads {late}, {counter.setup()} before; where:\n{counter.where()}"
+    print(report)
+    assert sync[:-1] == [0] * (calls - 1), report  # no round waits for the device ...
+    assert sync[-1] == 1, report  # ... but the last, whose closing read the result needs
+    assert copies == list(range(2, calls + 1)), report  # each round reads the one before's pinned copy
+    assert counter.setup() <= MAX_SETUP_READS, report
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_an_sd_round_syncs_at_most_once(temperature, monkeypatch):
+    _, _, program = tiny_program("llama", k=3, mode="sd")
+    out, counter = counted_generate(program, monkeypatch, temperature=temperature)
+    rounds = out.stats["rounds"]
+    assert out.stats["mode"] == "sd" and rounds >= 4 and counter.round == rounds
+    sync = counter.per_round(rounds)
+    report = f"sd {temperature}: syncs per round {sync}, {counter.setup()} before; where:\n{counter.where()}"
+    print(report)
+    assert max(sync) <= 1 and sum(sync) == rounds, report  # commit's read, each round
+    assert not any(counter.per_round(rounds, "late")) and out.stats["verify_s"] > 0, report
+    assert counter.setup() <= MAX_SETUP_READS, report
+
+
+SSD_CASES = {
     "greedy-neural": dict(temperature=0.0, fallback="neural"),
     "greedy-fast": dict(temperature=0.0, fallback="fast"),
     "sampled-neural": dict(temperature=1.0, fallback="neural"),
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(SSD_CASES))
 def test_an_ssd_round_reads_the_device_once_per_lane(case, monkeypatch):
-    options = CASES[case]
+    options = SSD_CASES[case]
     _, _, program = tiny_program("llama", k=3, mode="ssd", lane="thread", fan_out="geometric",
                                  fallback=options["fallback"])
     ids, mask = prompts(3, 8, seed=2, pad_rows={1: 3})
@@ -104,8 +98,14 @@ def test_an_ssd_round_reads_the_device_once_per_lane(case, monkeypatch):
                 seed=0)
     try:
         program.generate(ids, **call)  # the lane's warm-up and every stage's first call: not counted
-        counter = ReadCounter()
-        counter.install(monkeypatch)
+        counter = ReadCounter().install(monkeypatch, count_rounds=False)
+        real_round = ssd.ssd_round
+
+        def counted_round(*args):
+            counter.next_round()
+            return real_round(*args)
+
+        monkeypatch.setattr(ssd, "ssd_round", counted_round)
         out = program.generate(ids, **call)
         monkeypatch.undo()
     finally:
@@ -115,9 +115,10 @@ def test_an_ssd_round_reads_the_device_once_per_lane(case, monkeypatch):
     # both paths of a round ran: hits, and misses served by the fallback
     assert sum(stats["hits_by_position"].values()) > 0 and stats["fallbacks"][options["fallback"]] > 0
     per_round = counter.per_round(stats["rounds"])
-    setup = sum(1 for r, _, _ in counter.reads if r is None)
-    report = (f"{case}: reads per round {per_round} (max {max(per_round)}), {setup} before the first round; "
-              f"where:\n{counter.where()}")
+    on_target = counter.per_round(stats["rounds"], lane="target")
+    report = (f"{case}: reads per round {per_round} (max {max(per_round)}), on the target lane {on_target}, "
+              f"{counter.setup()} before the first round; where:\n{counter.where()}")
     print(report)
     assert max(per_round) <= MAX_READS_PER_ROUND, report
-    assert setup <= 4, report  # the input checks and the prefill's read of the finished flags
+    assert max(on_target) <= 1, report  # the outcome; the verify's timing is read after it, never waited for
+    assert counter.setup() <= MAX_SETUP_READS, report

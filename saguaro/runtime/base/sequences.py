@@ -147,9 +147,10 @@ class SequenceBatch:
 
     def eos_table(self, vocab_size: int) -> torch.Tensor:
         """``[vocab_size]`` bool, True at the EOS ids (AR's round stage looks its tokens up there)."""
-        table = torch.zeros(vocab_size, dtype=torch.bool, device=self.eos.device)
-        table[self.eos[(self.eos >= 0) & (self.eos < vocab_size)]] = True
-        return table
+        table = torch.zeros(vocab_size + 1, dtype=torch.bool, device=self.eos.device)  # [V + 1]
+        # ids outside the vocabulary mark the spare last entry: an index, not a boolean mask (no host sync)
+        table[torch.where((self.eos >= 0) & (self.eos < vocab_size), self.eos, vocab_size)] = True
+        return table[:vocab_size]
 
     def advanced(self, lengths: torch.Tensor, finished: torch.Tensor) -> None:
         """Take a round's new ``lengths`` and ``finished`` ``[B]`` (AR's round stage appends inside its graph

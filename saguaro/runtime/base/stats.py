@@ -48,6 +48,19 @@ class Counters:
     verify_alone_s: float = 0.0  # one verify with the draft lane idle (SSD's ideal round)
     round_s: list = field(default_factory=list)  # wall seconds of each round
     token_s: list = field(default_factory=list)  # per active row and round: round seconds / tokens decided
+    verify_pending: list = field(default_factory=list)  # verify Intervals (timing.py) not in verify_s yet
+
+    def time_verify(self, interval) -> None:
+        """Count a target round call's :class:`~saguaro.runtime.base.timing.Interval` into ``verify_s`` once
+        its events have completed (:meth:`settle`): on CUDA it is never read by waiting for the device."""
+        self.verify_pending.append(interval)
+        self.settle()
+
+    def settle(self) -> None:
+        """Fold the verify intervals that are ready (on CUDA: whose end event the device has passed; the
+        round's read of its outcome, or the late read of a later round, has waited for it) into ``verify_s``."""
+        while self.verify_pending and self.verify_pending[0].ready():
+            self.verify_s += self.verify_pending.pop(0).seconds
 
     def end_round(self, seconds: float, decided: list) -> None:
         """Record a round that took ``seconds`` and decided ``decided[i]`` tokens for each active row."""
@@ -109,8 +122,10 @@ def latency_stats(c: "Counters", decode_s: float) -> dict:
 
 def summarize(counters: Counters, mode: str, new_tokens: int, batch: int, wall: float, lane: str | None = None,
               schedule: dict | None = None) -> dict:  # noqa: PLR0913
-    """The ``stats`` dict of :class:`~saguaro.runtime.program.GenerateOutput` (documented in the README)."""
+    """The ``stats`` dict of :class:`~saguaro.runtime.program.GenerateOutput` (documented in the README), once
+    the sequences are read (so every round's verify interval has completed: :meth:`Counters.settle`)."""
     c = counters
+    c.settle()
     stats = {
         "mode": mode,
         "new_tokens": new_tokens,

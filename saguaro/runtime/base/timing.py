@@ -10,11 +10,17 @@ before it, neither the whole device nor other streams) the first time it is read
 already needs the number, and ``ready()`` asks without waiting. Other device types (MPS, ...) are
 timed on the host, as CPU, and so is work queued while the current stream is being captured into a
 CUDA graph (a timing event may not be recorded then; the capture runs nothing anyway).
+
+A :class:`LateRead` is how a loop reads a value of its device work without a host sync: each round
+posts a small device tensor (on CUDA: copied ``non_blocking`` into pinned host memory, then an event
+recorded), and the host takes the value of the round before once the next round is queued behind it,
+so the device never waits for the host (AR's "rows still active", ``runtime/decode/ar.py``).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -70,3 +76,55 @@ class Stopwatch:
         end = torch.cuda.Event(enable_timing=True)
         end.record(self.stream)
         return Interval(start=self._start, end=end)
+
+
+def pinned_like(value: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor of ``value``'s shape and dtype in pinned (page-locked) memory, which a
+    ``non_blocking`` device→host copy fills without the host waiting."""
+    return torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=True)
+
+
+class LateRead:
+    """Small device values read on the host a round late: :meth:`post` a round's value after queueing
+    the round; :meth:`take` returns the oldest posted value and may be called only while a newer one is
+    posted behind it (else it raises), so on CUDA it waits, if at all, for an event of a round that was
+    queued before the device's current work (the device stays busy) and reads the pinned copy that
+    event completed: not a host sync of the device's work. On other devices there is nothing to wait
+    for: the value itself is held and read (``.tolist()``) when taken."""
+
+    DEPTH = 2  # pinned buffers in turn: the one being filled, the one being read
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._buffers: list = []  # CUDA: pinned host copies, reused in turn (no allocation per round)
+        self._posted: deque = deque()  # (host tensor, its CUDA event or None), oldest first
+        self.posts = 0
+
+    def post(self, value: torch.Tensor) -> None:
+        if len(self._posted) >= self.DEPTH:
+            raise RuntimeError("LateRead: take the oldest value before posting another (its buffer is next)")
+        if self.cuda:
+            if len(self._buffers) < self.DEPTH:
+                self._buffers.append(pinned_like(value))
+            host = self._buffers[self.posts % self.DEPTH]
+            host.copy_(value, non_blocking=True)  # queued on the current stream, after the round
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host, done = value, None
+        self._posted.append((host, done))
+        self.posts += 1
+
+    @property
+    def pending(self) -> int:
+        """How many posted values are not taken yet."""
+        return len(self._posted)
+
+    def take(self):
+        """The oldest posted value as a Python number or list (``tolist``); a newer post must be queued."""
+        if len(self._posted) < 2:
+            raise RuntimeError("LateRead: a value is taken a round late, once the next round has posted its own")
+        host, done = self._posted.popleft()
+        if done is not None:
+            done.synchronize()  # the older round's copy; the newer round keeps the device busy meanwhile
+        return host.tolist()

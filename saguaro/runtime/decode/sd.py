@@ -49,7 +49,7 @@ def verify(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor,
         inv_t = torch.full((), 1.0 / state.temperature, device=ids.device)  # a fill: no host copy, no sync
         accepted, next_token = target.run(stage, state.target_store, ids, positions, index, draft_tokens,
                                           draft_probs, inv_t, accept_u, resample_u)
-    state.counters.verify_s += watch.stop().seconds
+    state.counters.time_verify(watch.stop())  # read once commit's read has waited for it: never a wait of its own
     return accepted, next_token
 
 
@@ -81,6 +81,7 @@ def commit(state: DecodeState, draft_tokens: torch.Tensor, accepted: torch.Tenso
     active = seqs.host_active  # before this append: from the previous round's read
     seqs.append(verification.outcome_tokens(draft_tokens, accepted, next_token), accepted + 1)
     host_accepted, host_next = seqs.read(accepted, next_token)
+    state.counters.settle()  # the verify's timing events, passed by the device before this read returned
     outcome = Outcome(active, host_accepted, host_next)
     decided = outcome.decided
     state.counters.accepted_lengths.extend(decided)

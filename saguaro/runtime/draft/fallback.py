@@ -80,6 +80,7 @@ class FallbackPolicy:
         self.neural_s: deque = deque(maxlen=WINDOW)
         self.verify_s: deque = deque(maxlen=WINDOW)
         self.streak = (None, 0)  # (the kind the latest fallback rounds took, how many in a row)
+        self._neural_pending: list = []  # neural fallbacks' Intervals (runtime.base.timing) not read yet
 
     def observe_round(self, sources: list, accepted: list, verify_s: float) -> None:
         """A verified round: each row's speculation came from ``sources[b]`` (``"hit"``, ``"neural"`` or
@@ -98,6 +99,18 @@ class FallbackPolicy:
     def mean_accepted(self, kind: str, default: float | None = None) -> float | None:
         lengths = self.accepted[kind]
         return sum(lengths) / len(lengths) if lengths else default
+
+    def time_neural(self, interval) -> list:
+        """Queue a neural fallback's device-time ``Interval``; add to ``neural_s`` and return the seconds of
+        those queued that are ready now, oldest first. On CUDA a fallback's time is so read once a later
+        call finds its events passed, never by waiting (its tokens go to the verify on the device: the
+        caller needs no host copy of them); on CPU at once."""
+        self._neural_pending.append(interval)
+        ready = []
+        while self._neural_pending and self._neural_pending[0].ready():
+            ready.append(self._neural_pending.pop(0).seconds)
+        self.neural_s.extend(ready)
+        return ready
 
     def choose(self) -> str:
         """The kind the next miss takes (reads only: the same answer until something is observed)."""

@@ -197,9 +197,9 @@ class SpeculationServer:
         if kind == "neural":
             fb_tokens, fb_probs = neural_fallback(self.draft, self.store, self.seqs, rows, self.k, self.temperature,
                                                   self.generator)
-            self.policy.neural_s.append(watch.stop().seconds)  # device time: the caller waits for it anyway
-            if self.planner is not None:
-                self.planner.measured.observe_step(self.policy.neural_s[-1] / self.k)
+            for seconds in self.policy.time_neural(watch.stop()):  # device time once ready: never a wait
+                if self.planner is not None:
+                    self.planner.measured.observe_step(seconds / self.k)
         else:
             fb_tokens, fb_probs = fast_fallback(self.seqs, rows, self.k, self.vocab, self.temperature)
         tokens, probs, source = self.current.tokens.clone(), self.current.probs, list(self.current.source)
