@@ -22,7 +22,17 @@ requires (it compiles, with the static buffers, so that the capture never compil
 captures (which runs nothing) and replays; later calls replay. Each call so runs the stage once. A
 capture that fails is logged once, and that signature runs without a graph from then on. Only the
 :data:`MAX_GRAPHS` most recently used signatures keep their graph (and its private memory pool).
-Captures take turns across the process (one lock), as CUDA graphs require.
+Captures take turns across the process (one lock), as CUDA graphs require. ``dynamic_dims`` (Inductor's
+stages: the sizes that vary from call to call) are marked dynamic on each signature's static buffers, so
+the stage compiles once for every shape (at its first warm-up) and a graph is captured per shape.
+
+The first replay of each captured graph is checked: the stage also runs without the graph, on copies of
+the inputs it writes in place as they were before the replay, and its outputs and those written inputs
+must equal the graph's bit for bit. A difference turns the graphs off for the whole stage (every
+signature: a kernel that a graph replays wrong at one shape is not trusted at another); that call's
+results are the ungraphed ones (copied back into the written inputs), later calls run the stage itself,
+a warning names the stage and the first differing tensor, and :attr:`GraphedStage.graphs_off` says why
+(the runner reports it in ``stats["graphs_off"]`` and ``stats["plan"]``).
 """
 
 from __future__ import annotations
@@ -35,12 +45,14 @@ import torch
 
 from saguaro.core.errors import ConfigError
 from saguaro.core.stages import TARGET_PREFILL, Stage
+from saguaro.lower.compile_helper import mark_dynamic
 
 log = logging.getLogger(__name__)
 
-# What cuda_graphs="auto" means on CUDA. Off until benchmarks/gpu_probe.py shows graphed stages exact
-# (tokens equal to the ungraphed program) and faster on a GPU; then this one line turns them on.
-CUDA_GRAPHS_AUTO = False
+# What cuda_graphs="auto" means on CUDA: on. The probe on one H200 (../shared/gpu/2026-12-04/) found every
+# stage bound by its launches (host time 0.89-0.99 of GPU time); each graph's first replay is checked
+# against the ungraphed call, and a stage whose replay differs runs without graphs (GraphedStage).
+CUDA_GRAPHS_AUTO = True
 CUDA_GRAPHS_CHOICES = ("auto", True, False)
 MAX_GRAPHS = 16  # signatures per stage that keep a captured graph
 WARMUP_CALLS = 1  # calls per signature before its capture
@@ -72,10 +84,14 @@ def captures_stage(stage: Stage) -> bool:
 class _Entry:
     """One signature's static inputs (``(arg index, buffer)``), graph and static outputs."""
 
-    def __init__(self, args: tuple, fixed: frozenset):
+    def __init__(self, args: tuple, fixed: frozenset, dynamic_dims: dict):
         self.copies = [(i, torch.empty(a.shape, dtype=a.dtype, device=a.device))  # contiguous
                        for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in fixed]
+        if dynamic_dims:  # the marks CompiledStage put on the inputs, on the buffers dynamo compiles for
+            buffers = dict(self.copies)
+            mark_dynamic([buffers.get(i) for i in range(len(args))], dynamic_dims)
         self.calls = 0
+        self.checked = False  # its first replay was compared with the stage itself
         self.graph = None
         self.outputs = None
         self.failed = False  # its capture failed: calls run the stage itself
@@ -105,6 +121,26 @@ def _tensors(out):
     return []
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes ``[numel, itemsize]`` (uint8): equal bytes, equal bits (NaN payloads, -0.0 included)."""
+    flat = t.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    return flat.contiguous().view(torch.uint8).view(t.numel(), -1)
+
+
+def difference(got: list, want: list, names: list) -> str | None:
+    """The first of ``got`` that differs from ``want`` in shape, dtype or any bit, in words (named by
+    ``names``), or None when all are equal."""
+    for name, a, b in zip(names, got, want):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"{name}: {tuple(a.shape)} {a.dtype} instead of {tuple(b.shape)} {b.dtype}"
+        if a.numel() and not torch.equal(_bits(a), _bits(b)):
+            n = int((_bits(a) != _bits(b)).any(dim=1).sum())
+            return f"{name} {tuple(a.shape)} {a.dtype}: {n} of {a.numel()} elements differ"
+    return None
+
+
 class GraphedStage:
     """``fn`` (a stage: flat tensors in, a tuple of tensors out) replayed as CUDA graphs, one per input
     signature; ``fixed`` are the positions of the inputs ``fn`` writes in place (kept at their
@@ -113,13 +149,26 @@ class GraphedStage:
     """
 
     def __init__(self, fn, name: str, fixed=(), device_type: str = "cuda", max_graphs: int = MAX_GRAPHS,
-                 warmup_calls: int = WARMUP_CALLS):
+                 warmup_calls: int = WARMUP_CALLS, dynamic_dims: dict | None = None):
         self.fn, self.name, self.fixed = fn, name, frozenset(fixed)
         self.device_type, self.max_graphs, self.warmup_calls = device_type, max_graphs, warmup_calls
+        self.dynamic_dims = dict(dynamic_dims or {})
         self._entries: OrderedDict = OrderedDict()  # signature -> _Entry, least recently used first
         self._streams: dict = {}  # device -> the side stream of warm-ups and captures
         self._lock = threading.Lock()  # static buffers are shared by the calls of one signature
-        self.counts = {"passed": 0, "warmups": 0, "captures": 0, "replays": 0, "failed": 0, "evicted": 0}
+        self.counts = {"passed": 0, "warmups": 0, "captures": 0, "replays": 0, "failed": 0, "evicted": 0,
+                       "checks": 0, "mismatches": 0}
+        self.mismatch: str | None = None  # why a first replay differed: the whole stage runs without graphs
+        self.capture_error: str | None = None  # the last failed capture's error (that signature runs without)
+
+    @property
+    def graphs_off(self) -> str | None:
+        """Why calls of this stage run without CUDA graphs, in words (None: every signature graphs)."""
+        if self.mismatch is not None:
+            return self.mismatch
+        if self.capture_error is not None:
+            return f"capture failed for {self.counts['failed']} shape(s): {self.capture_error}"
+        return None
 
     def signature(self, args: tuple):
         """The key of ``args``' graph, or None when they cannot run one."""
@@ -145,14 +194,14 @@ class GraphedStage:
         return key
 
     def __call__(self, *args):
-        key = self.signature(args)
+        key = None if self.mismatch is not None else self.signature(args)
         if key is None:
             self.counts["passed"] += 1
             return self.fn(*args)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._entries[key] = _Entry(args, self.fixed)
+                entry = self._entries[key] = _Entry(args, self.fixed, self.dynamic_dims)
                 while len(self._entries) > self.max_graphs:
                     self._entries.popitem(last=False)  # its graph and memory pool go with it
                     self.counts["evicted"] += 1
@@ -168,9 +217,36 @@ class GraphedStage:
             if entry.graph is None and not self._capture(entry, key[0], call_args):
                 self.counts["passed"] += 1
                 return self.fn(*args)
+            if not entry.checked:
+                return self._first_replay(entry, call_args)
             entry.graph.replay()
             self.counts["replays"] += 1
             return _cloned(entry.outputs)
+
+    def _first_replay(self, entry: _Entry, call_args: tuple):
+        """Replay ``entry``'s graph for the first time and compare it with the stage run without the graph,
+        on copies of the written inputs as they were before (see the module's docstring)."""
+        entry.checked = True
+        self.counts["checks"] += 1
+        written = sorted(i for i in self.fixed if i < len(call_args) and isinstance(call_args[i], torch.Tensor))
+        before = {i: call_args[i].clone() for i in written}  # clone keeps the strides of a dense tensor
+        entry.graph.replay()
+        self.counts["replays"] += 1
+        expected = self.fn(*(before.get(i, a) for i, a in enumerate(call_args)))  # the copies are written
+        got, want = _tensors(entry.outputs), _tensors(expected)
+        names = [f"output {n}" for n in range(max(len(got), len(want)))]
+        why = (f"{len(got)} outputs instead of {len(want)}" if len(got) != len(want) else
+               difference(got + [call_args[i] for i in written], want + [before[i] for i in written],
+                          names + [f"input {i} (written in place)" for i in written]))
+        if why is None:
+            return _cloned(entry.outputs)
+        for i in written:  # the ungraphed call's writes stand
+            call_args[i].copy_(before[i])
+        self.counts["mismatches"] += 1
+        self.mismatch = f"the first replay of its CUDA graph differs from the stage run without it: {why}"
+        self._entries.clear()  # graphs and their memory pools go: the stage runs itself from now on
+        log.warning("stage %s: %s; the stage runs without CUDA graphs from now on", self.name, self.mismatch)
+        return expected
 
     def _stream(self, device: torch.device):
         stream = self._streams.get(device)
@@ -206,8 +282,9 @@ class GraphedStage:
             # a capture that ended in error may leave the allocator routing this stream's allocations to
             # the graph's pool: later warm-ups and captures take a new side stream
             self._streams.pop(device, None)
-            log.warning("stage %s: CUDA graph capture failed (%s: %s); this shape runs without a graph",
-                        self.name, type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+            self.capture_error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+            log.warning("stage %s: CUDA graph capture failed (%s); this shape runs without a graph", self.name,
+                        self.capture_error)
             return False
         entry.graph, entry.outputs = graph, outputs
         self.counts["captures"] += 1

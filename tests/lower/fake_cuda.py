@@ -102,10 +102,11 @@ class FakeCuda:
 
 class Kernelized:
     """``fn`` as one kernel: outside a capture it runs; inside one, it is recorded, and its outputs are
-    tensors that each replay refills (the arguments are left untouched by the capture itself)."""
+    tensors that each replay refills (the arguments are left untouched by the capture itself). ``perturb``
+    (a graph that replays wrong): called with the static outputs after each replay has refilled them."""
 
-    def __init__(self, fn, cuda: FakeCuda):
-        self.fn, self.cuda, self.calls = fn, cuda, 0
+    def __init__(self, fn, cuda: FakeCuda, perturb=None):
+        self.fn, self.cuda, self.calls, self.perturb = fn, cuda, 0, perturb
 
     def __call__(self, *args):
         self.calls += 1
@@ -121,6 +122,8 @@ class Kernelized:
         def kernel():
             for out, value in zip(static, self.fn(*args)):
                 out.copy_(value)
+            if self.perturb is not None:
+                self.perturb(static)
 
         self.cuda.capturing.kernels.append(kernel)
         return static

@@ -44,7 +44,7 @@ class _Tensors:
         self.slot_branch.zero_()
 
 
-def _stream_key(device: torch.device):
+def stream_key(device: torch.device):
     """The current CUDA stream of ``device`` (None off CUDA). Like the caching allocator, a pool hands
     tensors back only on the stream that freed them, so the reset is ordered after their last use."""
     if device.type != "cuda":
@@ -71,7 +71,7 @@ class KVPool:
         # inference tensors can be written in place only under inference mode, normal ones anywhere:
         # a store takes tensors made in the same mode
         return (str(spec.device), spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, batch, capacity,
-                _stream_key(spec.device), torch.is_inference_mode_enabled())
+                stream_key(spec.device), torch.is_inference_mode_enabled())
 
     def take(self, key: tuple) -> _Tensors | None:
         with self._lock:

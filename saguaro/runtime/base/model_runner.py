@@ -48,13 +48,15 @@ class StageBuilder(Protocol):
 class ModelRunner:
     """A captured model, its lowered stages, and the bookkeeping every stage call shares."""
 
-    def __init__(self, name: str, captured: CapturedModel, build: StageBuilder, width: int, kv_pool=None):
+    def __init__(self, name: str, captured: CapturedModel, build: StageBuilder, width: int, kv_pool=None,
+                 seq_pool=None):
         self.name = name
         self.captured = captured
         self.spec = captured.spec
         self.build = build  # Stage -> the lowered callable
         self.width = width  # fork / rank / Saguaro-sampling width
         self.kv_pool = kv_pool  # a KVPool: stores of one shape reuse their tensors (fixed addresses: CUDA graphs)
+        self.seq_pool = seq_pool  # a SequencePool: the same for the sequence buffers its generations write
         self._stages: dict = {}
         self._lock = threading.Lock()  # two lanes may ask for stages of one model at once
         self.stage_build_s: dict = {}
@@ -97,8 +99,7 @@ class ModelRunner:
 
     def provides(self, stage: Stage) -> bool:
         """Whether the builder offers ``stage`` (the builder's ``provides``; without one, every stage): a
-        loaded artifact offers the stages it holds, a CUDA-graphed program not AR's round (its sequence
-        buffers, written in place, would pin a graph per generation)."""
+        loaded artifact offers the stages it holds."""
         provides = getattr(self.build, "provides", None)
         return True if provides is None else provides(stage)
 
@@ -130,6 +131,13 @@ class ModelRunner:
         for fn in self.built_stages.values():
             if hasattr(fn, "blocking"):
                 fn.blocking = True
+
+    def graphs_off(self) -> dict:
+        """``{stage name: why}`` for the built stages that run without their CUDA graphs, all calls or some
+        shapes (a stage's ``graphs_off``: a first replay that differed from the stage run without it, a failed
+        capture); empty without CUDA graphs."""
+        return {stage.qualified: why for stage, fn in self.built_stages.items()
+                if (why := getattr(fn, "graphs_off", None)) is not None}
 
     @property
     def built_stages(self) -> dict:
