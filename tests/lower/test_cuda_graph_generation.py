@@ -1,8 +1,9 @@
 """Whole generations through graphed stages, on CPU: every fixed-shape stage of an eager program runs
 through a GraphedStage over a fake torch.cuda whose capture records the stage as one kernel and whose
-replay reruns it (tests/lower/fake_cuda.py), with KV stores from a KVPool. Tokens stay exactly the
-target's greedy ones (and the ungraphed program's sampled ones), later generations replay the graphs
-of earlier ones because their stores sit at the same addresses."""
+replay reruns it (tests/lower/fake_cuda.py), with KV stores from a KVPool and sequence buffers from a
+SequencePool. Tokens stay exactly the target's greedy ones (and the ungraphed program's sampled ones),
+later generations replay the graphs of earlier ones because their stores and buffers sit at the same
+addresses; a stage whose first replay differs runs ungraphed, and the stats say so."""
 
 import functools
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import saguaro
-from saguaro.core.stages import TARGET_VERIFY
+from saguaro.core.stages import TARGET_ROUND, TARGET_VERIFY
 from tests.lower.fake_cuda import FakeCuda, Kernelized
 from tests.lower.graphed_program import counts, graphed
 from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
@@ -29,7 +30,7 @@ def test_graphed_generations_equal_target_generate_and_replay_across_generations
     cuda = FakeCuda().install(monkeypatch)
     target, draft = pair()
     program = saguaro.compile(target, draft, mode=mode, sd_when_faster=False, **OPTIONS)
-    made = graphed(program, "cpu", lambda fn: Kernelized(fn, cuda))
+    made = graphed(program, "cpu", lambda fn, stage: Kernelized(fn, cuda))
     ids, mask = prompts(2, 7, seed=3, pad_rows={1: 2})
     expected = reference_greedy(target, ids, mask, max_new_tokens=14)
     after = []
@@ -57,8 +58,58 @@ def test_graphed_sampling_equals_the_ungraphed_program(monkeypatch):
     want = [plain.generate(ids, seed=seed, **kwargs).sequences for seed in (0, 1)]
     cuda = FakeCuda().install(monkeypatch)
     program = saguaro.compile(target, draft, mode="ssd", **OPTIONS)
-    made = graphed(program, "cpu", lambda fn: Kernelized(fn, cuda))
+    made = graphed(program, "cpu", lambda fn, stage: Kernelized(fn, cuda))
     for _ in range(2):
         got = [program.generate(ids, seed=seed, **kwargs).sequences for seed in (0, 1)]
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert counts(made)["replays"] > 0
+
+
+def test_graphed_ar_rounds_equal_the_ungraphed_program_and_replay_in_later_generations(monkeypatch):
+    target, _ = pair()
+    ids, mask = prompts(2, 7, seed=4, pad_rows={0: 3})
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=None)
+    plain = saguaro.compile(target, None, mode="ar", backend="eager").generate(ids, **kwargs)
+    assert torch.equal(plain.sequences, reference_greedy(target, ids, mask, max_new_tokens=12))
+    cuda = FakeCuda().install(monkeypatch)
+    program = saguaro.compile(target, None, mode="ar", backend="eager")
+    made = graphed(program, "cpu", lambda fn, stage: Kernelized(fn, cuda))
+    for _ in range(3):
+        out = program.generate(ids, **kwargs)
+        assert torch.equal(out.sequences, plain.sequences)  # token for token
+        assert out.stats["graphs_off"] == {} and out.stats["plan"] == "mode ar asked"
+    rounds = made["stages"][TARGET_ROUND.qualified]
+    assert rounds.counts["captures"] == 1 and len(rounds._entries) == 1, "one graph for every generation"
+    assert rounds.counts["replays"] == 3 * 11 - 1 and rounds.counts["checks"] == 1  # all rounds but the warm-up
+    assert program.target.seq_pool.reused == 2, "the later generations took the first one's buffers"
+    (pooled,) = program.target.seq_pool._free.values()  # the buffers, back in the pool
+    (signature,) = rounds._entries
+    assert pooled.tokens.data_ptr() in {part[0] for part in signature[-1] if len(part) == 4}, \
+        "the token buffer the round writes in place is part of its graph's signature, at its fixed address"
+
+
+def _wrong_first_output(outputs):
+    outputs[0].add_(1)  # a graph that replays wrong
+
+
+def test_a_stage_whose_replay_differs_runs_ungraphed_and_the_stats_say_so(monkeypatch, caplog):
+    target, draft = pair()
+    cuda = FakeCuda().install(monkeypatch)
+    program = saguaro.compile(target, draft, mode="sd", **OPTIONS)
+    verify = TARGET_VERIFY.greedy.qualified
+    made = graphed(program, "cpu", lambda fn, stage: Kernelized(fn, cuda, _wrong_first_output
+                                                                  if stage.qualified == verify else None))
+    ids, mask = prompts(2, 7, seed=3)
+    expected = reference_greedy(target, ids, mask, max_new_tokens=14)
+    with caplog.at_level("WARNING", logger="saguaro.lower.cuda_graphs"):
+        outs = [program.generate(ids, attention_mask=mask, max_new_tokens=14, eos_token_id=None) for _ in range(2)]
+    assert all(torch.equal(out.sequences, expected) for out in outs), "the check's call returns the right outputs"
+    why = "the first replay of its CUDA graph differs from the stage run without it: output 0"
+    for out in outs:
+        assert list(out.stats["graphs_off"]) == [verify] and out.stats["graphs_off"][verify].startswith(why)
+        assert out.stats["plan"].startswith(f"mode sd asked; {verify} runs without CUDA graphs ({why}")
+    stages = made["stages"]
+    assert stages[verify].counts["mismatches"] == 1 and stages[verify].counts["passed"] > 0
+    others = [s for name, s in stages.items() if name != verify]
+    assert others and all(s.counts["mismatches"] == 0 and s.counts["replays"] > s.counts["checks"] for s in others)
+    assert caplog.text.count(f"stage {verify}: {why}") == 1
