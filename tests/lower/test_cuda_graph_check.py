@@ -142,3 +142,38 @@ def test_lowered_inductor_stages_compile_dynamic_under_cuda_graphs_and_report_th
     assert stage.graphs_off == "why"
     plain = lower_graph(gm, "inductor", "draft.test", "cpu", dynamic_dims={0: (0,)})
     assert plain.graphs_off is None  # not graphed
+
+
+class _Writes(torch.nn.Module):
+    def forward(self, x, cache):  # x [B, T], cache [B, S]: the first T slots written in place
+        cache.narrow(1, 0, x.shape[1]).copy_(x)
+        return (x * 2 + cache.sum(dim=1, keepdim=True),)
+
+
+def test_a_graphed_compiled_stage_compiles_once_for_every_bucket_and_captures_per_shape(monkeypatch):
+    """CompiledStage (marks the inputs, the written cache among them) around GraphedStage (marks its static
+    buffers): three (query length, capacity) buckets, one dynamo compile, three graphs, each checked."""
+    from torch._dynamo.testing import CompileCounter
+
+    from saguaro.lower.graph_inputs import mutated_inputs
+    from saguaro.lower.lowering import CompiledStage
+
+    cuda = FakeCuda().install(monkeypatch)
+    gm = torch.fx.symbolic_trace(_Writes())
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    dims = {0: (1,), 1: (1,)}
+    graphs = GraphedStage(Kernelized(torch.compile(gm.forward, backend=counter, fullgraph=True), cuda), "draft.test",
+                          mutated_inputs(gm), device_type="cpu", dynamic_dims=dims)
+    stage = CompiledStage(gm, graphs, "draft.test", dims)
+    assert graphs.fixed == {1} and not stage.direct_calls
+    for length, capacity in ((5, 16), (7, 32), (9, 48)):
+        cache = torch.zeros(2, capacity)
+        for step in range(3):  # warm-up, capture and check, replay
+            x = torch.full((2, length), float(step + 1))
+            (out,) = stage(x, cache)
+            assert torch.equal(out, x * 2 + (step + 1) * length) and torch.equal(cache[:, :length], x)
+    torch._dynamo.reset()
+    assert counter.frame_count == 1, "one compile for every bucket"
+    assert (graphs.counts["captures"], graphs.counts["checks"], graphs.counts["mismatches"]) == (3, 3, 0)
+    assert graphs.counts["replays"] == 6 and stage.graphs_off is None
