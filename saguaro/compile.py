@@ -209,8 +209,10 @@ def compile_tensor_parallel(target, draft, cfg: SaguaroConfig):
                                                   narrow_weights=cfg.narrow_weights), cfg)
         return DraftRankProgram(cfg, ranks, make_server, spec.vocab_size)
     shard = ShardTensorParallel(spec, Shard(ranks.rank, cfg.tensor_parallel, ranks.target_group.group_name))
-    # SSD's rounds always: choosing SD by measured time would need the ranks to agree on one measurement
-    target_cfg = dataclasses.replace(cfg, sd_when_faster=False)
+    # SSD's rounds always: choosing SD by measured time would need the ranks to agree on one measurement; no CUDA
+    # graphs unless asked (cuda_graphs=True): the all-reduces inside captured graphs have not run on GPUs yet
+    target_cfg = dataclasses.replace(cfg, sd_when_faster=False,
+                                     cuda_graphs=False if cfg.cuda_graphs == "auto" else cfg.cuda_graphs)
     return TensorParallelProgram(compile_program(target, draft, target_cfg, shard), ranks)
 
 

@@ -87,7 +87,8 @@ class SaguaroConfig:
         CUDA graphs (``saguaro.lower.cuda_graphs``: one replay instead of hundreds of Python kernel launches
         per call, so two lanes do not contend for the GIL): True (CUDA only: on another device
         ``saguaro.compile`` raises a ``ConfigError`` naming it), False (off), or ``"auto"``, the default: on
-        when the models are on CUDA (``saguaro.lower.cuda_graphs.CUDA_GRAPHS_AUTO``), off elsewhere. Each
+        when the models are on CUDA (``saguaro.lower.cuda_graphs.CUDA_GRAPHS_AUTO``), off elsewhere and
+        under ``tensor_parallel`` (all-reduces inside captured graphs are not yet run on GPUs). Each
         graph's first replay is compared bit for bit with the stage run without it; a stage whose replay
         differs runs without graphs from then on (``stats["graphs_off"]``, ``stats["plan"]``, a warning).
     lane_timeout_s: seconds the target waits for one answer of the draft lane, during a generation,

@@ -190,3 +190,24 @@ def test_record_stream_is_skipped_for_tensors_off_cuda(monkeypatch):
     again = stage(torch.ones(2))  # captured then replayed: clones keep the container types
     assert isinstance(again, list) and isinstance(again[1], tuple) and torch.equal(again[1][0], torch.full((2,), 2.0))
     assert again[2] == "label" and cuda.capturing is None
+
+
+def test_tensor_parallel_targets_graph_only_when_asked(monkeypatch):
+    """All-reduces inside captured graphs have not run on GPUs: ``"auto"`` is off on tensor-parallel ranks."""
+    import importlib
+    from types import SimpleNamespace
+
+    import saguaro.runtime.tensor_parallel as tensor_parallel
+    from tests.models import tiny_target
+
+    compile_module = importlib.import_module("saguaro.compile")  # the module (saguaro.compile is the function)
+    ranks = SimpleNamespace(is_draft=False, rank=0, target_group=SimpleNamespace(group_name="g"))
+    seen = []
+    monkeypatch.setattr(tensor_parallel, "join_ranks", lambda n, device: ranks)
+    monkeypatch.setattr(tensor_parallel, "TensorParallelProgram", lambda program, ranks: program)
+    monkeypatch.setattr(compile_module, "compile_program", lambda t, d, cfg, shard: seen.append(cfg))
+    target = tiny_target("llama")
+    for asked in ("auto", True, False):
+        compile_module.compile_tensor_parallel(target, None, SaguaroConfig(tensor_parallel=2, cuda_graphs=asked))
+    assert [cfg.cuda_graphs for cfg in seen] == [False, True, False]
+    assert all(cfg.sd_when_faster is False for cfg in seen)
