@@ -16,7 +16,7 @@ from saguaro.capture.captured_files import CapturedSource, load_captured
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.stages import Stage
-from saguaro.lower.cuda_graphs import captures_stage, resolve_cuda_graphs
+from saguaro.lower.cuda_graphs import GraphedStage, captures_stage, resolve_cuda_graphs
 from saguaro.lower.lowering import (
     TEMPLATE_GEMM_CONFIG, attention_implementation, linear_implementation, lower_graph, shape_policy,
 )
@@ -160,6 +160,11 @@ class CompiledStages(PipelineStages):
         """Build later stages without the background compiler: compiled on their first call, blocking."""
         self.stop_compiling()
         self.compiler = None
+
+    def graphed(self, fn, name: str, fixed):
+        """Under CUDA graphs, ``fn`` (several stages' calls: SD's round) as one graph per signature, its
+        stages running inside it (``GraphedStage(encloses=True)``); else None."""
+        return GraphedStage(fn, name, fixed, encloses=True) if self.cuda_graphs else None
 
     def stage_graph(self, stage: Stage, observe=None, linears: str | None = None):
         """The stage's graph, its attention lowered and its linears run as chosen for this stage and device

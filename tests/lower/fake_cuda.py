@@ -110,11 +110,15 @@ class Kernelized:
 
     def __call__(self, *args):
         self.calls += 1
-        if self.cuda.capturing is None:
-            return self.fn(*args)
+        if self.cuda.capturing is None or getattr(self.cuda._local, "learning", False):
+            return self.fn(*args)  # not captured, or inside another kernel (SD's round around its stages)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         saved = [t.clone() for t in tensors]
-        outputs = self.fn(*args)  # to learn the outputs' shapes; then undone
+        self.cuda._local.learning = True
+        try:
+            outputs = self.fn(*args)  # to learn the outputs' shapes; then undone
+        finally:
+            self.cuda._local.learning = False
         for tensor, before in zip(tensors, saved):
             tensor.copy_(before)
         static = tuple(torch.full_like(o, -7) for o in outputs)  # garbage until a replay fills them

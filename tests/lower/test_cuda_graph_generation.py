@@ -12,6 +12,7 @@ import torch
 
 import saguaro
 from saguaro.core.stages import TARGET_ROUND, TARGET_VERIFY
+from saguaro.runtime.decode.sd_graph import ROUND_NAME
 from tests.lower.fake_cuda import FakeCuda, Kernelized
 from tests.lower.graphed_program import counts, graphed
 from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
@@ -38,7 +39,7 @@ def test_graphed_generations_equal_target_generate_and_replay_across_generations
         out = program.generate(ids, attention_mask=mask, max_new_tokens=14, eos_token_id=None)
         assert torch.equal(out.sequences, expected)
         assert out.stats["mode"] == mode
-        after.append(counts(made))
+        after.append(counts(made) | {"rounds": out.stats["rounds"] + (after[-1]["rounds"] if after else 0)})
     first, last = after[0], after[-1]
     assert first["captures"] > 0 and first["failed"] == 0 and first["passed"] == 0
     assert last["replays"] - first["replays"] > 2 * (last["captures"] - first["captures"]), after
@@ -47,7 +48,14 @@ def test_graphed_generations_equal_target_generate_and_replay_across_generations
     addresses = {s[3] for s in targets if s[1:3] == shape}
     assert len(addresses) == 1, "every target store of one shape sits at the same address"
     verify = made["stages"][TARGET_VERIFY.greedy.qualified]
-    assert verify.counts["captures"] == 1, "the later generations replay the first one's verify graph"
+    if mode == "ssd":
+        assert verify.counts["captures"] == 1, "the later generations replay the first one's verify graph"
+        return
+    # SD: the k draft steps and the verify are one graph, captured once; its stages run inside it
+    rounds = made["stages"][f"{ROUND_NAME} k=3"]
+    assert rounds.counts["captures"] == 1 and rounds.counts["checks"] == 1 and rounds.counts["mismatches"] == 0
+    assert rounds.counts["replays"] == last["rounds"] - 1, "every SD round but the first (its warm-up) replays"
+    assert verify.counts["captures"] == 0 and verify.counts["enclosed"] == last["rounds"] + 2
 
 
 def test_graphed_sampling_equals_the_ungraphed_program(monkeypatch):
@@ -92,24 +100,40 @@ def _wrong_first_output(outputs):
     outputs[0].add_(1)  # a graph that replays wrong
 
 
-def test_a_stage_whose_replay_differs_runs_ungraphed_and_the_stats_say_so(monkeypatch, caplog):
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_a_stage_whose_replay_differs_runs_ungraphed_and_the_stats_say_so(monkeypatch, caplog, mode):
+    """SD: its round (the draft steps and the verify in one graph) replays wrong; SSD: the verify does."""
     target, draft = pair()
     cuda = FakeCuda().install(monkeypatch)
-    program = saguaro.compile(target, draft, mode="sd", **OPTIONS)
-    verify = TARGET_VERIFY.greedy.qualified
-    made = graphed(program, "cpu", lambda fn, stage: Kernelized(fn, cuda, _wrong_first_output
-                                                                  if stage.qualified == verify else None))
+    program = saguaro.compile(target, draft, mode=mode, sd_when_faster=False, **OPTIONS)
+    wrong = f"{ROUND_NAME} k=3" if mode == "sd" else TARGET_VERIFY.greedy.qualified
+    made = graphed(program, "cpu", lambda fn, stage: Kernelized(fn, cuda, _wrong_first_output if (
+        stage.qualified if stage is not None else f"{ROUND_NAME} k=3") == wrong else None))
     ids, mask = prompts(2, 7, seed=3)
     expected = reference_greedy(target, ids, mask, max_new_tokens=14)
     with caplog.at_level("WARNING", logger="saguaro.lower.cuda_graphs"):
         outs = [program.generate(ids, attention_mask=mask, max_new_tokens=14, eos_token_id=None) for _ in range(2)]
     assert all(torch.equal(out.sequences, expected) for out in outs), "the check's call returns the right outputs"
     why = "the first replay of its CUDA graph differs from the stage run without it: output 0"
+    asked = "mode sd asked" if mode == "sd" else "SSD on the thread lane"
     for out in outs:
-        assert list(out.stats["graphs_off"]) == [verify] and out.stats["graphs_off"][verify].startswith(why)
-        assert out.stats["plan"].startswith(f"mode sd asked; {verify} runs without CUDA graphs ({why}")
+        assert list(out.stats["graphs_off"]) == [wrong] and out.stats["graphs_off"][wrong].startswith(why)
+        assert out.stats["plan"].startswith(f"{asked}; {wrong} runs without CUDA graphs ({why}"), out.stats["plan"]
     stages = made["stages"]
-    assert stages[verify].counts["mismatches"] == 1 and stages[verify].counts["passed"] > 0
-    others = [s for name, s in stages.items() if name != verify]
+    assert stages[wrong].counts["mismatches"] == 1 and stages[wrong].counts["passed"] > 0
+    others = [s for name, s in stages.items() if name != wrong and s.counts["captures"]]
     assert others and all(s.counts["mismatches"] == 0 and s.counts["replays"] > s.counts["checks"] for s in others)
-    assert caplog.text.count(f"stage {verify}: {why}") == 1
+    assert caplog.text.count(f"stage {wrong}: {why}") == 1
+
+
+def test_the_sd_round_runs_stage_by_stage_when_sampled_traced_or_across_devices():
+    from types import SimpleNamespace
+
+    from saguaro.runtime.decode.sd_graph import graphed_sd_round
+
+    target = SimpleNamespace(spec=SimpleNamespace(device=torch.device("cpu")),
+                             graphed=lambda *args: pytest.fail("no graph is asked for"))
+    for temperature, recorder, device in ((0.8, None, "cpu"), (0.0, object(), "cpu"), (0.0, None, "meta")):
+        draft = SimpleNamespace(spec=SimpleNamespace(device=torch.device(device)))
+        state = SimpleNamespace(temperature=temperature, recorder=recorder)
+        assert graphed_sd_round(target, draft, state, None, None) is None

@@ -119,7 +119,7 @@ def test_warm_up_then_capture_then_replay_with_static_buffers(monkeypatch):
     # 1st call: warm-up on the side stream; 2nd: capture (nothing runs), replay and check it against the
     # stage run without the graph; then replays only
     assert stage.counts == {"passed": 0, "warmups": 1, "captures": 1, "replays": 3, "failed": 0, "evicted": 0,
-                            "checks": 1, "mismatches": 0}
+                            "checks": 1, "mismatches": 0, "enclosed": 0}
     assert len(log) == 3, "the stage itself runs only to warm up, to be captured and for the first replay's check"
     static_x = log[0][0]
     assert log[1][0] is static_x and static_x is not xs[0] and static_x is not xs[1]  # a static buffer

@@ -116,6 +116,20 @@ class KVStore:
             # holds the tensors, not the store; never at exit (the pool dies with the process)
             weakref.finalize(self, pool.give, key, tensors).atexit = False
 
+    def tensors(self) -> tuple:
+        """Its tensors, flat: ``slot_pos, slot_branch, slot numbers, *k_caches, *v_caches`` (:meth:`over`'s)."""
+        return (self.slot_pos, self.slot_branch, self._slot_index, *self.k_caches, *self.v_caches)
+
+    @classmethod
+    def over(cls, *tensors: torch.Tensor) -> "KVStore":
+        """A store over :meth:`tensors`' flat tensors (SD's graphed round: the same tensors, every call)."""
+        store = cls.__new__(cls)
+        store.slot_pos, store.slot_branch, store._slot_index = tensors[:3]
+        layers = (len(tensors) - 3) // 2
+        store.k_caches, store.v_caches = list(tensors[3:3 + layers]), list(tensors[3 + layers:])
+        store.capacity = store.slot_pos.shape[1]
+        return store
+
     def claim(self, write_slots: torch.Tensor, positions: torch.Tensor, branch: torch.Tensor) -> None:
         """Mark ``write_slots [B, T]`` as holding tokens at ``positions`` on ``branch`` (all ``[B, T]``)."""
         self.slot_pos.scatter_(1, write_slots, positions)

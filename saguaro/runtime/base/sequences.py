@@ -88,6 +88,17 @@ class SequenceBatch:
             weakref.finalize(self, pool.give, key, buffers).atexit = False
         self._host: tuple[list, list] | None = ([False] * B, [T] * B)  # (finished, lengths) on the host
 
+    def buffers(self) -> tuple:
+        """``tokens [B, C], lengths [B], padding [B], steps [C]``: what :meth:`over` takes."""
+        return self.tokens, self.lengths, self.padding, self._steps
+
+    @classmethod
+    def over(cls, tokens, lengths, padding, steps) -> "SequenceBatch":
+        """A batch over :meth:`buffers`, for its index and gather methods only (SD's graphed round)."""
+        seqs = cls.__new__(cls)
+        seqs.tokens, seqs.lengths, seqs.padding, seqs._steps = tokens, lengths, padding, steps
+        return seqs
+
     @property
     def batch(self) -> int:
         return self.tokens.shape[0]
