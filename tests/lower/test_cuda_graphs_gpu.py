@@ -12,6 +12,7 @@ import torch
 import saguaro
 from saguaro.core.stages import TARGET_ROUND, TARGET_VERIFY
 from saguaro.lower.cuda_graphs import GraphedStage
+from saguaro.runtime.decode.sd_graph import ROUND_NAME
 from tests.lower.graphed_program import counts, graphed
 from tests.models import prompts, tiny_target, truncated_draft
 
@@ -45,7 +46,24 @@ def test_cuda_graphs_give_the_ungraphed_tokens(backend, mode, temperature):
     assert total["captures"] > 0 and total["replays"] > total["captures"] and total["passed"] == 0
     assert total["mismatches"] == 0 and total["checks"] == total["captures"]
     verify = made["stages"][TARGET_VERIFY.at(temperature).qualified]
-    assert verify.counts["captures"] == 1, "the target store keeps its address: one verify graph"
+    if mode == "sd" and temperature == 0:  # the draft steps and the verify: one graph of the round
+        assert made["stages"][f"{ROUND_NAME} k=3"].counts["captures"] == 1 and verify.counts["captures"] == 0
+    else:
+        assert verify.counts["captures"] == 1, "the target store keeps its address: one verify graph"
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_sd_rounds_graph_as_one_replay_by_default_and_give_the_ungraphed_tokens(backend):
+    target, draft = pair()
+    ids, mask = (t.to("cuda") for t in prompts(2, 7, seed=3, pad_rows={1: 2}))
+    kwargs = dict(attention_mask=mask, max_new_tokens=14, eos_token_id=None)
+    want = saguaro.compile(target, draft, mode="sd", backend=backend, **OPTIONS).generate(ids, **kwargs).sequences
+    program = saguaro.compile(target, draft, mode="sd", backend=backend, k=3)  # cuda_graphs="auto": on on CUDA
+    for _ in range(3):
+        out = program.generate(ids, **kwargs)
+        assert torch.equal(out.sequences, want) and out.stats["graphs_off"] == {}, out.stats["plan"]
+    rounds = program.target._graphed[f"{ROUND_NAME} k=3"]
+    assert rounds.counts["captures"] == 1 and rounds.counts["mismatches"] == 0 and rounds.counts["replays"] > 10
 
 
 
