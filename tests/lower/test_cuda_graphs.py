@@ -211,3 +211,15 @@ def test_tensor_parallel_targets_graph_only_when_asked(monkeypatch):
         compile_module.compile_tensor_parallel(target, None, SaguaroConfig(tensor_parallel=2, cuda_graphs=asked))
     assert [cfg.cuda_graphs for cfg in seen] == [False, True, False]
     assert all(cfg.sd_when_faster is False for cfg in seen)
+
+
+def test_compiled_builders_graph_functions_of_several_stages_only_under_cuda_graphs():
+    from saguaro.compile import CompiledStages
+
+    builder = CompiledStages.__new__(CompiledStages)
+    builder.cuda_graphs = False
+    assert builder.graphed(lambda *a: a, "sd round", range(3)) is None
+    builder.cuda_graphs = True
+    graphs = builder.graphed(lambda *a: a, "sd round", range(3))
+    assert isinstance(graphs, GraphedStage) and graphs.fixed == {0, 1, 2} and graphs.name == "sd round"
+    assert graphs.device_type == "cuda" and graphs._run is not graphs.fn  # its stages run inside it
