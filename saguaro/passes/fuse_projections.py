@@ -14,8 +14,11 @@ a ``reshape``, a copy only where the slice's strides do not allow the view). Any
 The weights themselves are not touched: the joined copy is taken once per weight tensor and version and
 shared by every stage graph that joins them (:data:`_JOINED`, dropped with the first weight), so a model's
 projection weights are held twice (model and joined copy), not once per stage. With ``narrow`` (the stages
-``narrow_weights`` runs on) the joined copy is kept in float16 / bfloat16 where every value is exactly one
-(``narrow_weights``' rule) and read through a widening to float32: the float32 joined copy is never kept.
+``narrow_weights`` runs on) the joined copy is held in the dtype that pass would hold each part in (float16 /
+bfloat16 where every value is exactly one, read through a widening to float32; the float32 joined copy is
+never kept), and ``narrow_weights`` leaves it so; a group whose parts it would hold in different dtypes (a
+part under its 4096 values, say) is not joined: Inductor's C++ kernels vectorise by the dtypes they load,
+and a stage reading a weight as float16 was measured not bit-equal to one reading it as float32.
 
 Exactness, per lowering form. Output ``[m, o_i + n]`` of the joined linear reads the same ``x[m, :]`` and
 ``W_i[n, :]`` as output ``[m, n]`` of linear ``i``; whether it sums them in the same order is the kernel's:
@@ -23,11 +26,11 @@ Exactness, per lowering form. Output ``[m, o_i + n]`` of the joined linear reads
 * ``linear_as_reduction`` (the few-row stages of Inductor on a CPU; ``linears="reduction"``): each output is
   the sum over K of an elementwise product; ATen's reduction (eager) and Inductor's C++ reduction (the
   weight's rows the outer, parallel loop, K the inner, vectorised one) order a sum by K and the layout, not
-  by N. Stage outputs are bit-equal joined and not (``tests/passes/test_fuse_projections.py``, every tested
-  family, eager and Inductor).
+  by N. Stage outputs are bit-equal joined and not (``tests/passes/test_fuse_projections.py``: every tested
+  family in eager; a Llama's step and verify compiled; by hand, those at one, two and four threads).
 * a BLAS GEMM (``aten.linear`` as captured: MKL on a CPU): the library picks blocking, kernels and the
   threads' split by shape. On this CPU MKL gave equal bits at one and two threads for every shape tried,
-  but not at four threads for K=100, N=60+20+20 (a difference of 1e-5): not exact, so not applied there.
+  but not at four and eight threads for K=100, N=60+20+20 (differences of 1e-5): not exact, not applied.
 * CUDA (Inductor's stages, :data:`FUSE_ON_CUDA`): on, for fewer kernels a layer (issue 42); never run on a
   GPU yet. cuBLAS and Inductor's Triton reductions also choose their kernels by shape, so the joined stage is
   not guaranteed bit-equal to the unjoined one: like Inductor's other fusions on CUDA it may change rounding,
