@@ -31,10 +31,17 @@ Exactness, per lowering form. Output ``[m, o_i + n]`` of the joined linear reads
 * a BLAS GEMM (``aten.linear`` as captured: MKL on a CPU): the library picks blocking, kernels and the
   threads' split by shape. On this CPU MKL gave equal bits at one and two threads for every shape tried,
   but not at four and eight threads for K=100, N=60+20+20 (differences of 1e-5): not exact, not applied.
-* CUDA (Inductor's stages, :data:`FUSE_ON_CUDA`): on, for fewer kernels a layer (issue 42); never run on a
-  GPU yet. cuBLAS and Inductor's Triton reductions also choose their kernels by shape, so the joined stage is
+* CUDA (Inductor's stages, :data:`FUSE_ON_CUDA`): on by default, for fewer kernels a layer (issue 42); never
+  run on a GPU yet. cuBLAS and Inductor's Triton reductions also choose their kernels by shape, so the joined stage is
   not guaranteed bit-equal to the unjoined one: like Inductor's other fusions on CUDA it may change rounding,
   and greedy equality with ``generate`` is what ``benchmarks/gpu_probe.py``'s exactness part checks.
+
+Speed: off by default on a CPU (``fusion_applies``), where it is exact but slower. Inductor already runs the
+reductions of q, k and v of one width (and of gate and up) as one loop over the weights' rows with an
+accumulator each, computing their shared input (the RMSNorm, inlined) once per row for all three; joined, it
+computes it once per row of the joined weight, three times as often. The default pair's target (one thread,
+min of 30 alternating batches, the machine loaded by other work): step 3.56 ms apart against 4.85 joined,
+verify 17.0 against 24.2; ``benchmarks/fuse_projections.py``: AR 0.75x, SD 0.76x.
 
 Tensor parallelism: ``shard_tensor_parallel`` runs in the base pipeline, before every stage pass, so this
 pass joins a rank's own slices. Requires nothing, but must run before ``linear_as_reduction`` (which leaves
@@ -60,15 +67,21 @@ aten = torch.ops.aten
 LINEAR = aten.linear.default
 VIEWS = (aten.view.default, aten._unsafe_view.default)  # a column slice may not allow them: reshape instead
 ATTRIBUTE_PREFIX = "saguaro_joined_"  # the stage module's buffer holding a joined weight or bias
-FUSE_ON_CUDA = True  # Inductor's stages on CUDA join their projections (never run on a GPU yet; see above)
+# Where a builder joins by default: Inductor's stages on CUDA (never run on a GPU yet; see above). Not on a CPU,
+# where it is exact but slower (see above).
+FUSE_ON_CUDA = True
 _JOINED = WeakIdKeyDictionary()  # first tensor -> {narrow: (weak refs and versions of the parts, joined)}
 
 
-def fusion_applies(backend: str, device_type: str, linears: str) -> bool:
+def fusion_applies(backend: str, device_type: str, linears: str, requested: bool | None = None) -> bool:
     """Whether a stage whose linears run as ``linears`` (``lowering.linear_implementation``'s answer) on
-    ``backend`` and ``device_type`` joins its projections: where its linears are reductions (exact, any
-    backend), and Inductor's stages on CUDA (:data:`FUSE_ON_CUDA`); not before a CPU BLAS GEMM (not exact)."""
-    return linears == "reduction" or (FUSE_ON_CUDA and backend == "inductor" and device_type == "cuda")
+    ``backend`` and ``device_type`` joins its projections. ``requested`` None (the default): Inductor's stages
+    on CUDA (:data:`FUSE_ON_CUDA`); True: those, and every stage whose linears are reductions (where it is
+    exact; slower than apart on a CPU's Inductor); False: none. Never before a CPU BLAS GEMM (not exact)."""
+    on_cuda = backend == "inductor" and device_type == "cuda"
+    if requested is None:
+        return FUSE_ON_CUDA and on_cuda
+    return requested and (on_cuda or linears == "reduction")
 
 
 def joined(parts: tuple, narrow: bool = False) -> torch.Tensor | None:

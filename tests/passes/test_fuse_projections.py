@@ -100,8 +100,8 @@ def test_greedy_with_the_pass_equals_generate_and_sampling_is_unchanged(arch):
     options = dict(backend="eager", k=3, mode="ssd", linears="reduction", sd_when_faster=False, lane="thread",
                    fan_out="geometric", fan_out_budget=8)
     programs = [saguaro.compile(target, draft, **options) for _ in range(2)]
-    for runner in (programs[1].target, programs[1].draft):
-        runner.build.fuse_projections = False  # the unjoined program, before any stage is built
+    for runner in (programs[0].target, programs[0].draft):
+        runner.build.fuse_projections = True  # the joined program (off on a CPU by default), before any stage is built
     try:
         for mode in ("ar", "sd", "ssd"):  # the step; the verify and draft step; the glue and tree too
             out = programs[0].generate(ids, attention_mask=mask, max_new_tokens=12, mode=mode, eos_token_id=None)
@@ -190,20 +190,28 @@ def test_it_must_run_before_linear_as_reduction():
 
 
 def test_where_the_pass_applies():
-    assert fusion_applies("inductor", "cpu", "reduction") and fusion_applies("eager", "cpu", "reduction")
-    assert not fusion_applies("inductor", "cpu", "gemm") and not fusion_applies("eager", "cpu", "gemm")  # MKL
-    assert fusion_applies("inductor", "cuda", "gemm") and not fusion_applies("eager", "cuda", "gemm")
+    for backend, device, linears in (("inductor", "cpu", "reduction"), ("eager", "cpu", "reduction")):
+        assert fusion_applies(backend, device, linears, True)  # exact: where asked for
+        assert not fusion_applies(backend, device, linears) and not fusion_applies(backend, device, linears, False)
+    for backend in ("inductor", "eager"):  # a BLAS GEMM on a CPU: not exact, never
+        assert not fusion_applies(backend, "cpu", "gemm", True) and not fusion_applies(backend, "cpu", "gemm")
+    assert fusion_applies("inductor", "cuda", "gemm") and fusion_applies("inductor", "cuda", "reduction")
+    assert not fusion_applies("inductor", "cuda", "gemm", False)
+    assert not fusion_applies("eager", "cuda", "gemm") and not fusion_applies("eager", "cuda", "gemm", True)
     captured = base_of(tiny_target("llama"))
 
-    def fused(backend, stage, **kwargs):
-        builder = CompiledStages("target", captured.graph_module, 8, backend, "auto", "cpu", **kwargs)
+    def fused(backend, stage, device="cpu", **kwargs):
+        builder = CompiledStages("target", captured.graph_module, 8, backend, "auto", device, **kwargs)
         return "fuse_projections" in record_of(builder.stage_graph(stage)).ran
 
-    assert fused("inductor", TARGET_STEP) and fused("inductor", TARGET_VERIFY.greedy)
-    assert not fused("inductor", TARGET_PREFILL)  # a BLAS GEMM
-    assert not fused("inductor", TARGET_VERIFY.greedy, linears="template")
-    assert not fused("eager", TARGET_STEP) and fused("eager", TARGET_STEP, linears="reduction")
-    assert not fused("inductor", TARGET_STEP, fuse_projections=False)
+    assert not fused("inductor", TARGET_STEP) and not fused("inductor", TARGET_VERIFY.greedy)  # slower on a CPU
+    assert fused("inductor", TARGET_STEP, fuse_projections=True)
+    assert fused("inductor", TARGET_VERIFY.greedy, fuse_projections=True)
+    assert not fused("inductor", TARGET_PREFILL, fuse_projections=True)  # a BLAS GEMM
+    assert not fused("inductor", TARGET_VERIFY.greedy, linears="template", fuse_projections=True)
+    assert not fused("eager", TARGET_STEP, fuse_projections=True)
+    assert fused("eager", TARGET_STEP, linears="reduction", fuse_projections=True)
+    assert fused("inductor", TARGET_PREFILL, device="cuda") and fused("inductor", TARGET_STEP, device="cuda")
 
 
 def test_a_tensor_parallel_rank_joins_its_own_slices():
