@@ -44,7 +44,7 @@ reductions of q, k and v of one width (and of gate and up) as one loop over the 
 accumulator each, computing their shared input (the RMSNorm, inlined) once per row for all three; joined, it
 computes it once per row of the joined weight, three times as often. The default pair's target (one thread,
 min of 30 alternating batches, the machine loaded by other work): step 3.56 ms apart against 4.85 joined,
-verify 17.0 against 24.2; ``benchmarks/fuse_projections.py``: AR 0.75x, SD 0.76x.
+verify 17.0 against 24.2; ``benchmarks/parts/fuse_projections.py``: AR 0.75x, SD 0.76x.
 
 Tensor parallelism: ``shard_tensor_parallel`` runs in the base pipeline, before every stage pass, so this
 pass joins a rank's own slices. Requires nothing, but must run before ``linear_as_reduction`` (which leaves

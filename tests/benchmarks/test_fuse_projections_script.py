@@ -1,4 +1,4 @@
-"""``benchmarks/fuse_projections.py`` without its compiles (the A/B itself runs for minutes): its options, the
+"""``benchmarks/parts/fuse_projections.py`` without its compiles (the A/B itself runs for minutes): its options, the
 switch between the two programs, and that the joined program's builders ask for the pass."""
 
 import sys
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "parts"))
 import fuse_projections as script  # noqa: E402
 
 
@@ -15,7 +15,7 @@ def test_help_names_the_command(capsys):
     with pytest.raises(SystemExit) as done:
         script.main(["--help"])
     assert done.value.code == 0
-    assert "python benchmarks/fuse_projections.py --threads 1" in capsys.readouterr().out
+    assert "python benchmarks/parts/fuse_projections.py --threads 1" in capsys.readouterr().out
 
 
 def test_the_switch_sends_generate_to_the_named_program():

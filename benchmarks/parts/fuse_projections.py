@@ -2,7 +2,7 @@
 few-row stages' q/k/v and gate/up joined, and apart as by default on a CPU), warmed up in AR and SD (every shape
 compiled), then timed passes that alternate between the two programs.
 
-    python benchmarks/fuse_projections.py --threads 1 --passes 5 --json fuse_projections.json
+    python benchmarks/parts/fuse_projections.py --threads 1 --passes 5 --json fuse_projections.json
 
 Passes, the table and the JSON as ``alternating.py`` describes; the table's last column is joined/apart.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 FORMS = ("apart", "joined")
 
