@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -53,6 +54,11 @@ class ReadyServer(uvicorn.Server):
         super().__init__(config)
         self.announce = announce
         self.port: int | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:  # uvicorn raises a caught signal again once drained: SIGTERM drained exits 0
+            self._captured_signals.remove(sig)
 
     async def startup(self, sockets=None):
         await super().startup(sockets=sockets)
