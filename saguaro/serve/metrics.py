@@ -68,14 +68,17 @@ class Metrics:
         with self.lock:
             self.ttft_s.observe(seconds)
 
+    def batch_started(self) -> None:
+        with self.lock:
+            self.batches += 1
+
     def row_left(self, why: str) -> None:
         with self.lock:
             self.rows_left[why] = self.rows_left.get(why, 0) + 1
 
     def batch_done(self, stats: dict, counters) -> None:
-        """One generation's statistics: accepted lengths, SSD cache hits, lane failures."""
+        """A generation's statistics (one that ran to its end): accepted lengths, SSD cache hits, lane failures."""
         with self.lock:
-            self.batches += 1
             rounds = stats.get("rounds", 0)
             if stats.get("mode") != "ar" and rounds:
                 self.accepted_sum += stats.get("mean_accepted_len", 0.0) * rounds

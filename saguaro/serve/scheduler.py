@@ -148,6 +148,7 @@ class Scheduler:
         head = batch[0].sampling
         options = dict(attention_mask=mask, max_new_tokens=max(j.sampling.max_tokens for j in batch),
                        temperature=head.temperature, seed=head.seed if head.temperature > 0 else None)
+        self.metrics.batch_started()
         with self.program.stream(ids, **options) as stream:
             last = time.perf_counter()
             for chunk in stream:
