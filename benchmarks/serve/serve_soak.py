@@ -140,8 +140,10 @@ def inject(kind: str, server, args, tally, rng) -> dict:
 
 
 def run_soak(args) -> dict:
+    began = time.perf_counter()
     target, draft = model_dirs(args)
     answers = reference_answers(target, draft, (args.max_tokens, BURST_TOKENS))
+    references_s = time.perf_counter() - began
     extra = ("--plan", "always-ssd") if args.mode == "ssd" else ()
     server = ServerProcess(target, draft, args.mode, args.backend, args.k, args.max_batch, args.max_queue,
                            args.threads, extra)
@@ -152,6 +154,7 @@ def run_soak(args) -> dict:
                 body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
                 tally.record(body, request(warm, server.url, body))
         start = time.perf_counter()
+        startup_s = start - began - references_s
         baseline = {"t_s": 0.0, **resources(server.pid)}
         samples.append(baseline)
         stop_at = start + 60 * args.minutes
@@ -184,16 +187,21 @@ def run_soak(args) -> dict:
                 break
             time.sleep(1)
         samples.append(final)
+        metrics = httpx.get(server.base + "/metrics", timeout=60).text.splitlines()
+        server_counts = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics
+                         if line.startswith(("saguaro_draft_lane_failures_total", "saguaro_rows_left_early_total",
+                                             "saguaro_requests_total"))}
     finally:
         exit_status = server.stop()
     growth = {k: final[k] - baseline[k] for k in ("rss_mib", "fds", "threads", "children")}
-    return {"minutes": args.minutes, "load_s": load_s, "mode": args.mode, "requests": tally.requests,
+    return {"minutes": args.minutes, "references_s": references_s, "startup_s": startup_s, "load_s": load_s,
+            "settle_s": final["t_s"] - load_s, "mode": args.mode, "requests": tally.requests,
             "statuses": tally.statuses, "greedy_checked": tally.checked, "mismatches": len(tally.mismatches),
             "mismatch_examples": tally.mismatches[:3], "lost": len(tally.lost), "lost_examples": tally.lost[:3],
             "unexpected_errors": len(tally.errors), "error_examples": tally.errors[:3],
             "faults": faults, "fault_counts": {k: sum(f["kind"] == k for f in faults) for k in FAULTS},
             "faults_failed": sum(not f["ok"] for f in faults), "samples": samples, "growth": growth,
-            "server_exit": exit_status}
+            "server_counts": server_counts, "server_exit": exit_status}
 
 
 def main(argv=None) -> int:
@@ -207,6 +215,7 @@ def main(argv=None) -> int:
           f"{report['lost']} lost, {report['unexpected_errors']} unexpected errors")
     print(f"faults: {report['fault_counts']} ({report['faults_failed']} did not go as expected)")
     print("growth after the load: " + ", ".join(f"{k} {v:+g}" for k, v in report["growth"].items()))
+    print(f"the server's counts: {report['server_counts']}")
     print(f"server exit status after SIGTERM: {report['server_exit']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"report": report, "args": vars(args)}, indent=2, default=str))
