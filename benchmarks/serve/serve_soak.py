@@ -50,10 +50,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def reference_answers(target_dir, draft_dir, budgets) -> dict:
+def reference_answers(target_dir, draft_dir, budgets, threads=None) -> dict:
     """``{(prompt, max_tokens): (text, completion tokens)}``: the target's own greedy answers (AR, eager)."""
     import torch
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     from saguaro.compile import compile as saguaro_compile
     from saguaro.models_io import load_pair
 
@@ -64,8 +66,9 @@ def reference_answers(target_dir, draft_dir, budgets) -> dict:
     answers = {}
     for prompt in PROMPTS:
         ids = tokenizer(prompt).input_ids
-        for budget in budgets:
-            tokens = program.generate(torch.tensor([ids]), max_new_tokens=budget).sequences[0, len(ids):].tolist()
+        longest = program.generate(torch.tensor([ids]), max_new_tokens=max(budgets)).sequences[0, len(ids):].tolist()
+        for budget in budgets:  # greedy: a smaller budget's answer is the longer one's beginning
+            tokens = longest[:budget]
             end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
             answers[(prompt, budget)] = (tokenizer.decode(tokens[:end], skip_special_tokens=True), end)
     program.close()
@@ -142,7 +145,7 @@ def inject(kind: str, server, args, tally, rng) -> dict:
 def run_soak(args) -> dict:
     began = time.perf_counter()
     target, draft = model_dirs(args)
-    answers = reference_answers(target, draft, (args.max_tokens, BURST_TOKENS))
+    answers = reference_answers(target, draft, (args.max_tokens, BURST_TOKENS), args.threads)
     references_s = time.perf_counter() - began
     extra = ("--plan", "always-ssd") if args.mode == "ssd" else ()
     server = ServerProcess(target, draft, args.mode, args.backend, args.k, args.max_batch, args.max_queue,
