@@ -30,6 +30,15 @@ class Running:
     program: object
     tokenizer: object
 
+    def wait_idle(self) -> None:
+        """Until the scheduler has no batch running (a batch's stats are recorded after its last answer is sent)."""
+        scheduler = self.service.scheduler
+        for _ in range(600):
+            if scheduler.running == 0 and scheduler.queue_depth == 0:
+                return
+            threading.Event().wait(0.1)
+        raise AssertionError("the scheduler did not become idle")
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=60)

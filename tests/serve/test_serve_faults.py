@@ -102,6 +102,7 @@ def test_a_draft_lane_that_dies_during_a_request_still_gives_the_exact_answer(mo
         with pytest.warns(RuntimeWarning, match="draft device lost.*SD"):
             answer = httpx.post(running.url + "/completions", json=body, timeout=120)
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
+        running.wait_idle()
         assert running.service.metrics.lane_failures == 1
         monkeypatch.undo()
         again = httpx.post(running.url + "/completions", json=body, timeout=120)

@@ -1,5 +1,5 @@
 """A short soak of ``saguaro serve`` (``benchmarks/serve/serve_soak.py`` on the tiny pair, SSD with its draft
-lane in a process, about half a minute): faults injected (a disconnect, a malformed body, the lane's process
+lane in a process, about 20 s of load): faults injected (a disconnect, a malformed body, the lane's process
 killed, a burst past the queue), every greedy answer exact, none lost, and the server's file descriptors,
 threads and child processes back to their start after the load; SIGTERM then exits 0."""
 
@@ -14,7 +14,7 @@ import serve_soak  # noqa: E402
 
 @pytest.mark.heavy
 def test_short_soak_with_faults_has_no_mismatch_no_loss_and_no_leak(tmp_path):
-    args = serve_soak.parser().parse_args(["--tiny", "--minutes", "0.5", "--fault-every", "3", "--sample-every",
+    args = serve_soak.parser().parse_args(["--tiny", "--minutes", "0.35", "--fault-every", "2.5", "--sample-every",
                                            "5", "--clients", "3", "--threads", "1", "--max-queue", "8"])
     report = serve_soak.run_soak(args)
     assert report["mismatches"] == 0, report["mismatch_examples"]
