@@ -2,9 +2,10 @@
 
 Design (what is continuous and what is not yet): the runtime decodes a static batch per
 ``program.stream`` call, so the scheduler runs batches back to back. Each batch takes, in arrival order,
-up to ``max_batch`` waiting greedy requests whose prompts and budgets fit the program together (a
-sampled request runs in a batch of its own: the runtime draws one generator per call, so only alone are
-its tokens those of ``program.generate`` alone with its seed). A request that arrives while a batch
+up to ``max_batch`` waiting greedy requests whose prompts and budgets fit the program together (or
+unseeded sampled requests of one temperature). A request sampled with a seed runs in a batch of its
+own: the runtime draws one generator per call, so only alone are its tokens those of
+``program.generate`` alone with its seed. A request that arrives while a batch
 decodes waits for that batch to end; it does not yet join the running batch at the next round. A row
 whose request has ended (its ``max_tokens``, EOS, a stop string, or its client gone) stops being read at
 the next round and the batch ends at the next round boundary once no row is wanted; until then the row
@@ -115,22 +116,25 @@ class Scheduler:
                     self.running = 0
 
     def _take(self) -> list:
-        """The next batch (under the lock): the head request, and if it is greedy, the greedy requests after
-        it that fit (longest prompt + largest max_tokens within the program's max_length)."""
+        """The next batch (under the lock): the head request and, unless it is sampled with a seed, the requests
+        after it of its kind that fit (longest prompt + largest max_tokens within the program's max_length):
+        greedy with greedy, unseeded sampled with unseeded sampled at the same temperature (one generator for
+        the call: each row still draws from its own distribution; only a seed asks for a call alone)."""
         for job in [j for j in self.waiting if j.leave]:
             self.waiting.remove(job)  # its client left while it waited
         if not self.waiting:
             return []
         head = self.waiting[0]
         batch = [head]
-        if head.sampling.temperature == 0:
+        if head.sampling.temperature == 0 or head.sampling.seed is None:  # a seeded sampled request: alone
+            kind = (head.sampling.temperature, head.sampling.seed)
             longest, budget = len(head.sampling.prompt_ids), head.sampling.max_tokens
             for job in list(self.waiting)[1:]:
                 if len(batch) == self.max_batch:
                     break
                 s = job.sampling
                 t, m = max(longest, len(s.prompt_ids)), max(budget, s.max_tokens)
-                if s.temperature == 0 and t + m <= self.program.max_length:
+                if (s.temperature, s.seed) == kind and t + m <= self.program.max_length:
                     batch.append(job)
                     longest, budget = t, m
         for job in batch:

@@ -62,3 +62,14 @@ def test_greedy_batch_in_ssd_mode_equals_solo():
         assert metrics.batches == 1
     finally:
         program.close()
+
+
+def test_unseeded_sampled_requests_of_one_temperature_share_a_batch_seeded_ones_do_not():
+    _, _, program = tiny_program("llama", mode="sd")
+    ids, _ = prompts(5, 8, seed=13)
+    samplings = [Sampling(ids[i].tolist(), 6, temperature=0.7) for i in range(3)]
+    samplings += [Sampling(ids[3].tolist(), 6, temperature=0.7, seed=1), Sampling(ids[4].tolist(), 6, temperature=0.5)]
+    jobs, reasons, metrics = run_jobs(program, samplings)
+    assert all(reason[0] == "done" for reason in reasons) and all(1 <= len(j.tokens) <= 6 for j in jobs)
+    assert metrics.batches == 3  # the three at 0.7 together; the seeded one alone; the one at 0.5 alone
+    assert jobs[3].tokens == solo(program, ids[3].tolist(), 6, 0.7, 1)
