@@ -67,6 +67,8 @@ def run(args) -> int:
                             announce=print_ready(name))
     try:
         server.run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn drained the requests in flight, then raised the signal again
+        return 130
     finally:
         program.close()
     return 0
