@@ -4,9 +4,11 @@ from /proc, and percentiles."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +51,7 @@ def tiny_pair_dirs() -> tuple[str, str]:
     from tests.tiny_tokenizer import tiny_tokenizer
 
     root = Path(tempfile.mkdtemp(prefix="saguaro-serve-tiny-"))
+    atexit.register(shutil.rmtree, root, True)
     target = tiny_target("llama")
     truncated_draft(target).save_pretrained(root / "draft")
     target.save_pretrained(root / "target")
