@@ -134,7 +134,8 @@ def build_app(service: Service) -> Starlette:
                              "running": service.scheduler.running})
 
     async def metrics(request):
-        text = service.metrics.text(service.scheduler.queue_depth, service.scheduler.running)
+        text = service.metrics.text(service.scheduler.queue_depth, service.scheduler.running,
+                                    service.scheduler.lane_failures)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @contextlib.asynccontextmanager

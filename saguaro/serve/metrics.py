@@ -43,7 +43,6 @@ class Metrics:
         self.accepted_rounds = 0
         self.cache_hits = 0
         self.cache_lookups = 0
-        self.lane_failures = 0
         self.batches = 0
         self.rows_left: dict[str, int] = {}  # rows freed before their end, by why (client gone, stop string)
         self.round_s = Histogram(ROUND_BUCKETS)
@@ -77,7 +76,7 @@ class Metrics:
             self.rows_left[why] = self.rows_left.get(why, 0) + 1
 
     def batch_done(self, stats: dict, counters) -> None:
-        """A generation's statistics (one that ran to its end): accepted lengths, SSD cache hits, lane failures."""
+        """A generation's statistics (one that ran to its end): accepted lengths, SSD cache hits."""
         with self.lock:
             rounds = stats.get("rounds", 0)
             if stats.get("mode") != "ar" and rounds:
@@ -86,9 +85,8 @@ class Metrics:
             if counters is not None:
                 self.cache_hits += getattr(counters, "hits", 0)
                 self.cache_lookups += getattr(counters, "lookups", 0)
-            self.lane_failures += stats.get("lane_failures", 0)
 
-    def text(self, queue_depth: int, running: int) -> str:
+    def text(self, queue_depth: int, running: int, lane_failures: int) -> str:
         with self.lock:
             lines = ["# TYPE saguaro_requests_total counter"]
             lines += [f'saguaro_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
@@ -109,7 +107,7 @@ class Metrics:
                       "# TYPE saguaro_ssd_cache_hit_rate gauge",
                       f"saguaro_ssd_cache_hit_rate {self.cache_hits / max(self.cache_lookups, 1)}",
                       "# TYPE saguaro_draft_lane_failures_total counter",
-                      f"saguaro_draft_lane_failures_total {self.lane_failures}"]
+                      f"saguaro_draft_lane_failures_total {lane_failures}"]
             lines += ["# TYPE saguaro_rows_left_early_total counter"]
             lines += [f'saguaro_rows_left_early_total{{reason="{r}"}} {n}' for r, n in sorted(self.rows_left.items())]
             for name, hist in (("saguaro_round_seconds", self.round_s), ("saguaro_ttft_seconds", self.ttft_s),

@@ -65,6 +65,7 @@ class Scheduler:
         self.waiting: deque = deque()
         self.running = 0
         self.closing = False
+        self._lane_failures_seen = self.lane_failures
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="saguaro-serve-scheduler", daemon=True)
 
@@ -80,6 +81,12 @@ class Scheduler:
                                    None, 429, "rate_limit_exceeded")
             self.waiting.append(job)
             self.cond.notify_all()
+
+    @property
+    def lane_failures(self) -> int:
+        """Draft lanes dropped after a failure so far (the runtime finished their rounds with SD)."""
+        lanes = getattr(self.program, "lanes", None)
+        return lanes.failed_lanes if lanes is not None else 0
 
     @property
     def queue_depth(self) -> int:
@@ -165,9 +172,10 @@ class Scheduler:
                     break  # no row is wanted: leaving the block stops the generation at its next round boundary
         if stream.output is not None:
             self.metrics.batch_done(stream.output.stats, stream.output.counters)
-            if stream.output.stats.get("lane_failures"):
-                log.warning("the draft lane failed during a batch of %d request(s); its rounds finished exactly with "
-                            "SD and the server keeps serving", rows)
+        if self.lane_failures > self._lane_failures_seen:
+            self._lane_failures_seen = self.lane_failures
+            log.warning("the draft lane failed during a batch of %d request(s); its rounds finished exactly with SD "
+                        "(the next SSD batch starts a new lane) and the server keeps serving", rows)
 
     def _hand_out(self, batch: list, chunk, now: float) -> int:
         """Give each wanted row its new tokens; end the rows that are done. Returns the rows still wanted."""

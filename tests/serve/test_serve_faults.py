@@ -96,6 +96,7 @@ def test_a_draft_lane_that_dies_during_a_request_still_gives_the_exact_answer(mo
     ids = tokenizer("def f(x):").input_ids
     expected = tokenizer.decode(solo(program, ids, 24), skip_special_tokens=True)  # also the lane's warm-up
     running = start(program, tokenizer=tokenizer)
+    failures_before = program.lanes.failed_lanes
     try:
         monkeypatch.setattr(tree, "build_speculations", failing_after(2, RuntimeError("draft device lost")))
         body = {"prompt": "def f(x):", "max_tokens": 24, "temperature": 0}
@@ -103,7 +104,9 @@ def test_a_draft_lane_that_dies_during_a_request_still_gives_the_exact_answer(mo
             answer = httpx.post(running.url + "/completions", json=body, timeout=120)
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
         running.wait_idle()
-        assert running.service.metrics.lane_failures == 1
+        assert running.service.scheduler.lane_failures == failures_before + 1
+        assert f"saguaro_draft_lane_failures_total {failures_before + 1}" in httpx.get(
+            running.url.removesuffix("/v1") + "/metrics").text
         monkeypatch.undo()
         again = httpx.post(running.url + "/completions", json=body, timeout=120)
         assert again.json()["choices"][0]["text"] == expected
