@@ -15,7 +15,7 @@ from saguaro.capture.attention_op import direct_kernel_calls
 from saguaro.capture.captured_files import CapturedSource, load_captured
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError, SaguaroError
-from saguaro.core.stages import TARGET_ROUND, Stage
+from saguaro.core.stages import ROUND_STAGES, Stage
 from saguaro.lower.cuda_graphs import captures_stage, resolve_cuda_graphs
 from saguaro.lower.lowering import (
     TEMPLATE_GEMM_CONFIG, attention_implementation, linear_implementation, lower_graph, shape_policy,
@@ -159,9 +159,10 @@ class CompiledStages(PipelineStages):
         self.compiler = None
 
     def provides(self, stage: Stage) -> bool:
-        """Every stage, except AR's round under CUDA graphs: it writes the sequence buffers in place, new ones
-        every generation, and a graph is captured per address of what it writes."""
-        return not (self.cuda_graphs and stage is TARGET_ROUND)
+        """Every stage, except the round stages (AR's, SD's greedy verify and commit) under CUDA graphs: they
+        write the sequence buffers in place, new ones every generation, and a graph is captured per address of
+        what it writes (to revisit once the sequence buffers are pooled at fixed addresses)."""
+        return not (self.cuda_graphs and stage in ROUND_STAGES)
 
     def stage_graph(self, stage: Stage, observe=None, linears: str | None = None):
         """The stage's graph, its attention lowered and its linears run as chosen for this stage and device
