@@ -287,9 +287,9 @@ class Program:
         """Build (and lower) every stage ``mode`` needs now, on the caller's thread: stage building
         traces with ``torch.fx``, which must not overlap a lane running graphs."""
         for stage in stages_for(mode, temperature):
-            runner = self.runner(stage.model)
-            if runner is not None:  # a remote draft builds its own
-                runner.stage(stage if runner.provides(stage) else ROUND_STAGES[stage])
+            runner = self.runner(stage.model)  # None: a remote draft builds its own
+            if runner is not None:  # a round stage the builder does not offer: the stage run instead
+                runner.stage(stage if runner.provides(stage) else ROUND_STAGES.get(stage, stage))
 
     def _schedule_stats(self, sampled: bool) -> dict:
         """Critical path and expected overlap of the SSD round DAG, costed with this program's measured

@@ -104,6 +104,19 @@ def test_greedy_rounds_run_one_round_call_each_and_equal_the_verify_stage(mode, 
         program.close()
 
 
+def test_prepare_builds_what_a_builder_without_the_round_stages_runs(monkeypatch):
+    _, _, program = tiny_program("llama", k=3, mode="sd")
+    asked = []
+    for runner in (program.target, program.draft):
+        monkeypatch.setattr(runner, "stage", asked.append)
+    program.prepare("sd", 0.0)
+    assert TARGET_VERIFY_ROUND in asked and TARGET_VERIFY.greedy not in asked
+    asked.clear()
+    monkeypatch.setattr(program.target, "provides", lambda stage: stage not in ROUND_STAGES)
+    program.prepare("sd", 0.0)
+    assert TARGET_VERIFY.greedy in asked and TARGET_VERIFY_ROUND not in asked
+
+
 def test_builders_that_cannot_offer_the_round_say_so():
     from saguaro.compile import CompiledStages
 
