@@ -70,18 +70,26 @@ def verify_round(target: ModelRunner, state: DecodeState, draft_tokens: torch.Te
     """A greedy round's target side in one call of :data:`~saguaro.core.stages.TARGET_VERIFY_ROUND`: the
     verify, ``x_1..x_a, r'`` appended to the sequence buffers (``tensor_math.verify_round``, the function
     ``SequenceBatch.append`` runs), the outcome packed with the finished flags and lengths, and the next
-    round's inputs; then the round's one read, of that outcome."""
+    round's inputs (:func:`queue_verify_round`); then the round's one read, of that outcome."""
     seqs = state.seqs
     active = seqs.host_active  # before this append: from the previous round's read
+    outcome = queue_verify_round(target, state, draft_tokens)  # [4, B]
+    with traced(state.recorder, "host", "commit"):
+        return counted(state, Outcome(active, *seqs.take_outcome(outcome)))
+
+
+def queue_verify_round(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """Queue the round stage's call (device work only: no read) and hand its new lengths, finished flags and
+    next round's inputs to the sequences; returns the packed ``outcome [4, B]``, not yet read."""
+    seqs = state.seqs
     ids, positions, index = verify_inputs(state, draft_tokens)
     watch = Stopwatch(ids.device)  # device time: on CUDA, events on the caller's stream
     outcome, lengths, finished, *next_inputs = target.run(
         TARGET_VERIFY_ROUND, state.target_store, ids, positions, index, draft_tokens, seqs.tokens, seqs.lengths,
         seqs.finished, seqs.padding, seqs.eos_table(target.spec.vocab_size), seqs.end)
-    state.counters.time_verify(watch.stop())
+    state.counters.time_verify(watch.stop())  # read once the outcome's read has waited for it
     seqs.advanced(lengths, finished, tuple(next_inputs))
-    with traced(state.recorder, "host", "commit"):
-        return counted(state, Outcome(active, *seqs.take_outcome(outcome)))
+    return outcome
 
 
 def verify_and_commit(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor,
