@@ -15,8 +15,8 @@ from saguaro.capture.attention_op import direct_kernel_calls
 from saguaro.capture.captured_files import CapturedSource, load_captured
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError, SaguaroError
-from saguaro.core.stages import ROUND_STAGES, Stage
-from saguaro.lower.cuda_graphs import captures_stage, resolve_cuda_graphs
+from saguaro.core.stages import TARGET_VERIFY_ROUND, Stage
+from saguaro.lower.cuda_graphs import GraphedStage, captures_stage, resolve_cuda_graphs
 from saguaro.lower.lowering import (
     TEMPLATE_GEMM_CONFIG, attention_implementation, linear_implementation, lower_graph, shape_policy,
 )
@@ -29,6 +29,7 @@ from saguaro.runtime.lanes.remote import RemoteEndpoint
 from saguaro.runtime.draft.server import SpeculationServer
 from saguaro.runtime.base.kv_store import KVPool
 from saguaro.runtime.base.model_runner import ModelRunner
+from saguaro.runtime.base.sequences import SequencePool
 from saguaro.runtime.program import Program
 from saguaro.tensor_math.fork import RANK_WIDTH
 
@@ -109,8 +110,8 @@ def build_runner(name: str, model: torch.nn.Module | CapturedModel, backend: str
                  cuda_graphs: bool = False, shard=None, compiler: BackgroundCompiler | None = None,
                  linears: str = "auto", narrow_weights: bool = True) -> ModelRunner:
     """Capture ``model`` (or take its capture), run the base pass pipeline, and wrap it with the builder
-    of its stages (``cuda_graphs``: fixed-shape stages replay CUDA graphs over KV stores kept at fixed
-    addresses; ``shard``: a ``ShardTensorParallel`` pass after the base pipeline, the runner's spec its
+    of its stages (``cuda_graphs``: fixed-shape stages replay CUDA graphs over KV stores and sequence buffers
+    kept at fixed addresses; ``shard``: a ``ShardTensorParallel`` pass after the base pipeline, the runner's spec its
     rank's heads; ``compiler``: the thread of ``compile="background"``; ``linears``, ``narrow_weights``: as
     ``SaguaroConfig``'s)."""
     captured = model if isinstance(model, CapturedModel) else capture(model)
@@ -120,7 +121,9 @@ def build_runner(name: str, model: torch.nn.Module | CapturedModel, backend: str
     width = min(captured.spec.vocab_size, RANK_WIDTH)  # fork / rank / Saguaro-sampling width
     builder = CompiledStages(name, captured.graph_module, width, backend, attention, captured.spec.device.type,
                              cuda_graphs, compiler, linears, narrow_weights)
-    return ModelRunner(name, captured, builder, width, kv_pool=KVPool() if cuda_graphs else None)
+    # CUDA graphs: KV stores and sequence buffers at fixed addresses, generation after generation
+    return ModelRunner(name, captured, builder, width, kv_pool=KVPool() if cuda_graphs else None,
+                       seq_pool=SequencePool() if cuda_graphs else None)
 
 
 class CompiledStages(PipelineStages):
@@ -159,10 +162,14 @@ class CompiledStages(PipelineStages):
         self.compiler = None
 
     def provides(self, stage: Stage) -> bool:
-        """Every stage, except the round stages (AR's, SD's greedy verify and commit) under CUDA graphs: they
-        write the sequence buffers in place, new ones every generation, and a graph is captured per address of
-        what it writes (to revisit once the sequence buffers are pooled at fixed addresses)."""
-        return not (self.cuda_graphs and stage in ROUND_STAGES)
+        """Every stage, except SD's verify-and-commit stage under CUDA graphs, where SD's greedy round replays its
+        draft steps and verify as one graph (``runtime/decode/sd_graph.py``) and commits on the host side."""
+        return not (self.cuda_graphs and stage is TARGET_VERIFY_ROUND)
+
+    def graphed(self, fn, name: str, fixed):
+        """Under CUDA graphs, ``fn`` (several stages' calls: SD's round) as one graph per signature, its
+        stages running inside it (``GraphedStage(encloses=True)``); else None."""
+        return GraphedStage(fn, name, fixed, encloses=True) if self.cuda_graphs else None
 
     def stage_graph(self, stage: Stage, observe=None, linears: str | None = None):
         """The stage's graph, its attention lowered and its linears run as chosen for this stage and device
@@ -212,8 +219,10 @@ def compile_tensor_parallel(target, draft, cfg: SaguaroConfig):
                                                   narrow_weights=cfg.narrow_weights), cfg)
         return DraftRankProgram(cfg, ranks, make_server, spec.vocab_size)
     shard = ShardTensorParallel(spec, Shard(ranks.rank, cfg.tensor_parallel, ranks.target_group.group_name))
-    # SSD's rounds always: choosing SD by measured time would need the ranks to agree on one measurement
-    target_cfg = dataclasses.replace(cfg, sd_when_faster=False)
+    # SSD's rounds always: choosing SD by measured time would need the ranks to agree on one measurement; no CUDA
+    # graphs unless asked (cuda_graphs=True): the all-reduces inside captured graphs have not run on GPUs yet
+    target_cfg = dataclasses.replace(cfg, sd_when_faster=False,
+                                     cuda_graphs=False if cfg.cuda_graphs == "auto" else cfg.cuda_graphs)
     return TensorParallelProgram(compile_program(target, draft, target_cfg, shard), ranks)
 
 

@@ -84,12 +84,14 @@ class SaguaroConfig:
         values, half the bytes streamed per token. The copies are taken when a stage is built: weights
         changed in place later are not seen there (as ``"template"``'s frozen ones); compile again. False
         keeps every weight as loaded. Other weights, and other stages, are never changed.
-    cuda_graphs: run the fixed-shape stages (verify, glue, tree, step; not prefill) as CUDA graphs
-        (``saguaro.lower.cuda_graphs``: one replay instead of hundreds of Python kernel launches per
-        call, so two lanes do not contend for the GIL): True (CUDA only: on another device
-        ``saguaro.compile`` raises a ``ConfigError`` naming it), False, or ``"auto"``, the default: off
-        everywhere for now; on CUDA it follows ``saguaro.lower.cuda_graphs.CUDA_GRAPHS_AUTO``, a one-line
-        switch kept off until ``benchmarks/gpu_probe.py`` shows graphed stages exact on a GPU.
+    cuda_graphs: run the fixed-shape stages (verify, glue, tree, step, AR's greedy round; not prefill) as
+        CUDA graphs (``saguaro.lower.cuda_graphs``: one replay instead of hundreds of Python kernel launches
+        per call, so two lanes do not contend for the GIL): True (CUDA only: on another device
+        ``saguaro.compile`` raises a ``ConfigError`` naming it), False (off), or ``"auto"``, the default: on
+        when the models are on CUDA (``saguaro.lower.cuda_graphs.CUDA_GRAPHS_AUTO``), off elsewhere and
+        under ``tensor_parallel`` (all-reduces inside captured graphs are not yet run on GPUs). Each
+        graph's first replay is compared bit for bit with the stage run without it; a stage whose replay
+        differs runs without graphs from then on (``stats["graphs_off"]``, ``stats["plan"]``, a warning).
     lane_timeout_s: seconds the target waits for one answer of the draft lane, during a generation,
         before finishing that generation with SD.
     sd_when_faster: with ``fan_out="auto"``, an SSD generation whose warm-up measures that no tree pays

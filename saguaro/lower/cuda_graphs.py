@@ -1,4 +1,4 @@
-"""CUDA graphs over the fixed-shape stages (verify, glue, each tree shape, step).
+"""CUDA graphs over the fixed-shape stages (verify, glue, each tree shape, step, AR's round).
 
 On CUDA every kernel of a stage is launched from Python (Inductor's wrapper, or the FX interpreter of
 the eager backend), so two lanes launching hundreds of kernels per round contend for the GIL. A
@@ -6,25 +6,32 @@ the eager backend), so two lanes launching hundreds of kernels per round contend
 signature (shapes and dtypes, plus the addresses of the inputs the graph writes in place) it keeps
 static input buffers, a captured graph and the graph's static outputs. A call copies its inputs into
 the static buffers, replays the graph, and returns clones of the outputs (a tree stage is called once
-per depth at one shape, so an uncloned output would be overwritten by the next depth).
-
-The KV caches are written in place, so they are never copied: their addresses are part of the
-signature, and a graph replays only for caches at the addresses it was captured with. The runtime's
-stores keep fixed addresses across generations (``KVStore`` with a ``KVPool``), so a graph captured
-in one generation replays in every later one of the same shape.
-
-Why not ``torch.compile(mode="reduce-overhead")``: its CUDA graph trees skip any graph that mutates an
-input which is not a parameter or buffer (the caches), and they are per thread, while a lane may
-build a stage that another thread runs. Explicit graphs keep both under our control.
+per depth at one shape, so an uncloned output would be overwritten by the next depth). The inputs written
+in place (KV caches, AR's token buffer) are never copied: their addresses join the signature, and the
+runtime keeps them at fixed addresses across generations (``KVPool``, ``SequencePool``), so a graph
+captured in one generation replays in every later one of the same shape. Why not
+``torch.compile(mode="reduce-overhead")``: its CUDA graph trees skip a graph that mutates an input which
+is not a parameter or buffer (the caches), and they are per thread, while a lane may build a stage that
+another thread runs.
 
 Per signature: the first call is a warm-up on a side stream, as ``torch.cuda.graph``'s documentation
 requires (it compiles, with the static buffers, so that the capture never compiles); the second call
-captures (which runs nothing) and replays; later calls replay. Each call so runs the stage once. A
-capture that fails is logged once, and that signature runs without a graph from then on. Only the
-:data:`MAX_GRAPHS` most recently used signatures keep their graph (and its private memory pool).
-Captures take turns across the process (one lock), as CUDA graphs require.
-"""
+captures (which runs nothing) and replays; later calls replay. A capture that fails is logged once, and
+that signature runs without a graph from then on. Only the :data:`MAX_GRAPHS` most recently used
+signatures keep their graph (and its private memory pool). Captures take turns across the process (one
+lock). ``dynamic_dims`` (Inductor's sizes that vary from call to call) are marked dynamic on the static
+buffers, so the stage compiles once for every shape and a graph is captured per shape. ``encloses``: a
+function of several stages (SD's round) whose stages run as themselves (no graph of their own) while it
+warms up, is captured or checked; called without its graph, they keep theirs.
 
+The first replay of each captured graph is checked: the stage also runs without the graph, on copies of
+the inputs it writes in place as they were before the replay, and its outputs and those written inputs
+must equal the graph's bit for bit. A difference turns the graphs off for the whole stage (every
+signature: a kernel that a graph replays wrong at one shape is not trusted at another); that call's
+results are the ungraphed ones (copied back into the written inputs), later calls run the stage itself,
+a warning names the stage and the first differing tensor, and :attr:`GraphedStage.graphs_off` says why
+(the runner reports it in ``stats["graphs_off"]`` and ``stats["plan"]``).
+"""
 from __future__ import annotations
 
 import logging
@@ -35,18 +42,19 @@ import torch
 
 from saguaro.core.errors import ConfigError
 from saguaro.core.stages import TARGET_PREFILL, Stage
+from saguaro.lower.compile_helper import mark_dynamic
 
 log = logging.getLogger(__name__)
 
-# What cuda_graphs="auto" means on CUDA. Off until benchmarks/gpu_probe.py shows graphed stages exact
-# (tokens equal to the ungraphed program) and faster on a GPU; then this one line turns them on.
-CUDA_GRAPHS_AUTO = False
+# What cuda_graphs="auto" means on CUDA: on. The probe on one H200 (../shared/gpu/2026-12-04/) found every stage
+# bound by its launches (host time 0.89-0.99 of GPU time); a graph whose first replay differs is dropped.
+CUDA_GRAPHS_AUTO = True
 CUDA_GRAPHS_CHOICES = ("auto", True, False)
 MAX_GRAPHS = 16  # signatures per stage that keep a captured graph
 WARMUP_CALLS = 1  # calls per signature before its capture
-# torch.cuda.graph synchronizes the device when it starts a capture, which would break a capture
-# under way on another thread (the other lane's): captures take turns
+# torch.cuda.graph synchronizes the device when it starts a capture, which would break another thread's: one at a time
 _CAPTURE_LOCK = threading.Lock()
+_ENCLOSED = threading.local()  # depth: > 0 while an enclosing GraphedStage's function runs on this thread
 
 
 def resolve_cuda_graphs(requested, device) -> bool:
@@ -72,13 +80,14 @@ def captures_stage(stage: Stage) -> bool:
 class _Entry:
     """One signature's static inputs (``(arg index, buffer)``), graph and static outputs."""
 
-    def __init__(self, args: tuple, fixed: frozenset):
+    def __init__(self, args: tuple, fixed: frozenset, dynamic_dims: dict):
         self.copies = [(i, torch.empty(a.shape, dtype=a.dtype, device=a.device))  # contiguous
                        for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in fixed]
-        self.calls = 0
-        self.graph = None
-        self.outputs = None
-        self.failed = False  # its capture failed: calls run the stage itself
+        if dynamic_dims:  # the marks CompiledStage put on the inputs, on the buffers dynamo compiles for
+            buffers = dict(self.copies)
+            mark_dynamic([buffers.get(i) for i in range(len(args))], dynamic_dims)
+        # checked: its first replay was compared with the stage itself; failed: its capture failed (the stage runs)
+        self.calls, self.checked, self.failed, self.graph, self.outputs = 0, False, False, None, None
 
     def load(self, args: tuple) -> tuple:
         """Copy ``args`` into the static buffers; the arguments to call the stage with."""
@@ -105,6 +114,36 @@ def _tensors(out):
     return []
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes ``[numel, itemsize]`` (uint8): equal bytes, equal bits (NaN payloads, -0.0 included)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).view(t.numel(), -1)
+
+
+def difference(got: list, want: list, names: list) -> str | None:
+    """The first of ``got`` that differs from ``want`` in shape, dtype or any bit, in words (named by
+    ``names``), or None when all are equal."""
+    for name, a, b in zip(names, got, want):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"{name}: {tuple(a.shape)} {a.dtype} instead of {tuple(b.shape)} {b.dtype}"
+        if a.numel() and not torch.equal(_bits(a), _bits(b)):
+            n = int((_bits(a) != _bits(b)).any(dim=1).sum())
+            return f"{name} {tuple(a.shape)} {a.dtype}: {n} of {a.numel()} elements differ"
+    return None
+
+
+def enclosing(fn):
+    """``fn`` with the stages it calls running as themselves (no graph of their own) on this thread."""
+
+    def call(*args):
+        _ENCLOSED.depth = getattr(_ENCLOSED, "depth", 0) + 1
+        try:
+            return fn(*args)
+        finally:
+            _ENCLOSED.depth -= 1
+
+    return call
+
+
 class GraphedStage:
     """``fn`` (a stage: flat tensors in, a tuple of tensors out) replayed as CUDA graphs, one per input
     signature; ``fixed`` are the positions of the inputs ``fn`` writes in place (kept at their
@@ -113,13 +152,27 @@ class GraphedStage:
     """
 
     def __init__(self, fn, name: str, fixed=(), device_type: str = "cuda", max_graphs: int = MAX_GRAPHS,
-                 warmup_calls: int = WARMUP_CALLS):
+                 warmup_calls: int = WARMUP_CALLS, dynamic_dims: dict | None = None, encloses: bool = False):
         self.fn, self.name, self.fixed = fn, name, frozenset(fixed)
+        self._run = enclosing(fn) if encloses else fn  # what its warm-ups, captures and checks call
         self.device_type, self.max_graphs, self.warmup_calls = device_type, max_graphs, warmup_calls
+        self.dynamic_dims = dict(dynamic_dims or {})
         self._entries: OrderedDict = OrderedDict()  # signature -> _Entry, least recently used first
         self._streams: dict = {}  # device -> the side stream of warm-ups and captures
         self._lock = threading.Lock()  # static buffers are shared by the calls of one signature
-        self.counts = {"passed": 0, "warmups": 0, "captures": 0, "replays": 0, "failed": 0, "evicted": 0}
+        self.counts = {"passed": 0, "warmups": 0, "captures": 0, "replays": 0, "failed": 0, "evicted": 0,
+                       "checks": 0, "mismatches": 0, "enclosed": 0}
+        self.mismatch: str | None = None  # why a first replay differed: the whole stage runs without graphs
+        self.capture_error: str | None = None  # the last failed capture's error (that signature runs without)
+
+    @property
+    def graphs_off(self) -> str | None:
+        """Why calls of this stage run without CUDA graphs, in words (None: every signature graphs)."""
+        if self.mismatch is not None:
+            return self.mismatch
+        if self.capture_error is not None:
+            return f"capture failed for {self.counts['failed']} shape(s): {self.capture_error}"
+        return None
 
     def signature(self, args: tuple):
         """The key of ``args``' graph, or None when they cannot run one."""
@@ -145,14 +198,17 @@ class GraphedStage:
         return key
 
     def __call__(self, *args):
-        key = self.signature(args)
+        if getattr(_ENCLOSED, "depth", 0):  # inside an enclosing stage's warm-up, capture or check
+            self.counts["enclosed"] += 1
+            return self.fn(*args)
+        key = None if self.mismatch is not None else self.signature(args)
         if key is None:
             self.counts["passed"] += 1
             return self.fn(*args)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._entries[key] = _Entry(args, self.fixed)
+                entry = self._entries[key] = _Entry(args, self.fixed, self.dynamic_dims)
                 while len(self._entries) > self.max_graphs:
                     self._entries.popitem(last=False)  # its graph and memory pool go with it
                     self.counts["evicted"] += 1
@@ -168,9 +224,36 @@ class GraphedStage:
             if entry.graph is None and not self._capture(entry, key[0], call_args):
                 self.counts["passed"] += 1
                 return self.fn(*args)
+            if not entry.checked:
+                return self._first_replay(entry, call_args)
             entry.graph.replay()
             self.counts["replays"] += 1
             return _cloned(entry.outputs)
+
+    def _first_replay(self, entry: _Entry, call_args: tuple):
+        """Replay ``entry``'s graph for the first time and compare it with the stage run without the graph,
+        on copies of the written inputs as they were before (see the module's docstring)."""
+        entry.checked = True
+        self.counts["checks"] += 1
+        written = sorted(i for i in self.fixed if i < len(call_args) and isinstance(call_args[i], torch.Tensor))
+        before = {i: call_args[i].clone() for i in written}  # clone keeps the strides of a dense tensor
+        entry.graph.replay()
+        self.counts["replays"] += 1
+        expected = self._run(*(before.get(i, a) for i, a in enumerate(call_args)))  # the copies are written
+        got, want = _tensors(entry.outputs), _tensors(expected)
+        names = [f"output {n}" for n in range(max(len(got), len(want)))]
+        why = (f"{len(got)} outputs instead of {len(want)}" if len(got) != len(want) else
+               difference(got + [call_args[i] for i in written], want + [before[i] for i in written],
+                          names + [f"input {i} (written in place)" for i in written]))
+        if why is None:
+            return _cloned(entry.outputs)
+        for i in written:  # the ungraphed call's writes stand
+            call_args[i].copy_(before[i])
+        self.counts["mismatches"] += 1
+        self.mismatch = f"the first replay of its CUDA graph differs from the stage run without it: {why}"
+        self._entries.clear()  # graphs and their memory pools go: the stage runs itself from now on
+        log.warning("stage %s: %s; the stage runs without CUDA graphs from now on", self.name, self.mismatch)
+        return expected
 
     def _stream(self, device: torch.device):
         stream = self._streams.get(device)
@@ -184,7 +267,7 @@ class GraphedStage:
         stream, current = self._stream(device), torch.cuda.current_stream(device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            out = self.fn(*call_args)
+            out = self._run(*call_args)
         current.wait_stream(stream)
         for tensor in _tensors(out):  # made on the side stream, used on the caller's
             if tensor.is_cuda:
@@ -199,15 +282,16 @@ class GraphedStage:
             # thread_local: the other lane's thread may allocate or synchronize while this one captures
             with _CAPTURE_LOCK, torch.cuda.device(device):
                 with torch.cuda.graph(graph, stream=self._stream(device), capture_error_mode="thread_local"):
-                    outputs = self.fn(*call_args)
+                    outputs = self._run(*call_args)
         except Exception as exc:  # noqa: BLE001 - any capture failure falls back to running the stage
             entry.failed = True
             self.counts["failed"] += 1
             # a capture that ended in error may leave the allocator routing this stream's allocations to
             # the graph's pool: later warm-ups and captures take a new side stream
             self._streams.pop(device, None)
-            log.warning("stage %s: CUDA graph capture failed (%s: %s); this shape runs without a graph",
-                        self.name, type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+            self.capture_error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+            log.warning("stage %s: CUDA graph capture failed (%s); this shape runs without a graph", self.name,
+                        self.capture_error)
             return False
         entry.graph, entry.outputs = graph, outputs
         self.counts["captures"] += 1

@@ -22,9 +22,9 @@ from saguaro.lower.compile_thread import BackgroundCompiler
 from saguaro.lower.tiered import KeyPositions, TieredStage
 
 log = logging.getLogger(__name__)
-# Compile progress, one record when a stage starts compiling for new shapes and one when it is done
-# (``extra``: ``compile_event`` "start" / "done" / "failed", ``stage``, ``seconds``): INFO lines with
-# ``-v``; ``saguaro generate`` draws them as a progress line per stage.
+# Compile progress, one record when a stage starts compiling for new shapes and one when it is done (``extra``:
+# ``compile_event`` "start" / "done" / "failed", ``stage``, ``seconds``): INFO lines with ``-v``; ``saguaro
+# generate`` draws them as a progress line per stage.
 PROGRESS_LOGGER = "saguaro.lower.progress"
 progress = logging.getLogger(PROGRESS_LOGGER)
 
@@ -53,11 +53,9 @@ INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True, "cpp_wrapper_build_separate": T
 # cache skips such a graph (its packed weights do not pickle): it compiles again in every process.
 TEMPLATE_GEMM_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 COMPILE_LOG_S = 1.0  # a stage call this slow compiled (a new shape bucket, say): log it
-# Shape buckets of the inductor backend: the runtime left-pads prompts to a multiple of PROMPT_BUCKET
-# columns and rounds KV capacities up to a multiple of CAPACITY_BUCKET slots, so requests of nearby
-# sizes run one static-shape compilation of each stage.
-PROMPT_BUCKET = 16
-CAPACITY_BUCKET = 64
+# Shape buckets of the inductor backend: the runtime left-pads prompts to a multiple of PROMPT_BUCKET columns
+# and rounds KV capacities up to a multiple of CAPACITY_BUCKET slots (few shapes: few CUDA graphs).
+PROMPT_BUCKET, CAPACITY_BUCKET = 16, 64
 
 
 def bucketed(n: int, step: int) -> int:
@@ -89,7 +87,7 @@ class ShapePolicy:
 
 
 def shape_policy(backend: str) -> ShapePolicy:
-    """Inductor compiles one static shape per bucket, not per request; eager takes any shape."""
+    """Inductor takes shapes in buckets, not per request (few shapes, few CUDA graphs); eager takes any."""
     return ShapePolicy(PROMPT_BUCKET, CAPACITY_BUCKET) if backend == "inductor" else ShapePolicy()
 
 
@@ -163,15 +161,15 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
     and capacities to :data:`PROMPT_BUCKET` / :data:`CAPACITY_BUCKET` multiples); a size of 1 stays
     static (dynamo specialises it). Any other dimension that changes (a batch size, say) recompiles the
     stage once with it dynamic (dynamo's automatic dynamic shapes), so a stage never hits dynamo's
-    recompile limit. Inductor's FX graph cache (on by default) serves repeated compiles of the same
-    graph, in this process and the next.
-    ``device_type`` picks the per-device Inductor options (:data:`INDUCTOR_OPTIONS`).
-    ``cuda_graphs`` (CUDA only; a fixed-shape stage, :func:`~saguaro.lower.cuda_graphs.captures_stage`)
-    replays the stage as CUDA graphs (:class:`~saguaro.lower.cuda_graphs.GraphedStage`), the inputs it
-    writes in place (the KV caches, :func:`~saguaro.lower.graph_inputs.mutated_inputs`) kept at their
-    addresses. ``compiler`` (``compile="background"``; not with ``cuda_graphs``, which compiles blocking):
-    a :class:`~saguaro.lower.tiered.TieredStage` that runs the GraphModule itself for shapes Inductor has
-    not compiled yet while ``compiler``'s thread compiles them. ``config_patch`` (Inductor settings, such as
+    recompile limit. Inductor's FX graph cache (on by default) serves repeated compiles of the same graph, in
+    this process and the next. ``device_type`` picks the per-device options (:data:`INDUCTOR_OPTIONS`).
+    ``cuda_graphs`` (CUDA only; a fixed-shape stage, :func:`~saguaro.lower.cuda_graphs.captures_stage`) replays
+    the stage as CUDA graphs (:class:`~saguaro.lower.cuda_graphs.GraphedStage`), the inputs it writes in place
+    (the KV caches, :func:`~saguaro.lower.graph_inputs.mutated_inputs`) kept at their addresses; Inductor
+    compiles it with the same ``dynamic_dims`` (once), and a graph is captured per shape. ``compiler``
+    (``compile="background"``; not with ``cuda_graphs``, which compiles blocking): a
+    :class:`~saguaro.lower.tiered.TieredStage` that runs the GraphModule itself for shapes Inductor has not
+    compiled yet while ``compiler``'s thread compiles them. ``config_patch`` (Inductor settings, such as
     :data:`TEMPLATE_GEMM_CONFIG`): applied around each call that compiles."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not allowed: choose one of {', '.join(BACKENDS)}")
@@ -187,9 +185,9 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
         forward_outside_compiles(gm)
         compiled = compile_with_inductor(gm, options)
         if cuda_graphs:  # inside CompiledStage, which maps compile errors and logs the kernels
-            compiled = GraphedStage(compiled, name, mutated_inputs(gm))
-        stage = CompiledStage(gm, compiled, name, None if cuda_graphs else dynamic_dims,  # CUDA graphs: static
-                              config_patch, options if device_type == "cpu" and not cuda_graphs else None)
+            compiled = GraphedStage(compiled, name, mutated_inputs(gm), dynamic_dims=dynamic_dims)
+        stage = CompiledStage(gm, compiled, name, dynamic_dims, config_patch,
+                              options if device_type == "cpu" and not cuda_graphs else None)
         if compiler is not None and not cuda_graphs:
             return TieredStage(gm if eager_gm is None else eager_gm, stage, name, compiler, stage.written)
         return stage
@@ -202,6 +200,8 @@ class CompiledStage:
     ``dynamic_dims``: the dimensions a call with new shapes marks dynamic before it compiles
     (:func:`lower_graph`). ``config_patch``: Inductor settings around a call with new shapes (its compile).
     ``helper_options``: its Inductor options, where a compile helper may compile it too (None: not on CUDA)."""
+
+    graphs_off = property(lambda self: getattr(self.compiled, "graphs_off", None))  # GraphedStage's, if it is one
 
     def __init__(self, gm: torch.fx.GraphModule, compiled, name: str, dynamic_dims: dict | None = None,
                  config_patch: dict | None = None, helper_options: dict | None = None):

@@ -47,6 +47,15 @@ class GenerationPlan:
         return self.mode == "ssd" and self.run == "sd" and self.calibrated is not None
 
 
+def plan_stats(plan: GenerationPlan, runners) -> dict:
+    """``stats``' ``"plan"`` (why, in words, then each stage that runs without its CUDA graphs, and why),
+    ``"ran_as"`` and ``"graphs_off"`` (``{stage: why}``, ``ModelRunner.graphs_off`` of ``runners``: the
+    local ones; a process lane's draft graphs in its own process, and are not seen here)."""
+    off = {stage: why for runner in runners if runner is not None for stage, why in runner.graphs_off().items()}
+    why = plan.why + "".join(f"; {stage} runs without CUDA graphs ({reason})" for stage, reason in off.items())
+    return {"plan": why, "ran_as": plan.run, "graphs_off": off}
+
+
 COMPILING = ("the stages are still compiling (compile='background'): SD's rounds, the same tokens, until SSD's "
              "costs can be timed on compiled stages")
 

@@ -17,7 +17,7 @@ from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.schedule import critical_path, expected_overlap, round_schedule
 from saguaro.core.stages import ROUND_STAGES, stages_for
 from saguaro.runtime.calibration import Calibration
-from saguaro.runtime.generation_plan import GenerationPlan, plan_call
+from saguaro.runtime.generation_plan import GenerationPlan, plan_call, plan_stats
 from saguaro.runtime.decode import DECODERS
 from saguaro.runtime.decode.prefill import prefill
 from saguaro.runtime.draft.server import GenerateSpec
@@ -208,7 +208,7 @@ class Program:
         new_tokens = sum(state.seqs.host_lengths) - B * state.seqs.prompt_len  # the host view: no read
         stats = summarize(state.counters, plan.mode, new_tokens, B, wall, self.lane_kind,
                           self._schedule_stats(temperature > 0) if plan.mode == "ssd" else None)
-        stats |= {"plan": plan.why, "ran_as": plan.run}  # ran_as "sd" with mode "ssd": the planner chose SD
+        stats |= plan_stats(plan, (self.target, self.draft))  # ran_as "sd" with mode "ssd": the planner chose SD
         if plan.mode == "ssd":
             stats["planned_sd"] = plan.planned_sd  # True: the planner measured that no tree pays here, SD ran
             if plan.run == "ssd" and not state.counters.lane_failures:
@@ -253,8 +253,8 @@ class Program:
         # the target's store never holds a tree, nor does the draft's of SD rounds: an SSD generation run as SD
         # has SD's shapes, its draft steps attending over SD's slots only, not over SSD's tree scratch too
         # (warm_sd_shapes ran them before; no speed-up measured on the default pair: benchmarks/README.md)
-        capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens)
-        seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id)
+        capacity, pool = self._store_capacity(padded_ids.shape[1], max_new_tokens), self.target.seq_pool
+        seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id, pool)
         state = DecodeState(
             seqs=seqs, target_store=self.target.new_store(B, capacity),
             draft_store=self.draft.new_store(B, capacity) if plan.run == "sd" else None,

@@ -111,18 +111,23 @@ class FakeCuda:
 
 class Kernelized:
     """``fn`` as one kernel: outside a capture it runs; inside one, it is recorded, and its outputs are
-    tensors that each replay refills (the arguments are left untouched by the capture itself)."""
+    tensors that each replay refills (the arguments are left untouched by the capture itself). ``perturb``
+    (a graph that replays wrong): called with the static outputs after each replay has refilled them."""
 
-    def __init__(self, fn, cuda: FakeCuda):
-        self.fn, self.cuda, self.calls = fn, cuda, 0
+    def __init__(self, fn, cuda: FakeCuda, perturb=None):
+        self.fn, self.cuda, self.calls, self.perturb = fn, cuda, 0, perturb
 
     def __call__(self, *args):
         self.calls += 1
-        if self.cuda.capturing is None:
-            return self.fn(*args)
+        if self.cuda.capturing is None or getattr(self.cuda._local, "learning", False):
+            return self.fn(*args)  # not captured, or inside another kernel (SD's round around its stages)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         saved = [t.clone() for t in tensors]
-        outputs = self.fn(*args)  # to learn the outputs' shapes; then undone
+        self.cuda._local.learning = True
+        try:
+            outputs = self.fn(*args)  # to learn the outputs' shapes; then undone
+        finally:
+            self.cuda._local.learning = False
         for tensor, before in zip(tensors, saved):
             tensor.copy_(before)
         static = tuple(torch.full_like(o, -7) for o in outputs)  # garbage until a replay fills them
@@ -130,6 +135,8 @@ class Kernelized:
         def kernel():
             for out, value in zip(static, self.fn(*args)):
                 out.copy_(value)
+            if self.perturb is not None:
+                self.perturb(static)
 
         self.cuda.capturing.kernels.append(kernel)
         return static

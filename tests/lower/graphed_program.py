@@ -1,25 +1,31 @@
-"""Routes a compiled Program's fixed-shape stages through GraphedStages and its KV stores through a
-KVPool per runner, by hand, for the tests (``saguaro.compile(cuda_graphs=True)`` does it when wired)."""
+"""Routes a compiled Program's fixed-shape stages through GraphedStages, its KV stores through a KVPool per
+runner and its sequence buffers through a SequencePool, by hand, for the tests (``saguaro.compile`` does
+it on CUDA, where it needs no fake)."""
 
 from __future__ import annotations
 
-from saguaro.lower.cuda_graphs import GraphedStage, captures_stage
+from saguaro.lower.cuda_graphs import GraphedStage, captures_stage, enclosing
 from saguaro.lower.graph_inputs import mutated_inputs
 from saguaro.runtime.base.kv_store import KVPool, KVStore
+from saguaro.runtime.base.sequences import SequencePool
 
 
-def graphed(program, device_type: str = "cuda", wrap=lambda fn: fn) -> dict:
+def graphed(program, device_type: str = "cuda", wrap=lambda fn, stage: fn) -> dict:
     """``{"stages": {qualified name: GraphedStage}, "stores": [(runner, batch, capacity, address)]}``,
-    filled as the program builds stages and stores; ``wrap`` wraps each stage before it is graphed."""
+    filled as the program builds stages (and SD's round: stage None) and stores; ``wrap(fn, stage)`` wraps
+    each before it is graphed."""
     made = {"stages": {}, "stores": []}
+    program.target.seq_pool = SequencePool()
     for runner in (program.target, program.draft):
+        if runner is None:
+            continue
         build, pool = runner.build, KVPool()
 
         def wrapped(stage, build=build):
             fn = build(stage)
             if not captures_stage(stage):
                 return fn
-            graphs = GraphedStage(wrap(fn), stage.qualified, mutated_inputs(build.stage_graph(stage)),
+            graphs = GraphedStage(wrap(fn, stage), stage.qualified, mutated_inputs(build.stage_graph(stage)),
                                   device_type=device_type)
             made["stages"][stage.qualified] = graphs
             return graphs
@@ -29,6 +35,13 @@ def graphed(program, device_type: str = "cuda", wrap=lambda fn: fn) -> dict:
             made["stores"].append((runner.name, batch, capacity, store.k_caches[0].data_ptr()))
             return store
 
+        def graphed_fn(fn, name, fixed):  # a function of several stages (SD's round), as CompiledStages.graphed
+            # its stages run as themselves inside it, on a real device because its replay runs no Python
+            made["stages"][name] = GraphedStage(wrap(enclosing(fn), None), name, fixed, device_type=device_type,
+                                                encloses=True)
+            return made["stages"][name]
+
+        wrapped.graphed = graphed_fn
         runner.build, runner.new_store = wrapped, new_store
     return made
 

@@ -28,13 +28,14 @@ def test_config_refuses_other_values(value):
         SaguaroConfig(cuda_graphs=value)
 
 
-def test_auto_is_off_until_measured_and_follows_the_switch(monkeypatch):
-    assert cuda_graphs.CUDA_GRAPHS_AUTO is False  # flipped once benchmarks/gpu_probe.py shows graphs exact
-    assert resolve_cuda_graphs("auto", "cpu") is False
-    assert resolve_cuda_graphs("auto", torch.device("cuda", 1)) is False
-    monkeypatch.setattr(cuda_graphs, "CUDA_GRAPHS_AUTO", True)
+def test_auto_is_on_on_cuda_only_and_follows_the_switch(monkeypatch):
+    assert cuda_graphs.CUDA_GRAPHS_AUTO is True  # the probe found every stage host-bound on an H200
     assert resolve_cuda_graphs("auto", "cuda:0") is True
+    assert resolve_cuda_graphs("auto", torch.device("cuda", 1)) is True
     assert resolve_cuda_graphs("auto", "cpu") is False  # never off CUDA
+    assert resolve_cuda_graphs(False, "cuda:0") is False  # False turns it off
+    monkeypatch.setattr(cuda_graphs, "CUDA_GRAPHS_AUTO", False)
+    assert resolve_cuda_graphs("auto", "cuda:0") is False
 
 
 def test_true_off_cuda_is_a_config_error_naming_the_device():
@@ -115,12 +116,16 @@ def test_warm_up_then_capture_then_replay_with_static_buffers(monkeypatch):
         assert torch.equal(out, x * 2 + 0.5) and torch.equal(cache[:3], x)  # each call's own inputs
         xs.append(x)
         outs.append(out)
-    # 1st call: warm-up on the side stream; 2nd: capture (nothing runs) and replay; then replays only
-    assert stage.counts == {"passed": 0, "warmups": 1, "captures": 1, "replays": 3, "failed": 0, "evicted": 0}
-    assert len(log) == 2, "the stage itself runs only to warm up and to be captured"
+    # 1st call: warm-up on the side stream; 2nd: capture (nothing runs), replay and check it against the
+    # stage run without the graph; then replays only
+    assert stage.counts == {"passed": 0, "warmups": 1, "captures": 1, "replays": 3, "failed": 0, "evicted": 0,
+                            "checks": 1, "mismatches": 0, "enclosed": 0}
+    assert len(log) == 3, "the stage itself runs only to warm up, to be captured and for the first replay's check"
     static_x = log[0][0]
     assert log[1][0] is static_x and static_x is not xs[0] and static_x is not xs[1]  # a static buffer
     assert log[0][1] is cache and log[1][1] is cache  # written in place: never copied
+    assert log[2][0] is static_x and log[2][1] is not cache, "the check writes a copy of the cache"
+    assert stage.graphs_off is None
     assert [out[0].item() for out in outs] == [2.5, 4.5, 6.5, 8.5], "outputs are clones, not the static ones"
     assert cuda.capture_kwargs[0]["capture_error_mode"] == "thread_local"
     assert cuda.capture_kwargs[0]["stream"] is stage._streams[torch.device("cpu")]
@@ -173,6 +178,8 @@ def test_a_failed_capture_falls_back_to_the_stage_for_that_signature(monkeypatch
     assert torch.device("cpu") not in stage._streams, "a failed capture's side stream is not used again"
     assert log[-1][0] is not None and log[-1][1] is cache
     assert "stage draft.test: CUDA graph capture failed (RuntimeError: operation not permitted" in caplog.text
+    assert stage.graphs_off == "capture failed for 1 shape(s): RuntimeError: operation not permitted when stream " \
+                               "is capturing"
 
 
 def test_record_stream_is_skipped_for_tensors_off_cuda(monkeypatch):
@@ -183,3 +190,36 @@ def test_record_stream_is_skipped_for_tensors_off_cuda(monkeypatch):
     again = stage(torch.ones(2))  # captured then replayed: clones keep the container types
     assert isinstance(again, list) and isinstance(again[1], tuple) and torch.equal(again[1][0], torch.full((2,), 2.0))
     assert again[2] == "label" and cuda.capturing is None
+
+
+def test_tensor_parallel_targets_graph_only_when_asked(monkeypatch):
+    """All-reduces inside captured graphs have not run on GPUs: ``"auto"`` is off on tensor-parallel ranks."""
+    import importlib
+    from types import SimpleNamespace
+
+    import saguaro.runtime.tensor_parallel as tensor_parallel
+    from tests.models import tiny_target
+
+    compile_module = importlib.import_module("saguaro.compile")  # the module (saguaro.compile is the function)
+    ranks = SimpleNamespace(is_draft=False, rank=0, target_group=SimpleNamespace(group_name="g"))
+    seen = []
+    monkeypatch.setattr(tensor_parallel, "join_ranks", lambda n, device: ranks)
+    monkeypatch.setattr(tensor_parallel, "TensorParallelProgram", lambda program, ranks: program)
+    monkeypatch.setattr(compile_module, "compile_program", lambda t, d, cfg, shard: seen.append(cfg))
+    target = tiny_target("llama")
+    for asked in ("auto", True, False):
+        compile_module.compile_tensor_parallel(target, None, SaguaroConfig(tensor_parallel=2, cuda_graphs=asked))
+    assert [cfg.cuda_graphs for cfg in seen] == [False, True, False]
+    assert all(cfg.sd_when_faster is False for cfg in seen)
+
+
+def test_compiled_builders_graph_functions_of_several_stages_only_under_cuda_graphs():
+    from saguaro.compile import CompiledStages
+
+    builder = CompiledStages.__new__(CompiledStages)
+    builder.cuda_graphs = False
+    assert builder.graphed(lambda *a: a, "sd round", range(3)) is None
+    builder.cuda_graphs = True
+    graphs = builder.graphed(lambda *a: a, "sd round", range(3))
+    assert isinstance(graphs, GraphedStage) and graphs.fixed == {0, 1, 2} and graphs.name == "sd round"
+    assert graphs.device_type == "cuda" and graphs._run is not graphs.fn  # its stages run inside it

@@ -105,14 +105,18 @@ def test_ar_runs_one_round_past_an_eos_end_which_appends_nothing(round_stage):
     assert calls[1:] == [TARGET_ROUND if round_stage else TARGET_STEP] * generated  # one past the end
 
 
-def test_builders_that_cannot_offer_the_round_say_so():
+def test_compiled_builders_offer_the_round_under_cuda_graphs_too():
+    """The round's token buffer comes from the runner's SequencePool (fixed addresses), so under CUDA graphs
+    it graphs like any stage (tests/lower/test_cuda_graph_generation.py runs it so)."""
     from saguaro.compile import CompiledStages
+    from saguaro.runtime.base.model_runner import ModelRunner
 
     builder = CompiledStages.__new__(CompiledStages)
-    builder.cuda_graphs = True  # a graph per generation's new sequence buffers: not offered
-    assert not builder.provides(TARGET_ROUND) and builder.provides(TARGET_STEP)
-    builder.cuda_graphs = False
-    assert builder.provides(TARGET_ROUND)
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.build = builder
+    for graphs in (True, False):
+        builder.cuda_graphs = graphs
+        assert runner.provides(TARGET_ROUND) and runner.provides(TARGET_STEP)
 
 
 def test_the_round_graph_writes_the_tokens_and_slots_never_lengths_or_finished():

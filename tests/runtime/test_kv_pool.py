@@ -111,6 +111,6 @@ def test_cuda_stores_are_keyed_by_their_stream(monkeypatch):
         cuda_stream = 1234
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
-    assert kv_store._stream_key(torch.device("cuda", 0)) == 1234
-    assert kv_store._stream_key(torch.device("cpu")) is None
+    assert kv_store.stream_key(torch.device("cuda", 0)) == 1234
+    assert kv_store.stream_key(torch.device("cpu")) is None
     assert KVPool.key(spec(), 1, 8)[-2] is None  # the tiny model is on CPU

@@ -117,13 +117,15 @@ def test_prepare_builds_what_a_builder_without_the_round_stages_runs(monkeypatch
     assert TARGET_VERIFY.greedy in asked and TARGET_VERIFY_ROUND not in asked
 
 
-def test_builders_that_cannot_offer_the_round_say_so():
+def test_builders_under_cuda_graphs_run_sd_by_its_graphed_round_instead():
+    """Under CUDA graphs SD's greedy round replays its draft steps and verify as one graph (``sd_graph.py``)
+    and commits on the host: the verify-and-commit stage is not offered there (AR's round is)."""
     from saguaro.compile import CompiledStages
 
     builder = CompiledStages.__new__(CompiledStages)
-    builder.cuda_graphs = True  # a graph per generation's new sequence buffers: not offered
-    assert not builder.provides(TARGET_VERIFY_ROUND) and not builder.provides(TARGET_ROUND)
-    assert builder.provides(TARGET_VERIFY.greedy)
+    builder.cuda_graphs = True
+    assert not builder.provides(TARGET_VERIFY_ROUND) and builder.provides(TARGET_VERIFY.greedy)
+    assert builder.provides(TARGET_ROUND)
     builder.cuda_graphs = False
     assert builder.provides(TARGET_VERIFY_ROUND)
 

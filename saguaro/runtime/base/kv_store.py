@@ -44,7 +44,7 @@ class _Tensors:
         self.slot_branch.zero_()
 
 
-def _stream_key(device: torch.device):
+def stream_key(device: torch.device):
     """The current CUDA stream of ``device`` (None off CUDA). Like the caching allocator, a pool hands
     tensors back only on the stream that freed them, so the reset is ordered after their last use."""
     if device.type != "cuda":
@@ -71,7 +71,7 @@ class KVPool:
         # inference tensors can be written in place only under inference mode, normal ones anywhere:
         # a store takes tensors made in the same mode
         return (str(spec.device), spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, batch, capacity,
-                _stream_key(spec.device), torch.is_inference_mode_enabled())
+                stream_key(spec.device), torch.is_inference_mode_enabled())
 
     def take(self, key: tuple) -> _Tensors | None:
         with self._lock:
@@ -115,6 +115,20 @@ class KVStore:
         if pool is not None:
             # holds the tensors, not the store; never at exit (the pool dies with the process)
             weakref.finalize(self, pool.give, key, tensors).atexit = False
+
+    def tensors(self) -> tuple:
+        """Its tensors, flat: ``slot_pos, slot_branch, slot numbers, *k_caches, *v_caches`` (:meth:`over`'s)."""
+        return (self.slot_pos, self.slot_branch, self._slot_index, *self.k_caches, *self.v_caches)
+
+    @classmethod
+    def over(cls, *tensors: torch.Tensor) -> "KVStore":
+        """A store over :meth:`tensors`' flat tensors (SD's graphed round: the same tensors, every call)."""
+        store = cls.__new__(cls)
+        store.slot_pos, store.slot_branch, store._slot_index = tensors[:3]
+        layers = (len(tensors) - 3) // 2
+        store.k_caches, store.v_caches = list(tensors[3:3 + layers]), list(tensors[3 + layers:])
+        store.capacity = store.slot_pos.shape[1]
+        return store
 
     def claim(self, write_slots: torch.Tensor, positions: torch.Tensor, branch: torch.Tensor) -> None:
         """Mark ``write_slots [B, T]`` as holding tokens at ``positions`` on ``branch`` (all ``[B, T]``)."""

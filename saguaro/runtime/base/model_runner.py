@@ -48,14 +48,17 @@ class StageBuilder(Protocol):
 class ModelRunner:
     """A captured model, its lowered stages, and the bookkeeping every stage call shares."""
 
-    def __init__(self, name: str, captured: CapturedModel, build: StageBuilder, width: int, kv_pool=None):
+    def __init__(self, name: str, captured: CapturedModel, build: StageBuilder, width: int, kv_pool=None,
+                 seq_pool=None):
         self.name = name
         self.captured = captured
         self.spec = captured.spec
         self.build = build  # Stage -> the lowered callable
         self.width = width  # fork / rank / Saguaro-sampling width
         self.kv_pool = kv_pool  # a KVPool: stores of one shape reuse their tensors (fixed addresses: CUDA graphs)
+        self.seq_pool = seq_pool  # a SequencePool: the same for the sequence buffers its generations write
         self._stages: dict = {}
+        self._graphed: dict = {}  # name -> the builder's graph of a function of several stages, or None
         self._lock = threading.Lock()  # two lanes may ask for stages of one model at once
         self.stage_build_s: dict = {}
         self._stage_cost_s: dict = {}  # running mean seconds per call, the schedule's node costs
@@ -97,8 +100,7 @@ class ModelRunner:
 
     def provides(self, stage: Stage) -> bool:
         """Whether the builder offers ``stage`` (the builder's ``provides``; without one, every stage): a
-        loaded artifact offers the stages it holds, a CUDA-graphed program not AR's round (its sequence
-        buffers, written in place, would pin a graph per generation)."""
+        loaded artifact offers the stages it holds."""
         provides = getattr(self.build, "provides", None)
         return True if provides is None else provides(stage)
 
@@ -130,6 +132,23 @@ class ModelRunner:
         for fn in self.built_stages.values():
             if hasattr(fn, "blocking"):
                 fn.blocking = True
+
+    def graphed(self, name: str, fn: Callable, fixed) -> Callable | None:
+        """``fn`` (a function of several stages over flat tensors, ``fixed`` the positions of those it reads
+        or writes at fixed addresses) as CUDA graphs, made once per ``name`` by the builder's ``graphed``;
+        None where the builder graphs nothing (no CUDA graphs)."""
+        with self._lock:
+            if name not in self._graphed:
+                hook = getattr(self.build, "graphed", None)
+                self._graphed[name] = None if hook is None else hook(fn, name, fixed)
+            return self._graphed[name]
+
+    def graphs_off(self) -> dict:
+        """``{stage name: why}`` for the built stages (and :meth:`graphed` functions) that run without their
+        CUDA graphs, all calls or some shapes (their ``graphs_off``: a first replay that differed from the
+        call without it, a failed capture); empty without CUDA graphs."""
+        built = {stage.qualified: fn for stage, fn in self.built_stages.items()} | self._graphed
+        return {name: why for name, fn in built.items() if (why := getattr(fn, "graphs_off", None)) is not None}
 
     @property
     def built_stages(self) -> dict:
@@ -178,7 +197,10 @@ class ModelRunner:
         with self._timings_lock:
             self._timings.append((key, interval))
         # on CPU every interval is ready, so the means are current after each call; on CUDA the finished
-        # ones are folded without waiting, and a queue past MAX_PENDING waits for its oldest
+        # ones are folded without waiting, and a queue past MAX_PENDING waits for its oldest; never while a
+        # graph of several stages is being captured (no event may be queried then: SD's graphed round)
+        if self.spec.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
         self._fold(wait_for_all=len(self._timings) > MAX_PENDING)
 
     def __call__(self, store: KVStore, input_ids, positions, write_slots, branch=None, limit=None) -> torch.Tensor:

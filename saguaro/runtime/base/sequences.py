@@ -1,10 +1,19 @@
 """Per-sequence token buffers, lengths, EOS and budgets for one ``generate`` call, and the one
-device→host read each round makes of them."""
+device→host read each round makes of them.
+
+A :class:`SequenceBatch` made with a :class:`SequencePool` keeps its buffers at fixed addresses across
+generations, as a ``KVStore`` with a ``KVPool`` does: AR's round writes the token buffer in place, so a
+CUDA graph of the round (``saguaro.lower.cuda_graphs``) captured in one generation replays in every later
+one of the same batch and capacity.
+"""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from saguaro.runtime.base.kv_store import KVPool, stream_key
 from saguaro.tensor_math.ar_round import append_token
 from saguaro.tensor_math.verify_round import append_tokens
 
@@ -19,6 +28,28 @@ def host_to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     return values.to(device)
 
 
+class _Buffers:
+    """One batch's device buffers: tokens ``[B, C]``, lengths, finished, padding ``[B]``, end ``[]``, steps ``[C]``."""
+
+    def __init__(self, batch: int, capacity: int, device: torch.device):
+        self.tokens = torch.empty((batch, capacity), dtype=torch.long, device=device)  # [B, C]
+        self.lengths = torch.empty(batch, dtype=torch.long, device=device)  # [B]
+        self.finished = torch.empty(batch, dtype=torch.bool, device=device)  # [B]
+        self.padding = torch.empty(batch, dtype=torch.long, device=device)  # [B]
+        self.end = torch.empty((), dtype=torch.long, device=device)  # []
+        self.steps = torch.arange(capacity, device=device)  # [C]
+
+
+class SequencePool(KVPool):
+    """Free :class:`SequenceBatch` buffers by (device, batch, capacity, stream, inference mode), handed to the
+    next batch of that shape: the same addresses, generation after generation (thread-safe, bounded)."""
+
+    @staticmethod
+    def key(batch: int, capacity: int, device: torch.device) -> tuple:  # noqa: D102 - KVPool.key's, for buffers
+        device = torch.device(device)
+        return (str(device), batch, capacity, stream_key(device), torch.is_inference_mode_enabled())
+
+
 class SequenceBatch:
     """Token buffer ``[B, capacity]`` with left-padded prompts; a token's index is also its KV slot.
 
@@ -28,31 +59,50 @@ class SequenceBatch:
     The buffers live on the device; the host keeps a view of ``finished`` and ``lengths`` as of the
     last :meth:`read` (one device→host transfer, the round's outcome read with them), so the host's
     questions (:meth:`all_finished`, :attr:`host_active`) cost no sync. :meth:`append` makes the view
-    stale; a question asked then reads once.
+    stale; a question asked then reads once. With ``pool``, the buffers come from (and, once the batch is
+    garbage collected, go back to) the pool.
     """
 
     def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                 capacity: int, eos_token_ids: list[int], pad_token_id: int):
+                 capacity: int, eos_token_ids: list[int], pad_token_id: int, pool: SequencePool | None = None):
         B, T = input_ids.shape
         dev = input_ids.device
         self.prompt_len = T
         self.max_new_tokens = max_new_tokens
         self.pad_token_id = pad_token_id
-        self.tokens = torch.full((B, capacity), pad_token_id, dtype=torch.long, device=dev)  # [B, C]
+        key = SequencePool.key(B, capacity, dev)
+        buffers = pool.take(key) if pool is not None else None
+        if buffers is None:
+            buffers = _Buffers(B, capacity, dev)
+        self.tokens = buffers.tokens.fill_(pad_token_id)  # [B, C]
         self.tokens[:, :T] = input_ids
         self.pad_mask = attention_mask == 0  # [B, T]
-        self.padding = self.pad_mask.sum(dim=1)  # [B] left-pad counts
-        self.lengths = torch.full((B,), T, dtype=torch.long, device=dev)  # [B]
-        self.finished = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
+        self.padding = buffers.padding.copy_(self.pad_mask.sum(dim=1))  # [B] left-pad counts
+        self.lengths = buffers.lengths.fill_(T)  # [B]
+        self.finished = buffers.finished.zero_()  # [B]
         self.eos = host_to_device(torch.tensor(eos_token_ids, dtype=torch.long, device="cpu"), dev)  # [E]
         # the length at which a row has its max_new_tokens, as a tensor: a graph input of AR's round stage
-        self.end = torch.tensor(T + max_new_tokens, dtype=torch.long, device=dev)  # []
+        self.end = buffers.end.fill_(T + max_new_tokens)  # []
         # the step index every tail / forward index slices ([0, C)): no arange per call
-        self._steps = torch.arange(capacity, device=dev)  # [C]
+        self._steps = buffers.steps  # [C]
+        if pool is not None:  # holds the buffers, not the batch; never at exit (the pool dies with the process)
+            weakref.finalize(self, pool.give, key, buffers).atexit = False
         self._host: tuple[list, list] | None = ([False] * B, [T] * B)  # (finished, lengths) on the host
         self._eos_tables: dict = {}  # vocabulary size -> [V] bool
         # the next round's inputs made on the device by SD's round stage for the current lengths, or None
         self.next_inputs = None
+
+    def buffers(self) -> tuple:
+        """``tokens [B, C], lengths [B], padding [B], steps [C]``: what :meth:`over` takes."""
+        return self.tokens, self.lengths, self.padding, self._steps
+
+    @classmethod
+    def over(cls, tokens, lengths, padding, steps) -> "SequenceBatch":
+        """A batch over :meth:`buffers`, for its index and gather methods only (SD's graphed round)."""
+        seqs = cls.__new__(cls)
+        seqs.tokens, seqs.lengths, seqs.padding, seqs._steps = tokens, lengths, padding, steps
+        seqs.next_inputs = None  # the round's inputs come from these buffers
+        return seqs
 
     @property
     def batch(self) -> int:

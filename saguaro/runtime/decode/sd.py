@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.core.stages import TARGET_VERIFY, TARGET_VERIFY_ROUND
+from saguaro.runtime.decode.sd_graph import graphed_sd_round
 from saguaro.runtime.draft.decode import draft_decode
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.state import DecodeState
@@ -151,12 +152,20 @@ def decode_sd(target: ModelRunner, draft: ModelRunner, state: DecodeState, plan,
 
 
 def sd_rounds(target: ModelRunner, draft: ModelRunner, state: DecodeState) -> None:
-    """Alternate drafting and verification until every row finishes."""
+    """Alternate drafting and verification until every row finishes (under CUDA graphs, greedy: both in one
+    replay, :mod:`~saguaro.runtime.decode.sd_graph`, its time counted as the verify's)."""
+    replay = graphed_sd_round(target, draft, state, draft_speculation, verify)
     while not state.seqs.all_finished():
         with traced(state.recorder, "host", "round", {"round": state.counters.rounds + 1}):
             started = time.perf_counter()
-            draft_tokens, draft_probs = draft_speculation(draft, state)
-            state.counters.draft_s += since(started)
-            outcome = verify_and_commit(target, state, draft_tokens, draft_probs)
+            if replay is not None:
+                watch = Stopwatch(state.seqs.tokens.device)
+                draft_tokens, accepted, next_token = replay()
+                state.counters.time_verify(watch.stop())  # counted once commit's read has passed it
+                outcome = commit(state, draft_tokens, accepted, next_token)
+            else:
+                draft_tokens, draft_probs = draft_speculation(draft, state)
+                state.counters.draft_s += since(started)
+                outcome = verify_and_commit(target, state, draft_tokens, draft_probs)
             state.counters.end_round(since(started), outcome.decided)
         state.round_committed()  # streaming: outside the round's clock and slice
