@@ -3,7 +3,7 @@ and the next slot claimed inside the graph) measured against AR by the step (``t
 the argmax, the append and the claim as tensor operations on the host): the default pair compiled once by
 Inductor, warmed up in both forms, then timed AR passes alternating between them. With ``--modes ar,sd``
 greedy SD too, by its round stage (``target.verify_round_greedy``: the verify, the append and the next
-round's inputs in one call) against the verify and the host's commit.
+round's inputs in one call, the "round" column) against the verify and the host's commit ("step").
 
     python benchmarks/parts/ar_round.py --threads 1 --passes 5 --json ar_round.json
     python benchmarks/parts/ar_round.py --threads 1 --passes 5 --modes ar,sd --json rounds.json
