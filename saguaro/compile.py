@@ -23,6 +23,7 @@ from saguaro.lower.lowering import (
 from saguaro.lower.compile_thread import BackgroundCompiler
 from saguaro.lower.compile_helper import helper_wanted
 from saguaro.passes import run_pipeline
+from saguaro.passes.fuse_projections import fusion_applies
 from saguaro.passes.pipeline import PipelineStages, build_stage
 from saguaro.runtime.lanes.draft_files import RemoteDraft
 from saguaro.runtime.lanes.remote import RemoteEndpoint
@@ -127,19 +128,20 @@ def build_runner(name: str, model: torch.nn.Module | CapturedModel, backend: str
 
 
 class CompiledStages(PipelineStages):
-    """The :class:`~saguaro.runtime.base.model_runner.StageBuilder` of a compiled model: each stage graph
-    derived from the captured graph by the stage pass pipeline, then lowered for the backend; the
-    runtime calls it on a stage's first use. ``compiler`` (``compile="background"``): the thread that
-    compiles the stages while they run eager (:mod:`saguaro.lower.tiered`), which
-    :meth:`wait_compiled` waits for and :meth:`stop_compiling` stops."""
+    """The :class:`~saguaro.runtime.base.model_runner.StageBuilder` of a compiled model: each stage graph derived
+    from the captured graph by the stage pass pipeline, then lowered for the backend; the runtime calls it on a
+    stage's first use. ``compiler`` (``compile="background"``): the thread that compiles the stages while they
+    run eager (:mod:`saguaro.lower.tiered`), which :meth:`wait_compiled` waits for and :meth:`stop_compiling` stops."""
 
     def __init__(self, model_name: str, graph_module: torch.fx.GraphModule, width: int, backend: str,
                  attention: str, device_type: str, cuda_graphs: bool = False,
-                 compiler: BackgroundCompiler | None = None, linears: str = "auto", narrow_weights: bool = True):
+                 compiler: BackgroundCompiler | None = None, linears: str = "auto", narrow_weights: bool = True,
+                 fuse_projections: bool | None = None):
         super().__init__(graph_module, width, attention_implementation(backend, attention))
         self.model_name, self.backend, self.device_type = model_name, backend, device_type
         self.requested_attention, self.cuda_graphs, self.compiler = attention, cuda_graphs, compiler
         self.requested_linears, self.narrow_weights = linears, narrow_weights
+        self.fuse_projections = fuse_projections  # fuse_projections.fusion_applies's `requested`
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """True once no background compile is queued or running (at once without a compiler); False
@@ -161,9 +163,7 @@ class CompiledStages(PipelineStages):
         self.stop_compiling()
         self.compiler = None
 
-    def provides(self, stage: Stage) -> bool:
-        """Every stage, except SD's verify-and-commit stage under CUDA graphs, where SD's greedy round replays its
-        draft steps and verify as one graph (``runtime/decode/sd_graph.py``) and commits on the host side."""
+    def provides(self, stage: Stage) -> bool:  # not under CUDA graphs, where SD's round is sd_graph.py's graph
         return not (self.cuda_graphs and stage is TARGET_VERIFY_ROUND)
 
     def graphed(self, fn, name: str, fixed):
@@ -183,8 +183,9 @@ class CompiledStages(PipelineStages):
         # narrow weights where their reads fuse into Inductor's kernels (before a BLAS call the widening
         # would write a float32 copy each call): the reduction linears'
         narrow = self.narrow_weights and self.backend == "inductor" and linears == "reduction"
+        fuse = fusion_applies(self.backend, self.device_type, linears, self.fuse_projections)
         return build_stage(self.graph_module, stage, self.width, attention=attention, observe=observe, linears=linears,
-                           narrow=narrow)
+                           narrow=narrow, fuse=fuse)
 
     def __call__(self, stage: Stage):
         linears = linear_implementation(self.backend, self.requested_linears, self.device_type, stage.family)

@@ -79,6 +79,7 @@ ALLOWED = {
                          "saguaro.runtime.base", "saguaro.runtime.draft", "saguaro.runtime.lanes"},
     "saguaro.inspection": {"saguaro.core", "saguaro.passes", "saguaro.lower", "saguaro.runtime.base", TOP},
     "saguaro.bench": {"saguaro.runtime.base", TOP},
+    "saguaro.serve": {"saguaro.core", "saguaro.runtime", "saguaro.runtime.base", TOP},
     TOP: {"saguaro.core", "saguaro.capture", "saguaro.passes", "saguaro.lower", "saguaro.tensor_math",
           "saguaro.artifact", "saguaro.runtime", "saguaro.runtime.base", "saguaro.runtime.draft",
           "saguaro.runtime.lanes"},

@@ -30,7 +30,7 @@ def module_stem(name: str) -> set[str]:
 def test_the_parser_offers_exactly_the_registered_subcommands_in_order():
     commands = cli_main.subcommands()
     assert parser_subcommands(cli_main.build_parser()) == list(commands)
-    assert list(commands) == ["generate", "bench", "export", "inspect", "report", "draft-server"]
+    assert list(commands) == ["generate", "bench", "export", "inspect", "report", "draft-server", "serve"]
 
 
 def test_each_subcommand_lives_in_a_module_of_its_own_named_after_it():

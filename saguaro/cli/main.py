@@ -17,7 +17,7 @@ from saguaro.core.errors import SaguaroError
 
 # The modules under saguaro/cli/ that each declare one subcommand (``COMMAND``), named after it;
 # ``saguaro --help`` lists them in this order. A new subcommand is a new module plus its name here.
-SUBCOMMAND_MODULES = ("generate", "bench", "export", "inspect_cmd", "report", "draft_server")
+SUBCOMMAND_MODULES = ("generate", "bench", "export", "inspect_cmd", "report", "draft_server", "serve")
 
 
 def subcommands() -> dict[str, Subcommand]:

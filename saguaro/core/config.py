@@ -75,7 +75,10 @@ class SaguaroConfig:
         GEMMs, compiled with Inductor's freezing (the weights become constants, packed once) and its C++ GEMM
         template (register-blocked over the rows): SD's verify about 1.4x faster here. Costs: each such stage
         holds its own packed copy of the weights, and Inductor does not cache a frozen graph across
-        processes (about 20 s more compile per process for the default pair).
+        processes (about 20 s more compile per process for the default pair). Inductor's stages on CUDA join
+        each layer's q/k/v and gate/up projections into one linear each (the ``fuse_projections`` pass; one
+        stacked copy of those weights beside the model's, taken when a stage is built); not on a CPU, where
+        it is exact on the reductions but slower.
     narrow_weights: True (the default): in Inductor's stages whose linears are reductions (``linears``
         above: on a CPU every decode stage under ``"auto"``, the one-row ones under ``"template"``), each
         float32 weight whose values are all exactly float16 (or bfloat16) values, as in a checkpoint

@@ -33,6 +33,7 @@ ATTENTION_LOWERED = "attention_lowered"
 TENSOR_PARALLEL = "tensor_parallel"
 LINEARS_AS_REDUCTIONS = "linears_as_reductions"
 WEIGHTS_NARROWED = "weights_narrowed"
+PROJECTIONS_FUSED = "projections_fused"
 FACTS = {
     GENERIC_MASK: "one saguaro::attention_mask node per layer kind (capture)",
     LOGITS_OUTPUT: "the logits [B, T, V] are the graph's only output (capture)",
@@ -42,6 +43,7 @@ FACTS = {
     EPILOGUE_SPLICED: "the stage's epilogue follows the logits; its results are the outputs (splice_epilogue)",
     ATTENTION_LOWERED: "attention nodes in the form the backend runs (lower_attention)",
     TENSOR_PARALLEL: "a rank's slice of each projection, an all-reduce per row-parallel one (shard_tensor_parallel)",
+    PROJECTIONS_FUSED: "linears of one input joined into one over their weights stacked, sliced back (fuse_projections)",
     LINEARS_AS_REDUCTIONS: "each linear a product and a sum reading its weight once for all rows (linear_as_reduction)",
     WEIGHTS_NARROWED: "float32 weights exactly float16 / bfloat16 stored so, widened where read (narrow_weights)",
 }

@@ -15,6 +15,8 @@ target then fits this machine's L3 cache (``benchmarks/README.md``).
 
 A weight is narrowed only when converting it to the narrow dtype and back gives every value unchanged
 (NaN never compares equal, so a weight holding one stays as it is); float16 is tried first, then bfloat16.
+A read marked :data:`DTYPE_DECIDED` (``fuse_projections``' joined weights, held in the dtype this pass would
+hold each of their parts in) is left as it is.
 The check runs once per weight tensor and version and its narrow copy is shared by every stage graph that
 reads it (:data:`_NARROWED`, keyed by the tensor, dropped with it). A stage holds the copy taken when it was
 built: a weight changed in place afterwards is not seen by the stages built before (as frozen weights are
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 NARROW_DTYPES = (torch.float16, torch.bfloat16)  # tried in this order
 MIN_ELEMENTS = 4096  # smaller tensors (norm scales, biases) are not worth a conversion node
 ATTRIBUTE_PREFIX = "saguaro_narrow_"  # the stage module's buffer holding a narrow copy
+DTYPE_DECIDED = "saguaro_dtype_decided"  # a get_attr's meta: its dtype was chosen already (fuse_projections)
 _NARROWED = WeakIdKeyDictionary()  # float32 tensor -> (its version, its narrow copy or None where none is exact)
 
 
@@ -51,15 +54,19 @@ def narrow_copy(weight: torch.Tensor) -> torch.Tensor | None:
     known = _NARROWED.get(weight)
     if known is not None and known[0] == weight._version:
         return known[1]
-    found = None
+    found = exact_narrow(weight)
+    _NARROWED[weight] = (weight._version, found)
+    return found
+
+
+def exact_narrow(weight: torch.Tensor) -> torch.Tensor | None:
+    """:func:`narrow_copy` computed afresh, not kept (``fuse_projections`` keeps its joined copies itself)."""
     with torch.no_grad():
         for dtype in NARROW_DTYPES:
             narrow = weight.detach().to(dtype)
             if torch.equal(narrow.to(torch.float32), weight):
-                found = narrow
-                break
-    _NARROWED[weight] = (weight._version, found)
-    return found
+                return narrow
+    return None
 
 
 def narrowable(value) -> bool:
@@ -73,7 +80,7 @@ def narrow_weights(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     narrowed, saved = 0, 0
     attributes: dict = {}  # get_attr target -> the narrow buffer's name (a weight read by several nodes)
     for node in list(graph.nodes):
-        if node.op != "get_attr":
+        if node.op != "get_attr" or node.meta.get(DTYPE_DECIDED):
             continue
         weight = get_attribute(gm, node.target)
         narrow = narrow_copy(weight) if narrowable(weight) else None

@@ -17,6 +17,7 @@ from torch._logging import trace_structured
 from saguaro.capture.attention_op import MASK_OP
 from saguaro.core.stages import Stage
 from saguaro.passes.flatten_signature import FlattenSignature
+from saguaro.passes.fuse_projections import FuseProjections
 from saguaro.passes.graph_pass import GraphPass, PassManager, copy_graph, settle_code
 from saguaro.passes.linear_as_reduction import LinearAsReduction
 from saguaro.passes.lower_attention import LowerAttention
@@ -41,16 +42,22 @@ def run_pipeline(gm: torch.fx.GraphModule, extra: tuple[GraphPass, ...] = ()) ->
 
 
 def stage_passes(stage: Stage, width: int, attention: str, window: int, linears: str = "gemm",
-                 narrow: bool = False) -> list[GraphPass]:
+                 narrow: bool = False, fuse: bool = False) -> list[GraphPass]:
     """The stage pipeline of ``stage``, in order.
 
     The mask specialisation and the epilogue splice touch different nodes (either order gives the same
     graph); attention is lowered after both (it requires both), so that it sees the final graph, whose
-    attention nodes all read one mask. With ``linears="reduction"`` the ``linear_as_reduction`` pass then
-    rewrites the linear layers (it touches no node the others read); with ``narrow`` the ``narrow_weights``
-    pass last replaces the weight reads (every other pass sees the float32 weights).
+    attention nodes all read one mask. With ``fuse`` the ``fuse_projections`` pass then joins the linears
+    that read one input (it touches no node the others read), before ``linear_as_reduction`` (it joins
+    ``aten.linear`` nodes, which that pass replaces; it refuses to run after it). With
+    ``linears="reduction"`` the ``linear_as_reduction`` pass then rewrites the linear layers, the joined
+    ones included; with ``narrow`` the ``narrow_weights`` pass last replaces the weight reads (every other
+    pass sees the float32 weights, except the joined ones, which ``fuse_projections`` keeps narrow itself
+    when ``narrow``: narrow_weights leaves a read that is not float32 as it is).
     """
     passes = [SpecializeAttention(stage.mask), SpliceEpilogue(stage, width), LowerAttention(attention, window=window)]
+    if fuse:
+        passes.append(FuseProjections(narrow))
     if linears == "reduction":
         passes.append(LinearAsReduction())
     return passes + [NarrowWeights()] if narrow else passes
@@ -58,14 +65,14 @@ def stage_passes(stage: Stage, width: int, attention: str, window: int, linears:
 
 def build_stage(base: torch.fx.GraphModule, stage: Stage, width: int, attention: str = "op",
                 observe: Callable[[str, torch.fx.GraphModule], None] | None = None,
-                linears: str = "gemm", narrow: bool = False) -> torch.fx.GraphModule:
+                linears: str = "gemm", narrow: bool = False, fuse: bool = False) -> torch.fx.GraphModule:
     """The graph of ``stage``: a copy of the base graph (sharing its parameters, carrying its pass
     record) through the stage pipeline. ``attention`` is how ``lower_attention`` lowers attention
     (``"op"``, ``"inline"`` or ``"flex"``); ``linears`` how the linear layers run (``"gemm"`` as
-    captured, ``"reduction"``: the ``linear_as_reduction`` pass); ``narrow``: the ``narrow_weights`` pass.
-    ``observe(pass_name, gm)``, when given, sees the graph before the first pass (name ``"captured"``) and
-    after each pass."""
-    manager = PassManager(stage_passes(stage, width, attention, _sliding_window(base), linears, narrow))
+    captured, ``"reduction"``: the ``linear_as_reduction`` pass); ``narrow``: the ``narrow_weights`` pass;
+    ``fuse``: the ``fuse_projections`` pass. ``observe(pass_name, gm)``, when given, sees the graph before
+    the first pass (name ``"captured"``) and after each pass."""
+    manager = PassManager(stage_passes(stage, width, attention, _sliding_window(base), linears, narrow, fuse))
     gm = copy_graph(base)
     if observe is not None:
         observe("captured", gm)

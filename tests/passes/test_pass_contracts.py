@@ -25,7 +25,7 @@ BASE_PASSES = ["strip_runtime_checks", "flatten_signature"]
 def every_pass():
     passes = list(PIPELINE)
     for stage in STAGES:
-        passes += stage_passes(stage, 8, "inline", 0, linears="reduction")
+        passes += stage_passes(stage, 8, "inline", 0, linears="reduction", narrow=True, fuse=True)
     return passes
 
 
@@ -36,7 +36,8 @@ def test_every_pass_declares_what_it_requires_and_guarantees():
             f"{graph_pass.name} requires nothing and does not say why"
         assert (graph_pass.requires | graph_pass.guarantees | graph_pass.invalidates) <= set(FACTS)
     names = {p.name for p in every_pass()}
-    assert names == {*BASE_PASSES, "specialize_attention", "splice_epilogue", "lower_attention", "linear_as_reduction"}
+    assert names == {*BASE_PASSES, "specialize_attention", "splice_epilogue", "lower_attention", "fuse_projections",
+                     "linear_as_reduction", "narrow_weights"}
     # the base pipeline requires nothing: it runs on capture's graph
     assert [p.requires for p in PIPELINE] == [frozenset(), frozenset()]
     with pytest.raises(TypeError, match="pass class Undeclared: declare name, guarantees"):

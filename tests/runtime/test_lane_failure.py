@@ -35,6 +35,9 @@ def test_exception_on_draft_lane_finishes_with_sd(monkeypatch):
         out = program.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
     assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 20))
     assert out.stats["lane_failures"] == 1
+    assert program.lanes.failed_lanes == 1  # dropped, counted; closing a lane is not a failure
+    program.close()
+    assert program.lanes.failed_lanes == 1
 
 
 def test_timeout_on_draft_lane_finishes_with_sd_on_a_fresh_store(monkeypatch):

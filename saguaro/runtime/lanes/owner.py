@@ -95,6 +95,7 @@ class LaneOwner:
                              f"(registered: {', '.join(sorted(LANES))})")
         self.kind = self.configured_kind
         self.failure: DraftLaneError | None = None  # why no lane can start (remembered until close)
+        self.failed_lanes = 0  # lanes dropped after a failure, mid-generation or at a call's start (saguaro serve)
         self._client: DraftClient | None = None
         self._finalizer = None
         self._verify_stream = VerifyStream()  # the target's high-priority stream while a lane shares its GPU
@@ -144,11 +145,16 @@ class LaneOwner:
     def drop(self) -> None:
         """Stop a lane that failed mid-generation; the next :meth:`lane` starts a new one."""
         if self._client is not None:
+            self.failed_lanes += 1
+            self._stop()
+
+    def _stop(self) -> None:
+        if self._client is not None:
             self._finalizer()
             self._client = None
 
     def close(self) -> None:
         """Stop the lane and forget any start-up failure: the next :meth:`lane` starts the configured kind."""
-        self.drop()
+        self._stop()
         self.failure = None
         self.kind = self.configured_kind

@@ -1,0 +1,77 @@
+"""``saguaro serve``: an OpenAI-compatible HTTP server over a compiled (or ``--program``-loaded) pair
+(:mod:`saguaro.serve`): ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
+``/metrics``. Serves the default pair with no model arguments; stops on SIGTERM or Ctrl-C after finishing
+the requests in flight."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from saguaro.cli.args import add_linears_arg, add_plan_arg, int_at_least, sd_when_faster
+from saguaro.cli.program import add_program_arg, check_program_args, load_program
+from saguaro.cli.registry import Subcommand
+from saguaro.core.config import MAX_K, MODES
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--target", metavar="DIR", help="saved target model folder (default: the default pair)")
+    parser.add_argument("--draft", metavar="DIR", help="saved draft model folder (default: the default pair)")
+    parser.add_argument("--mode", default="sd", choices=list(MODES), help="ar, sd or ssd (default sd)")
+    parser.add_argument("--k", type=int_at_least(1, "k", MAX_K), default=5, help=f"speculation length, 1..{MAX_K} "
+                        "(default 5)")
+    parser.add_argument("--backend", default="inductor", choices=["eager", "inductor"],
+                        help="lowering backend (default inductor; eager starts at once)")
+    parser.add_argument("--device", default="cpu", help="where both models run: cpu, cuda, cuda:1, ... (default cpu)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights dtype of both models (default float32)")
+    parser.add_argument("--host", default="127.0.0.1", help="the one address to bind (default 127.0.0.1); any "
+                        "non-loopback address needs --api-key-file")
+    parser.add_argument("--port", type=int_at_least(0, "port", 65535), default=8000,
+                        help="TCP port (default 8000; 0: one the system picks, printed when ready)")
+    parser.add_argument("--max-batch", type=int_at_least(1, "max_batch", 256), default=8,
+                        help="most requests decoded together in one batch (default 8)")
+    parser.add_argument("--max-queue", type=int_at_least(0, "max_queue"), default=64,
+                        help="most requests waiting for a batch; past it a request gets 429 (default 64)")
+    parser.add_argument("--api-key-file", metavar="FILE", default=None,
+                        help="a file holding the API key every request must send as 'Authorization: Bearer KEY'")
+    add_plan_arg(parser)
+    add_linears_arg(parser)
+    add_program_arg(parser)
+
+
+def build_program(args):
+    """``(program, tokenizer, model name)`` from the arguments."""
+    from saguaro.compile import compile as saguaro_compile
+    from saguaro.models_io import DTYPES, load_pair
+
+    check_program_args(args)
+    if args.program is not None:
+        program, tokenizer = load_program(args)
+        return program.reconfigure(mode=args.mode), tokenizer, Path(args.program).name
+    target, draft, tokenizer = load_pair(args.target, args.draft, need_draft=args.mode != "ar",
+                                         dtype=DTYPES[args.dtype], device=args.device)
+    program = saguaro_compile(target, None if args.mode == "ar" else draft, k=args.k, mode=args.mode,
+                              backend=args.backend, sd_when_faster=sd_when_faster(args), linears=args.linears,
+                              narrow_weights=args.narrow_weights == "on")
+    name = Path(args.target).name if args.target else "saguaro-default-pair"
+    return program, tokenizer, name
+
+
+def run(args) -> int:
+    from saguaro.serve.server import check_address, make_server, print_ready, read_api_key
+
+    api_key = read_api_key(args.api_key_file)
+    check_address(args.host, api_key)  # before loading any model
+    program, tokenizer, name = build_program(args)
+    server, _ = make_server(program, tokenizer, name, args.host, args.port, args.max_batch, args.max_queue, api_key,
+                            announce=print_ready(name))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn drained the requests in flight, then raised the signal again
+        return 130
+    finally:
+        program.close()
+    return 0
+
+
+COMMAND = Subcommand("serve", "serve a pair over HTTP with OpenAI-compatible endpoints", add_arguments, run)

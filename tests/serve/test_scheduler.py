@@ -1,0 +1,75 @@
+"""The scheduler without HTTP: requests submitted together each get, token for token, what they get alone
+through ``program.generate``, greedy rows batched together and a seeded sampled request on its own."""
+
+import threading
+
+from saguaro.serve.metrics import Metrics
+from saguaro.serve.requests import Sampling
+from saguaro.serve.scheduler import Job, Scheduler
+from tests.conftest import tiny_program
+from tests.models import prompts
+from tests.serve.server_util import solo
+
+
+def run_jobs(program, samplings, max_batch=8):
+    metrics = Metrics()
+    scheduler = Scheduler(program, metrics, max_batch=max_batch, max_queue=64)
+    ended = [threading.Event() for _ in samplings]
+    reasons = [None] * len(samplings)
+
+    def deliver_to(i):
+        def deliver(event):
+            if event[0] != "tokens":
+                reasons[i] = event
+                ended[i].set()
+        return deliver
+
+    jobs = [Job(s, deliver_to(i)) for i, s in enumerate(samplings)]
+    for job in jobs:  # all queued before the thread starts: the first batch takes what fits
+        scheduler.submit(job)
+    scheduler.start()
+    for event in ended:
+        assert event.wait(300)
+    scheduler.stop()
+    return jobs, reasons, metrics
+
+
+def test_concurrent_greedy_and_sampled_requests_each_equal_their_solo_tokens():
+    _, _, program = tiny_program("llama", mode="sd")
+    ids, _ = prompts(10, 12, seed=11)
+    lengths = [3, 12, 7, 5, 9, 11, 4, 8, 6, 10]
+    samplings = [Sampling(ids[i, :n].tolist(), 6 + 3 * i) for i, n in enumerate(lengths)]
+    samplings[4] = Sampling(ids[4, :9].tolist(), 15, temperature=0.8, seed=3)
+    jobs, reasons, metrics = run_jobs(program, samplings, max_batch=4)
+    for job, reason in zip(jobs, reasons):
+        s = job.sampling
+        assert job.tokens == solo(program, s.prompt_ids, s.max_tokens, s.temperature, s.seed)
+        assert reason[0] == "done" and reason[1] in ("stop", "length")
+    # 9 greedy requests in batches of at most 4, the sampled one alone: at least 3 + 1 batches, fewer than 10
+    assert 4 <= metrics.batches < 10
+    assert metrics.batch_rows.count > 0 and max(b for b, n in zip(metrics.batch_rows.buckets,
+                                                                   metrics.batch_rows.counts) if n) <= 4
+
+
+def test_greedy_batch_in_ssd_mode_equals_solo():
+    _, _, program = tiny_program("llama", mode="ssd", lane="thread", sd_when_faster=False)
+    ids, _ = prompts(4, 10, seed=12)
+    samplings = [Sampling(ids[i, :4 + 2 * i].tolist(), 10 + 4 * i) for i in range(4)]
+    try:
+        jobs, _, metrics = run_jobs(program, samplings)
+        for job in jobs:
+            assert job.tokens == solo(program, job.sampling.prompt_ids, job.sampling.max_tokens)
+        assert metrics.batches == 1
+    finally:
+        program.close()
+
+
+def test_unseeded_sampled_requests_of_one_temperature_share_a_batch_seeded_ones_do_not():
+    _, _, program = tiny_program("llama", mode="sd")
+    ids, _ = prompts(5, 8, seed=13)
+    samplings = [Sampling(ids[i].tolist(), 6, temperature=0.7) for i in range(3)]
+    samplings += [Sampling(ids[3].tolist(), 6, temperature=0.7, seed=1), Sampling(ids[4].tolist(), 6, temperature=0.5)]
+    jobs, reasons, metrics = run_jobs(program, samplings)
+    assert all(reason[0] == "done" for reason in reasons) and all(1 <= len(j.tokens) <= 6 for j in jobs)
+    assert metrics.batches == 3  # the three at 0.7 together; the seeded one alone; the one at 0.5 alone
+    assert jobs[3].tokens == solo(program, ids[3].tolist(), 6, 0.7, 1)

@@ -1,0 +1,41 @@
+"""A short soak of ``saguaro serve`` (``benchmarks/serve/serve_soak.py`` on the tiny pair, SSD with its draft
+lane in a process, about 20 s of load): faults injected (a disconnect, a malformed body, the lane's process
+killed, a burst past the queue), every greedy answer exact, none lost, and the server's file descriptors,
+threads and child processes back to their start after the load; SIGTERM then exits 0."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "serve"))
+import serve_soak  # noqa: E402
+
+
+@pytest.mark.heavy
+def test_short_soak_with_faults_has_no_mismatch_no_loss_and_no_leak(tmp_path):
+    args = serve_soak.parser().parse_args(["--tiny", "--minutes", "0.35", "--fault-every", "2.5", "--sample-every",
+                                           "5", "--clients", "3", "--threads", "1", "--max-queue", "8"])
+    report = serve_soak.run_soak(args)
+    assert report["mismatches"] == 0, report["mismatch_examples"]
+    assert report["lost"] == 0, report["lost_examples"]
+    assert report["unexpected_errors"] == 0, report["error_examples"]
+    assert report["greedy_checked"] > 10
+    assert all(report["fault_counts"][kind] >= 1 for kind in serve_soak.FAULTS), report["faults"]
+    assert report["faults_failed"] == 0, report["faults"]
+    assert report["statuses"].get("429", 0) >= 1  # the burst went past the queue
+    assert next(f for f in report["faults"] if f["kind"] == "lane_kill")["killed"] >= 1
+    assert report["server_counts"].get("saguaro_draft_lane_failures_total", 0) >= 1  # seen, logged, survived
+    for resource in ("fds", "threads", "children"):
+        assert report["growth"][resource] <= 0, (resource, report["samples"])
+    assert report["server_exit"] == 0
+
+
+def test_scripts_have_help(capsys):
+    import serve_load
+
+    for script in (serve_soak, serve_load):
+        with pytest.raises(SystemExit) as done:
+            script.parser().parse_args(["--help"])
+        assert done.value.code == 0
+        assert "--json" in capsys.readouterr().out
