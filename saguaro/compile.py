@@ -15,7 +15,7 @@ from saguaro.capture.attention_op import direct_kernel_calls
 from saguaro.capture.captured_files import CapturedSource, load_captured
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError, SaguaroError
-from saguaro.core.stages import Stage
+from saguaro.core.stages import TARGET_VERIFY_ROUND, Stage
 from saguaro.lower.cuda_graphs import GraphedStage, captures_stage, resolve_cuda_graphs
 from saguaro.lower.lowering import (
     TEMPLATE_GEMM_CONFIG, attention_implementation, linear_implementation, lower_graph, shape_policy,
@@ -128,11 +128,10 @@ def build_runner(name: str, model: torch.nn.Module | CapturedModel, backend: str
 
 
 class CompiledStages(PipelineStages):
-    """The :class:`~saguaro.runtime.base.model_runner.StageBuilder` of a compiled model: each stage graph
-    derived from the captured graph by the stage pass pipeline, then lowered for the backend; the
-    runtime calls it on a stage's first use. ``compiler`` (``compile="background"``): the thread that
-    compiles the stages while they run eager (:mod:`saguaro.lower.tiered`), which
-    :meth:`wait_compiled` waits for and :meth:`stop_compiling` stops."""
+    """The :class:`~saguaro.runtime.base.model_runner.StageBuilder` of a compiled model: each stage graph derived
+    from the captured graph by the stage pass pipeline, then lowered for the backend; the runtime calls it on a
+    stage's first use. ``compiler`` (``compile="background"``): the thread that compiles the stages while they
+    run eager (:mod:`saguaro.lower.tiered`), which :meth:`wait_compiled` waits for and :meth:`stop_compiling` stops."""
 
     def __init__(self, model_name: str, graph_module: torch.fx.GraphModule, width: int, backend: str,
                  attention: str, device_type: str, cuda_graphs: bool = False,
@@ -163,6 +162,9 @@ class CompiledStages(PipelineStages):
         """Build later stages without the background compiler: compiled on their first call, blocking."""
         self.stop_compiling()
         self.compiler = None
+
+    def provides(self, stage: Stage) -> bool:  # not under CUDA graphs, where SD's round is sd_graph.py's graph
+        return not (self.cuda_graphs and stage is TARGET_VERIFY_ROUND)
 
     def graphed(self, fn, name: str, fixed):
         """Under CUDA graphs, ``fn`` (several stages' calls: SD's round) as one graph per signature, its

@@ -133,7 +133,8 @@ def main(argv=None) -> int:
         return 0
     default_threads = torch.get_num_threads()
     calls = recorded_calls(default_threads)
-    verify, step, build = call_of(calls, "target.verify_greedy"), call_of(calls, "draft.step_greedy"), build_of(calls)
+    verify_key = "target.verify_round_greedy" if "target.verify_round_greedy" in calls else "target.verify_greedy"
+    verify, step, build = call_of(calls, verify_key), call_of(calls, "draft.step_greedy"), build_of(calls)
     ms = {}
     with torch.inference_mode():
         ms["verify, default threads"] = per_call_ms(verify, args.calls)

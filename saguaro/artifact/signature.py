@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from saguaro.core.errors import ArtifactError
-from saguaro.core.stages import DRAFT_GLUE, DRAFT_TREE, TARGET_VERIFY, Stage
+from saguaro.core.stages import DRAFT_GLUE, DRAFT_TREE, TARGET_VERIFY, TARGET_VERIFY_ROUND, Stage
 
 QUERY_INPUTS = ("input_ids", "positions", "write_slots", "query_branch", "query_limit")
 SLOT_INPUTS = ("slot_pos", "slot_branch")
@@ -31,7 +31,7 @@ EXTRA_DIMS = {
     "top": (),
     "saguaro_c": (),
     "u": ("B",),
-    "tokens": ("B", "S"),  # AR's round: the sequence buffers, a token's index being its slot
+    "tokens": ("B", "S"),  # the round stages: the sequence buffers, a token's index being its slot
     "lengths": ("B",),
     "finished": ("B",),
     "padding": ("B",),
@@ -43,7 +43,7 @@ TREE_U = ("B", "MQ")
 
 def tokens_dim(stage: Stage):
     """The symbol of the query length: verify and glue run ``K+1`` tokens (static), the tree ``MQ``."""
-    if stage is DRAFT_GLUE or stage in TARGET_VERIFY:
+    if stage is DRAFT_GLUE or stage is TARGET_VERIFY_ROUND or stage in TARGET_VERIFY:
         return None
     return "MQ" if stage in DRAFT_TREE else "T"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import networkx as nx
 
 from saguaro.core.config import MODES
-from saguaro.core.stages import DRAFT_GLUE, DRAFT_STEP, DRAFT_TREE, TARGET_STEP, TARGET_VERIFY, Stage
+from saguaro.core.stages import DRAFT_GLUE, DRAFT_STEP, DRAFT_TREE, ROUND_STAGES, TARGET_STEP, TARGET_VERIFY, Stage
 
 DEFAULT_COST_S = 1e-3
 MATCH, FALLBACK = "match", "fallback"  # the host's lookup of the outcome, and the draft's work on a miss
@@ -24,10 +24,16 @@ def node_name(stage: Stage, index: int | None = None) -> str:
     return base if index is None else f"{base}.{index}"
 
 
+# a stage whose round stage the greedy rounds run instead (AR's step, SD's verify): costed by the round's
+# measured time when its own was never measured
+_ROUND_OF = {plain: round_stage for round_stage, plain in ROUND_STAGES.items()}
+
+
 def _add(g, name, lane, stage, inputs, outputs, costs, **attrs):
     key = stage.qualified if stage is not None else name
-    g.add_node(name, lane=lane, stage=stage, inputs=tuple(inputs), outputs=tuple(outputs),
-               cost=costs.get(key, DEFAULT_COST_S), **attrs)
+    round_stage = _ROUND_OF.get(stage)
+    cost = costs.get(key, costs.get(round_stage.qualified, DEFAULT_COST_S) if round_stage else DEFAULT_COST_S)
+    g.add_node(name, lane=lane, stage=stage, inputs=tuple(inputs), outputs=tuple(outputs), cost=cost, **attrs)
 
 
 def round_schedule(mode: str, k: int, sampled: bool = False, costs: dict | None = None) -> nx.DiGraph:

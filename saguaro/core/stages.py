@@ -7,7 +7,8 @@ nodes with them, and inspection and export walk :data:`STAGES`. Stage names are 
 elsewhere code reads ``stage.name`` / ``stage.qualified``.
 
 Shapes for batch ``B``: ``prefill [B, T]``, ``verify [B, K+1]``, ``step [B, 1]`` (``[B, n]`` for
-the first draft call of a round), ``round [B, 1]``, ``glue [B, K+1]``, ``tree [B, MQ]`` (one call per depth).
+the first draft call of a round), ``round [B, 1]``, ``verify_round [B, K+1]``, ``glue [B, K+1]``,
+``tree [B, MQ]`` (one call per depth).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class Stage:
 
     ``model``: whose captured graph it is derived from, and so the lane it runs on in SSD.
     ``family``: what it does (``prefill``, ``step``, ``round``: AR's step and its round, ``verify``,
-    ``glue``, ``tree``).
+    ``verify_round``: the verify and its round's commit, ``glue``, ``tree``).
     ``variant``: ``"greedy"`` / ``"sampled"`` for the stages whose epilogue depends on the
     temperature, ``None`` for the others. ``mask``: ``"causal"`` or ``"tree"`` (the
     ``specialize_attention`` pass). ``epilogue``: the :mod:`saguaro.tensor_math` function of the
@@ -102,6 +103,14 @@ TARGET_VERIFY = Variants(
     Stage("target", "verify", "sampled", "causal", "verification.verify_sampled", _SAMPLED_VERIFY_INPUTS,
           ("accepted", "next_token")),
 )
+# SD's and SSD's greedy verify and commit in one call: verification, x_1..x_a, r' appended to the sequences
+# (tokens written in place, the new lengths and finished returned), the outcome packed for the round's one read
+# and the next round's draft and verify inputs
+TARGET_VERIFY_ROUND = Stage("target", "verify_round", "greedy", "causal", "verify_round.verify_round_greedy",
+                            ("draft_tokens", "tokens", "lengths", "finished", "padding", "eos_table", "end"),
+                            # [4, B], [B] x 2, [B, 2] x 3, [B, K+1] x 2
+                            ("outcome", "lengths", "finished", "draft_ids", "draft_index", "draft_positions",
+                             "verify_index", "verify_positions"))
 DRAFT_PREFILL = Stage("draft", "prefill", None, "causal", "sampling.last_logits", outputs=_LOGITS)
 DRAFT_STEP = Variants(
     Stage("draft", "step", "greedy", "causal", "sampling.step_greedy", outputs=("tokens",)),  # [B]
@@ -118,15 +127,19 @@ DRAFT_TREE = Variants(
 )
 
 STAGES: tuple[Stage, ...] = (
-    TARGET_PREFILL, TARGET_STEP, TARGET_ROUND, *TARGET_VERIFY, DRAFT_PREFILL, *DRAFT_STEP, DRAFT_GLUE, *DRAFT_TREE)
+    TARGET_PREFILL, TARGET_STEP, TARGET_ROUND, *TARGET_VERIFY, TARGET_VERIFY_ROUND, DRAFT_PREFILL, *DRAFT_STEP,
+    DRAFT_GLUE, *DRAFT_TREE)
 BY_QUALIFIED_NAME = {stage.qualified: stage for stage in STAGES}
 # The families of few query rows (a step's 1 or 2, verify and glue K+1, a tree's MQ), whose linears the
 # linear_as_reduction pass rewrites on CPU (AR's round is a step with its epilogue); a prefill's T rows are a
 # GEMM's work (benchmarks/README.md).
-FEW_ROW_FAMILIES = ("step", "round", "verify", "glue", "tree")
+FEW_ROW_FAMILIES = ("step", "round", "verify", "verify_round", "glue", "tree")
 # Of those, the families of several rows per sequence (verify and glue K+1, a tree's MQ), whose GEMMs
 # linears="template" hands to Inductor's C++ GEMM template (register blocking over the rows).
-MULTI_ROW_FAMILIES = ("verify", "glue", "tree")
+MULTI_ROW_FAMILIES = ("verify", "verify_round", "glue", "tree")
+# The round stages and what a runner whose builder does not offer one (``ModelRunner.provides``: CUDA graphs,
+# an artifact exported without it) runs instead, its round then finished on the host
+ROUND_STAGES = {TARGET_ROUND: TARGET_STEP, TARGET_VERIFY_ROUND: TARGET_VERIFY.greedy}
 
 
 def stage_named(qualified: str) -> Stage:
@@ -138,10 +151,12 @@ def stage_named(qualified: str) -> Stage:
 
 
 def stages_for(mode: str, temperature: float) -> tuple[Stage, ...]:
-    """The stages a generation in ``mode`` calls at ``temperature``, target's first."""
+    """The stages a generation in ``mode`` calls at ``temperature``, target's first (the round stages where
+    the target's builder offers them; :data:`ROUND_STAGES` names what runs otherwise)."""
     if mode == "ar":
         return (TARGET_PREFILL, TARGET_ROUND if temperature == 0 else TARGET_STEP)
-    drafting = (TARGET_PREFILL, TARGET_VERIFY.at(temperature), DRAFT_PREFILL, DRAFT_STEP.at(temperature))
+    verify = TARGET_VERIFY_ROUND if temperature == 0 else TARGET_VERIFY.sampled
+    drafting = (TARGET_PREFILL, verify, DRAFT_PREFILL, DRAFT_STEP.at(temperature))
     if mode == "sd":
         return drafting
     if mode == "ssd":

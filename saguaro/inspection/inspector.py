@@ -175,10 +175,10 @@ class Inspector:
 
 
 def format_kernels(rows: list[dict]) -> str:
-    lines = [f"{'stage':<24}{'compile s':>10}{'kernels':>9}  files / kernel names"]
+    lines = [f"{'stage':<28}{'compile s':>10}{'kernels':>9}  files / kernel names"]
     for r in rows:
         compile_s = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
-        lines.append(f"{r['stage']:<24}{compile_s:>10}{r['kernel_count']:>9}  {', '.join(map(str, r['files']))}")
+        lines.append(f"{r['stage']:<28}{compile_s:>10}{r['kernel_count']:>9}  {', '.join(map(str, r['files']))}")
         if r["kernels"]:
             lines.append(f"{'':<43}{', '.join(r['kernels'])}")
     return "\n".join(lines)

@@ -52,8 +52,8 @@ def pass_diff(steps: list[PassStep], pass_name: str) -> str:
 
 def format_table(steps: list[PassStep]) -> str:
     """``stage  pass  nodes  change`` rows."""
-    rows = [f"{'stage':<24}{'pass':<24}{'nodes':>7}{'change':>8}"]
+    rows = [f"{'stage':<28}{'pass':<24}{'nodes':>7}{'change':>8}"]
     for s in steps:
         change = "" if s.name == "captured" else f"{s.delta:+d}"
-        rows.append(f"{s.stage:<24}{s.name:<24}{s.nodes:>7}{change:>8}")
+        rows.append(f"{s.stage:<28}{s.name:<24}{s.nodes:>7}{change:>8}")
     return "\n".join(rows)

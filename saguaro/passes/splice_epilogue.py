@@ -16,7 +16,9 @@ of row ``j`` without ``x_{j+1}``) and ``ranked [B, K+1, W]``; ``draft.tree_greed
 ``[B, MQ]``; ``draft.tree_sampled`` → tokens drawn from Saguaro's ``q'`` and ``q' [B, MQ, V]``;
 ``target.round_greedy`` → the next round's query ``[B, 1]`` x 3, the new lengths and finished ``[B]`` and
 the active rows ``[]``, its token written into the token buffer and the next slot claimed in the store, in
-place.
+place; ``target.verify_round_greedy`` → the outcome ``[4, B]``, the new lengths and finished ``[B]``, the
+next round's draft inputs ``[B, 2]`` x 3 and verify slots and positions ``[B, K+1]`` x 2, its decided tokens
+written into the token buffer.
 Contract (:mod:`~saguaro.passes.graph_pass`): requires ``flat_signature`` and ``logits_output``,
 which it invalidates; guarantees ``epilogue_spliced``.
 """

@@ -27,7 +27,7 @@ import copy
 
 import torch
 
-from saguaro.core.stages import DRAFT_STEP, TARGET_VERIFY
+from saguaro.core.stages import DRAFT_STEP, TARGET_VERIFY, TARGET_VERIFY_ROUND
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.timing import Stopwatch
 
@@ -50,6 +50,8 @@ def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, te
     draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=device)  # [B, k]
     stage = TARGET_VERIFY.at(temperature)
     extra = (draft_tokens,)
+    if temperature == 0 and target.provides(TARGET_VERIFY_ROUND):  # the verify the greedy rounds run
+        stage, extra = TARGET_VERIFY_ROUND, (draft_tokens, *_sequence_buffers(batch, capacity, k, vocab_size, device))
     if temperature > 0:
         probs = torch.full((batch, k, vocab_size), 1.0 / vocab_size, device=device)  # [B, k, V]
         uniforms = torch.full((batch, k + 1), 0.5, device=device)
@@ -61,6 +63,16 @@ def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, te
         target.run(stage, store, ids, positions, slots, *extra)
         best = min(best, watch.stop().seconds)
     return best
+
+
+def _sequence_buffers(batch: int, capacity: int, k: int, vocab_size: int, device) -> tuple:
+    """Stand-ins for the sequence buffers the greedy round stage takes (tokens, lengths, finished, padding,
+    EOS table, end), of the rounds' shapes and dtypes: rows of ``k + 2`` tokens, none finished."""
+    return (torch.zeros(batch, capacity, dtype=torch.long, device=device),  # [B, S]
+            torch.full((batch,), k + 2, dtype=torch.long, device=device),  # [B]
+            torch.zeros(batch, dtype=torch.bool, device=device), torch.zeros(batch, dtype=torch.long, device=device),
+            torch.zeros(vocab_size, dtype=torch.bool, device=device),  # [V]
+            torch.tensor(capacity - k - 2, dtype=torch.long, device=device))  # []
 
 
 REMEASURE_EVERY = 32  # SSD measured slower: SSD runs again after this many generations run as SD ...

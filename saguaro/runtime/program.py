@@ -15,7 +15,7 @@ import torch
 from saguaro.core.config import MODES, SaguaroConfig
 from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.schedule import critical_path, expected_overlap, round_schedule
-from saguaro.core.stages import stages_for
+from saguaro.core.stages import ROUND_STAGES, stages_for
 from saguaro.runtime.calibration import Calibration
 from saguaro.runtime.generation_plan import GenerationPlan, plan_call, plan_stats
 from saguaro.runtime.decode import DECODERS
@@ -287,8 +287,9 @@ class Program:
         """Build (and lower) every stage ``mode`` needs now, on the caller's thread: stage building
         traces with ``torch.fx``, which must not overlap a lane running graphs."""
         for stage in stages_for(mode, temperature):
-            if self.runner(stage.model) is not None:  # a remote draft builds its own
-                self.runner(stage.model).stage(stage)
+            runner = self.runner(stage.model)  # None: a remote draft builds its own
+            if runner is not None:  # a round stage the builder does not offer: the stage run instead
+                runner.stage(stage if runner.provides(stage) else ROUND_STAGES.get(stage, stage))
 
     def _schedule_stats(self, sampled: bool) -> dict:
         """Critical path and expected overlap of the SSD round DAG, costed with this program's measured

@@ -86,9 +86,10 @@ def verify_sampled(
 
 def outcome_tokens(draft_tokens: torch.Tensor, accepted: torch.Tensor, next_token: torch.Tensor) -> torch.Tensor:
     """The tokens a round decides, ``[B, K+1]``: ``x_1..x_a`` then ``r'`` at index ``a`` (the rest is
-    filler that ``accepted + 1`` counts exclude)."""
-    slots = torch.arange(draft_tokens.shape[1] + 1, device=draft_tokens.device)[None, :]  # [1, K+1]
+    filler that ``accepted + 1`` counts exclude). Traceable by ``torch.fx`` (no size read as a number): the
+    greedy round stage splices it (``tensor_math.verify_round``)."""
     padded = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)  # [B, K+1]
+    slots = torch.ones_like(padded[:1]).cumsum(dim=1) - 1  # [1, K+1]: 0 .. K
     return torch.where(slots == accepted[:, None], next_token[:, None], padded)
 
 

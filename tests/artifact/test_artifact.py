@@ -168,8 +168,8 @@ def test_the_inspector_shows_a_loaded_program_and_names_what_it_cannot(exported)
     loaded = saguaro.load(portable)
     try:
         inspector = saguaro.inspect(loaded)
-        text = inspector.graph("target.verify_greedy", expand=True)
-        assert "draft_tokens" in text and "accept_u" not in text  # the greedy verify epilogue's one input
+        text = inspector.graph("target.verify_round_greedy", expand=True)  # greedy SD's verify and commit
+        assert "draft_tokens" in text and "eos_table" in text and "accept_u" not in text  # the greedy round's inputs
         glue = inspector.stage_graph("draft.glue")
         outputs = next(n for n in reversed(glue.graph.nodes) if n.op == "output").args[0]
         assert len(outputs) == 2  # candidates, ranked
@@ -178,9 +178,9 @@ def test_the_inspector_shows_a_loaded_program_and_names_what_it_cannot(exported)
         lanes = lambda text: [line.split("\t")[:2] for line in text.splitlines()]  # noqa: E731
         assert lanes(inspector.schedule("ssd", format="text")) == lanes(
             saguaro.inspect(program).schedule("ssd", format="text"))
-        for view in (lambda: inspector.passes("target.verify_greedy"),
-                     lambda: inspector.pass_diff("target.verify_greedy", "splice_epilogue")):
-            with pytest.raises(ValueError, match=r"stage target.verify_greedy: this program was loaded from .*no "
+        for view in (lambda: inspector.passes("target.verify_round_greedy"),
+                     lambda: inspector.pass_diff("target.verify_round_greedy", "splice_epilogue")):
+            with pytest.raises(ValueError, match=r"stage target.verify_round_greedy: this program was loaded from .*no "
                                                  r"captured graph, so the per-pass views .* cannot be shown"):
                 view()
     finally:

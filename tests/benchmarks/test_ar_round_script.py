@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "par
 import alternating  # noqa: E402
 import ar_round as script  # noqa: E402
 
-from saguaro.core.stages import TARGET_ROUND, TARGET_STEP  # noqa: E402
+from saguaro.core.stages import TARGET_ROUND, TARGET_STEP, TARGET_VERIFY, TARGET_VERIFY_ROUND  # noqa: E402
 
 
 def test_options_and_refusals():
@@ -30,8 +30,9 @@ def test_the_switch_hides_the_round_and_gives_it_back():
     program = SimpleNamespace(target=Runner())
     script.use_round(program, False)
     assert not program.target.provides(TARGET_ROUND) and program.target.provides(TARGET_STEP)
+    assert not program.target.provides(TARGET_VERIFY_ROUND) and program.target.provides(TARGET_VERIFY.greedy)
     script.use_round(program, True)
-    assert program.target.provides(TARGET_ROUND)
+    assert program.target.provides(TARGET_ROUND) and program.target.provides(TARGET_VERIFY_ROUND)
 
 
 def test_passes_alternate_and_the_report_is_written(monkeypatch, tmp_path, capsys):

@@ -27,6 +27,17 @@ def test_sd_round_is_a_chain_into_verify():
     assert g.nodes["target.verify"]["stage"].qualified == "target.verify_sampled"
 
 
+def test_the_greedy_round_stages_cost_the_nodes_they_stand_in_for():
+    """Greedy rounds run AR's round stage and SD's verify-and-commit stage: their times cost the step and
+    verify nodes when those stages never ran; a measured step or verify keeps its own."""
+    costs = {"target.verify_round_greedy": 7e-3, "target.round_greedy": 2e-3}
+    assert round_schedule("sd", 3, costs=costs).nodes["target.verify"]["cost"] == 7e-3
+    assert round_schedule("ar", 3, costs=costs).nodes["target.step"]["cost"] == 2e-3
+    own = round_schedule("sd", 3, costs=dict(costs, **{"target.verify_greedy": 5e-3}))
+    assert own.nodes["target.verify"]["cost"] == 5e-3
+    assert round_schedule("sd", 3).nodes["target.verify"]["cost"] == DEFAULT_COST_S
+
+
 def test_critical_path_and_overlap_follow_costs():
     costs = {"target.verify_greedy": 10e-3, "draft.glue": 1e-3, "draft.tree_greedy": 1e-3, "match": 0.1e-3}
     g = round_schedule("ssd", 5, costs=costs)

@@ -4,6 +4,7 @@ it on CUDA, where it needs no fake)."""
 
 from __future__ import annotations
 
+from saguaro.core.stages import TARGET_VERIFY_ROUND
 from saguaro.lower.cuda_graphs import GraphedStage, captures_stage, enclosing
 from saguaro.lower.graph_inputs import mutated_inputs
 from saguaro.runtime.base.kv_store import KVPool, KVStore
@@ -42,6 +43,8 @@ def graphed(program, device_type: str = "cuda", wrap=lambda fn, stage: fn) -> di
             return made["stages"][name]
 
         wrapped.graphed = graphed_fn
+        # what CompiledStages offers under CUDA graphs: SD's greedy round runs as sd_graph's one graph instead
+        wrapped.provides = lambda stage: stage is not TARGET_VERIFY_ROUND
         runner.build, runner.new_store = wrapped, new_store
     return made
 

@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 
 import saguaro
 from saguaro.capture.attention_op import ATTENTION_OPS
-from saguaro.core.stages import TARGET_PREFILL, TARGET_VERIFY, stages_for
+from saguaro.core.stages import TARGET_PREFILL, TARGET_VERIFY_ROUND, stages_for
 from saguaro.passes.linear_as_reduction import LINEAR
 from saguaro.passes.lower_attention import attention_inline
 from saguaro.passes.narrow_weights import ATTRIBUTE_PREFIX
@@ -62,7 +62,7 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
             for stage, fn in runner.built_stages.items():
                 assert fn.direct_keys > 0 and fn.graph_keys == fn.direct_keys, stage.qualified
         assert counters["stats"]["unique_graphs"] >= 6  # the stages really went through dynamo
-        verify = compiled.target.stage(TARGET_VERIFY.greedy).gm  # inductor compiles the attention math inline
+        verify = compiled.target.stage(TARGET_VERIFY_ROUND).gm  # inductor compiles the attention math inline
         lowered = [n for n in verify.graph.nodes if n.op == "call_function" and n.target is attention_inline]
         assert len(lowered) == 2 and all(n.args[8] == 1.0 for n in lowered)  # one per layer, the softcap inlined
         assert not any(n.target in ATTENTION_OPS for n in verify.graph.nodes if n.op == "call_function")
@@ -79,7 +79,7 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
         for row in rows:
             assert row["compile_s"] > 0 and row["files"] and all(os.path.exists(f) for f in row["files"]), row
             assert row["kernel_count"] > 0 and all(k.startswith(("cpp_", "triton_")) for k in row["kernels"]), row
-            if row["stage"] == TARGET_VERIFY.greedy.qualified:  # the kernels load the narrow weights themselves
+            if row["stage"] == TARGET_VERIFY_ROUND.qualified:  # the kernels load the narrow weights themselves
                 assert any("bfloat16" in open(f).read() for f in row["files"]), row
     finally:
         eager.close()

@@ -35,7 +35,7 @@ PACKAGE = Path(saguaro.__file__).parent
 # the fan-out estimator's statistics are CPU tensors by construction (device="cpu"), fed host lists:
 # its reads are host work, not syncs
 HOST_MODULES = (PACKAGE / "runtime" / "draft" / "fan_out.py",)
-ROUND_FAMILIES = ("round", "step", "verify")  # a target call of one of these begins a round
+ROUND_FAMILIES = ("round", "step", "verify", "verify_round")  # a target call of one of these begins a round
 
 
 class FakeTimeline:

@@ -5,8 +5,8 @@ calls that sync on CUDA, a ``Stopwatch``'s events faked so a wait for one counts
 - AR (greedy by its round stage or by the step, and sampled): no sync in a round. The rows still active
   are read a round late (one ``late`` read a round, after the first), and the one sync is the closing
   read after the last round (the result's host view).
-- SD (greedy and sampled): at most one sync a round, ``commit`` reading the outcome; the verify's timing
-  is read after it, never waited for.
+- SD (greedy by its round stage or by the verify, and sampled): at most one sync a round, the outcome read
+  (packed by the round stage, or by ``commit``); the verify's timing is read after it, never waited for.
 - SSD: at most one read per lane a round: the outcome on the target lane (``commit``), the build's
   candidate table on the draft lane (``SpeculationServer._read_build``, off the critical path).
   Everything else a round decides is host data.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from saguaro.core.stages import TARGET_ROUND
+from saguaro.core.stages import ROUND_STAGES, TARGET_ROUND, TARGET_VERIFY_ROUND
 from saguaro.runtime.decode import ssd
 from tests.conftest import tiny_program
 from tests.models import prompts
@@ -67,14 +67,32 @@ def test_an_ar_round_never_syncs_and_reads_the_active_rows_a_round_late(case, mo
     assert counter.setup() <= MAX_SETUP_READS, report
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_an_sd_round_syncs_at_most_once(temperature, monkeypatch):
+SD_CASES = {
+    "greedy-round": dict(temperature=0.0),
+    "greedy-verify": dict(temperature=0.0, round_stage=False),
+    "sampled": dict(temperature=1.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SD_CASES))
+def test_an_sd_round_syncs_at_most_once(case, monkeypatch):
+    options = dict(SD_CASES[case])
     _, _, program = tiny_program("llama", k=3, mode="sd")
-    out, counter = counted_generate(program, monkeypatch, temperature=temperature)
+    round_stage = options.pop("round_stage", True) and options["temperature"] == 0
+    if not round_stage:
+        monkeypatch.setattr(program.target, "provides", lambda stage: stage not in ROUND_STAGES)
+    calls, runner = [], program.target
+
+    def listed_run(stage, *args, **kwargs):  # through the class's run, which the read counter patches
+        calls.append(stage)
+        return type(runner).run(runner, stage, *args, **kwargs)
+    monkeypatch.setattr(runner, "run", listed_run)
+    out, counter = counted_generate(program, monkeypatch, **options)
     rounds = out.stats["rounds"]
     assert out.stats["mode"] == "sd" and rounds >= 4 and counter.round == rounds
+    assert (TARGET_VERIFY_ROUND in calls) == round_stage  # the greedy verify and commit in one stage call, or not
     sync = counter.per_round(rounds)
-    report = f"sd {temperature}: syncs per round {sync}, {counter.setup()} before; where:\n{counter.where()}"
+    report = f"sd {case}: syncs per round {sync}, {counter.setup()} before; where:\n{counter.where()}"
     print(report)
     assert max(sync) <= 1 and sum(sync) == rounds, report  # commit's read, each round
     assert not any(counter.per_round(rounds, "late")) and out.stats["verify_s"] > 0, report

@@ -1,8 +1,8 @@
 """On a GPU: the rounds' host syncs for real. ``torch.cuda.set_sync_debug_mode("error")`` is on while each
-round's device work is queued (AR's launch and its late post; SD's drafting and verify), so an operation
-that syncs inside them (a hidden ``.item()``, a pageable copy) raises; the :class:`ReadCounter` (CUDA's
-own events and pinned buffers) counts the reads per round as on the CPU (``test_host_syncs.py``); the
-tokens equal the target's own ``generate``. Skipped without CUDA."""
+round's device work is queued (AR's launch and its late post; SD's drafting and verify, or its round stage's
+call), so an operation that syncs inside them (a hidden ``.item()``, a pageable copy) raises; the
+:class:`ReadCounter` (CUDA's own events and pinned buffers) counts the reads per round as on the CPU
+(``test_host_syncs.py``); the tokens equal the target's own ``generate``. Skipped without CUDA."""
 
 from contextlib import contextmanager
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import saguaro
-from saguaro.core.stages import TARGET_ROUND
+from saguaro.core.stages import ROUND_STAGES, TARGET_ROUND
 from saguaro.runtime.base.timing import LateRead
 from saguaro.runtime.decode import ar, sd
 from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
@@ -65,15 +65,19 @@ def test_ar_rounds_on_cuda_queue_without_a_sync(temperature, round_stage, monkey
         assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 24))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_sd_rounds_on_cuda_sync_once(temperature, monkeypatch):
+@pytest.mark.parametrize("temperature,round_stage", [(0.0, True), (0.0, False), (1.0, False)],
+                         ids=["greedy-round", "greedy-verify", "sampled"])
+def test_sd_rounds_on_cuda_sync_once(temperature, round_stage, monkeypatch):
     target = tiny_target("llama", logit_scale=4.0).to("cuda")
     program = saguaro.compile(target, truncated_draft(target), mode="sd", k=3, backend="eager")
+    if not round_stage:
+        monkeypatch.setattr(program.target, "provides", lambda stage: stage not in ROUND_STAGES)
     ids, mask = inputs()
     call = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=None, temperature=temperature, seed=0)
     program.generate(ids, **call)
     monkeypatch.setattr(sd, "draft_speculation", strict(sd.draft_speculation))
     monkeypatch.setattr(sd, "verify", strict(sd.verify))
+    monkeypatch.setattr(sd, "queue_verify_round", strict(sd.queue_verify_round))  # the round stage's call
     counter = ReadCounter().install(monkeypatch, cuda_late_reads=False, fake_events=False)
     out = program.generate(ids, **call)
     monkeypatch.undo()

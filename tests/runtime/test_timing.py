@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from saguaro.capture.export import ModelSpec
-from saguaro.core.stages import DRAFT_STEP, TARGET_VERIFY
+from saguaro.core.stages import DRAFT_STEP, ROUND_STAGES, TARGET_VERIFY, TARGET_VERIFY_ROUND
 from saguaro.runtime import calibration
 from saguaro.runtime.base import model_runner, timing, trace
 from saguaro.runtime.base.model_runner import ModelRunner
@@ -151,10 +151,15 @@ def test_stage_costs_are_measured_by_the_device_clock_of_the_runner(monkeypatch)
             return timing.Interval(0.25)
 
     monkeypatch.setattr(model_runner, "Stopwatch", Watch)
-    verify = TARGET_VERIFY.at(0.0).qualified
+    verify = TARGET_VERIFY_ROUND.qualified  # the verify greedy rounds run, with their commit
     runner._stage_cost_s.pop(verify, None)
     calibration.time_verify_alone(runner, batch=1, capacity=16, k=4, temperature=0.0, vocab_size=128, repeats=1)
     assert devices == [runner.spec.device] and runner.stage_cost_s[verify] == 0.25
+    monkeypatch.setattr(runner, "provides", lambda stage: stage not in ROUND_STAGES)  # a builder without it
+    plain = TARGET_VERIFY.at(0.0).qualified
+    runner._stage_cost_s.pop(plain, None)
+    calibration.time_verify_alone(runner, batch=1, capacity=16, k=4, temperature=0.0, vocab_size=128, repeats=1)
+    assert runner.stage_cost_s[plain] == 0.25
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])

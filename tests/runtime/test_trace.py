@@ -38,7 +38,7 @@ def test_trace_is_valid_and_names_every_stage_call(mode, tmp_path):
     if mode == "ar":
         assert target_calls[1:] == ["target.round_greedy"] * (len(target_calls) - 1) and not _names(trace, "draft")
         return
-    assert len(rounds) == out.stats["rounds"] == target_calls.count("target.verify_greedy")
+    assert len(rounds) == out.stats["rounds"] == target_calls.count("target.verify_round_greedy")
     assert [a for _, a in counters(trace, "accepted length")] and trace["otherData"]["stats"]["mode"] == mode
     draft_calls = _names(trace, "draft")
     if mode == "sd":

@@ -15,6 +15,7 @@ import torch
 
 from saguaro.runtime.base.kv_store import KVPool, stream_key
 from saguaro.tensor_math.ar_round import append_token
+from saguaro.tensor_math.verify_round import append_tokens
 
 
 def host_to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -87,6 +88,9 @@ class SequenceBatch:
         if pool is not None:  # holds the buffers, not the batch; never at exit (the pool dies with the process)
             weakref.finalize(self, pool.give, key, buffers).atexit = False
         self._host: tuple[list, list] | None = ([False] * B, [T] * B)  # (finished, lengths) on the host
+        self._eos_tables: dict = {}  # vocabulary size -> [V] bool
+        # the next round's inputs made on the device by SD's round stage for the current lengths, or None
+        self.next_inputs = None
 
     def buffers(self) -> tuple:
         """``tokens [B, C], lengths [B], padding [B], steps [C]``: what :meth:`over` takes."""
@@ -97,6 +101,7 @@ class SequenceBatch:
         """A batch over :meth:`buffers`, for its index and gather methods only (SD's graphed round)."""
         seqs = cls.__new__(cls)
         seqs.tokens, seqs.lengths, seqs.padding, seqs._steps = tokens, lengths, padding, steps
+        seqs.next_inputs = None  # the round's inputs come from these buffers
         return seqs
 
     @property
@@ -165,23 +170,14 @@ class SequenceBatch:
         """Append the first ``counts[b]`` of ``candidates [B, n]`` to each active row.
 
         Stops at EOS (kept) and at ``max_new_tokens``; returns how many tokens each row took ``[B]``.
-        Device work only: the host view is stale until the next :meth:`read`.
+        Device work only: the host view is stale until the next :meth:`read`. The same function
+        (``tensor_math.verify_round.append_tokens``) runs inside SD's greedy round stage.
         """
-        B, n = candidates.shape
-        idx = self._steps[None, :n] if n <= self._steps.numel() else torch.arange(n, device=candidates.device)[None]
-        remaining = (self.max_new_tokens - self.generated)[:, None]  # [B, 1]
-        take = (idx < counts[:, None]) & (idx < remaining) & self.active[:, None]  # [B, n]
-        is_eos = torch.isin(candidates, self.eos) & take
-        has_eos = is_eos.any(dim=1)  # [B]
-        first_eos = torch.where(has_eos, is_eos.long().argmax(dim=1), torch.full_like(counts, n))
-        take &= idx <= first_eos[:, None]
-        dest = (self.lengths[:, None] + idx).clamp_max(self.tokens.shape[1] - 1)  # [B, n]
-        values = torch.where(take, candidates, self.tokens.gather(1, dest))
-        self.tokens.scatter_(1, dest, values)
-        taken = take.sum(dim=1)  # [B]
-        self.lengths += taken
-        self.finished |= has_eos | (self.generated >= self.max_new_tokens)
-        self._host = None
+        taken, lengths, finished = append_tokens(self.tokens, self.lengths, self.finished, candidates, counts,
+                                                 torch.isin(candidates, self.eos), self.end)
+        self.lengths.copy_(lengths)
+        self.finished.copy_(finished)
+        self.changed()
         return taken
 
     def append_one(self, token: torch.Tensor) -> None:
@@ -192,20 +188,38 @@ class SequenceBatch:
                                          torch.isin(token, self.eos), self.end)
         self.lengths.copy_(lengths)
         self.finished.copy_(finished)
-        self._host = None
+        self.changed()
 
     def eos_table(self, vocab_size: int) -> torch.Tensor:
-        """``[vocab_size]`` bool, True at the EOS ids (AR's round stage looks its tokens up there)."""
-        table = torch.zeros(vocab_size + 1, dtype=torch.bool, device=self.eos.device)  # [V + 1]
-        # ids outside the vocabulary mark the spare last entry: an index, not a boolean mask (no host sync)
-        table[torch.where((self.eos >= 0) & (self.eos < vocab_size), self.eos, vocab_size)] = True
-        return table[:vocab_size]
+        """``[vocab_size]`` bool, True at the EOS ids (the round stages look their tokens up there); made once
+        per vocabulary size."""
+        table = self._eos_tables.get(vocab_size)
+        if table is None:
+            table = torch.zeros(vocab_size + 1, dtype=torch.bool, device=self.eos.device)  # [V + 1]
+            # ids outside the vocabulary mark the spare last entry: an index, not a boolean mask (no host sync)
+            table[torch.where((self.eos >= 0) & (self.eos < vocab_size), self.eos, vocab_size)] = True
+            table = self._eos_tables[vocab_size] = table[:vocab_size]
+        return table
 
-    def advanced(self, lengths: torch.Tensor, finished: torch.Tensor) -> None:
-        """Take a round's new ``lengths`` and ``finished`` ``[B]`` (AR's round stage appends inside its graph
-        and returns them): the host view is stale until the next :meth:`read`."""
+    def advanced(self, lengths: torch.Tensor, finished: torch.Tensor, next_inputs=None) -> None:
+        """Take a round's new ``lengths`` and ``finished`` ``[B]`` (the round stages append inside their graph
+        and return them) and, from SD's round stage, the next round's inputs (:attr:`next_inputs`): the host
+        view is stale until the next :meth:`read`."""
         self.lengths, self.finished = lengths, finished
+        self.changed()
+        self.next_inputs = next_inputs
+
+    def changed(self) -> None:
+        """The buffers changed: the host view is stale, and round inputs made for the old lengths are gone."""
         self._host = None
+        self.next_inputs = None
+
+    def take_outcome(self, outcome: torch.Tensor) -> list[list[int]]:
+        """:meth:`read` of a round's ``outcome [2+E, B]`` packed on the device (finished flags, lengths, then
+        ``E`` more rows, as SD's round stage returns it): one transfer; returns the ``E`` rows as lists."""
+        packed = outcome.tolist()
+        self._host = ([bool(f) for f in packed[0]], packed[1])
+        return packed[2:]
 
     def result(self) -> torch.Tensor:
         """``[B, T + max generated]`` with finished rows padded, as ``transformers.generate`` returns."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.core.stages import TARGET_VERIFY
+from saguaro.core.stages import TARGET_VERIFY, TARGET_VERIFY_ROUND
 from saguaro.runtime.decode.sd_graph import graphed_sd_round
 from saguaro.runtime.draft.decode import draft_decode
 from saguaro.runtime.base.model_runner import ModelRunner
@@ -28,19 +28,19 @@ def draft_speculation(draft: ModelRunner, state: DecodeState) -> tuple[torch.Ten
     token before ``r`` — missing when the previous round accepted every draft token — and of ``r``.
     """
     seqs = state.seqs
-    index = seqs.tail_index(2)  # [B, 2]
-    return draft_decode(draft, state.draft_store, seqs.gather(index), index, seqs.positions(index), state.k,
-                        state.temperature, state.generator)
+    if seqs.next_inputs is not None:  # made by the last round's stage
+        ids, index, positions = seqs.next_inputs[:3]  # [B, 2] x 3
+    else:
+        index = seqs.tail_index(2)  # [B, 2]
+        ids, positions = seqs.gather(index), seqs.positions(index)
+    return draft_decode(draft, state.draft_store, ids, index, positions, state.k, state.temperature, state.generator)
 
 
 def verify(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor,
            draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One target call over ``[r, x_1..x_k]`` with verification fused in: ``(accepted [B], next [B])``."""
     seqs, k = state.seqs, state.k
-    index = seqs.forward_index(k + 1)  # [B, k+1]
-    ids = torch.cat([seqs.gather(index[:, :1]), draft_tokens], dim=1)  # [B, k+1]
-    state.target_store.invalidate_from(index[:, 0])  # drop the previous round's rejected slots
-    positions = seqs.positions(index)
+    ids, positions, index = verify_inputs(state, draft_tokens)
     stage = TARGET_VERIFY.at(state.temperature)
     watch = Stopwatch(ids.device)  # device time: on CUDA, events on the caller's stream
     if state.temperature == 0.0:
@@ -52,6 +52,55 @@ def verify(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor,
                                           draft_probs, inv_t, accept_u, resample_u)
     state.counters.time_verify(watch.stop())  # read once commit's read has waited for it: never a wait of its own
     return accepted, next_token
+
+
+def verify_inputs(state: DecodeState, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The verify's ``input_ids`` ``[r, x_1..x_k]``, positions and slots ``[B, k+1]``, the previous round's
+    rejected slots dropped from the target's store."""
+    seqs = state.seqs
+    if seqs.next_inputs is not None:  # made by the last round's stage
+        pending, index, positions = seqs.next_inputs[0][:, 1:], seqs.next_inputs[3], seqs.next_inputs[4]
+    else:
+        index = seqs.forward_index(state.k + 1)  # [B, k+1]
+        pending, positions = seqs.gather(index[:, :1]), seqs.positions(index)  # [B, 1], [B, k+1]
+    state.target_store.invalidate_from(index[:, 0])
+    return torch.cat([pending, draft_tokens], dim=1), positions, index
+
+
+def verify_round(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor) -> Outcome:
+    """A greedy round's target side in one call of :data:`~saguaro.core.stages.TARGET_VERIFY_ROUND`: the
+    verify, ``x_1..x_a, r'`` appended to the sequence buffers (``tensor_math.verify_round``, the function
+    ``SequenceBatch.append`` runs), the outcome packed with the finished flags and lengths, and the next
+    round's inputs (:func:`queue_verify_round`); then the round's one read, of that outcome."""
+    seqs = state.seqs
+    active = seqs.host_active  # before this append: from the previous round's read
+    outcome = queue_verify_round(target, state, draft_tokens)  # [4, B]
+    with traced(state.recorder, "host", "commit"):
+        return counted(state, Outcome(active, *seqs.take_outcome(outcome)))
+
+
+def queue_verify_round(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """Queue the round stage's call (device work only: no read) and hand its new lengths, finished flags and
+    next round's inputs to the sequences; returns the packed ``outcome [4, B]``, not yet read."""
+    seqs = state.seqs
+    ids, positions, index = verify_inputs(state, draft_tokens)
+    watch = Stopwatch(ids.device)  # device time: on CUDA, events on the caller's stream
+    outcome, lengths, finished, *next_inputs = target.run(
+        TARGET_VERIFY_ROUND, state.target_store, ids, positions, index, draft_tokens, seqs.tokens, seqs.lengths,
+        seqs.finished, seqs.padding, seqs.eos_table(target.spec.vocab_size), seqs.end)
+    state.counters.time_verify(watch.stop())  # read once the outcome's read has waited for it
+    seqs.advanced(lengths, finished, tuple(next_inputs))
+    return outcome
+
+
+def verify_and_commit(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor,
+                      draft_probs: torch.Tensor | None) -> Outcome:
+    """Verify a speculation and commit its outcome: :func:`verify_round` where the target offers the greedy
+    round stage, else :func:`verify` then :func:`commit`. One device→host read."""
+    if state.temperature == 0 and target.provides(TARGET_VERIFY_ROUND):
+        return verify_round(target, state, draft_tokens)
+    accepted, next_token = verify(target, state, draft_tokens, draft_probs)
+    return commit(state, draft_tokens, accepted, next_token)
 
 
 @dataclass
@@ -80,10 +129,14 @@ def commit(state: DecodeState, draft_tokens: torch.Tensor, accepted: torch.Tenso
     (with the rows' finished flags and lengths) to the host: the round's one device→host sync."""
     seqs = state.seqs
     active = seqs.host_active  # before this append: from the previous round's read
-    seqs.append(verification.outcome_tokens(draft_tokens, accepted, next_token), accepted + 1)
-    host_accepted, host_next = seqs.read(accepted, next_token)
-    state.counters.settle()  # the verify's timing events, passed by the device before this read returned
-    outcome = Outcome(active, host_accepted, host_next)
+    with traced(state.recorder, "host", "commit"):
+        seqs.append(verification.outcome_tokens(draft_tokens, accepted, next_token), accepted + 1)
+        return counted(state, Outcome(active, *seqs.read(accepted, next_token)))
+
+
+def counted(state: DecodeState, outcome: Outcome) -> Outcome:
+    """Count a round's ``outcome``, just read from the device."""
+    state.counters.settle()  # the verify's timing events, passed by the device before the read returned
     decided = outcome.decided
     state.counters.accepted_lengths.extend(decided)
     state.counters.rounds += 1
@@ -109,9 +162,10 @@ def sd_rounds(target: ModelRunner, draft: ModelRunner, state: DecodeState) -> No
                 watch = Stopwatch(state.seqs.tokens.device)
                 draft_tokens, accepted, next_token = replay()
                 state.counters.time_verify(watch.stop())  # counted once commit's read has passed it
+                outcome = commit(state, draft_tokens, accepted, next_token)
             else:
                 draft_tokens, draft_probs = draft_speculation(draft, state)
                 state.counters.draft_s += since(started)
-                accepted, next_token = verify(target, state, draft_tokens, draft_probs)
-            state.counters.end_round(since(started), commit(state, draft_tokens, accepted, next_token).decided)
+                outcome = verify_and_commit(target, state, draft_tokens, draft_probs)
+            state.counters.end_round(since(started), outcome.decided)
         state.round_committed()  # streaming: outside the round's clock and slice

@@ -16,7 +16,7 @@ import torch
 
 from saguaro.core.warnings_at_caller import warn_at_caller
 from saguaro.runtime.decode.ar import decode_ar
-from saguaro.runtime.decode.sd import Outcome, commit, sd_rounds, verify
+from saguaro.runtime.decode.sd import Outcome, sd_rounds, verify_and_commit
 from saguaro.runtime.draft.server import Speculation
 from saguaro.runtime.lanes.protocol import DraftClient, DraftLaneError
 from saguaro.runtime.base.model_runner import ModelRunner
@@ -54,7 +54,8 @@ def ssd_round(target: ModelRunner, state: DecodeState, lane: DraftClient, specul
     """One round: verify ∥ build, match the outcome, hit or fallback, and the next speculation (None
     once every row has finished).
 
-    Host syncs: one, :func:`commit` reading the outcome with the rows' finished flags. Everything the
+    Host syncs: one, :func:`~saguaro.runtime.decode.sd.verify_and_commit` reading the outcome with the rows'
+    finished flags. Everything the
     host decides after it (finished, hits, misses, counters) is host data: the lane answers a match with
     host ``hit`` flags, and the speculation's ``source`` is a host list."""
     seqs, counters, recorder = state.seqs, state.counters, state.recorder
@@ -63,10 +64,9 @@ def ssd_round(target: ModelRunner, state: DecodeState, lane: DraftClient, specul
     lane.build()
     # ... while the target verifies it
     verify_before = counters.verify_s
-    accepted, next_token = verify(target, state, speculation.tokens, speculation.probs)  # [B], [B]
-    with traced(recorder, "host", "commit"):
-        outcome = commit(state, speculation.tokens, accepted, next_token)  # the round's one device→host read
-        _count_by_source(counters, speculation.source, outcome)
+    # the round's one device→host read, of the outcome (greedy: the verify and the append in one stage call)
+    outcome = verify_and_commit(target, state, speculation.tokens, speculation.probs)
+    _count_by_source(counters, speculation.source, outcome)
     if seqs.all_finished():
         counters.end_round(since(round_started), outcome.decided)
         return None
