@@ -31,6 +31,7 @@ from saguaro.runtime.base.kv_store import KVPool
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.program import Program
 from saguaro.tensor_math.fork import RANK_WIDTH
+from saguaro.tensor_math.packed_linear import available as packed_kernel_available
 
 log = logging.getLogger(__name__)
 
@@ -165,18 +166,21 @@ class CompiledStages(PipelineStages):
 
     def stage_graph(self, stage: Stage, observe=None, linears: str | None = None):
         """The stage's graph, its attention lowered and its linears run as chosen for this stage and device
-        (``linears``, ``"gemm"``, ``"reduction"`` or ``"template"``, when given, instead of the choice; the
+        (``linears``, ``"gemm"``, ``"reduction"``, ``"packed"`` or ``"template"``, when given, instead of the choice; the
         template's graph keeps the GEMMs, as ``"gemm"``'s: only its compile settings differ)."""
         attention = attention_implementation(self.backend, self.requested_attention, self.device_type, stage.mask,
                                              stage=stage)
         linears = linears or linear_implementation(self.backend, self.requested_linears, self.device_type,
                                                    stage.family)
         linears = "gemm" if linears == "template" else linears
+        if linears == "packed" and not packed_kernel_available():  # no compiler here: the reductions
+            linears = "reduction" if self.backend == "inductor" else "gemm"
         # narrow weights where their reads fuse into Inductor's kernels (before a BLAS call the widening
-        # would write a float32 copy each call): the reduction linears'
-        narrow = self.narrow_weights and self.backend == "inductor" and linears == "reduction"
+        # would write a float32 copy each call): the reduction linears', the packed ones' other reads (the
+        # embedding); the packed kernel's panels widen in registers on any backend
+        narrow = self.narrow_weights and self.backend == "inductor" and linears in ("reduction", "packed")
         return build_stage(self.graph_module, stage, self.width, attention=attention, observe=observe, linears=linears,
-                           narrow=narrow)
+                           narrow=narrow, narrow_panels=self.narrow_weights)
 
     def __call__(self, stage: Stage):
         linears = linear_implementation(self.backend, self.requested_linears, self.device_type, stage.family)

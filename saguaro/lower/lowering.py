@@ -131,20 +131,24 @@ def attention_implementation(backend: str, requested: str = "auto", device_type:
 def linear_implementation(backend: str, requested: str = "auto", device_type: str = "cpu",
                           family: str | None = None) -> str:
     """How the linears of a stage of ``family`` run: ``"reduction"`` (the ``linear_as_reduction`` pass: a
-    product and a sum that reads each weight once for all rows) or ``"gemm"`` (``aten.linear`` as
-    captured: the BLAS call). ``requested`` ``"gemm"`` keeps every stage's; ``"reduction"`` rewrites the
-    few-row stages (:data:`FEW_ROW_FAMILIES`) on any backend; ``"auto"`` does so for Inductor on CPU, where
-    its fused reduction streams the weights twice as fast as MKL's GEMV (``benchmarks/matmul_rates.py``).
-    ``"template"``: for Inductor on CPU, the stages of several rows (:data:`MULTI_ROW_FAMILIES`) keep their
-    GEMMs for Inductor's C++ GEMM template (:data:`TEMPLATE_GEMM_CONFIG`), the others as ``"auto"``;
-    elsewhere it is ``"auto"``. Never chosen for CUDA by ``"auto"``: not yet measured there."""
+    product and a sum that reads each weight once for all rows), ``"packed"`` (the ``pack_linears`` pass: the
+    few-row C++ kernel over packed, narrow-held weights) or ``"gemm"`` (``aten.linear`` as captured: the BLAS
+    call). ``requested`` ``"gemm"`` keeps every stage's; ``"reduction"`` and ``"packed"`` rewrite the few-row
+    stages (:data:`FEW_ROW_FAMILIES`) on any backend; ``"auto"`` does so for Inductor on CPU: packed for the
+    stages of several rows (:data:`MULTI_ROW_FAMILIES`: 1.2-1.5x the narrow reductions' rate at 6-32 rows,
+    ``benchmarks/few_row_linear.py``; ``saguaro.compile`` falls back to reduction where the kernel cannot be
+    built), reduction for the one-row ones (fused with their neighbours). ``"template"``: for Inductor on CPU,
+    the stages of several rows keep their GEMMs for Inductor's C++ GEMM template (:data:`TEMPLATE_GEMM_CONFIG`),
+    the others as ``"auto"``; elsewhere it is ``"auto"``. Never chosen for CUDA by ``"auto"``: not measured there."""
     if requested == "gemm" or family not in FEW_ROW_FAMILIES:
         return "gemm"
     on_cpu_inductor = backend == "inductor" and device_type == "cpu"
     if requested == "template" and on_cpu_inductor and family in MULTI_ROW_FAMILIES:
         return "template"
-    if requested == "reduction" or on_cpu_inductor:
-        return "reduction"
+    if requested in ("reduction", "packed"):
+        return requested
+    if on_cpu_inductor:
+        return "packed" if family in MULTI_ROW_FAMILIES else "reduction"
     return "gemm"
 
 

@@ -33,6 +33,7 @@ ATTENTION_LOWERED = "attention_lowered"
 TENSOR_PARALLEL = "tensor_parallel"
 LINEARS_AS_REDUCTIONS = "linears_as_reductions"
 WEIGHTS_NARROWED = "weights_narrowed"
+LINEARS_PACKED = "linears_packed"
 FACTS = {
     GENERIC_MASK: "one saguaro::attention_mask node per layer kind (capture)",
     LOGITS_OUTPUT: "the logits [B, T, V] are the graph's only output (capture)",
@@ -44,6 +45,7 @@ FACTS = {
     TENSOR_PARALLEL: "a rank's slice of each projection, an all-reduce per row-parallel one (shard_tensor_parallel)",
     LINEARS_AS_REDUCTIONS: "each linear a product and a sum reading its weight once for all rows (linear_as_reduction)",
     WEIGHTS_NARROWED: "float32 weights exactly float16 / bfloat16 stored so, widened where read (narrow_weights)",
+    LINEARS_PACKED: "each linear the packed few-row kernel over its weight's panels, narrow where exact (pack_linears)",
 }
 
 RECORD_KEY = "saguaro_pass_record"

@@ -21,6 +21,7 @@ from saguaro.passes.graph_pass import GraphPass, PassManager, copy_graph, settle
 from saguaro.passes.linear_as_reduction import LinearAsReduction
 from saguaro.passes.lower_attention import LowerAttention
 from saguaro.passes.narrow_weights import NarrowWeights
+from saguaro.passes.pack_linears import PackLinears
 from saguaro.passes.specialize_attention import SpecializeAttention
 from saguaro.passes.splice_epilogue import SpliceEpilogue
 from saguaro.passes.strip_runtime_checks import StripRuntimeChecks
@@ -41,31 +42,36 @@ def run_pipeline(gm: torch.fx.GraphModule, extra: tuple[GraphPass, ...] = ()) ->
 
 
 def stage_passes(stage: Stage, width: int, attention: str, window: int, linears: str = "gemm",
-                 narrow: bool = False) -> list[GraphPass]:
+                 narrow: bool = False, narrow_panels: bool = False) -> list[GraphPass]:
     """The stage pipeline of ``stage``, in order.
 
     The mask specialisation and the epilogue splice touch different nodes (either order gives the same
     graph); attention is lowered after both (it requires both), so that it sees the final graph, whose
     attention nodes all read one mask. With ``linears="reduction"`` the ``linear_as_reduction`` pass then
-    rewrites the linear layers (it touches no node the others read); with ``narrow`` the ``narrow_weights``
-    pass last replaces the weight reads (every other pass sees the float32 weights).
+    rewrites the linear layers (it touches no node the others read), with ``"packed"`` the ``pack_linears``
+    pass (its panels narrow with ``narrow_panels``); with ``narrow`` the ``narrow_weights`` pass last replaces
+    the weight reads left (every other pass sees the float32 weights).
     """
     passes = [SpecializeAttention(stage.mask), SpliceEpilogue(stage, width), LowerAttention(attention, window=window)]
     if linears == "reduction":
         passes.append(LinearAsReduction())
+    elif linears == "packed":
+        passes.append(PackLinears(narrow_panels))
     return passes + [NarrowWeights()] if narrow else passes
 
 
 def build_stage(base: torch.fx.GraphModule, stage: Stage, width: int, attention: str = "op",
                 observe: Callable[[str, torch.fx.GraphModule], None] | None = None,
-                linears: str = "gemm", narrow: bool = False) -> torch.fx.GraphModule:
+                linears: str = "gemm", narrow: bool = False, narrow_panels: bool = False) -> torch.fx.GraphModule:
     """The graph of ``stage``: a copy of the base graph (sharing its parameters, carrying its pass
     record) through the stage pipeline. ``attention`` is how ``lower_attention`` lowers attention
     (``"op"``, ``"inline"`` or ``"flex"``); ``linears`` how the linear layers run (``"gemm"`` as
-    captured, ``"reduction"``: the ``linear_as_reduction`` pass); ``narrow``: the ``narrow_weights`` pass.
+    captured, ``"reduction"``: the ``linear_as_reduction`` pass, ``"packed"``: ``pack_linears``, its panels
+    narrow with ``narrow_panels``); ``narrow``: the ``narrow_weights`` pass.
     ``observe(pass_name, gm)``, when given, sees the graph before the first pass (name ``"captured"``) and
     after each pass."""
-    manager = PassManager(stage_passes(stage, width, attention, _sliding_window(base), linears, narrow))
+    manager = PassManager(stage_passes(stage, width, attention, _sliding_window(base), linears, narrow,
+                                         narrow_panels))
     gm = copy_graph(base)
     if observe is not None:
         observe("captured", gm)
