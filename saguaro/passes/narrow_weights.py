@@ -35,7 +35,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from saguaro.passes.graph_pass import WEIGHTS_NARROWED, GraphPass
-from saguaro.passes.graph_splice import PassError, get_attribute
+from saguaro.passes.graph_splice import PassError, drop_unread_attributes, get_attribute
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ def narrow_weights(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         node.replace_all_uses_with(wide)
         graph.erase_node(node)
         narrowed += 1
+    drop_unread_attributes(gm, attributes)  # the stage module holds the narrow copies only
     graph.lint()
     gm.recompile()
     log.info("narrow_weights: %d weight reads narrowed, %.1f MiB fewer bytes a call", narrowed, saved / 2**20)

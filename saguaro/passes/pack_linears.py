@@ -28,7 +28,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from saguaro.passes.graph_pass import LINEARS_PACKED, GraphPass
-from saguaro.passes.graph_splice import PassError, get_attribute
+from saguaro.passes.graph_splice import PassError, drop_unread_attributes, get_attribute
 from saguaro.passes.narrow_weights import narrow_copy
 from saguaro.tensor_math.packed_linear import available, pack, unavailable_reason
 
@@ -97,12 +97,14 @@ def pack_linears(gm: torch.fx.GraphModule, narrow: bool = True) -> torch.fx.Grap
     for node in list(graph.nodes):  # the float32 weights' reads no linear takes now
         if node.op == "get_attr" and not node.users and not node.target.startswith(ATTRIBUTE_PREFIX):
             graph.erase_node(node)
+    dropped = drop_unread_attributes(gm, names)  # the stage module holds the panels only
     if rewritten != len(linears):
         log.warning("pack_linears: %d of %d linears left as they were (not a 2-D float32 weight attribute of "
                     "known input rank)", len(linears) - rewritten, len(linears))
     graph.lint()
     gm.recompile()
-    log.info("pack_linears: %d linears packed, %.1f MiB of panels", rewritten, panel_bytes / 2**20)
+    log.info("pack_linears: %d linears packed, %.1f MiB of panels, %.1f MiB of weights no longer held", rewritten,
+             panel_bytes / 2**20, dropped / 2**20)
     return gm
 
 

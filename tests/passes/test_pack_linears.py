@@ -115,3 +115,30 @@ def test_inductor_packs_the_stages_of_several_rows_under_auto():
     assert not packed("inductor", TARGET_VERIFY.greedy, linears="template")
     assert not packed("eager", TARGET_VERIFY.greedy)  # eager keeps MKL unless asked
     assert packed("eager", TARGET_VERIFY.greedy, linears="packed") == {torch.float16}
+
+
+def test_the_program_s_weights_are_reported_and_packed_stages_hold_only_their_panels():
+    from saguaro.inspection import inspector as inspection
+    from saguaro.inspection.weights import format_weights
+
+    target = _rounded(tiny_target("llama", hidden=128))
+    program = saguaro.compile(target, truncated_draft(target), k=3, mode="sd", backend="eager", linears="packed")
+    report = inspection.Inspector(program).weights(modes=("sd",))
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*target.parameters(), *target.buffers()]}
+    loaded = sum(held.values())  # the target's float32 weights (and RoPE's buffers), shared
+    target_forms = report["models"]["target"]["by_form"]
+    assert target_forms["as loaded"] == loaded  # held once, by the captured graph (the prefill reads them)
+    linear_f32 = sum(m.weight.numel() * 4 for m in target.modules() if isinstance(m, torch.nn.Linear))
+    panel_bytes = target_forms["panels"]
+    assert linear_f32 / 2 <= panel_bytes < linear_f32  # float16 panels: half, padded to 16 columns
+    assert report["total_bytes"] == sum(report["by_form"].values()) == sum(report["by_dtype"].values())
+    assert report["by_dtype"]["float16"] >= panel_bytes
+    verify = report["models"]["target"]["stages"]["target.verify_greedy"]
+    assert verify < loaded  # it holds its panels, not the float32 linears' weights
+    gm = program.runner("target").built_stages[TARGET_VERIFY.greedy]
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    assert set(dict(gm.named_parameters())) | set(dict(gm.named_buffers())) <= read  # nothing held unread
+    text = format_weights(report).splitlines()
+    assert text[-1].split() == ["total", f"{report['total_bytes'] / 2**20:.2f}"]
+    assert any(line.split()[:2] == ["target", "panels"] for line in text)
+    program.close()
