@@ -22,9 +22,8 @@ from saguaro.lower.compile_thread import BackgroundCompiler
 from saguaro.lower.tiered import KeyPositions, TieredStage
 
 log = logging.getLogger(__name__)
-# Compile progress, one record when a stage starts compiling for new shapes and one when it is done
-# (``extra``: ``compile_event`` "start" / "done" / "failed", ``stage``, ``seconds``): INFO lines with
-# ``-v``; ``saguaro generate`` draws them as a progress line per stage.
+# Compile progress, a record when a stage starts compiling for new shapes and when it is done (``extra``:
+# ``compile_event`` "start" / "done" / "failed", ``stage``, ``seconds``): ``-v``; ``saguaro generate`` draws them.
 PROGRESS_LOGGER = "saguaro.lower.progress"
 progress = logging.getLogger(PROGRESS_LOGGER)
 
@@ -130,16 +129,13 @@ def attention_implementation(backend: str, requested: str = "auto", device_type:
 
 def linear_implementation(backend: str, requested: str = "auto", device_type: str = "cpu",
                           family: str | None = None) -> str:
-    """How the linears of a stage of ``family`` run: ``"reduction"`` (the ``linear_as_reduction`` pass: a
-    product and a sum that reads each weight once for all rows), ``"packed"`` (the ``pack_linears`` pass: the
-    few-row C++ kernel over packed, narrow-held weights) or ``"gemm"`` (``aten.linear`` as captured: the BLAS
-    call). ``requested`` ``"gemm"`` keeps every stage's; ``"reduction"`` and ``"packed"`` rewrite the few-row
-    stages (:data:`FEW_ROW_FAMILIES`) on any backend; ``"auto"`` does so for Inductor on CPU: packed for the
-    stages of several rows (:data:`MULTI_ROW_FAMILIES`: 1.2-1.5x the narrow reductions' rate at 6-32 rows,
-    ``benchmarks/few_row_linear.py``; ``saguaro.compile`` falls back to reduction where the kernel cannot be
-    built), reduction for the one-row ones (fused with their neighbours). ``"template"``: for Inductor on CPU,
-    the stages of several rows keep their GEMMs for Inductor's C++ GEMM template (:data:`TEMPLATE_GEMM_CONFIG`),
-    the others as ``"auto"``; elsewhere it is ``"auto"``. Never chosen for CUDA by ``"auto"``: not measured there."""
+    """How the linears of a stage of ``family`` run: ``"reduction"`` (``linear_as_reduction``), ``"packed"``
+    (``pack_linears``: the few-row C++ kernel over packed, narrow-held weights) or ``"gemm"`` (BLAS).
+    ``"reduction"`` / ``"packed"`` rewrite the few-row stages (:data:`FEW_ROW_FAMILIES`) on any backend; ``"auto"``,
+    for Inductor on CPU: packed for the several-row stages (:data:`MULTI_ROW_FAMILIES`; 1.2-1.5x the narrow
+    reductions at 6-32 rows, ``benchmarks/few_row_linear.py``), reduction for the one-row ones. ``"template"``:
+    for Inductor on CPU, the several-row stages on Inductor's C++ GEMM template (:data:`TEMPLATE_GEMM_CONFIG`),
+    the others as ``"auto"``. Never chosen for CUDA by ``"auto"``: not measured there."""
     if requested == "gemm" or family not in FEW_ROW_FAMILIES:
         return "gemm"
     on_cpu_inductor = backend == "inductor" and device_type == "cpu"

@@ -11,7 +11,8 @@ thread count. Inductor calls it as an extern kernel (from its C++ wrapper throug
 
 The C++ source is compiled at first use with the machine's instruction set (``-march=native``) by
 ``torch.utils.cpp_extension`` into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), under a
-name derived from the source, the flags and the CPU, so later processes load the library without compiling.
+name derived from the source, the flags, torch's version and the CPU, so later processes load the library
+(``torch.ops.load_library``) without compiling it or importing the builder.
 :func:`available` says whether it could be built (no compiler: the caller keeps another implementation).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import threading
 from pathlib import Path
@@ -56,10 +58,7 @@ def available() -> bool:
     with _lock:
         if "loaded" not in _state:
             try:
-                from torch.utils.cpp_extension import load_inline
-
-                load_inline(name=library_name(), cpp_sources=[SOURCE.read_text()], extra_cflags=list(CFLAGS),
-                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                _load()
                 _register_fakes()
                 _state["loaded"] = True
             except Exception as exc:  # no compiler, no ninja: the callers keep their other linears
@@ -67,6 +66,27 @@ def available() -> bool:
                 log.warning("packed_linear: the C++ kernel could not be built (%s); few-row stages keep "
                             "Inductor's reductions", _state["error"])
         return _state["loaded"]
+
+
+def build_directory(name: str) -> Path:
+    """Where the build named ``name`` lives: ``$TORCH_EXTENSIONS_DIR/name`` (default ``~/.cache/torch_extensions``)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / name
+
+
+def _load() -> None:
+    """Load the cached build (named by :func:`library_name`, so it is this source's), else build it."""
+    name = library_name()
+    folder = build_directory(name)
+    built = folder / f"{name}.so"
+    if built.exists():  # a process start: no import of the extension builder, no ninja run
+        torch.ops.load_library(str(built))
+        return
+    from torch.utils.cpp_extension import load  # not load_inline: it prepends torch/extension.h (a minute of g++)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+         is_python_module=False, verbose=False, build_directory=str(folder))
 
 
 def unavailable_reason() -> str | None:
@@ -84,7 +104,7 @@ def _fake(x, packed, n):
 
 def vectorised() -> bool:
     """Whether the build runs the vector path (AVX2, FMA, F16C), not the scalar loop."""
-    return available() and bool(torch.ops.saguaro_kernels.vectorised().item())
+    return available() and bool(torch.ops.saguaro_kernels.vectorised())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
