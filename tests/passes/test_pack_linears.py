@@ -142,3 +142,14 @@ def test_the_program_s_weights_are_reported_and_packed_stages_hold_only_their_pa
     assert text[-1].split() == ["total", f"{report['total_bytes'] / 2**20:.2f}"]
     assert any(line.split()[:2] == ["target", "panels"] for line in text)
     program.close()
+
+
+def test_every_finite_float16_and_bfloat16_value_widens_exactly_in_both_loops():
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)  # every 16-bit pattern
+    for dtype in (torch.float16, torch.bfloat16):
+        values = bits.view(dtype)
+        values = values[torch.isfinite(values.float())]
+        weight = values[:values.numel() // 16 * 16].reshape(-1, 16)  # [N, 16]
+        n, eye = weight.shape[0], torch.eye(16)  # one-hot rows: each output is one weight value
+        for op in (torch.ops.saguaro_kernels.packed_linear, torch.ops.saguaro_kernels.packed_linear_scalar):
+            assert torch.equal(op(eye, pl.pack(weight), n), weight.float().T)
