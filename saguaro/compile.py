@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 
 import torch
 
@@ -32,6 +33,8 @@ from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.program import Program
 from saguaro.tensor_math.fork import RANK_WIDTH
 from saguaro.tensor_math.packed_linear import available as packed_kernel_available
+
+PACKED_SETUP = "saguaro.tensor_math.packed_linear:available"  # what a compile helper calls before a packed graph
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +82,10 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
     endpoint = remote_endpoint(cfg, target_spec, draft) if cfg.lane == "remote" else None
     models = {name: model for name, model in (("target", target), ("draft", draft)) if model is not None}
     graphs = {name: resolve_cuda_graphs(cfg.cuda_graphs, model_spec(model).device) for name, model in models.items()}
-    # compile="background": one compile thread for both models' stages (saguaro.lower.tiered)
-    # held until the first generation's first round is out (Program.generate releases it)
-    # and, on a CPU with a second core, a compile helper process beside it (saguaro.lower.compile_helper)
+    # compile="background": one compile thread for both models' stages (saguaro.lower.tiered), held until the
+    # first round is out (Program.generate releases it), and on a CPU with two cores a compile helper process
+    if cfg.backend == "inductor" and cfg.linears in ("auto", "packed") and target_spec.device.type == "cpu":
+        threading.Thread(target=packed_kernel_available, name="saguaro-kernel-build", daemon=True).start()
     compiler = None
     if cfg.compile == "background" and cfg.backend == "inductor":
         helper = helper_wanted() and target_spec.device.type == "cpu"
@@ -175,9 +179,8 @@ class CompiledStages(PipelineStages):
         linears = "gemm" if linears == "template" else linears
         if linears == "packed" and not packed_kernel_available():  # no compiler here: the reductions
             linears = "reduction" if self.backend == "inductor" else "gemm"
-        # narrow weights where their reads fuse into Inductor's kernels (before a BLAS call the widening
-        # would write a float32 copy each call): the reduction linears', the packed ones' other reads (the
-        # embedding); the packed kernel's panels widen in registers on any backend
+        # narrow weights where reads fuse into Inductor's kernels (a BLAS call would copy them widened each call):
+        # the reductions', the packed stages' other reads (the embedding); packed panels widen in registers
         narrow = self.narrow_weights and self.backend == "inductor" and linears in ("reduction", "packed")
         return build_stage(self.graph_module, stage, self.width, attention=attention, observe=observe, linears=linears,
                            narrow=narrow, narrow_panels=self.narrow_weights)
@@ -193,10 +196,14 @@ class CompiledStages(PipelineStages):
         varying = None  # Inductor compiles the sizes that change from call to call dynamic at once
         if self.backend == "inductor":
             varying = varying_dims(stage, sum(1 for node in gm.graph.nodes if node.op == "placeholder"))
-        return lower_graph(gm, self.backend, stage.qualified, self.device_type,
-                           cuda_graphs=self.cuda_graphs and captures_stage(stage), compiler=self.compiler,
-                           dynamic_dims=varying, eager_gm=eager_gm,
-                           config_patch=TEMPLATE_GEMM_CONFIG if linears == "template" else None)
+        lowered = lower_graph(gm, self.backend, stage.qualified, self.device_type,
+                              cuda_graphs=self.cuda_graphs and captures_stage(stage), compiler=self.compiler,
+                              dynamic_dims=varying, eager_gm=eager_gm,
+                              config_patch=TEMPLATE_GEMM_CONFIG if linears == "template" else None)
+        inner = getattr(lowered, "compiled", lowered)  # a tiered stage's CompiledStage
+        if hasattr(inner, "helper_setup") and linears == "packed":
+            inner.helper_setup = (PACKED_SETUP,)  # the compile helper loads the kernel's library first
+        return lowered
 
 
 def compile_tensor_parallel(target, draft, cfg: SaguaroConfig):

@@ -22,8 +22,7 @@ from saguaro.lower.compile_thread import BackgroundCompiler
 from saguaro.lower.tiered import KeyPositions, TieredStage
 
 log = logging.getLogger(__name__)
-# Compile progress, a record when a stage starts compiling for new shapes and when it is done (``extra``:
-# ``compile_event`` "start" / "done" / "failed", ``stage``, ``seconds``): ``-v``; ``saguaro generate`` draws them.
+# Compile progress: a record as a stage starts / ends compiling new shapes (``extra``: compile_event, stage, seconds)
 PROGRESS_LOGGER = "saguaro.lower.progress"
 progress = logging.getLogger(PROGRESS_LOGGER)
 
@@ -208,6 +207,7 @@ class CompiledStage:
         self.gm, self.compiled, self.name = gm, compiled, name
         self.config_patch = dict(config_patch or {})
         self.helper_options = helper_options
+        self.helper_setup: tuple = ()  # "module:function" names the helper calls first (an op library to load)
         self._packed: dict | None = None  # the graph as the compile helper gets it, made once
         self.dynamic_dims = dict(dynamic_dims or {})
         self.calls = 0
@@ -248,7 +248,7 @@ class CompiledStage:
 
             self._packed = pack_graph(self.gm)
         return {"graph": self._packed, "args": args, "modes": modes, "dynamic_dims": self.dynamic_dims,
-                "options": self.helper_options, "config_patch": self.config_patch}
+                "options": self.helper_options, "config_patch": self.config_patch, "setup": self.helper_setup}
 
     def __call__(self, *args):
         self.calls += 1
