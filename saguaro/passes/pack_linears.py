@@ -29,14 +29,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from saguaro.passes.graph_pass import LINEARS_PACKED, GraphPass
 from saguaro.passes.graph_splice import PassError, drop_unread_attributes, get_attribute
-from saguaro.passes.narrow_weights import narrow_copy
+from saguaro.passes.narrow_weights import SAGUARO_PREFIX, narrow_copy, version
 from saguaro.tensor_math.packed_linear import available, pack, unavailable_reason
 
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 LINEAR = aten.linear.default
-ATTRIBUTE_PREFIX = "saguaro_panels_"  # the stage module's buffer holding a weight's panels
+ATTRIBUTE_PREFIX = SAGUARO_PREFIX + "panels_"  # the stage module's buffer holding a weight's panels
 _PACKED = WeakIdKeyDictionary()  # float32 weight -> {(its version, narrow): its panels}
 
 
@@ -44,7 +44,7 @@ def panels(weight: torch.Tensor, narrow: bool) -> torch.Tensor:
     """``weight [N, K]``'s panels ``[P, K, 16]``: float16 / bfloat16 where ``narrow`` and exact, else float32;
     made once per tensor, version and ``narrow``."""
     known = _PACKED.setdefault(weight, {})
-    key = (weight._version, narrow)
+    key = (version(weight), narrow)
     if key not in known:
         known.clear()  # an older version's panels are stale
         source = narrow_copy(weight) if narrow else None

@@ -153,3 +153,19 @@ def test_every_finite_float16_and_bfloat16_value_widens_exactly_in_both_loops():
         n, eye = weight.shape[0], torch.eye(16)  # one-hot rows: each output is one weight value
         for op in (torch.ops.saguaro_kernels.packed_linear, torch.ops.saguaro_kernels.packed_linear_scalar):
             assert torch.equal(op(eye, pl.pack(weight), n), weight.float().T)
+
+
+def test_float32_panels_built_in_inference_mode_are_left_alone_by_narrow_weights():
+    from saguaro.passes.narrow_weights import ATTRIBUTE_PREFIX as NARROW
+    from saguaro.passes.pipeline import build_stage
+
+    model = tiny_target("llama", hidden=128, seed=5)  # float32 values: no narrow dtype holds them
+    captured = capture(model)
+    captured.graph_module = run_pipeline(captured.graph_module)
+    with torch.inference_mode():  # as a stage built on a generation's first round
+        gm = build_stage(captured.graph_module, TARGET_VERIFY.greedy, 8, "op", linears="packed", narrow=True,
+                         narrow_panels=True)
+    held = {name: t for name, t in gm.named_buffers()}
+    assert {t.dtype for name, t in held.items() if name.startswith(ATTRIBUTE_PREFIX)} == {torch.float32}
+    assert not any(name.startswith(NARROW + ATTRIBUTE_PREFIX) for name in held)
+    assert record_of(gm).ran[-2:] == ("pack_linears", "narrow_weights")
