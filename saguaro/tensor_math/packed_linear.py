@@ -79,7 +79,7 @@ def _load() -> None:
     name = library_name()
     folder = build_directory(name)
     built = folder / f"{name}.so"
-    if built.exists():  # a process start: no import of the extension builder, no ninja run
+    if built.exists() and not (folder / "lock").exists():  # built, no build running: no builder import, no ninja
         torch.ops.load_library(str(built))
         return
     from torch.utils.cpp_extension import load  # not load_inline: it prepends torch/extension.h (a minute of g++)

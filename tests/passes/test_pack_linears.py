@@ -70,6 +70,7 @@ def test_narrow_panels_give_the_float32_panels_bits_on_each_family(family):
         torch.testing.assert_close(want, model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_greedy_sd_and_ssd_through_packed_linears_equal_generate(family):
     if family == "llama":
