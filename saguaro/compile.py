@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 
 import torch
 
@@ -22,6 +23,7 @@ from saguaro.lower.lowering import (
 )
 from saguaro.lower.compile_thread import BackgroundCompiler
 from saguaro.lower.compile_helper import helper_wanted
+from saguaro.models_io import check_pair
 from saguaro.passes import run_pipeline
 from saguaro.passes.fuse_projections import fusion_applies
 from saguaro.passes.pipeline import PipelineStages, build_stage
@@ -33,6 +35,9 @@ from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.sequences import SequencePool
 from saguaro.runtime.program import Program
 from saguaro.tensor_math.fork import RANK_WIDTH
+from saguaro.tensor_math.packed_linear import available as packed_kernel_available
+
+PACKED_SETUP = "saguaro.tensor_math.packed_linear:available"  # what a compile helper calls before a packed graph
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +85,10 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
     endpoint = remote_endpoint(cfg, target_spec, draft) if cfg.lane == "remote" else None
     models = {name: model for name, model in (("target", target), ("draft", draft)) if model is not None}
     graphs = {name: resolve_cuda_graphs(cfg.cuda_graphs, model_spec(model).device) for name, model in models.items()}
-    # compile="background": one compile thread for both models' stages (saguaro.lower.tiered)
-    # held until the first generation's first round is out (Program.generate releases it)
-    # and, on a CPU with a second core, a compile helper process beside it (saguaro.lower.compile_helper)
+    # compile="background": one compile thread for both models' stages (saguaro.lower.tiered), held until the
+    # first round is out (Program.generate releases it), and on a CPU with two cores a compile helper process
+    if cfg.backend == "inductor" and cfg.linears in ("auto", "packed") and target_spec.device.type == "cpu":
+        threading.Thread(target=packed_kernel_available, name="saguaro-kernel-build", daemon=True).start()
     compiler = None
     if cfg.compile == "background" and cfg.backend == "inductor":
         helper = helper_wanted() and target_spec.device.type == "cpu"
@@ -173,19 +179,21 @@ class CompiledStages(PipelineStages):
 
     def stage_graph(self, stage: Stage, observe=None, linears: str | None = None):
         """The stage's graph, its attention lowered and its linears run as chosen for this stage and device
-        (``linears``, ``"gemm"``, ``"reduction"`` or ``"template"``, when given, instead of the choice; the
+        (``linears``, ``"gemm"``, ``"reduction"``, ``"packed"`` or ``"template"``, when given, instead of the choice; the
         template's graph keeps the GEMMs, as ``"gemm"``'s: only its compile settings differ)."""
         attention = attention_implementation(self.backend, self.requested_attention, self.device_type, stage.mask,
                                              stage=stage)
         linears = linears or linear_implementation(self.backend, self.requested_linears, self.device_type,
                                                    stage.family)
         linears = "gemm" if linears == "template" else linears
-        # narrow weights where their reads fuse into Inductor's kernels (before a BLAS call the widening
-        # would write a float32 copy each call): the reduction linears'
-        narrow = self.narrow_weights and self.backend == "inductor" and linears == "reduction"
+        if linears == "packed" and not packed_kernel_available():  # no compiler here: the reductions
+            linears = "reduction" if self.backend == "inductor" else "gemm"
+        # narrow weights where reads fuse into Inductor's kernels (a BLAS call would copy them widened each call):
+        # the reductions', the packed stages' other reads (the embedding); packed panels widen in registers
+        narrow = self.narrow_weights and self.backend == "inductor" and linears in ("reduction", "packed")
         fuse = fusion_applies(self.backend, self.device_type, linears, self.fuse_projections)
         return build_stage(self.graph_module, stage, self.width, attention=attention, observe=observe, linears=linears,
-                           narrow=narrow, fuse=fuse)
+                           narrow=narrow, fuse=fuse, narrow_panels=self.narrow_weights)
 
     def __call__(self, stage: Stage):
         linears = linear_implementation(self.backend, self.requested_linears, self.device_type, stage.family)
@@ -198,10 +206,14 @@ class CompiledStages(PipelineStages):
         varying = None  # Inductor compiles the sizes that change from call to call dynamic at once
         if self.backend == "inductor":
             varying = varying_dims(stage, sum(1 for node in gm.graph.nodes if node.op == "placeholder"))
-        return lower_graph(gm, self.backend, stage.qualified, self.device_type,
-                           cuda_graphs=self.cuda_graphs and captures_stage(stage), compiler=self.compiler,
-                           dynamic_dims=varying, eager_gm=eager_gm,
-                           config_patch=TEMPLATE_GEMM_CONFIG if linears == "template" else None)
+        lowered = lower_graph(gm, self.backend, stage.qualified, self.device_type,
+                              cuda_graphs=self.cuda_graphs and captures_stage(stage), compiler=self.compiler,
+                              dynamic_dims=varying, eager_gm=eager_gm,
+                              config_patch=TEMPLATE_GEMM_CONFIG if linears == "template" else None)
+        inner = getattr(lowered, "compiled", lowered)  # a tiered stage's CompiledStage
+        if hasattr(inner, "helper_setup") and linears == "packed":
+            inner.helper_setup = (PACKED_SETUP,)  # the compile helper loads the kernel's library first
+        return lowered
 
 
 def compile_tensor_parallel(target, draft, cfg: SaguaroConfig):
@@ -260,21 +272,6 @@ def draft_device(requested: str | None, target_device: torch.device) -> torch.de
         raise ConfigError(f"draft_device={requested!r} is not allowed: the target is on {target_device}, so the "
                           f"draft runs on a CUDA device of this process: 'cuda:0'..'cuda:{count - 1}'")
     return torch.device("cuda", index)
-
-
-def check_pair(target_spec, draft_spec, another_device: bool = False) -> None:
-    """Target and draft must share the vocabulary and the dtype, and the device unless ``draft_device``
-    placed the draft (``another_device``)."""
-    if target_spec.vocab_size != draft_spec.vocab_size:
-        raise ValueError(
-            f"vocabulary mismatch: target {target_spec.model_class} has {target_spec.vocab_size} tokens, draft "
-            f"{draft_spec.model_class} has {draft_spec.vocab_size}; target and draft must share one vocabulary")
-    if target_spec.device != draft_spec.device and not another_device:
-        raise ValueError(f"draft is on device {draft_spec.device} but the target is on {target_spec.device}; "
-                         "put both on the same device, or (CUDA) name the draft's with draft_device=")
-    if target_spec.dtype != draft_spec.dtype:
-        raise ValueError(f"draft dtype {draft_spec.dtype} differs from the target's {target_spec.dtype}; "
-                         "load both in the same dtype")
 
 
 def captured_draft_server(description: dict, config: SaguaroConfig) -> SpeculationServer:

@@ -1,4 +1,5 @@
-"""Loading a target/draft pair for the CLI and the benchmark: folders, or the default pair."""
+"""Loading a target/draft pair for the CLI and the benchmark (folders, or the default pair), and the check that
+two models make a pair."""
 
 from __future__ import annotations
 
@@ -81,3 +82,18 @@ def load_tokenizer(folder: str):
     except Exception as exc:  # a model without a usable tokenizer still benchmarks on token ids
         log.warning("no usable tokenizer in %s (%s); using token ids", folder, exc)
         return None
+
+
+def check_pair(target_spec, draft_spec, another_device: bool = False) -> None:
+    """Target and draft must share the vocabulary and the dtype, and the device unless ``draft_device``
+    placed the draft (``another_device``)."""
+    if target_spec.vocab_size != draft_spec.vocab_size:
+        raise ValueError(
+            f"vocabulary mismatch: target {target_spec.model_class} has {target_spec.vocab_size} tokens, draft "
+            f"{draft_spec.model_class} has {draft_spec.vocab_size}; target and draft must share one vocabulary")
+    if target_spec.device != draft_spec.device and not another_device:
+        raise ValueError(f"draft is on device {draft_spec.device} but the target is on {target_spec.device}; "
+                         "put both on the same device, or (CUDA) name the draft's with draft_device=")
+    if target_spec.dtype != draft_spec.dtype:
+        raise ValueError(f"draft dtype {draft_spec.dtype} differs from the target's {target_spec.dtype}; "
+                         "load both in the same dtype")

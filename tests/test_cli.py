@@ -147,7 +147,8 @@ def table_rows(out: str) -> list[str]:
     """The first column of the bench table's rows (between the header rule and the notes after it)."""
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("mode")) + 2
-    return [line.split()[0] for line in lines[start:] if line and not line.startswith(("wrote", "skipped"))]
+    notes = ("wrote", "skipped", "The machine was busy")
+    return [line.split()[0] for line in lines[start:] if line and not line.startswith(notes)]
 
 
 @pytest.mark.heavy
@@ -177,6 +178,8 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
     assert report["config"]["order"] == table_modes * 2
     check_timed_passes(report["rows"], 2, out)  # alternating passes, median, spread, the spread column
     assert report["prompts"]["source"] == "fixed"  # a user's pair: not the default pair's held-out files
+    busy = [row["mode"] for row in report["rows"] if (row["spread_pct"] or 0) > 25]  # a loaded machine's rows
+    assert report["busy_machine"] == busy and ("The machine was busy" in out) == bool(busy)
     rows = {row["mode"]: row for row in report["rows"]}
     assert list(rows) == table_modes
     for mode, row in rows.items():

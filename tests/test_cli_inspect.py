@@ -53,3 +53,13 @@ def test_inspect_graph_writes_dot(saved_pair, capsys, tmp_path):  # noqa: F811
 def test_inspect_graph_names_a_bad_stage(saved_pair, capsys):  # noqa: F811
     rc, out, err = run_cli(["inspect", "graph", "target.nope", *pair_args(saved_pair)], capsys)
     assert rc == 2 and "target.nope" in err and "target.verify_greedy" in err
+
+
+def test_inspect_weights_prints_each_model_s_bytes_by_form(saved_pair, capsys):  # noqa: F811
+    rc, out, err = run_cli(["inspect", "weights", "--mode", "sd", *pair_args(saved_pair)], capsys)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["model", "form", "MiB"]
+    forms = {(line.split()[0], " ".join(line.split()[1:-1])): float(line.split()[-1]) for line in lines[1:-1]}
+    assert forms[("target", "as loaded")] > 0 and forms[("draft", "as loaded")] > 0  # eager: the float32 weights
+    assert lines[-1].split()[0] == "total" and float(lines[-1].split()[1]) == pytest.approx(sum(forms.values()), abs=0.02)

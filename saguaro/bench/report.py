@@ -7,6 +7,8 @@ from pathlib import Path
 
 from saguaro.runtime.base.stats import RAN_AS_SD
 
+BUSY_SPREAD_PCT = 25.0  # a mode's passes spread wider than this: the machine was busy while it ran
+
 
 def _cell(value, fmt: str, width: int, suffix: str = "") -> str:
     text = f"{value:{fmt}}{suffix}" if value is not None else "-"
@@ -31,7 +33,8 @@ def format_table(rows) -> str:
     tokens after each prefill's first over the seconds after it, the rate llama.cpp reports; ``-`` for
     the ``transformers`` rows), mean accepted length, speed-up over AR and over SD
     (ratios of medians), the p99 time per round, and for SSD rows the cache hit rate, the draft wait per
-    round and the overlap efficiency (against the verify alone). A row is named by :func:`row_label`."""
+    round and the overlap efficiency (against the verify alone). A row is named by :func:`row_label`. Under
+    the table, :func:`busy_note` when a row's passes spread over :data:`BUSY_SPREAD_PCT`."""
     with_hits = any(r.get("cache_hit_rate") is not None for r in rows)
     labels = [row_label(r) for r in rows]
     width = max([16] + [len(label) + 2 for label in labels])
@@ -50,7 +53,25 @@ def format_table(rows) -> str:
             line += (f"{_cell(r.get('cache_hit_rate'), '.2f', 12)}{_cell(r.get('draft_wait_ms_per_round'), '.2f', 12)}"
                      f"{_cell(r.get('overlap_efficiency'), '.2f', 13)}")
         lines.append(line)
-    return "\n".join(lines)
+    note = busy_note(rows)
+    return "\n".join(lines + ([note] if note else []))
+
+
+def busy_rows(rows) -> list[str]:
+    """The labels of the rows whose timed passes spread over :data:`BUSY_SPREAD_PCT` percent."""
+    return [row_label(r) for r in rows if (r.get("spread_pct") or 0.0) > BUSY_SPREAD_PCT]
+
+
+def busy_note(rows) -> str | None:
+    """A warning that the machine was busy (another job took the cores while the passes ran), naming the rows
+    whose passes spread over :data:`BUSY_SPREAD_PCT` percent; None when none did."""
+    busy = busy_rows(rows)
+    if not busy:
+        return None
+    worst = max(r.get("spread_pct") or 0.0 for r in rows)
+    return (f"The machine was busy: the timed passes of {', '.join(busy)} spread over {BUSY_SPREAD_PCT:.0f}% (up to "
+            f"{worst:.0f}%), so these speeds and the ratios between modes are not to be trusted; run again on a "
+            f"quiet machine, or with more --repeats.")
 
 
 def write_json(report: dict, path) -> Path:

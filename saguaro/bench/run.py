@@ -19,6 +19,7 @@ from dataclasses import asdict
 
 import torch
 
+from saguaro.bench.report import busy_rows
 from saguaro.bench.rows import ALL_MODES, DRAFT_MODES, HF_MODES, SAGUARO_MODES
 from saguaro.bench.passes import add_speedups, interleaved
 from saguaro.bench.worker import BenchParams, RowSession, params_json, run_prompts
@@ -113,7 +114,8 @@ def run_bench(params: BenchParams, announce=lambda line: None) -> dict:
     """Run the benchmark; ``announce(line)`` receives a line saying which prompts, then a line per row
     once it is warm, then one per round of timed passes. Returns the report: ``config`` (with ``order``,
     the rows' timed passes in the order they ran), ``machine``, ``prompts`` (their source: ``heldout``,
-    ``fixed`` or ``random``, and why), ``rows``, ``compile_s`` and ``skipped``.
+    ``fixed`` or ``random``, and why), ``rows``, ``compile_s``, ``skipped`` and ``busy_machine`` (the rows whose
+    passes spread over :data:`~saguaro.bench.report.BUSY_SPREAD_PCT` percent: their ratios are not to be trusted).
 
     Every row is started and warmed up in turn (in its own process, by default, each idle once warm),
     then the rows' timed passes alternate, one row computing at a time (:mod:`saguaro.bench.passes`)."""
@@ -159,4 +161,5 @@ def run_bench(params: BenchParams, announce=lambda line: None) -> dict:
         "rows": rows,
         "compile_s": compile_s,
         "skipped": skipped,
+        "busy_machine": busy_rows(rows),
     }

@@ -1,4 +1,4 @@
-"""``saguaro inspect passes|graph STAGE|schedule|kernels``: what the compiler built, as text, DOT or SVG.
+"""``saguaro inspect passes|graph STAGE|schedule|kernels|weights``: what the compiler built, as text, DOT or SVG.
 (Not ``inspect.py``: run as a script, that name would shadow the standard library's ``inspect``.)"""
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ def add_arguments(ins) -> None:
     schedule.add_argument("--no-measure", action="store_true", help="skip the short run that measures stage costs")
     kernels = views.add_parser("kernels", help="Inductor's generated kernels and compile time per stage")
     kernels.add_argument("--mode", default="ssd", choices=list(MODES))
-    for view in (passes, graph, schedule, kernels):
+    weights = views.add_parser("weights", help="the bytes of weights the program holds, by form (as loaded, narrow, "
+                                               "panels) and model, after a short generation in each mode")
+    weights.add_argument("--mode", default="ssd", choices=list(MODES))
+    for view in (passes, graph, schedule, kernels, weights):
         view.add_argument("--out", metavar="FILE", help="write here instead of stdout")
         add_model_args(view)
 
@@ -60,6 +63,10 @@ def run(args) -> int:
             text = inspector.graph(args.stage, format=args.format, expand=args.expand)
         elif args.view == "schedule":
             text = inspector.schedule(args.mode, format=args.format, measure=not args.no_measure)
+        elif args.view == "weights":
+            from saguaro.inspection.weights import format_weights
+
+            text = format_weights(inspector.weights(modes=(args.mode,)))
         else:
             text = format_kernels(inspector.kernels(args.mode))
     finally:

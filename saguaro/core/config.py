@@ -12,7 +12,7 @@ BACKENDS = ("eager", "inductor")
 FALLBACKS = ("auto", "neural", "fast")
 LANES = ("auto", "thread", "process", "remote")
 ATTENTIONS = ("auto", "op", "inline", "flex")
-LINEARS = ("auto", "gemm", "reduction", "template")
+LINEARS = ("auto", "gemm", "reduction", "packed", "template")
 COMPILE_MODES = ("blocking", "background")
 MAX_K = 16
 DRAFT_DEVICE_TYPES = ("cpu", "cuda")
@@ -69,7 +69,11 @@ class SaguaroConfig:
     linears: how the linear layers of the few-row stages (step, verify, glue, tree; not prefill) run:
         ``"reduction"`` (the ``linear_as_reduction`` pass: a product and a sum that Inductor fuses into one
         reduction reading each weight once for all rows), ``"gemm"`` (the BLAS call, as captured) or
-        ``"auto"``: reduction for Inductor on CPU, gemm elsewhere (see
+        ``"packed"`` (the ``pack_linears`` pass: a C++ kernel built at first use with the machine's instruction
+        set, cached on disk, over each weight packed once in panels of 16 columns, held narrow where
+        ``narrow_weights`` and exact and widened in registers, 6 rows x 16 columns register-blocked) or
+        ``"auto"``: for Inductor on CPU, packed for the stages of several rows (verify, glue, tree; where the
+        kernel cannot be built, reduction) and reduction for the one-row ones; gemm elsewhere (see
         :func:`saguaro.lower.lowering.linear_implementation`). ``"template"`` (Inductor on CPU; elsewhere as
         ``"auto"``): as ``"auto"``, but the stages of several rows per sequence (verify, glue, tree) keep their
         GEMMs, compiled with Inductor's freezing (the weights become constants, packed once) and its C++ GEMM
@@ -79,8 +83,9 @@ class SaguaroConfig:
         each layer's q/k/v and gate/up projections into one linear each (the ``fuse_projections`` pass; one
         stacked copy of those weights beside the model's, taken when a stage is built); not on a CPU, where
         it is exact on the reductions but slower.
-    narrow_weights: True (the default): in Inductor's stages whose linears are reductions (``linears``
-        above: on a CPU every decode stage under ``"auto"``, the one-row ones under ``"template"``), each
+    narrow_weights: True (the default): in Inductor's stages whose linears are reductions or packed
+        (``linears`` above: on a CPU every decode stage under ``"auto"``, the one-row ones under
+        ``"template"``; packed panels on any backend), each
         float32 weight whose values are all exactly float16 (or bfloat16) values, as in a checkpoint
         published in that dtype and loaded as float32, is held in that dtype and widened to float32 inside
         the kernels that read it (the ``narrow_weights`` pass): the same float32 arithmetic on the same

@@ -173,6 +173,16 @@ class Inspector:
             })
         return rows
 
+    def weights(self, modes: tuple = (), new_tokens: int = 4) -> dict:
+        """The weights the program holds (:func:`~saguaro.inspection.weights.program_weights`: bytes by form,
+        dtype, model, and what each built stage reads); with ``modes`` a short generation in each builds their
+        stages first."""
+        from saguaro.inspection.weights import program_weights
+
+        for mode in modes:
+            self.measure(mode, new_tokens=new_tokens)
+        return program_weights(self.program)
+
 
 def format_kernels(rows: list[dict]) -> str:
     lines = [f"{'stage':<28}{'compile s':>10}{'kernels':>9}  files / kernel names"]

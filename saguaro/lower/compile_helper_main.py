@@ -4,6 +4,7 @@ is sent as the compile thread would, which fills Inductor's caches, and replies.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
@@ -19,7 +20,11 @@ from saguaro.lower.tiered import materialise
 
 def compile_request(request: dict) -> None:
     """Compile the stage of a request as the compile thread would (:class:`~saguaro.lower.tiered.CompileJob`),
-    which writes Inductor's cache entries; its outputs are thrown away."""
+    which writes Inductor's cache entries; its outputs are thrown away. ``setup`` first: the ``module:function``
+    names the stage's builder gave (the packed kernel's library, which its graph calls)."""
+    for name in request.get("setup", ()):
+        module, function = name.split(":")
+        getattr(importlib.import_module(module), function)()
     gm = unpack_graph(request["graph"])
     compiled = compile_with_inductor(gm, request["options"])
     args = materialise(request["args"])

@@ -22,9 +22,7 @@ from saguaro.lower.compile_thread import BackgroundCompiler
 from saguaro.lower.tiered import KeyPositions, TieredStage
 
 log = logging.getLogger(__name__)
-# Compile progress, one record when a stage starts compiling for new shapes and one when it is done (``extra``:
-# ``compile_event`` "start" / "done" / "failed", ``stage``, ``seconds``): INFO lines with ``-v``; ``saguaro
-# generate`` draws them as a progress line per stage.
+# Compile progress: a record as a stage starts / ends compiling new shapes (``extra``: compile_event, stage, seconds)
 PROGRESS_LOGGER = "saguaro.lower.progress"
 progress = logging.getLogger(PROGRESS_LOGGER)
 
@@ -128,21 +126,22 @@ def attention_implementation(backend: str, requested: str = "auto", device_type:
 
 def linear_implementation(backend: str, requested: str = "auto", device_type: str = "cpu",
                           family: str | None = None) -> str:
-    """How the linears of a stage of ``family`` run: ``"reduction"`` (the ``linear_as_reduction`` pass: a
-    product and a sum that reads each weight once for all rows) or ``"gemm"`` (``aten.linear`` as
-    captured: the BLAS call). ``requested`` ``"gemm"`` keeps every stage's; ``"reduction"`` rewrites the
-    few-row stages (:data:`FEW_ROW_FAMILIES`) on any backend; ``"auto"`` does so for Inductor on CPU, where
-    its fused reduction streams the weights twice as fast as MKL's GEMV (``benchmarks/matmul_rates.py``).
-    ``"template"``: for Inductor on CPU, the stages of several rows (:data:`MULTI_ROW_FAMILIES`) keep their
-    GEMMs for Inductor's C++ GEMM template (:data:`TEMPLATE_GEMM_CONFIG`), the others as ``"auto"``;
-    elsewhere it is ``"auto"``. Never chosen for CUDA by ``"auto"``: not yet measured there."""
+    """How the linears of a stage of ``family`` run: ``"reduction"`` (``linear_as_reduction``), ``"packed"``
+    (``pack_linears``: the few-row C++ kernel over packed, narrow-held weights) or ``"gemm"`` (BLAS).
+    ``"reduction"`` / ``"packed"`` rewrite the few-row stages (:data:`FEW_ROW_FAMILIES`) on any backend; ``"auto"``,
+    for Inductor on CPU: packed for the several-row stages (:data:`MULTI_ROW_FAMILIES`; 1.2-1.5x the narrow
+    reductions at 6-32 rows, ``benchmarks/parts/few_row_linear.py``), reduction for the one-row ones. ``"template"``:
+    for Inductor on CPU, the several-row stages on Inductor's C++ GEMM template (:data:`TEMPLATE_GEMM_CONFIG`),
+    the others as ``"auto"``. Never chosen for CUDA by ``"auto"``: not measured there."""
     if requested == "gemm" or family not in FEW_ROW_FAMILIES:
         return "gemm"
     on_cpu_inductor = backend == "inductor" and device_type == "cpu"
     if requested == "template" and on_cpu_inductor and family in MULTI_ROW_FAMILIES:
         return "template"
-    if requested == "reduction" or on_cpu_inductor:
-        return "reduction"
+    if requested in ("reduction", "packed"):
+        return requested
+    if on_cpu_inductor:
+        return "packed" if family in MULTI_ROW_FAMILIES else "reduction"
     return "gemm"
 
 
@@ -208,6 +207,7 @@ class CompiledStage:
         self.gm, self.compiled, self.name = gm, compiled, name
         self.config_patch = dict(config_patch or {})
         self.helper_options = helper_options
+        self.helper_setup: tuple = ()  # "module:function" names the helper calls first (an op library to load)
         self._packed: dict | None = None  # the graph as the compile helper gets it, made once
         self.dynamic_dims = dict(dynamic_dims or {})
         self.calls = 0
@@ -248,7 +248,7 @@ class CompiledStage:
 
             self._packed = pack_graph(self.gm)
         return {"graph": self._packed, "args": args, "modes": modes, "dynamic_dims": self.dynamic_dims,
-                "options": self.helper_options, "config_patch": self.config_patch}
+                "options": self.helper_options, "config_patch": self.config_patch, "setup": self.helper_setup}
 
     def __call__(self, *args):
         self.calls += 1

@@ -4,7 +4,7 @@ Requires: a GraphModule from ``ExportedProgram.module()`` (pytree in/out specs).
 Guarantees: the same nodes; called as ``gm(input_ids, positions, write_slots, query_branch,
 query_limit, slot_pos, slot_branch, *k_caches, *v_caches)`` and returning a tuple. Later passes can
 then append inputs and outputs, and calls skip pytree flattening.
-Contract (:mod:`~saguaro.passes.graph_pass`): requires nothing; guarantees ``flat_signature``.
+Contract (:mod:`~saguaro.passes.base.graph_pass`): requires nothing; guarantees ``flat_signature``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import torch
 import torch.fx
 
-from saguaro.passes.graph_pass import FLAT_SIGNATURE, GraphPass
+from saguaro.passes.base.graph_pass import FLAT_SIGNATURE, GraphPass
 
 log = logging.getLogger(__name__)
 

@@ -60,8 +60,8 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from saguaro.passes.graph_pass import LINEARS_AS_REDUCTIONS, PROJECTIONS_FUSED, GraphPass, PassRecord
-from saguaro.passes.graph_splice import PassError, get_attribute
+from saguaro.passes.base.graph_pass import LINEARS_AS_REDUCTIONS, PROJECTIONS_FUSED, GraphPass, PassRecord
+from saguaro.passes.base.graph_splice import PassError, get_attribute
 from saguaro.passes.narrow_weights import DTYPE_DECIDED, exact_narrow, narrowable
 
 log = logging.getLogger(__name__)

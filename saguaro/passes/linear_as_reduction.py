@@ -30,8 +30,8 @@ import logging
 
 import torch
 
-from saguaro.passes.graph_pass import LINEARS_AS_REDUCTIONS, GraphPass
-from saguaro.passes.graph_splice import get_attribute
+from saguaro.passes.base.graph_pass import LINEARS_AS_REDUCTIONS, GraphPass
+from saguaro.passes.base.graph_splice import get_attribute
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Requires: a stage graph (mask specialised, epilogue spliced: this is the last pass, and its graph
 goes to the backend) with the flat signature of ``flatten_signature`` (``"flex"`` reads the mask
 inputs by name, and the masks' layer kinds from ``specialize_attention``'s metadata). Contract
-(:mod:`~saguaro.passes.graph_pass`): requires ``flat_signature``, ``stage_mask`` and
+(:mod:`~saguaro.passes.base.graph_pass`): requires ``flat_signature``, ``stage_mask`` and
 ``epilogue_spliced``; guarantees ``attention_lowered``.
 Guarantees, by ``implementation``:
 
@@ -40,10 +40,10 @@ import logging
 import torch
 
 from saguaro.capture.attention_op import ATTENTION_OP, ATTENTION_OPS, attention_reference, kind_allows
-from saguaro.passes.graph_pass import (
+from saguaro.passes.base.graph_pass import (
     ATTENTION_LOWERED, EPILOGUE_SPLICED, FLAT_SIGNATURE, STAGE_MASK, GraphPass,
 )
-from saguaro.passes.graph_splice import PassError, keeps_mutations
+from saguaro.passes.base.graph_splice import PassError, keeps_mutations
 
 log = logging.getLogger(__name__)
 

@@ -36,14 +36,15 @@ import logging
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from saguaro.passes.graph_pass import WEIGHTS_NARROWED, GraphPass
-from saguaro.passes.graph_splice import PassError, get_attribute
+from saguaro.passes.base.graph_pass import WEIGHTS_NARROWED, GraphPass
+from saguaro.passes.base.graph_splice import PassError, drop_unread_attributes, get_attribute
 
 log = logging.getLogger(__name__)
 
 NARROW_DTYPES = (torch.float16, torch.bfloat16)  # tried in this order
 MIN_ELEMENTS = 4096  # smaller tensors (norm scales, biases) are not worth a conversion node
-ATTRIBUTE_PREFIX = "saguaro_narrow_"  # the stage module's buffer holding a narrow copy
+SAGUARO_PREFIX = "saguaro_"  # the attributes Saguaro's passes add
+ATTRIBUTE_PREFIX = SAGUARO_PREFIX + "narrow_"  # the stage module's buffer holding a narrow copy
 DTYPE_DECIDED = "saguaro_dtype_decided"  # a get_attr's meta: its dtype was chosen already (fuse_projections)
 _NARROWED = WeakIdKeyDictionary()  # float32 tensor -> (its version, its narrow copy or None where none is exact)
 
@@ -52,10 +53,10 @@ def narrow_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` (float32) in the first of :data:`NARROW_DTYPES` that holds every value exactly; None when
     neither does. Computed once per tensor and version (an in-place change moves ``weight._version``)."""
     known = _NARROWED.get(weight)
-    if known is not None and known[0] == weight._version:
+    if known is not None and known[0] == version(weight):
         return known[1]
     found = exact_narrow(weight)
-    _NARROWED[weight] = (weight._version, found)
+    _NARROWED[weight] = (version(weight), found)
     return found
 
 
@@ -69,8 +70,16 @@ def exact_narrow(weight: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def narrowable(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.numel() >= MIN_ELEMENTS
+def version(weight: torch.Tensor) -> int:
+    """``weight``'s in-place change counter (an inference tensor has none: 0)."""
+    return 0 if weight.is_inference() else weight._version
+
+
+def narrowable(value, name: str = "") -> bool:
+    """A float32 tensor big enough to narrow, not a form a pass already made (``saguaro_*``: narrow copies,
+    packed panels)."""
+    return (isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.numel() >= MIN_ELEMENTS
+            and not name.startswith(SAGUARO_PREFIX))
 
 
 def narrow_weights(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -83,7 +92,7 @@ def narrow_weights(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if node.op != "get_attr" or node.meta.get(DTYPE_DECIDED):
             continue
         weight = get_attribute(gm, node.target)
-        narrow = narrow_copy(weight) if narrowable(weight) else None
+        narrow = narrow_copy(weight) if narrowable(weight, node.target) else None
         if narrow is None:
             continue
         name = attributes.get(node.target)
@@ -101,6 +110,7 @@ def narrow_weights(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         node.replace_all_uses_with(wide)
         graph.erase_node(node)
         narrowed += 1
+    drop_unread_attributes(gm, attributes)  # the stage module holds the narrow copies only
     graph.lint()
     gm.recompile()
     log.info("narrow_weights: %d weight reads narrowed, %.1f MiB fewer bytes a call", narrowed, saved / 2**20)

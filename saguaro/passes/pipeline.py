@@ -1,6 +1,6 @@
 """The ordered pass pipelines: the base pipeline every captured graph goes through once, and the
 stage pipeline that derives each stage's graph (of :mod:`saguaro.core.stages`) from it. Both run
-through :class:`~saguaro.passes.graph_pass.PassManager`, which checks each pass's declared
+through :class:`~saguaro.passes.base.graph_pass.PassManager`, which checks each pass's declared
 requirements against what the passes before it guarantee (the base graph's record carries over to
 every stage graph), so a pipeline in the wrong order fails before its first pass with the pass's
 name. :class:`PipelineStages` is the stage pipeline over one captured model, which the stage
@@ -18,10 +18,11 @@ from saguaro.capture.attention_op import MASK_OP
 from saguaro.core.stages import Stage
 from saguaro.passes.flatten_signature import FlattenSignature
 from saguaro.passes.fuse_projections import FuseProjections
-from saguaro.passes.graph_pass import GraphPass, PassManager, copy_graph, settle_code
+from saguaro.passes.base.graph_pass import GraphPass, PassManager, copy_graph, settle_code
 from saguaro.passes.linear_as_reduction import LinearAsReduction
 from saguaro.passes.lower_attention import LowerAttention
 from saguaro.passes.narrow_weights import NarrowWeights
+from saguaro.passes.pack_linears import PackLinears
 from saguaro.passes.specialize_attention import SpecializeAttention
 from saguaro.passes.splice_epilogue import SpliceEpilogue
 from saguaro.passes.strip_runtime_checks import StripRuntimeChecks
@@ -42,7 +43,7 @@ def run_pipeline(gm: torch.fx.GraphModule, extra: tuple[GraphPass, ...] = ()) ->
 
 
 def stage_passes(stage: Stage, width: int, attention: str, window: int, linears: str = "gemm",
-                 narrow: bool = False, fuse: bool = False) -> list[GraphPass]:
+                 narrow: bool = False, fuse: bool = False, narrow_panels: bool = False) -> list[GraphPass]:
     """The stage pipeline of ``stage``, in order.
 
     The mask specialisation and the epilogue splice touch different nodes (either order gives the same
@@ -51,7 +52,8 @@ def stage_passes(stage: Stage, width: int, attention: str, window: int, linears:
     that read one input (it touches no node the others read), before ``linear_as_reduction`` (it joins
     ``aten.linear`` nodes, which that pass replaces; it refuses to run after it). With
     ``linears="reduction"`` the ``linear_as_reduction`` pass then rewrites the linear layers, the joined
-    ones included; with ``narrow`` the ``narrow_weights`` pass last replaces the weight reads (every other
+    ones included, or with ``"packed"`` the ``pack_linears`` pass (its panels narrow with
+    ``narrow_panels``); with ``narrow`` the ``narrow_weights`` pass last replaces the weight reads (every other
     pass sees the float32 weights, except the joined ones, which ``fuse_projections`` keeps narrow itself
     when ``narrow``: narrow_weights leaves a read that is not float32 as it is).
     """
@@ -60,19 +62,24 @@ def stage_passes(stage: Stage, width: int, attention: str, window: int, linears:
         passes.append(FuseProjections(narrow))
     if linears == "reduction":
         passes.append(LinearAsReduction())
+    elif linears == "packed":
+        passes.append(PackLinears(narrow_panels))
     return passes + [NarrowWeights()] if narrow else passes
 
 
 def build_stage(base: torch.fx.GraphModule, stage: Stage, width: int, attention: str = "op",
                 observe: Callable[[str, torch.fx.GraphModule], None] | None = None,
-                linears: str = "gemm", narrow: bool = False, fuse: bool = False) -> torch.fx.GraphModule:
+                linears: str = "gemm", narrow: bool = False, fuse: bool = False,
+                narrow_panels: bool = False) -> torch.fx.GraphModule:
     """The graph of ``stage``: a copy of the base graph (sharing its parameters, carrying its pass
     record) through the stage pipeline. ``attention`` is how ``lower_attention`` lowers attention
     (``"op"``, ``"inline"`` or ``"flex"``); ``linears`` how the linear layers run (``"gemm"`` as
-    captured, ``"reduction"``: the ``linear_as_reduction`` pass); ``narrow``: the ``narrow_weights`` pass;
-    ``fuse``: the ``fuse_projections`` pass. ``observe(pass_name, gm)``, when given, sees the graph before
-    the first pass (name ``"captured"``) and after each pass."""
-    manager = PassManager(stage_passes(stage, width, attention, _sliding_window(base), linears, narrow, fuse))
+    captured, ``"reduction"``: the ``linear_as_reduction`` pass, ``"packed"``: ``pack_linears``, its panels
+    narrow with ``narrow_panels``); ``narrow``: the ``narrow_weights`` pass; ``fuse``: the
+    ``fuse_projections`` pass. ``observe(pass_name, gm)``, when given, sees the graph before the first pass
+    (name ``"captured"``) and after each pass."""
+    manager = PassManager(stage_passes(stage, width, attention, _sliding_window(base), linears, narrow, fuse,
+                                       narrow_panels))
     gm = copy_graph(base)
     if observe is not None:
         observe("captured", gm)

@@ -39,8 +39,8 @@ import torch
 
 from saguaro.capture.export import ModelSpec
 from saguaro.core.errors import CaptureError
-from saguaro.passes.graph_pass import FLAT_SIGNATURE, NO_RUNTIME_CHECKS, TENSOR_PARALLEL, GraphPass
-from saguaro.passes.graph_splice import PassError, get_attribute
+from saguaro.passes.base.graph_pass import FLAT_SIGNATURE, NO_RUNTIME_CHECKS, TENSOR_PARALLEL, GraphPass
+from saguaro.passes.base.graph_splice import PassError, get_attribute
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ the branch's own tokens), both narrowed by the layer kind's window or chunk. Out
 generic masks' on inputs the stage receives. The node that now yields each mask carries
 ``meta["saguaro_mask"] = {"window", "chunk"}`` (``lower_attention``'s flex lowering reads it). On
 CPU the attention op stays the reference implementation.
-Contract (:mod:`~saguaro.passes.graph_pass`): requires ``generic_mask``, which it invalidates;
+Contract (:mod:`~saguaro.passes.base.graph_pass`): requires ``generic_mask``, which it invalidates;
 guarantees ``stage_mask``.
 """
 
@@ -20,8 +20,8 @@ import logging
 import torch
 
 from saguaro.capture.attention_op import MASK_OP, causal_bias, tree_bias
-from saguaro.passes.graph_pass import GENERIC_MASK, STAGE_MASK, GraphPass
-from saguaro.passes.graph_splice import PassError, inline_function
+from saguaro.passes.base.graph_pass import GENERIC_MASK, STAGE_MASK, GraphPass
+from saguaro.passes.base.graph_splice import PassError, inline_function
 
 log = logging.getLogger(__name__)
 

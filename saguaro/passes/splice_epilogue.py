@@ -19,7 +19,7 @@ the active rows ``[]``, its token written into the token buffer and the next slo
 place; ``target.verify_round_greedy`` → the outcome ``[4, B]``, the new lengths and finished ``[B]``, the
 next round's draft inputs ``[B, 2]`` x 3 and verify slots and positions ``[B, K+1]`` x 2, its decided tokens
 written into the token buffer.
-Contract (:mod:`~saguaro.passes.graph_pass`): requires ``flat_signature`` and ``logits_output``,
+Contract (:mod:`~saguaro.passes.base.graph_pass`): requires ``flat_signature`` and ``logits_output``,
 which it invalidates; guarantees ``epilogue_spliced``.
 """
 
@@ -30,8 +30,8 @@ import logging
 import torch
 
 from saguaro.core.stages import Stage
-from saguaro.passes.graph_pass import EPILOGUE_SPLICED, FLAT_SIGNATURE, LOGITS_OUTPUT, GraphPass
-from saguaro.passes.graph_splice import (
+from saguaro.passes.base.graph_pass import EPILOGUE_SPLICED, FLAT_SIGNATURE, LOGITS_OUTPUT, GraphPass
+from saguaro.passes.base.graph_splice import (
     PassError, add_inputs, inline_function, logits_node, output_node, replace_outputs,
 )
 

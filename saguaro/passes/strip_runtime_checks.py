@@ -5,7 +5,7 @@ Requires: a GraphModule from :func:`saguaro.capture.capture` (export's training 
 ``aten.to.dtype`` nodes often convert a tensor to the dtype it already has (HF's RMSNorm upcasts).
 Guarantees: the same outputs, bit for bit; every removed ``to`` had an input of the target dtype
 (read from the node's ``val`` metadata), and its users now read that input directly.
-Contract (:mod:`~saguaro.passes.graph_pass`): requires nothing; guarantees ``no_runtime_checks``.
+Contract (:mod:`~saguaro.passes.base.graph_pass`): requires nothing; guarantees ``no_runtime_checks``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from saguaro.passes.graph_pass import NO_RUNTIME_CHECKS, GraphPass
+from saguaro.passes.base.graph_pass import NO_RUNTIME_CHECKS, GraphPass
 
 log = logging.getLogger(__name__)
 

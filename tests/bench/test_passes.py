@@ -38,3 +38,20 @@ def test_the_rate_after_the_prefill_leaves_out_each_call_s_prefill_and_first_tok
     assert row["tokens_per_s_reps"] == [22 / 2.5, 22 / 4.5]
     transformers = combine("hf", [timed(16, 2.0, 0.0)])  # no prefill times: no rate after it
     assert transformers["decode_tokens_per_s"] is None
+
+
+def test_the_table_says_the_machine_was_busy_when_a_mode_s_passes_spread_over_25_percent():
+    from saguaro.bench.report import BUSY_SPREAD_PCT, busy_note, busy_rows, format_table
+
+    quiet = combine("ar", [timed(16, 2.0, 0.0), timed(16, 2.2, 3.0), timed(16, 1.9, 6.0)])  # 8.0, 7.3, 8.4: 14 %
+    noisy = combine("ssd", [timed(16, 2.0, 1.0), timed(16, 1.0, 4.0), timed(16, 4.0, 7.0)])  # 150 %
+    assert quiet["spread_pct"] < BUSY_SPREAD_PCT < noisy["spread_pct"]
+    assert busy_rows([quiet]) == [] and busy_note([quiet]) is None
+    assert "busy" not in format_table([quiet])
+    assert busy_rows([quiet, noisy]) == ["ssd"]
+    lines = format_table([quiet, noisy]).splitlines()
+    assert len(lines) == 5 and lines[-1] == busy_note([quiet, noisy])
+    assert lines[-1].startswith("The machine was busy: the timed passes of ssd spread over 25% (up to 150%)")
+    assert "not to be trusted" in lines[-1]
+    edge = dict(quiet, spread_pct=BUSY_SPREAD_PCT)  # at the limit: not over it
+    assert busy_rows([edge]) == [] and busy_rows([dict(quiet, spread_pct=None)]) == []

@@ -44,6 +44,8 @@ def test_demo_prints_completion_table_and_bench_hint(demo_main, tiny_default_pai
     [rows] = tables
     assert [row["mode"] for row in rows] == ["ar", "sd", "ssd"]
     check_timed_passes(rows, 2, out)  # every mode warmed up, then ar, sd, ssd, ar, sd, ssd; median and spread
+    busy = [row["mode"] for row in rows if (row["spread_pct"] or 0) > 25]  # under the table when the machine was busy
+    assert ("The machine was busy" in out) == bool(busy) and all(mode in out.split("was busy")[-1] for mode in busy)
     assert table_column(out, "vs SD", 3)[1] == "1.00x"
     assert all(re.fullmatch(r"[0-9.]+x", cell) for cell in table_column(out, "vs SD", 3))  # vs SD filled
     assert "make bench" in out and "saguaro bench --json bench.json" in out

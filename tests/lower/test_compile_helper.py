@@ -18,7 +18,7 @@ from saguaro.lower.compile_helper import CompileHelper, read_message, write_mess
 from saguaro.lower.compile_thread import BackgroundCompiler
 from saguaro.lower import graph_transport
 from saguaro.lower.graph_transport import EmptyTensor, pack_graph, unpack_graph
-from saguaro.passes.graph_splice import get_attribute
+from saguaro.passes.base.graph_splice import get_attribute
 from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
 
 
@@ -224,3 +224,21 @@ def test_a_helper_process_fills_the_caches_the_compile_thread_reads_and_tokens_s
     finally:
         program.close()
     assert compiler._helper._proc is None  # close stopped it; a fresh helper starts with the next job fed
+
+
+SETUP_CALLS = []
+
+
+def record_setup():
+    SETUP_CALLS.append("called")
+
+
+def test_a_request_s_setup_functions_run_before_its_graph_is_read(monkeypatch):
+    from saguaro.lower import compile_helper_main
+
+    order = []
+    monkeypatch.setattr(compile_helper_main, "unpack_graph", lambda packed: order.append(list(SETUP_CALLS)) or 1 / 0)
+    SETUP_CALLS.clear()
+    with pytest.raises(ZeroDivisionError):
+        compile_helper_main.compile_request({"graph": None, "setup": (f"{__name__}:record_setup",)})
+    assert order == [["called"]]  # the library the graph calls is loaded before the graph is read

@@ -1,9 +1,10 @@
 """Inductor lowering on a model that mixes attention layer kinds and softcaps its logits (tiny Gemma 2):
 the eager tokens for AR, SD and SSD, greedy and sampled (one seed, the same uniforms, the same tokens),
 zero graph breaks, stage calls past dynamo (``direct_call.py``), the attention math (masks per kind,
-softcap) inlined for Inductor to fuse, the few-row stages' linears as fused reductions
-(``linear_as_reduction``) reading weights held as bfloat16 (``narrow_weights``), and ``saguaro inspect
-kernels`` over what it generated.
+softcap) inlined for Inductor to fuse, the one-row stages' linears as fused reductions
+(``linear_as_reduction``) and the several-row stages' as the packed kernel (``pack_linears``), both reading
+weights held as bfloat16 (``narrow_weights``, the panels), and ``saguaro inspect kernels`` over what it
+generated.
 
 The suite's test of Inductor-compiled generation (C++ on CPU, about ten seconds per stage graph); it is
 slow by nature, so it covers every mode and both verifications in one go. Gemma 2's
@@ -19,16 +20,20 @@ from torch._dynamo.utils import counters
 
 import saguaro
 from saguaro.capture.attention_op import ATTENTION_OPS
-from saguaro.core.stages import TARGET_PREFILL, TARGET_VERIFY_ROUND, stages_for
+from saguaro.core.stages import DRAFT_STEP, TARGET_PREFILL, TARGET_ROUND, TARGET_VERIFY_ROUND, stages_for
 from saguaro.passes.linear_as_reduction import LINEAR
 from saguaro.passes.lower_attention import attention_inline
 from saguaro.passes.narrow_weights import ATTRIBUTE_PREFIX
+from saguaro.passes.pack_linears import ATTRIBUTE_PREFIX as PANELS
+from saguaro.tensor_math.packed_linear import available
 from tests.models import WINDOW, family_draft, prompts, reference_greedy, tiny_family_target
 
 
 @pytest.mark.heavy
 @pytest.mark.timeout(900)  # about 2-3 min with an empty Inductor cache on a 2-core CPU (C++ compiles)
 def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
+    assert available()  # the packed kernel builds here (else the several-row stages keep the reductions)
+    PACKED = torch.ops.saguaro_kernels.packed_linear.default
     target = tiny_family_target("gemma2")
     draft = family_draft(target)
     with torch.no_grad():  # bfloat16 values, as a bfloat16 checkpoint loaded as float32: narrow_weights holds them so
@@ -66,20 +71,29 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
         lowered = [n for n in verify.graph.nodes if n.op == "call_function" and n.target is attention_inline]
         assert len(lowered) == 2 and all(n.args[8] == 1.0 for n in lowered)  # one per layer, the softcap inlined
         assert not any(n.target in ATTENTION_OPS for n in verify.graph.nodes if n.op == "call_function")
-        # the few-row stages' linears as products and sums (linear_as_reduction); the prefill's stay GEMMs
+        # the verify's linears as the packed kernel over narrow panels (pack_linears); the prefill's stay GEMMs
         linears = [n for n in verify.graph.nodes if n.op == "call_function" and n.target is LINEAR]
+        packed = [n for n in verify.graph.nodes if n.op == "call_function" and n.target is PACKED]
         prefill = compiled.target.stage(TARGET_PREFILL).gm
-        assert not linears and any(n.target is LINEAR for n in prefill.graph.nodes if n.op == "call_function")
-        # their weights held as bfloat16, widened inside the kernels (narrow_weights); the prefill's GEMMs read float32
+        assert not linears and len(packed) == 7 * 2 + 1  # q, k, v, o, gate, up, down a layer; the LM head
+        assert any(n.target is LINEAR for n in prefill.graph.nodes if n.op == "call_function")
+        panels = {t.dtype for name, t in verify.named_buffers() if name.startswith(PANELS)}
+        assert panels and panels <= {torch.float16, torch.bfloat16}  # float16 first where a weight's values fit it
+        # the step's (one row) as reductions over weights held as bfloat16, widened inside the kernels; the
+        # embedding's too (narrow_weights); the prefill's GEMMs read float32
+        step = compiled.target.stage(TARGET_ROUND).gm
+        assert not any(n.target in (LINEAR, PACKED) for n in step.graph.nodes if n.op == "call_function")
         assert any(name.startswith(ATTRIBUTE_PREFIX) for name, _ in verify.named_buffers())
-        assert not any(name.startswith(ATTRIBUTE_PREFIX) for name, _ in prefill.named_buffers())
+        assert not any(name.startswith((ATTRIBUTE_PREFIX, PANELS)) for name, _ in prefill.named_buffers())
         # saguaro inspect kernels: each stage's compile time, generated code files and kernel names
         rows = saguaro.inspect(compiled).kernels("ssd", warm=False)
         assert [r["stage"] for r in rows] == [s.qualified for s in stages_for("ssd", 0.0)]
         for row in rows:
             assert row["compile_s"] > 0 and row["files"] and all(os.path.exists(f) for f in row["files"]), row
             assert row["kernel_count"] > 0 and all(k.startswith(("cpp_", "triton_")) for k in row["kernels"]), row
-            if row["stage"] == TARGET_VERIFY_ROUND.qualified:  # the kernels load the narrow weights themselves
+            if row["stage"] == TARGET_VERIFY_ROUND.qualified:  # the packed kernel called from the C++ wrapper
+                assert any("saguaro_kernels::packed_linear" in open(f).read() for f in row["files"]), row
+            if row["stage"] == DRAFT_STEP.greedy.qualified:  # one row: the kernels load the narrow weights themselves
                 assert any("bfloat16" in open(f).read() for f in row["files"]), row
     finally:
         eager.close()

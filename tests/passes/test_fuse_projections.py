@@ -14,8 +14,8 @@ from saguaro.compile import CompiledStages
 from saguaro.core.stages import DRAFT_GLUE, TARGET_PREFILL, TARGET_STEP, TARGET_VERIFY
 from saguaro.passes import run_pipeline
 from saguaro.passes.fuse_projections import ATTRIBUTE_PREFIX, LINEAR, FuseProjections, fusion_applies, groups
-from saguaro.passes.graph_pass import PROJECTIONS_FUSED, copy_graph, record_of
-from saguaro.passes.graph_splice import PassError
+from saguaro.passes.base.graph_pass import PROJECTIONS_FUSED, copy_graph, record_of
+from saguaro.passes.base.graph_splice import PassError
 from saguaro.passes.linear_as_reduction import LinearAsReduction
 from saguaro.passes.narrow_weights import ATTRIBUTE_PREFIX as NARROW_PREFIX
 from saguaro.passes.pipeline import build_stage

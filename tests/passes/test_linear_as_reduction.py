@@ -12,7 +12,7 @@ from saguaro.core.errors import ConfigError
 from saguaro.core.stages import STAGES, TARGET_PREFILL, TARGET_STEP, TARGET_VERIFY
 from saguaro.core.stages import FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES
 from saguaro.lower.lowering import linear_implementation
-from saguaro.passes.graph_pass import LINEARS_AS_REDUCTIONS, record_of
+from saguaro.passes.base.graph_pass import LINEARS_AS_REDUCTIONS, record_of
 from saguaro.passes.linear_as_reduction import LINEAR, LinearAsReduction
 from saguaro.passes.pipeline import build_stage
 from tests.models import (
@@ -58,16 +58,18 @@ def test_a_linear_of_unknown_rank_is_left_as_it_was(caplog):
     assert "1 of 1 linears left as they were" in caplog.text
 
 
-def test_the_few_row_stages_of_inductor_on_cpu_get_it_by_default():
+def test_the_one_row_stages_of_inductor_on_cpu_get_it_by_default_the_others_the_packed_kernel():
     few = [s for s in STAGES if s.family in FEW_ROW_FAMILIES]
     assert {s.family for s in STAGES} - set(FEW_ROW_FAMILIES) == {"prefill"} and few
     for stage in few:
-        assert linear_implementation("inductor", "auto", "cpu", stage.family) == "reduction"
+        several = stage.family in MULTI_ROW_FAMILIES  # verify, glue, tree: pack_linears
+        assert linear_implementation("inductor", "auto", "cpu", stage.family) == ("packed" if several else "reduction")
+        assert linear_implementation("eager", "packed", "cpu", stage.family) == "packed"
         assert linear_implementation("inductor", "auto", "cuda", stage.family) == "gemm"  # not measured there
         assert linear_implementation("eager", "auto", "cpu", stage.family) == "gemm"
         assert linear_implementation("eager", "reduction", "cpu", stage.family) == "reduction"
         assert linear_implementation("inductor", "gemm", "cpu", stage.family) == "gemm"
-    for requested in ("auto", "reduction", "template"):  # a prefill's T rows stay a GEMM
+    for requested in ("auto", "reduction", "packed", "template"):  # a prefill's T rows stay a GEMM
         assert linear_implementation("inductor", requested, "cpu", TARGET_PREFILL.family) == "gemm"
     _, captured = base_graph()
     step = build_stage(captured.graph_module, TARGET_STEP, 8, "op", linears="reduction")
@@ -89,7 +91,7 @@ def test_template_takes_the_multi_row_stages_of_inductor_on_cpu_only():
 
 def test_linears_must_name_an_implementation_and_is_fixed_after_compile():
     with pytest.raises(ConfigError, match=r"linears='blas' is not allowed: choose one of auto, gemm, reduction, "
-                                          r"template"):
+                                          r"packed, template"):
         SaguaroConfig(linears="blas")
     program = saguaro.compile(tiny_target("llama"), mode="ar", backend="eager")
     with pytest.raises(ValueError, match=r"\['linears'\] cannot change after compile"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from saguaro.capture.attention_op import ATTENTION_OP
-from saguaro.passes.graph_splice import PassError
+from saguaro.passes.base.graph_splice import PassError
 from saguaro.passes.lower_attention import attention_flex, attention_inline, flex_block_mask, lower_attention
 from saguaro.core.stages import stage_named
 from saguaro.passes.pipeline import build_stage

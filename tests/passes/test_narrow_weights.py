@@ -13,7 +13,7 @@ from saguaro.core.errors import ConfigError
 from saguaro.core.stages import TARGET_PREFILL, TARGET_ROUND, TARGET_STEP, TARGET_VERIFY
 from saguaro.capture import capture
 from saguaro.passes import run_pipeline
-from saguaro.passes.graph_pass import WEIGHTS_NARROWED, record_of
+from saguaro.passes.base.graph_pass import WEIGHTS_NARROWED, record_of
 from saguaro.passes.narrow_weights import ATTRIBUTE_PREFIX, MIN_ELEMENTS, NarrowWeights, narrow_copy
 from saguaro.passes.pipeline import build_stage
 from saguaro.runtime.base.kv_store import KVStore

@@ -8,10 +8,10 @@ import pytest
 from saguaro.capture import capture
 from saguaro.core.stages import STAGES, TARGET_VERIFY
 from saguaro.passes import PIPELINE
-from saguaro.passes.graph_pass import (
+from saguaro.passes.base.graph_pass import (
     FACTS, GENERIC_MASK, LOGITS_OUTPUT, GraphPass, PassManager, copy_graph, record_of,
 )
-from saguaro.passes.graph_splice import PassError
+from saguaro.passes.base.graph_splice import PassError
 from saguaro.passes.lower_attention import LowerAttention
 from saguaro.passes.pipeline import build_stage, stage_passes
 from saguaro.passes.specialize_attention import SpecializeAttention

@@ -8,8 +8,8 @@ import torch
 from saguaro.capture import capture
 from saguaro.core.errors import CaptureError
 from saguaro.passes import run_pipeline
-from saguaro.passes.graph_pass import TENSOR_PARALLEL, copy_graph, record_of
-from saguaro.passes.graph_splice import PassError
+from saguaro.passes.base.graph_pass import TENSOR_PARALLEL, copy_graph, record_of
+from saguaro.passes.base.graph_splice import PassError
 from saguaro.passes.shard_tensor_parallel import (
     ALL_REDUCE, LINEAR, WAIT, Shard, ShardTensorParallel, count_all_reduces, local_spec,
 )

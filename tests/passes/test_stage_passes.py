@@ -206,7 +206,7 @@ def test_a_stage_graphs_code_is_generated_once_after_its_last_pass(monkeypatch):
 
 
 def test_pass_failures_name_the_fx_node():
-    from saguaro.passes.graph_splice import PassError
+    from saguaro.passes.base.graph_splice import PassError
 
     _, captured = base_graph()
     gm = build_stage(captured.graph_module, TARGET_VERIFY.greedy, 8)

@@ -24,6 +24,27 @@ def get_attribute(gm: torch.nn.Module, path: str):
     return gm
 
 
+def drop_unread_attributes(gm: torch.fx.GraphModule, targets) -> int:
+    """Delete from ``gm`` each attribute of ``targets`` (``get_attr`` targets) that no node of its graph reads
+    any more (a weight a pass replaced by another form): the stage module then holds no reference to it. The
+    module's submodules along a dotted path are its own (a GraphModule copies the path from its root), so the
+    root model keeps its attributes. Returns the bytes of the tensors dropped."""
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    dropped = 0
+    for target in set(targets) - read:
+        *path, name = target.split(".")
+        owner = gm
+        for part in path:
+            owner = getattr(owner, part, None)
+            if owner is None:
+                break
+        value = getattr(owner, name, None) if owner is not None else None
+        if isinstance(value, torch.Tensor):
+            dropped += value.numel() * value.element_size()
+            delattr(owner, name)
+    return dropped
+
+
 def add_inputs(gm: torch.fx.GraphModule, names: list[str]) -> list[torch.fx.Node]:
     """Append graph inputs after the existing ones (the signature must be flat)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

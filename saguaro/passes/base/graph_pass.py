@@ -20,7 +20,7 @@ from typing import Callable, ClassVar, Iterable
 import torch
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from saguaro.passes.graph_splice import PassError
+from saguaro.passes.base.graph_splice import PassError
 
 # The facts, what each means of a graph, and who establishes it.
 GENERIC_MASK = "generic_mask"
@@ -34,6 +34,7 @@ TENSOR_PARALLEL = "tensor_parallel"
 LINEARS_AS_REDUCTIONS = "linears_as_reductions"
 WEIGHTS_NARROWED = "weights_narrowed"
 PROJECTIONS_FUSED = "projections_fused"
+LINEARS_PACKED = "linears_packed"
 FACTS = {
     GENERIC_MASK: "one saguaro::attention_mask node per layer kind (capture)",
     LOGITS_OUTPUT: "the logits [B, T, V] are the graph's only output (capture)",
@@ -46,6 +47,7 @@ FACTS = {
     PROJECTIONS_FUSED: "linears of one input joined into one over their weights stacked, sliced back (fuse_projections)",
     LINEARS_AS_REDUCTIONS: "each linear a product and a sum reading its weight once for all rows (linear_as_reduction)",
     WEIGHTS_NARROWED: "float32 weights exactly float16 / bfloat16 stored so, widened where read (narrow_weights)",
+    LINEARS_PACKED: "each linear the packed few-row kernel over its weight's panels, narrow where exact (pack_linears)",
 }
 
 RECORD_KEY = "saguaro_pass_record"

@@ -1,0 +1,198 @@
+// saguaro_kernels::packed_linear(x [M, K] float32, packed [P, K, 16] float32 | float16 | bfloat16, n) -> [M, n]
+//
+// A linear layer of few rows against a weight packed in panels of 16 output columns (packed_linear.py packs
+// it once per weight). Each output is one float32 accumulator summed over k = 0 .. K-1 in order with fused
+// multiply-adds (std::fma: rounded once), whatever the weight's storage dtype, the vector width or the thread
+// count: a weight held in float16 or bfloat16 is widened in registers to the very float32 values, so the
+// result equals the float32 weight's bit for bit. The vector path (AVX2 + FMA + F16C) holds a block of up to
+// 6 rows x 16 columns in 12 registers and reads each weight panel once per block of rows; any other machine
+// runs the scalar loop, which computes the same fused multiply-adds in the same order.
+// Written against torch's stable ABI (torch/csrc/stable): its headers compile in seconds, where ATen's
+// take most of a minute, and the library keeps working across torch versions.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SAGUARO_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t NB = 16;  // output columns per panel
+constexpr int64_t MR = 6;   // rows per register block
+
+struct Half { uint16_t bits; };   // float16, as stored
+struct Brain { uint16_t bits; };  // bfloat16, as stored
+
+inline float from_bits(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float widen(float v) { return v; }
+inline float widen(Brain v) { return from_bits(uint32_t{v.bits} << 16); }
+inline float widen(Half v) {  // exact: every float16 value is a float32 value
+  uint32_t sign = uint32_t{v.bits & 0x8000u} << 16, exponent = (v.bits >> 10) & 0x1f, mantissa = v.bits & 0x3ffu;
+  if (exponent == 0x1f) return from_bits(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
+  if (exponent != 0) return from_bits(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  if (mantissa == 0) return from_bits(sign);
+  int shift = 0;  // subnormal: normalise
+  while ((mantissa & 0x400u) == 0) {
+    mantissa <<= 1;
+    ++shift;
+  }
+  return from_bits(sign | uint32_t(113 - shift) << 23 | ((mantissa & 0x3ffu) << 13));
+}
+
+template <typename W>
+void panel_scalar(const float* x, int64_t K, const W* w, int64_t rows, float* out, int64_t ldo, int64_t cols) {
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t c = 0; c < cols; ++c) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(x[m * K + k], widen(w[k * NB + c]), acc);
+      out[m * ldo + c] = acc;
+    }
+  }
+}
+
+#ifdef SAGUARO_AVX2
+inline void load16(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+inline void load16(const Half* p, __m256& lo, __m256& hi) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+inline void load16(const Brain* p, __m256& lo, __m256& hi) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16));
+  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
+}
+
+template <typename W, int R>
+void block(const float* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t cols) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 lo, hi;
+    load16(w + k * NB, lo, hi);
+    for (int r = 0; r < R; ++r) {
+      __m256 b = _mm256_broadcast_ss(x + r * K + k);
+      acc[r][0] = _mm256_fmadd_ps(b, lo, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(b, hi, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (cols == NB) {
+      _mm256_storeu_ps(out + r * ldo, acc[r][0]);
+      _mm256_storeu_ps(out + r * ldo + 8, acc[r][1]);
+    } else {
+      alignas(32) float tmp[NB];
+      _mm256_store_ps(tmp, acc[r][0]);
+      _mm256_store_ps(tmp + 8, acc[r][1]);
+      std::memcpy(out + r * ldo, tmp, cols * sizeof(float));
+    }
+  }
+}
+
+template <typename W>
+void panel_vector(const float* x, int64_t K, const W* w, int64_t rows, float* out, int64_t ldo, int64_t cols) {
+  int64_t m = 0;
+  for (; m + MR <= rows; m += MR) block<W, MR>(x + m * K, K, w, out + m * ldo, ldo, cols);
+  switch (rows - m) {
+    case 5: block<W, 5>(x + m * K, K, w, out + m * ldo, ldo, cols); break;
+    case 4: block<W, 4>(x + m * K, K, w, out + m * ldo, ldo, cols); break;
+    case 3: block<W, 3>(x + m * K, K, w, out + m * ldo, ldo, cols); break;
+    case 2: block<W, 2>(x + m * K, K, w, out + m * ldo, ldo, cols); break;
+    case 1: block<W, 1>(x + m * K, K, w, out + m * ldo, ldo, cols); break;
+    default: break;
+  }
+}
+#endif
+
+template <typename W>
+void run(const float* x, int64_t M, int64_t K, const W* w, int64_t panels, float* out, int64_t n, bool vector) {
+  // grain: about 64K multiply-adds a task, so the draft's small linears stay on one thread
+  int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * K * NB));
+  torch::stable::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const W* wp = w + p * K * NB;
+      int64_t cols = std::min<int64_t>(NB, n - p * NB);
+#ifdef SAGUARO_AVX2
+      if (vector) {
+        panel_vector(x, K, wp, M, out + p * NB, n, cols);
+        continue;
+      }
+#endif
+      panel_scalar(x, K, wp, M, out + p * NB, n, cols);
+    }
+  });
+}
+
+void check(bool ok, const char* message) {
+  if (!ok) throw std::runtime_error(message);
+}
+
+torch::stable::Tensor packed_linear_impl(const torch::stable::Tensor& x_in, const torch::stable::Tensor& packed,
+                                         int64_t n, bool vector) {
+  using torch::headeronly::ScalarType;
+  check(x_in.dim() == 2 && x_in.scalar_type() == ScalarType::Float, "packed_linear: x must be [M, K] float32");
+  check(packed.dim() == 3 && packed.size(2) == NB && packed.size(1) == x_in.size(1) && packed.is_contiguous(),
+        "packed_linear: packed must be a contiguous [P, K, 16] panel tensor of x's K");
+  check(n > (packed.size(0) - 1) * NB && n <= packed.size(0) * NB, "packed_linear: n does not fit the panels");
+  torch::stable::Tensor x = torch::stable::contiguous(x_in);
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
+  torch::stable::Tensor out = torch::stable::new_empty(x, {M, n});
+  if (M == 0) return out;
+  const float* xp = static_cast<const float*>(x.const_data_ptr());
+  float* op = static_cast<float*>(out.mutable_data_ptr());
+  const void* wp = packed.const_data_ptr();
+  switch (packed.scalar_type()) {
+    case ScalarType::Float: run(xp, M, K, static_cast<const float*>(wp), panels, op, n, vector); break;
+    case ScalarType::Half: run(xp, M, K, static_cast<const Half*>(wp), panels, op, n, vector); break;
+    case ScalarType::BFloat16: run(xp, M, K, static_cast<const Brain*>(wp), panels, op, n, vector); break;
+    default: check(false, "packed_linear: packed must be float32, float16 or bfloat16");
+  }
+  return out;
+}
+
+torch::stable::Tensor packed_linear(torch::stable::Tensor x, torch::stable::Tensor packed, int64_t n) {
+  return packed_linear_impl(x, packed, n, true);
+}
+
+torch::stable::Tensor packed_linear_scalar(torch::stable::Tensor x, torch::stable::Tensor packed, int64_t n) {
+  return packed_linear_impl(x, packed, n, false);
+}
+
+bool vectorised() {
+#ifdef SAGUARO_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(saguaro_kernels, m) {
+  m.def("packed_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("packed_linear_scalar(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("vectorised() -> bool");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(saguaro_kernels, CPU, m) {
+  m.impl("packed_linear", TORCH_BOX(&packed_linear));
+  m.impl("packed_linear_scalar", TORCH_BOX(&packed_linear_scalar));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(saguaro_kernels, CompositeExplicitAutograd, m) { m.impl("vectorised", TORCH_BOX(&vectorised)); }

@@ -1,0 +1,124 @@
+"""A linear layer of few rows over a weight packed once, read in float32, float16 or bfloat16: the op
+``torch.ops.saguaro_kernels.packed_linear(x [M, K], packed [P, K, 16], n) -> [M, n]``.
+
+A verify, glue or tree stage multiplies a handful of rows (``K+1``, ``MQ``) by every weight of the model, so
+its time is the weights' bytes. The kernel (``packed_linear.cpp``) reads each weight from a panel layout
+(:func:`pack`: 16 output columns a panel, ``[P, K, 16]``, made once per weight) in the dtype it is held in,
+widens it in registers, and sums each output over ``k = 0 .. K-1`` in order with fused multiply-adds in
+float32: the result does not depend on the storage dtype (a float16-held weight gives the float32 weight's
+outputs bit for bit), the vector width (the scalar loop, ``packed_linear_scalar``, gives the same bits) or the
+thread count. Inductor calls it as an extern kernel (from its C++ wrapper through the dispatcher).
+
+The C++ source is compiled at first use with the machine's instruction set (``-march=native``) by
+``torch.utils.cpp_extension`` into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), under a
+name derived from the source, the flags, torch's version and the CPU, so later processes load the library
+(``torch.ops.load_library``) without compiling it or importing the builder.
+:func:`available` says whether it could be built (no compiler: the caller keeps another implementation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PANEL = 16  # output columns a panel holds (NB in the C++ source)
+SOURCE = Path(__file__).with_name("packed_linear.cpp")
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_lock = threading.Lock()
+_state: dict = {}  # "loaded": True / False once tried; "error": why not
+
+
+def _cpu_signature() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+        model = next((line for line in text.splitlines() if line.startswith("model name")), "")
+    except OSError:
+        flags = model = ""
+    return f"{platform.machine()} {model} {flags}"
+
+
+def library_name() -> str:
+    """The extension's name: one per source, flags, torch version and CPU (so a cached build always fits)."""
+    digest = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(CFLAGS), torch.__version__,
+                                       _cpu_signature()]).encode()).hexdigest()[:16]
+    return f"saguaro_packed_linear_{digest}"
+
+
+def available() -> bool:
+    """Whether the op is registered: builds (or loads the cached build of) the extension the first time."""
+    with _lock:
+        if "loaded" not in _state:
+            try:
+                _load()
+                _register_fakes()
+                _state["loaded"] = True
+            except Exception as exc:  # no compiler, no ninja: the callers keep their other linears
+                _state.update(loaded=False, error=f"{type(exc).__name__}: {exc}")
+                log.warning("packed_linear: the C++ kernel could not be built (%s); few-row stages keep "
+                            "Inductor's reductions", _state["error"])
+        return _state["loaded"]
+
+
+def build_directory(name: str) -> Path:
+    """Where the build named ``name`` lives: ``$TORCH_EXTENSIONS_DIR/name`` (default ``~/.cache/torch_extensions``)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / name
+
+
+def _load() -> None:
+    """Load the cached build (named by :func:`library_name`, so it is this source's), else build it."""
+    name = library_name()
+    folder = build_directory(name)
+    built = folder / f"{name}.so"
+    if built.exists() and not (folder / "lock").exists():  # built, no build running: no builder import, no ninja
+        torch.ops.load_library(str(built))
+        return
+    from torch.utils.cpp_extension import load  # not load_inline: it prepends torch/extension.h (a minute of g++)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+         is_python_module=False, verbose=False, build_directory=str(folder))
+
+
+def unavailable_reason() -> str | None:
+    return _state.get("error")
+
+
+def _register_fakes() -> None:
+    for name in ("packed_linear", "packed_linear_scalar"):
+        torch.library.register_fake(f"saguaro_kernels::{name}")(_fake)
+
+
+def _fake(x, packed, n):
+    return x.new_empty((x.shape[0], n))  # [M, n]
+
+
+def vectorised() -> bool:
+    """Whether the build runs the vector path (AVX2, FMA, F16C), not the scalar loop."""
+    return available() and bool(torch.ops.saguaro_kernels.vectorised())
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (any of float32, float16, bfloat16) as panels ``[ceil(N/16), K, 16]`` of the same dtype:
+    panel ``p`` holds rows ``16p .. 16p+15`` transposed, the rows past ``N`` zero."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    with torch.no_grad():
+        padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype, device=weight.device)  # [P*16, K]
+        padded[:n] = weight
+        return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()  # [P, K, 16]
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``x [M, K]`` float32 times the weight ``packed`` holds (:func:`pack`), transposed: ``[M, n]`` float32."""
+    return torch.ops.saguaro_kernels.packed_linear(x, packed, n)
+
