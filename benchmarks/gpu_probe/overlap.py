@@ -19,7 +19,7 @@ MAX_ROUNDS_LISTED = 40
 
 
 class Timeline:
-    """Times ``ssd.verify``, ``SpeculationServer.build`` and ``ModelRunner.run`` while entered."""
+    """Times ``ssd.verify_and_commit`` (as "verify"), ``SpeculationServer.build`` and ``ModelRunner.run`` while entered."""
 
     def __init__(self, cuda: bool):
         self.cuda, self.calls, self.patches = cuda, [], []
@@ -32,7 +32,7 @@ class Timeline:
         from saguaro.runtime.draft.server import SpeculationServer
 
         ssd = importlib.import_module("saguaro.runtime.decode.ssd")
-        self._patch(ssd, "verify", lambda a: "verify")
+        self._patch(ssd, "verify_and_commit", lambda a: "verify")  # the verify with its commit (the round stage)
         self._patch(SpeculationServer, "build", lambda a: "build")
         self._patch(ModelRunner, "run", lambda a: a[1].qualified)
         if self.cuda:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import saguaro
-from saguaro.core.stages import TARGET_PREFILL, TARGET_STEP, TARGET_VERIFY
+from saguaro.core.stages import TARGET_PREFILL, TARGET_STEP, TARGET_VERIFY_ROUND
 from saguaro.lower.lowering import TEMPLATE_GEMM_CONFIG
 from saguaro.passes.linear_as_reduction import LINEAR
 from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
@@ -35,7 +35,7 @@ def test_the_verify_runs_the_gemm_template_and_greedy_equals_generate():
         for mode in ("sd", "ar"):
             out = program.generate(ids, attention_mask=mask, max_new_tokens=12, mode=mode, eos_token_id=None)
             assert torch.equal(out.sequences, expected), mode
-        verify = program.target.stage(TARGET_VERIFY.greedy)
+        verify = program.target.stage(TARGET_VERIFY_ROUND)  # what SD runs
         step = program.target.stage(TARGET_STEP)
         prefill = program.target.stage(TARGET_PREFILL)
         assert verify.config_patch == TEMPLATE_GEMM_CONFIG and not step.config_patch and not prefill.config_patch

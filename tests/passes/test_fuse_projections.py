@@ -206,7 +206,8 @@ def test_where_the_pass_applies():
 
     assert not fused("inductor", TARGET_STEP) and not fused("inductor", TARGET_VERIFY.greedy)  # slower on a CPU
     assert fused("inductor", TARGET_STEP, fuse_projections=True)
-    assert fused("inductor", TARGET_VERIFY.greedy, fuse_projections=True)
+    assert fused("inductor", TARGET_VERIFY.greedy, linears="reduction", fuse_projections=True)
+    assert not fused("inductor", TARGET_VERIFY.greedy, fuse_projections=True)  # "auto" packs it: not joined
     assert not fused("inductor", TARGET_PREFILL, fuse_projections=True)  # a BLAS GEMM
     assert not fused("inductor", TARGET_VERIFY.greedy, linears="template", fuse_projections=True)
     assert not fused("eager", TARGET_STEP, fuse_projections=True)
@@ -240,9 +241,9 @@ def test_inductor_stages_joined_are_bit_equal_to_the_unjoined_ones():
     captured = base_of(model)
     for stage in (TARGET_STEP, TARGET_VERIFY.greedy):  # one row; K+1 rows
         results = []
-        for fuse in (True, False):  # "auto": the linears as reductions, narrow_weights after
+        for fuse in (True, False):  # the linears as reductions (the verify's too), narrow_weights after
             builder = CompiledStages("target", captured.graph_module, 8, "inductor", "auto", "cpu",
-                                     fuse_projections=fuse)
+                                     linears="reduction", fuse_projections=fuse)
             graph = builder.stage_graph(stage)
             assert bool(joined_reads(graph)) == fuse
             assert all(t.dtype == torch.float16 for t in joined_buffers(graph).values())

@@ -9,7 +9,8 @@ import torch
 import saguaro
 from saguaro.compile import CompiledStages
 from saguaro.capture import capture
-from saguaro.core.stages import DRAFT_GLUE, DRAFT_STEP, DRAFT_TREE, TARGET_PREFILL, TARGET_ROUND, TARGET_VERIFY
+from saguaro.core.stages import (DRAFT_GLUE, DRAFT_STEP, DRAFT_TREE, TARGET_PREFILL, TARGET_ROUND, TARGET_VERIFY,
+                                 TARGET_VERIFY_ROUND)
 from saguaro.passes import run_pipeline
 from saguaro.passes.base.graph_pass import LINEARS_PACKED, copy_graph, record_of
 from saguaro.passes.pack_linears import ATTRIBUTE_PREFIX, PackLinears, panels
@@ -108,7 +109,7 @@ def test_inductor_packs_the_stages_of_several_rows_under_auto():
         gm = builder.stage_graph(stage)
         return {t.dtype for name, t in gm.named_buffers() if name.startswith(ATTRIBUTE_PREFIX)}
 
-    for stage in (TARGET_VERIFY.greedy, TARGET_VERIFY.sampled, DRAFT_GLUE, DRAFT_TREE.greedy):
+    for stage in (TARGET_VERIFY.greedy, TARGET_VERIFY_ROUND, TARGET_VERIFY.sampled, DRAFT_GLUE, DRAFT_TREE.greedy):
         assert packed("inductor", stage) == {torch.float16}
     assert packed("inductor", TARGET_VERIFY.greedy, narrow=False) == {torch.float32}
     for stage in (TARGET_ROUND, DRAFT_STEP.greedy, TARGET_PREFILL):  # one row: fused reductions; prefill: BLAS
@@ -134,9 +135,9 @@ def test_the_program_s_weights_are_reported_and_packed_stages_hold_only_their_pa
     assert linear_f32 / 2 <= panel_bytes < linear_f32  # float16 panels: half, padded to 16 columns
     assert report["total_bytes"] == sum(report["by_form"].values()) == sum(report["by_dtype"].values())
     assert report["by_dtype"]["float16"] >= panel_bytes
-    verify = report["models"]["target"]["stages"]["target.verify_greedy"]
+    verify = report["models"]["target"]["stages"][TARGET_VERIFY_ROUND.qualified]
     assert verify < loaded  # it holds its panels, not the float32 linears' weights
-    gm = program.runner("target").built_stages[TARGET_VERIFY.greedy]
+    gm = program.runner("target").built_stages[TARGET_VERIFY_ROUND]  # what SD runs
     read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     assert set(dict(gm.named_parameters())) | set(dict(gm.named_buffers())) <= read  # nothing held unread
     text = format_weights(report).splitlines()
