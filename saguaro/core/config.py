@@ -87,7 +87,8 @@ class SaguaroConfig:
         outputs equal up to float32 rounding order (Inductor's kernels reading the narrow weights add in
         another order; greedy tokens tested equal to ``generate``), half the bytes streamed per token.
         The copies are taken when a stage is built: weights changed in place later are not seen there
-        (as ``"template"``'s frozen ones); compile again. False keeps every weight as loaded. Other weights, and other stages, are never changed.
+        (as ``"template"``'s frozen ones); compile again. False keeps every weight as loaded. Other
+        weights, and other stages, are never changed.
     cuda_graphs: run the fixed-shape stages (verify, glue, tree, step, AR's greedy round; not prefill) as
         CUDA graphs (``saguaro.lower.cuda_graphs``: one replay instead of hundreds of Python kernel launches
         per call, so two lanes do not contend for the GIL): True (CUDA only: on another device
