@@ -16,8 +16,9 @@ as ``saguaro bench`` runs them):
   ``--k K``; tokens/s after the prefill (``decode_tokens_per_s``: the tokens after the prefill's first over
   the seconds after the prefill, as llama.cpp's lines count), the rate with the prefill in the last column.
   Their float32 weights whose values are float16 values (the default pair's) are held as float16 in the
-  one-row stages (``SaguaroConfig.narrow_weights``: the same float32 arithmetic); ``--narrow-weights both``
-  adds each Saguaro row with every weight as loaded (``saguaro ar f32 weights``), ``off`` runs only those.
+  one-row stages (``SaguaroConfig.narrow_weights``: float32 arithmetic, equal up to rounding order);
+  ``--narrow-weights both`` adds each Saguaro row with every weight as loaded (``saguaro ar f32 weights``),
+  ``off`` runs only those.
   ``--dtype`` casts the pair for these rows (``bfloat16`` beside f16 GGUF files: both halve the weights'
   bytes; greedy text then need not equal float32's, see the README on reduced precision).
 

@@ -88,10 +88,12 @@ class SaguaroConfig:
         ``"template"``; packed panels on any backend), each
         float32 weight whose values are all exactly float16 (or bfloat16) values, as in a checkpoint
         published in that dtype and loaded as float32, is held in that dtype and widened to float32 inside
-        the kernels that read it (the ``narrow_weights`` pass): the same float32 arithmetic on the same
-        values, half the bytes streamed per token. The copies are taken when a stage is built: weights
-        changed in place later are not seen there (as ``"template"``'s frozen ones); compile again. False
-        keeps every weight as loaded. Other weights, and other stages, are never changed.
+        the kernels that read it (the ``narrow_weights`` pass): float32 arithmetic on the same values,
+        outputs equal up to float32 rounding order (Inductor's kernels reading the narrow weights add in
+        another order; greedy tokens tested equal to ``generate``), half the bytes streamed per token.
+        The copies are taken when a stage is built: weights changed in place later are not seen there
+        (as ``"template"``'s frozen ones); compile again. False keeps every weight as loaded. Other
+        weights, and other stages, are never changed.
     cuda_graphs: run the fixed-shape stages (verify, glue, tree, step, AR's greedy round; not prefill) as
         CUDA graphs (``saguaro.lower.cuda_graphs``: one replay instead of hundreds of Python kernel launches
         per call, so two lanes do not contend for the GIL): True (CUDA only: on another device

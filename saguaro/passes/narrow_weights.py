@@ -7,11 +7,16 @@ bfloat16 and loaded as float32 for a CPU, so every float32 value is one of the n
 float32 copy spends half its bytes on zero bits. This pass keeps, for each weight matrix the graph reads
 (a ``get_attr`` of a float32 tensor of at least :data:`MIN_ELEMENTS` elements), the narrow copy instead,
 and converts it back to float32 right after the read (``prims.convert_element_type``). The conversion is
-exact (every float16 and bfloat16 value is a float32 value), so the stage computes the same float32
-products and sums of the same values: outputs are unchanged, bit for bit, wherever the backend keeps its
-summation order. Inductor fuses the conversion into the kernels that read the weight (the reductions of
-``linear_as_reduction``, the embedding's gather), so each call reads half the bytes: the default pair's
-target then fits this machine's L3 cache (``benchmarks/README.md``).
+exact (every float16 and bfloat16 value is a float32 value), so the stage computes float32 products and
+sums of the same values: run op by op (eager) the outputs are unchanged, bit for bit. Compiled by Inductor
+they are equal up to float32 rounding order only, not bit for bit: its C++ kernels pick their vector width
+by the narrowest float dtype they load (16 float16 lanes where float32 takes 8 on AVX2), so a reduction
+reading a narrow weight adds its products in another order (measured on a tiny Llama's step: logits and
+caches about 1e-7 apart; the greedy tokens are tested equal to ``generate``, ``tests/lower/test_inductor.py``).
+Inductor has no setting that picks the float32 width for these kernels. Inductor fuses the conversion into
+the kernels that read the weight (the reductions of ``linear_as_reduction``, the embedding's gather), so
+each call reads half the bytes: the default pair's target then fits this machine's L3 cache
+(``benchmarks/README.md``).
 
 A weight is narrowed only when converting it to the narrow dtype and back gives every value unchanged
 (NaN never compares equal, so a weight holding one stays as it is); float16 is tried first, then bfloat16.
