@@ -24,6 +24,9 @@ PACKED = torch.ops.saguaro_kernels.packed_linear.default if pl.available() else 
 pytestmark = pytest.mark.skipif(not pl.available(), reason="the packed kernel could not be built here")
 
 
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")  # tests.models.tiny_target's; FAMILIES: tiny_family_target's
+
+
 @pytest.mark.parametrize("rows, n, k", [(1, 48, 64), (6, 384, 96), (7, 100, 33), (13, 17, 200), (32, 64, 40)])
 def test_the_kernel_gives_the_same_bits_from_any_panel_dtype_and_either_loop(rows, n, k):
     gen = torch.Generator().manual_seed(rows * n + k)
@@ -47,9 +50,9 @@ def _rounded(model, dtype=torch.float16):
     return model
 
 
-@pytest.mark.parametrize("family", ["llama", *FAMILIES])
+@pytest.mark.parametrize("family", [*ARCHS, *FAMILIES])
 def test_narrow_panels_give_the_float32_panels_bits_on_each_family(family):
-    model = tiny_target("llama", hidden=128) if family == "llama" else tiny_family_target(family)
+    model = tiny_target(family, hidden=128) if family in ARCHS else tiny_family_target(family)
     _rounded(model)
     captured = capture(model)
     captured.graph_module = run_pipeline(captured.graph_module)
