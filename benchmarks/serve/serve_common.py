@@ -195,3 +195,11 @@ def resources(pid: int) -> dict:
 
 def fmt(value, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+if __name__ == "__main__":  # shared code, not a benchmark of its own: say so and what runs it
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__ + "\nNot a benchmark by itself: run serve_load.py or "
+                            "serve_soak.py.").parse_args()
+    raise SystemExit("serve_common.py is shared by serve_load.py and serve_soak.py: run one of those")
