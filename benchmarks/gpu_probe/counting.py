@@ -38,6 +38,7 @@ class SyncCounter:
         self.round = 0  # reads before the first round ends belong to round 0 (prefill and round 1)
         self.reads: list = []
         self.patches: list = []
+        self.late_reads = 0  # LateRead.take's reads (tests/runtime/read_counter.py tells them apart the same way)
         self._lock = threading.Lock()
 
     def __enter__(self):
@@ -69,10 +70,15 @@ class SyncCounter:
         setattr(owner, attr, fn)
 
     def _record(self, what: str) -> None:
+        from saguaro.runtime.base.timing import LateRead
+
         frame = sys._getframe(2)
         while frame is not None and not frame.f_code.co_filename.startswith(self.package):
             frame = frame.f_back  # torch's own Python code on the way: the read belongs to its Saguaro caller
         if frame is None or frame.f_code.co_filename.endswith("fan_out.py"):  # host statistics, CPU tensors
+            return
+        if frame.f_code is LateRead.take.__code__:  # a round-late read of a copy its event has passed: no sync
+            self.late_reads += 1
             return
         where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
         with self._lock:
@@ -102,7 +108,7 @@ class SyncCounter:
         places = collections.Counter((what, where) for _, what, where in self.reads)
         return {"host_syncs_per_round": int(later[len(later) // 2]) if later else 0,
                 "host_syncs": {"max_per_round": max(later, default=0), "first_round": per_round[0] if per_round else 0,
-                               "total": len(self.reads), "rounds": rounds,
+                               "total": len(self.reads), "late_reads": self.late_reads, "rounds": rounds,
                                "where": [f"{n} x {what} at {where}" for (what, where), n in places.most_common(8)]}}
 
 
