@@ -52,11 +52,12 @@ def truncated_draft(target: torch.nn.Module, layers: int = 1, noise: float = 0.0
     draft = type(target)(config).eval()
     state = {k: v for k, v in target.state_dict().items() if k in draft.state_dict()}
     draft.load_state_dict(state)
+    draft.to(next(target.parameters()).device)  # beside the target (a CUDA target gets a CUDA draft)
     if noise > 0:
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in draft.parameters():
-                p.add_(noise * torch.randn(p.shape, generator=gen) * p.std())
+                p.add_((noise * torch.randn(p.shape, generator=gen)).to(p.device) * p.std())
     return draft
 
 

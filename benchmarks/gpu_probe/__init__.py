@@ -6,7 +6,8 @@
 A  environment (versions, GPU, commit), copy bandwidth, AR at batch 1 with cuda_graphs off and on, then
    the verify's few-row linears (cuBLAS against Inductor's reductions) and decode attention at a
    2,048-token context (SDPA against flex).
-B  SD at batch 1 with cuda_graphs off and on (and c, a draft step's time over a verify's).
+B  SD at batch 1 with cuda_graphs on and off (and c, a draft step's time over a verify's), then AR with graphs on
+   when time is left (SD over AR in one run).
 C  SSD at batch 1 (its own rounds, and the planner's choice), and how much of the draft lane's build
    hides under the verify.
 D  exactness: greedy AR, SD, SSD equal to transformers' generate, then sampled validity, with Inductor

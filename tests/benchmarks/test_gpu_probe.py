@@ -99,6 +99,8 @@ def test_each_speed_part_writes_every_row_field(name, speed_parts):
         assert all(r["status"] == "ok" or r["status"].startswith("skipped: CUDA only") for r in micro)
     elif name == "B":
         _check_row(rows["sd_graphs_off"], "sd", 1)
+        assert list(rows) == ["sd_graphs_on", "sd_graphs_off", "ar_graphs_on"]  # what a user gets first
+        assert rows["ar_graphs_on"]["status"].startswith("skipped: cuda_graphs=True needs")  # CUDA only
     elif name == "C":
         _check_row(rows["ssd"], "ssd", 1)
         assert rows["ssd"]["ran"] == "ssd" and rows["ssd"]["lane"] == "thread"

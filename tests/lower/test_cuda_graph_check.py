@@ -5,11 +5,17 @@ compiles once for every shape. On CPU, through the fake ``torch.cuda`` (tests/lo
 
 import logging
 
+import pytest
 import torch
 
 from saguaro.lower.cuda_graphs import GraphedStage, difference
 from saguaro.lower.lowering import lower_graph
 from tests.lower.fake_cuda import FakeCuda, Kernelized
+
+
+# Dynamo reads the real torch.cuda while tracing: the fake one stands in only where there is none (a GPU machine
+# runs the real graphs in tests/runtime/test_host_syncs_gpu.py and the probe instead).
+NEEDS_NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="the fake torch.cuda conflicts with Dynamo on a real GPU")
 
 
 def writing_stage(cuda: FakeCuda, calls: list, bad_output: bool = False, bad_cache: bool = False):
@@ -109,6 +115,7 @@ def test_a_different_number_of_outputs_is_a_difference(monkeypatch):
                                                          "1 outputs instead of 2")
 
 
+@NEEDS_NO_CUDA
 def test_dynamic_dims_reach_the_static_buffers_so_one_compile_serves_every_shape(monkeypatch):
     from torch._dynamo.testing import CompileCounter
 
@@ -150,6 +157,7 @@ class _Writes(torch.nn.Module):
         return (x * 2 + cache.sum(dim=1, keepdim=True),)
 
 
+@NEEDS_NO_CUDA
 def test_a_graphed_compiled_stage_compiles_once_for_every_bucket_and_captures_per_shape(monkeypatch):
     """CompiledStage (marks the inputs, the written cache among them) around GraphedStage (marks its static
     buffers): three (query length, capacity) buckets, one dynamo compile, three graphs, each checked."""
