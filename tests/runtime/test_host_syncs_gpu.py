@@ -79,8 +79,24 @@ def test_sd_rounds_on_cuda_sync_once(temperature, round_stage, monkeypatch):
     monkeypatch.setattr(sd, "verify", strict(sd.verify))
     monkeypatch.setattr(sd, "queue_verify_round", strict(sd.queue_verify_round))  # the round stage's call
     counter = ReadCounter().install(monkeypatch, cuda_late_reads=False, fake_events=False)
+    graphed_rounds = []
+
+    def graphed_round(*args, real=sd.graphed_sd_round):
+        """Greedy under CUDA graphs, the round is one replay (no stage call marks it): the replay begins it."""
+        replay = real(*args)
+        if replay is None:
+            return None
+        graphed_rounds.append(replay)
+
+        def marked():
+            counter.next_round()
+            with no_sync():
+                return replay()
+        return marked
+    monkeypatch.setattr(sd, "graphed_sd_round", graphed_round)
     out = program.generate(ids, **call)
     monkeypatch.undo()
+    assert bool(graphed_rounds) == (temperature == 0)  # greedy rounds replay one graph; sampled, stage by stage
     rounds = out.stats["rounds"]
     assert counter.round == rounds and counter.per_round(rounds) == [1] * rounds, counter.where()
     if temperature == 0:
