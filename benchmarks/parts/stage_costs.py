@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     budgets = [int(b) for b in args.budgets.split(",")]
     recorder = Recorder()
     try:
+        program.generate(prompt, max_new_tokens=64, mode="ar", eos_token_id=None)
         program.generate(prompt, max_new_tokens=64, mode="sd", eos_token_id=None)
         for budget in budgets:  # fan-out "k+1 ints" of one total: a fixed MQ per round
             per = [budget // (args.k + 1) + (1 if j < budget % (args.k + 1) else 0) for j in range(args.k + 1)]
@@ -88,6 +89,11 @@ def main(argv=None) -> int:
     step = costs["draft.step_greedy"]
     glue = costs["draft.glue"]
     rows = {"sd_round_ms": verify + k * step}
+    ar = costs.get("target.round_greedy", costs.get("target.step_greedy"))
+    if ar:  # what SD needs to pay: its round against the AR tokens it replaces
+        rows["sd_round_in_ar_tokens"] = rows["sd_round_ms"] / ar
+        rows["verify_in_ar_tokens"] = verify / ar
+        rows["draft_step_in_ar_tokens"] = step / ar
     for key, ms in costs.items():
         if "@MQ=" in key:
             rows[f"ssd_build_ms@{key.split('@')[1]}"] = glue + k * ms
@@ -95,7 +101,8 @@ def main(argv=None) -> int:
               "derived_ms": rows}
     width = max(map(len, list(costs) + list(rows)))
     for key, ms in list(costs.items()) + list(rows.items()):
-        sys.stdout.write(f"{key:<{width}} {ms:8.2f} ms\n")
+        unit = "x" if key.endswith("_in_ar_tokens") else "ms"
+        sys.stdout.write(f"{key:<{width}} {ms:8.2f} {unit}\n")
     Path(args.json).write_text(json.dumps(report, indent=2))
     sys.stdout.write(f"wrote {args.json}\n")
     return 0

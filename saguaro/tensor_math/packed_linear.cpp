@@ -79,31 +79,46 @@ inline void load16(const Brain* p, __m256& lo, __m256& hi) {
   hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
 }
 
+inline void store16(float* out, __m256 lo, __m256 hi, int64_t cols) {
+  if (cols == NB) {
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+  } else {
+    alignas(32) float tmp[NB];
+    _mm256_store_ps(tmp, lo);
+    _mm256_store_ps(tmp + 8, hi);
+    std::memcpy(out, tmp, cols * sizeof(float));
+  }
+}
+
+// One row's two accumulators over 16 columns: acc = fma(x[r, k], w[k, :], acc), k in order.
+#define SAGUARO_ROW(r)                                          \
+  if constexpr (R > r) {                                        \
+    __m256 b = _mm256_broadcast_ss(x + r * K + k);              \
+    c##r##0 = _mm256_fmadd_ps(b, lo, c##r##0);                  \
+    c##r##1 = _mm256_fmadd_ps(b, hi, c##r##1);                  \
+  }
+
+// R rows x 16 columns in 2R named registers. Named, not an array: GCC kept an accumulator array in memory
+// and stored all 12 registers to the stack at every k (12 stores a step, about half the block's time).
 template <typename W, int R>
 void block(const float* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t cols) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 c00 = zero, c01 = zero, c10 = zero, c11 = zero, c20 = zero, c21 = zero;
+  __m256 c30 = zero, c31 = zero, c40 = zero, c41 = zero, c50 = zero, c51 = zero;
   for (int64_t k = 0; k < K; ++k) {
     __m256 lo, hi;
     load16(w + k * NB, lo, hi);
-    for (int r = 0; r < R; ++r) {
-      __m256 b = _mm256_broadcast_ss(x + r * K + k);
-      acc[r][0] = _mm256_fmadd_ps(b, lo, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(b, hi, acc[r][1]);
-    }
+    SAGUARO_ROW(0) SAGUARO_ROW(1) SAGUARO_ROW(2) SAGUARO_ROW(3) SAGUARO_ROW(4) SAGUARO_ROW(5)
   }
-  for (int r = 0; r < R; ++r) {
-    if (cols == NB) {
-      _mm256_storeu_ps(out + r * ldo, acc[r][0]);
-      _mm256_storeu_ps(out + r * ldo + 8, acc[r][1]);
-    } else {
-      alignas(32) float tmp[NB];
-      _mm256_store_ps(tmp, acc[r][0]);
-      _mm256_store_ps(tmp + 8, acc[r][1]);
-      std::memcpy(out + r * ldo, tmp, cols * sizeof(float));
-    }
-  }
+  store16(out, c00, c01, cols);
+  if constexpr (R > 1) store16(out + ldo, c10, c11, cols);
+  if constexpr (R > 2) store16(out + 2 * ldo, c20, c21, cols);
+  if constexpr (R > 3) store16(out + 3 * ldo, c30, c31, cols);
+  if constexpr (R > 4) store16(out + 4 * ldo, c40, c41, cols);
+  if constexpr (R > 5) store16(out + 5 * ldo, c50, c51, cols);
 }
+#undef SAGUARO_ROW
 
 template <typename W>
 void panel_vector(const float* x, int64_t K, const W* w, int64_t rows, float* out, int64_t ldo, int64_t cols) {
