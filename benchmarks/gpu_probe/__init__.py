@@ -3,7 +3,8 @@
     python benchmarks/gpu_probe.py --part A --out DIR      # (or python -m benchmarks.gpu_probe ...)
     python benchmarks/gpu_probe.py --scale tiny --device cpu --out DIR   # every part on tiny models
 
-A  environment (versions, GPU, commit), copy bandwidth, AR at batch 1 with cuda_graphs off and on, then
+A  environment (versions, GPU, commit), copy bandwidth, AR at batch 1 with cuda_graphs off and on (and on
+   with attention="reduce"), then
    the verify's few-row linears (cuBLAS against Inductor's reductions) and decode attention at a
    2,048-token context (SDPA against flex).
 B  SD at batch 1 with cuda_graphs on and off (and c, a draft step's time over a verify's), then AR with graphs on

@@ -11,7 +11,7 @@ MODES = ("ar", "sd", "ssd")
 BACKENDS = ("eager", "inductor")
 FALLBACKS = ("auto", "neural", "fast")
 LANES = ("auto", "thread", "process", "remote")
-ATTENTIONS = ("auto", "op", "inline", "flex")
+ATTENTIONS = ("auto", "op", "inline", "flex", "reduce")
 LINEARS = ("auto", "gemm", "reduction", "packed", "template")
 COMPILE_MODES = ("blocking", "background")
 MAX_K = 16
@@ -62,8 +62,10 @@ class SaguaroConfig:
     attention: how the stages run attention (the ``lower_attention`` pass): ``"op"`` (the
         ``saguaro::attention`` custom op), ``"inline"`` (its math inline, so Inductor fuses the KV
         write, and SDPA over a dense mask), ``"flex"`` (FlexAttention under a block mask built in the
-        graph, every stage; opt-in, see :func:`saguaro.lower.lowering.attention_implementation`) or
-        ``"auto"``: op for the eager backend, inline for Inductor. The tree stage of Inductor on CUDA
+        graph, every stage; opt-in, see :func:`saguaro.lower.lowering.attention_implementation`),
+        ``"reduce"`` (AR's one-query target stages as the compiler's own products and sums instead of an SDPA
+        call, the other stages inline; what ``"auto"`` does on CPU) or
+        ``"auto"``: op for the eager backend, inline for Inductor (reduce for AR's target stages on CPU). The tree stage of Inductor on CUDA
         is written to take flex under ``"auto"`` (``saguaro.lower.lowering.FLEX_TREE_ON_CUDA``, a
         one-line switch), off until ``benchmarks/gpu_probe.py`` shows it exact and faster than SDPA.
     linears: how the linear layers of the few-row stages (step, verify, glue, tree; not prefill) run:

@@ -61,3 +61,35 @@ def test_auto_reduces_the_attention_of_ars_target_stages_on_cpu_only():
         assert attention_implementation("inductor", "inline", "cpu", stage.mask, stage=stage) == "inline"
     draft_step = DRAFT_STEP.greedy
     assert attention_implementation("inductor", "auto", "cpu", draft_step.mask, stage=draft_step) == "inline"
+
+
+def test_reduce_requested_reduces_ars_target_stages_on_any_device_and_inlines_the_others():
+    """``attention="reduce"``: what "auto" does on CPU, asked for anywhere (the GPU probe's row measures it
+    against cuDNN's SDPA on CUDA); stages of several queries stay inline."""
+    for stage in STAGES:
+        want = "reduce" if stage in (TARGET_STEP, TARGET_ROUND) else "inline"
+        for backend in ("inductor", "eager"):
+            for device in ("cpu", "cuda"):
+                assert attention_implementation(backend, "reduce", device, stage.mask, stage=stage) == want, stage
+
+
+def test_reduce_is_an_allowed_option_and_an_unknown_one_names_them_all():
+    from saguaro.core.config import SaguaroConfig
+    from saguaro.core.errors import ConfigError
+
+    assert SaguaroConfig(attention="reduce").attention == "reduce"
+    with pytest.raises(ConfigError, match="attention='reduced' is not allowed: choose one of auto, op, inline, flex, reduce"):
+        SaguaroConfig(attention="reduced")
+
+
+def test_reduce_requested_on_eager_gives_generate_s_tokens():
+    import saguaro
+    from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
+
+    target = tiny_target("llama")
+    program = saguaro.compile(target, truncated_draft(target), k=3, backend="eager", attention="reduce")
+    ids, mask = prompts(2, 8, seed=3, pad_rows={1: 2})
+    want = reference_greedy(target, ids, mask, 12)
+    for mode in ("ar", "sd"):
+        out = program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None, mode=mode)
+        assert out.sequences.tolist() == want.tolist(), mode
