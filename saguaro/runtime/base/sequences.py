@@ -104,6 +104,37 @@ class SequenceBatch:
         seqs.next_inputs = None  # the round's inputs come from these buffers
         return seqs
 
+    @classmethod
+    def stacked(cls, batches: list, capacity: int, end: int) -> "SequenceBatch":
+        """The rows of ``batches`` (one EOS list and pad token among them) in one new batch of ``capacity``
+        columns, ``end`` the length at which every row finishes (continuous batching: each row's own
+        budget is kept by the host, ``runtime.batching``). Its ``prompt_len`` is 0: rows of several prompt
+        lengths, each row's own ``padding`` giving its positions. Never pooled."""
+        first = batches[0]
+        tokens = torch.cat([torch.cat([b.tokens, b.tokens.new_full((b.batch, capacity - b.tokens.shape[1]),
+                                                                   first.pad_token_id)], dim=1) for b in batches])
+        return cls._over_rows(first, tokens, *(torch.cat([getattr(b, name) for b in batches])
+                                               for name in ("lengths", "finished", "padding")), end)
+
+    def select_rows(self, rows: list, capacity: int | None = None) -> "SequenceBatch":
+        """A copy restricted to ``rows`` (host indices), with ``capacity`` columns (default: as now)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
+        C = self.tokens.shape[1] if capacity is None else capacity
+        return type(self)._over_rows(self, self.tokens.index_select(0, index)[:, :C].contiguous(),
+                                     *(t.index_select(0, index) for t in (self.lengths, self.finished, self.padding)),
+                                     min(int(self.end), C))
+
+    @classmethod
+    def _over_rows(cls, like: "SequenceBatch", tokens, lengths, finished, padding, end: int) -> "SequenceBatch":
+        seqs = cls.__new__(cls)
+        seqs.prompt_len, seqs.max_new_tokens, seqs.pad_token_id = 0, end, like.pad_token_id
+        seqs.tokens, seqs.lengths, seqs.finished, seqs.padding = tokens, lengths, finished, padding  # [B, C], [B] x 3
+        seqs.eos, seqs._eos_tables = like.eos, {}
+        seqs.end = torch.full((), end, dtype=torch.long, device=tokens.device)  # []
+        seqs._steps = torch.arange(tokens.shape[1], device=tokens.device)  # [C]
+        seqs._host, seqs.next_inputs = None, None
+        return seqs
+
     @property
     def batch(self) -> int:
         return self.tokens.shape[0]
