@@ -4,8 +4,9 @@ join and leave it. ``saguaro serve``'s scheduler runs one per temperature (``sag
 
 - :meth:`BatchSession.join` prefills a request alone, exactly as ``program.generate`` does for that prompt
   (batch 1, the same padded prompt and store capacity, its own generator seeded as ``generate`` seeds it),
-  decides its first token, then splices its rows into the running batch (``SequenceBatch.stacked``,
-  ``KVStore.stacked``: slots a row never used are empty, as in a fresh store).
+  decides its first token, then splices its row into the running batch (``SequenceBatch.gathered``,
+  ``KVStore.take_rows``: slots a row never used are empty, as in a fresh store; the batch's tensors come
+  from the runners' pools, so each batch size and capacity keeps its addresses and its CUDA graphs).
 - :meth:`BatchSession.step` runs one round of every row: AR's step (or its greedy round stage), or SD's
   ``k`` draft steps and one verify, the very functions ``generate``'s rounds call
   (``runtime/decode/ar.py``, ``sd.py``). Sampled, each row draws its uniforms from its own generator in
@@ -13,9 +14,8 @@ join and leave it. ``saguaro serve``'s scheduler runs one per temperature (``sag
   ``generate`` gives it with that seed whoever its batch mates are; greedy rows are the target's greedy
   tokens (a row attends to its own slots only; left padding and empty slots are masked).
 - A row whose request ended (EOS, its ``max_new_tokens``: the host keeps each row's budget and cuts the
-  round's tokens there) or that :meth:`BatchSession.leave` names is dropped before the next round: its
-  rows are removed from the buffers and stores (a copy of the rows kept, narrowed to the capacity they
-  need).
+  round's tokens there) or that :meth:`BatchSession.leave` names is dropped before the next round: the
+  rows kept are copied into buffers and stores of their batch size, narrowed to the capacity they need.
 
 Mode ``ssd`` has no session: its draft lane holds its own batch (``runtime/lanes``), which cannot take rows
 between rounds; the server runs SSD batches back to back (``saguaro/serve/scheduler.py``).
@@ -179,11 +179,8 @@ class BatchSession:
 
     def _splice(self, row: _Row, alone: DecodeState) -> None:
         """Put ``alone``'s prefilled row after the running rows (one copy of the running batch's tensors)."""
-        parts = [self.state] if self.state is not None else []
-        parts.append(alone)
-        rows = self.rows + [row]
-        self._set(rows, [p.seqs for p in parts], [p.target_store for p in parts],
-                  [p.draft_store for p in parts] if self.mode == "sd" else None)
+        parts = ([(self.state, None)] if self.state is not None else []) + [(alone, None)]
+        self._set(self.rows + [row], parts, max(r.capacity for r in self.rows + [row]))
         self.joined += 1
 
     def _drop_leaving(self) -> None:
@@ -195,26 +192,29 @@ class BatchSession:
         keep = [i for i, r in enumerate(self.rows) if r.id not in gone]
         if not keep:
             self.rows, self.state, self._launch = [], None, None
-            return
-        rows = [self.rows[i] for i in keep]
-        if len(keep) == len(self.rows):
-            return
-        capacity = self.program.shapes.capacity(max(r.capacity for r in rows))
-        index = torch.tensor(keep, dtype=torch.long, device=self.state.seqs.tokens.device)
-        state = self.state
-        self._set(rows, [state.seqs.select_rows(keep, capacity)], [state.target_store.select_rows(index, capacity)],
-                  [state.draft_store.select_rows(index, capacity)] if self.mode == "sd" else None)
+        elif len(keep) < len(self.rows):
+            rows = [self.rows[i] for i in keep]
+            self._set(rows, [(self.state, keep)], max(r.capacity for r in rows))
 
-    def _set(self, rows: list, seqs: list, target_stores: list, draft_stores: list | None) -> None:
-        """The running batch is now ``rows``, made of the parts given (one part: the rows as they are)."""
-        capacity = max(s.tokens.shape[1] for s in seqs)
-        if len(seqs) > 1:
-            seqs = [SequenceBatch.stacked(seqs, capacity, capacity)]
-            target_stores = [type(target_stores[0]).stacked(target_stores, capacity)]
-            if draft_stores is not None:
-                draft_stores = [type(draft_stores[0]).stacked(draft_stores, capacity)]
+    def _set(self, rows: list, parts: list, capacity: int) -> None:
+        """The running batch is now ``rows``: the rows of ``parts`` (``(DecodeState, row indices or None)``)
+        gathered into buffers and stores of ``capacity`` slots taken from the runners' pools, so the batch's
+        tensors have the addresses that batch size and capacity had before (CUDA graphs replay)."""
+        program = self.program
+        capacity = program.shapes.capacity(capacity)
+        seqs = SequenceBatch.gathered([(state.seqs, keep) for state, keep in parts], capacity, capacity,
+                                      program.target.seq_pool)
+        device = seqs.tokens.device
+        indexed = [(state, None if keep is None else torch.tensor(keep, dtype=torch.long, device=device))
+                   for state, keep in parts]
+        target = program.target.new_store(len(rows), capacity).take_rows(
+            [(state.target_store, keep) for state, keep in indexed])
+        draft = None
+        if self.mode == "sd":
+            draft = program.draft.new_store(len(rows), capacity).take_rows(
+                [(state.draft_store, None if keep is None else keep.to(state.draft_store.slot_pos.device))
+                 for state, keep in indexed])
         generators = [r.generator for r in rows] if self.temperature > 0 else None
-        self.state = DecodeState(seqs[0], target_stores[0], draft_stores[0] if draft_stores else None,
-                                 self.temperature, generators, self.program.config.k)
+        self.state = DecodeState(seqs, target, draft, self.temperature, generators, program.config.k)
         self.state.counters = self.counters
         self.rows, self._launch = rows, None

@@ -5,6 +5,8 @@ alone: greedy token for token, and a seeded sampled request the same tokens whoe
 import pytest
 import torch
 
+from saguaro.runtime.base.kv_store import KVPool
+from saguaro.runtime.base.sequences import SequencePool
 from saguaro.runtime.batching import BatchSession
 from tests.conftest import tiny_program
 from tests.models import prompts
@@ -98,3 +100,28 @@ def test_a_session_serves_between_generate_calls_and_refuses_what_it_cannot_run(
     with pytest.raises(ValueError, match="max_new_tokens"):
         session.join([5, 6], 0)
     assert session.step() == []
+
+
+def test_a_batch_size_met_again_takes_back_its_pooled_tensors(monkeypatch):
+    """The running batch's buffers and stores come from the runners' pools (which a program has with CUDA graphs,
+    given here): the same addresses each time a batch size and capacity come back (a CUDA graph captured over
+    them replays)."""
+    _, _, program = tiny_program("llama", mode="sd")
+    pool = KVPool()
+    for runner in (program.target, program.draft):
+        monkeypatch.setattr(runner, "kv_pool", pool)
+    monkeypatch.setattr(program.target, "seq_pool", SequencePool())
+    session = BatchSession(program)
+    session.join([5, 6, 7, 8], 40)  # the longest: the batch's capacity throughout
+    addresses = []
+    for prompt in ([9, 10], [11, 12]):
+        row = session.join(prompt, 8).row
+        state = session.state
+        addresses.append((state.seqs.tokens.data_ptr(), state.target_store.k_caches[0].data_ptr(),
+                          state.draft_store.slot_pos.data_ptr()))
+        del state
+        session.step()
+        session.leave(row)
+        session.step()
+        assert session.size == 1
+    assert addresses[0] == addresses[1] and pool.reused > 0

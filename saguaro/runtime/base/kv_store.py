@@ -141,37 +141,34 @@ class KVStore:
         self.slot_pos.masked_fill_(beyond, -1)
         self.slot_branch.masked_fill_(beyond, 0)
 
-    def select_rows(self, rows: torch.Tensor, capacity: int | None = None) -> "KVStore":
-        """A copy of the store restricted to ``rows [M]`` (caches and slot metadata; never pooled), of the
-        same class; with ``capacity``, its first ``capacity`` slots only (the rows must use no slot past it)."""
-        S = self.capacity if capacity is None else capacity
-        return type(self).from_tensors([c.index_select(0, rows)[:, :, :S] for c in self.k_caches],
-                                       [c.index_select(0, rows)[:, :, :S] for c in self.v_caches],
-                                       self.slot_pos.index_select(0, rows)[:, :S],
-                                       self.slot_branch.index_select(0, rows)[:, :S])
+    def select_rows(self, rows: torch.Tensor) -> "KVStore":
+        """A copy of the store restricted to ``rows [M]`` (caches and slot metadata; never pooled)."""
+        sub = KVStore.__new__(KVStore)
+        sub.k_caches = [c.index_select(0, rows) for c in self.k_caches]
+        sub.v_caches = [c.index_select(0, rows) for c in self.v_caches]
+        sub.slot_pos = self.slot_pos.index_select(0, rows)
+        sub.slot_branch = self.slot_branch.index_select(0, rows)
+        sub.capacity = self.capacity
+        sub._slot_index = self._slot_index
+        return sub
 
-    @classmethod
-    def stacked(cls, stores: list, capacity: int) -> "KVStore":
-        """The rows of ``stores`` (each of at most ``capacity`` slots) one after another in a new store of
-        ``capacity`` slots: the slots a store lacks are empty (zero caches, position -1, branch 0), as in a
-        fresh store. Continuous batching splices a request's prefilled rows into the running batch so."""
-        def padded(tensor, value, dim):  # [b, ..., S] -> [b, ..., capacity]
-            pad = list(tensor.shape)
-            pad[dim] = capacity - tensor.shape[dim]
-            return torch.cat([tensor, tensor.new_full(pad, value)], dim=dim) if pad[dim] else tensor
+    def take_rows(self, parts: list) -> "KVStore":
+        """Fill this store's rows with the rows of ``parts``, one part after another: ``(store, rows)``, ``rows``
+        a ``[M]`` index of that store's rows or None for all of them. A part's slots past this store's
+        capacity must be empty; this store's slots past a part's capacity stay as they are (empty, in a fresh
+        store). Continuous batching (``runtime.batching``) splices a request's prefilled row into the running
+        batch so, in a pooled store (``KVPool``: its addresses, and its CUDA graphs, come back with its shape)."""
+        start = 0
+        for store, rows in parts:
+            S, M = min(store.capacity, self.capacity), store.slot_pos.shape[0] if rows is None else rows.numel()
+            for mine, theirs in zip((*self.k_caches, *self.v_caches, self.slot_pos, self.slot_branch),
+                                    (*store.k_caches, *store.v_caches, store.slot_pos, store.slot_branch)):
+                theirs = theirs[..., :S, :] if theirs.dim() == 4 else theirs[:, :S]  # [M', Hkv, S, D] or [M', S]
+                mine_rows = mine[start:start + M]
+                (mine_rows[..., :S, :] if mine.dim() == 4 else mine_rows[:, :S]).copy_(
+                    theirs if rows is None else theirs.index_select(0, rows))
+            start += M
+        if start != self.slot_pos.shape[0]:
+            raise ValueError(f"take_rows filled {start} rows of a store of {self.slot_pos.shape[0]}")
+        return self
 
-        layers = range(len(stores[0].k_caches))
-        return cls.from_tensors([torch.cat([padded(s.k_caches[i], 0, 2) for s in stores]) for i in layers],
-                                [torch.cat([padded(s.v_caches[i], 0, 2) for s in stores]) for i in layers],
-                                torch.cat([padded(s.slot_pos, -1, 1) for s in stores]),
-                                torch.cat([padded(s.slot_branch, 0, 1) for s in stores]))
-
-    @classmethod
-    def from_tensors(cls, k_caches: list, v_caches: list, slot_pos: torch.Tensor, slot_branch: torch.Tensor):
-        """A store (never pooled) over these tensors: caches ``[B, Hkv, S, D]`` per layer, slots ``[B, S]``."""
-        store = cls.__new__(cls)
-        store.k_caches, store.v_caches = [c.contiguous() for c in k_caches], [c.contiguous() for c in v_caches]
-        store.slot_pos, store.slot_branch = slot_pos.contiguous(), slot_branch.contiguous()
-        store.capacity = slot_pos.shape[1]
-        store._slot_index = torch.arange(store.capacity, device=slot_pos.device)  # [S]
-        return store

@@ -105,33 +105,36 @@ class SequenceBatch:
         return seqs
 
     @classmethod
-    def stacked(cls, batches: list, capacity: int, end: int) -> "SequenceBatch":
-        """The rows of ``batches`` (one EOS list and pad token among them) in one new batch of ``capacity``
-        columns, ``end`` the length at which every row finishes (continuous batching: each row's own
-        budget is kept by the host, ``runtime.batching``). Its ``prompt_len`` is 0: rows of several prompt
-        lengths, each row's own ``padding`` giving its positions. Never pooled."""
-        first = batches[0]
-        tokens = torch.cat([torch.cat([b.tokens, b.tokens.new_full((b.batch, capacity - b.tokens.shape[1]),
-                                                                   first.pad_token_id)], dim=1) for b in batches])
-        return cls._over_rows(first, tokens, *(torch.cat([getattr(b, name) for b in batches])
-                                               for name in ("lengths", "finished", "padding")), end)
-
-    def select_rows(self, rows: list, capacity: int | None = None) -> "SequenceBatch":
-        """A copy restricted to ``rows`` (host indices), with ``capacity`` columns (default: as now)."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
-        C = self.tokens.shape[1] if capacity is None else capacity
-        return type(self)._over_rows(self, self.tokens.index_select(0, index)[:, :C].contiguous(),
-                                     *(t.index_select(0, index) for t in (self.lengths, self.finished, self.padding)),
-                                     min(int(self.end), C))
-
-    @classmethod
-    def _over_rows(cls, like: "SequenceBatch", tokens, lengths, finished, padding, end: int) -> "SequenceBatch":
+    def gathered(cls, parts: list, capacity: int, end: int, pool: SequencePool | None = None) -> "SequenceBatch":
+        """A batch of the rows of ``parts``, one part after another: ``(batch, rows)``, ``rows`` a list of that
+        batch's row indices or None for all of them; ``capacity`` columns (a part's columns past it must be
+        padding), ``end`` the length at which every row finishes (continuous batching, ``runtime.batching``,
+        keeps each row's own budget on the host). Rows of several prompt lengths: ``prompt_len`` is 0, each
+        row's ``padding`` gives its positions. With ``pool``, the buffers are pooled as ``__init__``'s."""
+        first = parts[0][0]
+        picked = [(b, None if rows is None else torch.tensor(rows, dtype=torch.long, device=b.tokens.device))
+                  for b, rows in parts]
+        B, dev = sum(b.batch if rows is None else rows.numel() for b, rows in picked), first.tokens.device
+        key = SequencePool.key(B, capacity, dev)
+        buffers = pool.take(key) if pool is not None else None
+        if buffers is None:
+            buffers = _Buffers(B, capacity, dev)
         seqs = cls.__new__(cls)
-        seqs.prompt_len, seqs.max_new_tokens, seqs.pad_token_id = 0, end, like.pad_token_id
-        seqs.tokens, seqs.lengths, seqs.finished, seqs.padding = tokens, lengths, finished, padding  # [B, C], [B] x 3
-        seqs.eos, seqs._eos_tables = like.eos, {}
-        seqs.end = torch.full((), end, dtype=torch.long, device=tokens.device)  # []
-        seqs._steps = torch.arange(tokens.shape[1], device=tokens.device)  # [C]
+        seqs.prompt_len, seqs.max_new_tokens, seqs.pad_token_id = 0, end, first.pad_token_id
+        seqs.tokens = buffers.tokens.fill_(first.pad_token_id)  # [B, C]
+        start = 0
+        for b, rows in picked:
+            S = min(b.tokens.shape[1], capacity)
+            taken = b.tokens[:, :S] if rows is None else b.tokens[:, :S].index_select(0, rows)  # [M, S]
+            seqs.tokens[start:start + taken.shape[0], :S].copy_(taken)
+            start += taken.shape[0]
+        for name in ("lengths", "finished", "padding"):  # [B] each
+            values = [getattr(b, name) if rows is None else getattr(b, name).index_select(0, rows) for b, rows in picked]
+            setattr(seqs, name, getattr(buffers, name).copy_(torch.cat(values)))
+        seqs.eos, seqs._eos_tables = first.eos, {}
+        seqs.end, seqs._steps = buffers.end.fill_(end), buffers.steps  # [], [C]
+        if pool is not None:
+            weakref.finalize(seqs, pool.give, key, buffers).atexit = False
         seqs._host, seqs.next_inputs = None, None
         return seqs
 
