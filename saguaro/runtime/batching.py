@@ -75,7 +75,7 @@ class BatchSession:
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
             raise ValueError(f"temperature={temperature!r} is not allowed: it must be a finite number >= 0")
         self.program, self.mode, self.temperature = program, mode, float(temperature)
-        self.counters = Counters(program.config.k)  # every round of the session: accepted lengths, round times
+        self.counters = Counters(program.config.k)  # the last round's (accepted lengths, time): bounded memory
         self.rows: list[_Row] = []
         self.state: DecodeState | None = None
         self.joined = self.left_early = 0  # rows spliced in; rows dropped before their end (leave)
@@ -112,9 +112,7 @@ class BatchSession:
             alone = DecodeState(seqs, program.target.new_store(1, capacity),
                                 draft.new_store(1, capacity) if draft is not None else None, self.temperature,
                                 generator, program.config.k)
-            started = time.perf_counter()
             first = int(prefill(program.target, draft, alone)[0])
-            self.counters.prefill_s += since(started)
             for runner in filter(None, (program.target, draft)):
                 runner.first_tokens_out()  # a background compiler held until the first text starts
             row = _Row(next(self._ids), max_new_tokens, T + 1, 1, capacity, generator)
@@ -138,6 +136,7 @@ class BatchSession:
             if not self.rows:
                 return []
             state, seqs = self.state, self.state.seqs
+            self.counters = state.counters = Counters(program.config.k)  # a server's session may run for days
             started = time.perf_counter()
             if self.mode == "ar":
                 if self._launch is None:
@@ -216,5 +215,4 @@ class BatchSession:
                  for state, keep in indexed])
         generators = [r.generator for r in rows] if self.temperature > 0 else None
         self.state = DecodeState(seqs, target, draft, self.temperature, generators, program.config.k)
-        self.state.counters = self.counters
         self.rows, self._launch = rows, None

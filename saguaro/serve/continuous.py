@@ -84,8 +84,7 @@ class Continuous:
             return
         now = time.perf_counter()
         metrics.round(now - started, len(results))
-        decided = session.counters.accepted_lengths[-len(results):] if session.mode != "ar" else []
-        metrics.accepted(decided)
+        metrics.accepted(session.counters.accepted_lengths if session.mode != "ar" else [])  # this round's
         for got in results:
             job = self.jobs.get((temperature, got.row))
             if job is None or job.done:

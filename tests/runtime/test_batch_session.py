@@ -50,9 +50,9 @@ def drive(session, requests, leave_at=None):
     return tokens, sizes
 
 
-@pytest.mark.parametrize("mode", ["ar", "sd"])
-def test_greedy_rows_joining_and_leaving_equal_their_solo_output(mode):
-    _, _, program = tiny_program("llama", mode=mode)
+@pytest.mark.parametrize("arch,mode", [("llama", "ar"), ("llama", "sd"), ("mistral", "sd"), ("qwen3", "sd")])
+def test_greedy_rows_joining_and_leaving_equal_their_solo_output(arch, mode):
+    _, _, program = tiny_program(arch, mode=mode)
     ids, _ = prompts(6, 12, seed=21)
     requests = [(0, ids[0, :5].tolist(), 30, None), (0, ids[1, :12].tolist(), 9, None),
                 (2, ids[2, :3].tolist(), 20, None), (3, ids[3, :8].tolist(), 1, None),
@@ -92,6 +92,7 @@ def test_a_session_serves_between_generate_calls_and_refuses_what_it_cannot_run(
     got = first.new_tokens
     while session.size:
         got += sum((r.new_tokens for r in session.step()), [])
+        assert session.counters.rounds == 1 and len(session.counters.accepted_lengths) == 1  # the last round's only
     assert got == solo(program, [5, 6, 7], 6)
     with pytest.raises(ValueError, match="mode='ssd'"):
         BatchSession(program, mode="ssd")
