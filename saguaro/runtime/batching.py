@@ -185,15 +185,15 @@ class BatchSession:
     def _drop_leaving(self) -> None:
         if not self._leaving and not self._ended:
             return
-        self.left_early += len(self._leaving - self._ended)
         gone = self._leaving | self._ended
-        self._leaving, self._ended = set(), set()
         keep = [i for i, r in enumerate(self.rows) if r.id not in gone]
         if not keep:
             self.rows, self.state, self._launch = [], None, None
         elif len(keep) < len(self.rows):
             rows = [self.rows[i] for i in keep]
-            self._set(rows, [(self.state, keep)], max(r.capacity for r in rows))
+            self._set(rows, [(self.state, keep)], max(r.capacity for r in rows))  # raises: the rows stay marked
+        self.left_early += len(self._leaving - self._ended)
+        self._leaving, self._ended = set(), set()
 
     def _set(self, rows: list, parts: list, capacity: int) -> None:
         """The running batch is now ``rows``: the rows of ``parts`` (``(DecodeState, row indices or None)``)
