@@ -75,6 +75,13 @@ class Metrics:
         with self.lock:
             self.rows_left[why] = self.rows_left.get(why, 0) + 1
 
+    def accepted(self, decided: list) -> None:
+        """One speculative round of a running batch: the tokens it decided per row (accepted + 1)."""
+        if decided:
+            with self.lock:
+                self.accepted_sum += sum(decided) / len(decided)
+                self.accepted_rounds += 1
+
     def batch_done(self, stats: dict, counters) -> None:
         """A generation's statistics (one that ran to its end): accepted lengths, SSD cache hits."""
         with self.lock:

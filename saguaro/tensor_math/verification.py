@@ -21,7 +21,7 @@ def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def sample_tokens(
     logits: torch.Tensor,  # [B, V]
     temperature: float,
-    generator: torch.Generator | None,
+    generator,  # a torch.Generator, None, or a list of one generator per row
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Greedy argmax at temperature 0, else a draw from ``softmax(logits / T)``.
 
@@ -30,7 +30,21 @@ def sample_tokens(
     if temperature == 0.0:
         return logits.argmax(dim=-1), None
     probs = probabilities(logits, temperature)  # [B, V]
+    if isinstance(generator, (list, tuple)):  # one generator per row: each row draws as it would alone
+        drawn = [torch.multinomial(probs[b:b + 1], 1, generator=g) for b, g in enumerate(generator)]
+        return torch.cat(drawn).squeeze(-1), probs
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs
+
+
+def uniforms(shape: tuple, generator, device) -> torch.Tensor:
+    """``torch.rand(shape)`` from ``generator``; from a list of generators, one per row (``shape[0]`` of
+    them), row ``b`` drawn from ``generator[b]`` as ``torch.rand(1, *shape[1:])``: what that row draws in a
+    batch of its own (continuous batching: ``runtime.batching``)."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != shape[0]:
+            raise ValueError(f"{len(generator)} generators for {shape[0]} rows: give one generator per row")
+        return torch.cat([torch.rand(1, *shape[1:], generator=g, device=device) for g in generator])
+    return torch.rand(shape, generator=generator, device=device)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -95,7 +109,7 @@ def outcome_tokens(draft_tokens: torch.Tensor, accepted: torch.Tensor, next_toke
 
 def verification_uniforms(batch: int, k: int, generator, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The uniforms one sampled verification consumes: ``accept_u [B, K]`` and ``resample_u [B]``."""
-    u = torch.rand(batch, k + 1, generator=generator, device=device)
+    u = uniforms((batch, k + 1), generator, device)  # [B, K+1]
     return u[:, :k], u[:, k]
 
 

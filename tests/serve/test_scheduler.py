@@ -1,5 +1,6 @@
 """The scheduler without HTTP: requests submitted together each get, token for token, what they get alone
-through ``program.generate``, greedy rows batched together and a seeded sampled request on its own."""
+through ``program.generate``: AR and SD rows join and leave running batches (continuous batching), one batch
+per temperature, seeded sampled rows among them; SSD's batches run back to back."""
 
 import threading
 
@@ -45,8 +46,9 @@ def test_concurrent_greedy_and_sampled_requests_each_equal_their_solo_tokens():
         s = job.sampling
         assert job.tokens == solo(program, s.prompt_ids, s.max_tokens, s.temperature, s.seed)
         assert reason[0] == "done" and reason[1] in ("stop", "length")
-    # 9 greedy requests in batches of at most 4, the sampled one alone: at least 3 + 1 batches, fewer than 10
-    assert 4 <= metrics.batches < 10
+    # 9 greedy requests, at most 4 rows at once: back to back that is at least 3 batches and the sampled one's;
+    # here the greedy rows joined a running batch as others left, and the sampled one ran beside them
+    assert 2 <= metrics.batches < 4
     assert metrics.batch_rows.count > 0 and max(b for b, n in zip(metrics.batch_rows.buckets,
                                                                    metrics.batch_rows.counts) if n) <= 4
 
@@ -64,12 +66,26 @@ def test_greedy_batch_in_ssd_mode_equals_solo():
         program.close()
 
 
-def test_unseeded_sampled_requests_of_one_temperature_share_a_batch_seeded_ones_do_not():
+def test_sampled_requests_of_one_temperature_share_a_batch_seeded_or_not():
     _, _, program = tiny_program("llama", mode="sd")
     ids, _ = prompts(5, 8, seed=13)
     samplings = [Sampling(ids[i].tolist(), 6, temperature=0.7) for i in range(3)]
     samplings += [Sampling(ids[3].tolist(), 6, temperature=0.7, seed=1), Sampling(ids[4].tolist(), 6, temperature=0.5)]
     jobs, reasons, metrics = run_jobs(program, samplings)
     assert all(reason[0] == "done" for reason in reasons) and all(1 <= len(j.tokens) <= 6 for j in jobs)
-    assert metrics.batches == 3  # the three at 0.7 together; the seeded one alone; the one at 0.5 alone
+    assert metrics.batches == 2  # the four at 0.7 together (one generator per row), the one at 0.5 beside them
     assert jobs[3].tokens == solo(program, ids[3].tolist(), 6, 0.7, 1)
+
+
+def test_ssd_runs_a_seeded_sampled_request_in_a_batch_of_its_own():
+    _, _, program = tiny_program("llama", mode="ssd", lane="thread", sd_when_faster=False)
+    ids, _ = prompts(3, 8, seed=14)
+    samplings = [Sampling(ids[0].tolist(), 6, temperature=0.7, seed=2), Sampling(ids[1].tolist(), 6, temperature=0.7),
+                 Sampling(ids[2].tolist(), 6, temperature=0.7)]
+    try:
+        jobs, reasons, metrics = run_jobs(program, samplings)
+        assert all(reason[0] == "done" for reason in reasons)
+        assert metrics.batches == 2  # the seeded one alone, the two unseeded ones together
+        assert jobs[0].tokens == solo(program, ids[0].tolist(), 6, 0.7, 2)
+    finally:
+        program.close()

@@ -1,6 +1,7 @@
 """``saguaro serve`` through the official ``openai`` client on loopback: each answer is what the same request
 gives alone through ``program.generate`` (greedy token for token, seeded sampling the same draw), streamed
-or whole, completions and chat; concurrent requests batched; a client that leaves frees its row."""
+or whole, completions and chat; concurrent requests batched (a request joining a running batch, a client
+that leaves: ``test_serve_continuous.py``)."""
 
 import threading
 
@@ -134,41 +135,3 @@ def test_models_health_and_metrics(served):
                  "saguaro_batch_rows_bucket", "saguaro_mean_accepted_length", "saguaro_ssd_cache_hit_rate",
                  "saguaro_round_seconds_bucket", "saguaro_ttft_seconds_count"):
         assert name in metrics, name
-
-
-def test_a_client_that_disconnects_mid_stream_frees_its_row(served, monkeypatch):
-    """The scheduler is held after the first round until the server has seen the client leave (so the test
-    does not race the generation); the row then leaves at the next round and the batch ends early."""
-    scheduler = served.service.scheduler
-    jobs, real_hand_out = [], scheduler._hand_out
-
-    def submit(job, real=scheduler.submit):
-        jobs.append(job)
-        return real(job)
-
-    def hand_out(batch, chunk, now):
-        live = real_hand_out(batch, chunk, now)
-        if chunk.round == 1:
-            for _ in range(600):
-                if batch[0].leave:
-                    break
-                threading.Event().wait(0.1)
-        return live
-
-    monkeypatch.setattr(scheduler, "submit", submit)
-    monkeypatch.setattr(scheduler, "_hand_out", hand_out)
-    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.stream("POST", served.url + "/completions", json=body) as raw:
-        first = next(raw.iter_lines())
-        assert first.startswith("data: ")
-    for _ in range(600):
-        if scheduler.running == 0 and jobs[0].done:
-            break
-        threading.Event().wait(0.1)
-    assert jobs[0].leave == "client disconnected" and jobs[0].done
-    assert len(jobs[0].tokens) < 200  # it left before its budget: the batch stopped
-    monkeypatch.undo()
-    assert "saguaro_rows_left_early_total{reason=\"client disconnected\"}" in httpx.get(
-        served.url.removesuffix("/v1") + "/metrics").text
-    out = client(served).completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0)
-    assert out.choices[0].text == expected_text(served, served.tokenizer(PROMPT).input_ids, 5)[0]

@@ -151,3 +151,24 @@ class KVStore:
         sub.capacity = self.capacity
         sub._slot_index = self._slot_index
         return sub
+
+    def take_rows(self, parts: list) -> "KVStore":
+        """Fill this store's rows with the rows of ``parts``, one part after another: ``(store, rows)``, ``rows``
+        a ``[M]`` index of that store's rows or None for all of them. A part's slots past this store's
+        capacity must be empty; this store's slots past a part's capacity stay as they are (empty, in a fresh
+        store). Continuous batching (``runtime.batching``) splices a request's prefilled row into the running
+        batch so, in a pooled store (``KVPool``: its addresses, and its CUDA graphs, come back with its shape)."""
+        start = 0
+        for store, rows in parts:
+            S, M = min(store.capacity, self.capacity), store.slot_pos.shape[0] if rows is None else rows.numel()
+            for mine, theirs in zip((*self.k_caches, *self.v_caches, self.slot_pos, self.slot_branch),
+                                    (*store.k_caches, *store.v_caches, store.slot_pos, store.slot_branch)):
+                theirs = theirs[..., :S, :] if theirs.dim() == 4 else theirs[:, :S]  # [M', Hkv, S, D] or [M', S]
+                mine_rows = mine[start:start + M]
+                (mine_rows[..., :S, :] if mine.dim() == 4 else mine_rows[:, :S]).copy_(
+                    theirs if rows is None else theirs.index_select(0, rows))
+            start += M
+        if start != self.slot_pos.shape[0]:
+            raise ValueError(f"take_rows filled {start} rows of a store of {self.slot_pos.shape[0]}")
+        return self
+

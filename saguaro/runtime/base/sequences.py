@@ -104,6 +104,40 @@ class SequenceBatch:
         seqs.next_inputs = None  # the round's inputs come from these buffers
         return seqs
 
+    @classmethod
+    def gathered(cls, parts: list, capacity: int, end: int, pool: SequencePool | None = None) -> "SequenceBatch":
+        """A batch of the rows of ``parts``, one part after another: ``(batch, rows)``, ``rows`` a list of that
+        batch's row indices or None for all of them; ``capacity`` columns (a part's columns past it must be
+        padding), ``end`` the length at which every row finishes (continuous batching, ``runtime.batching``,
+        keeps each row's own budget on the host). Rows of several prompt lengths: ``prompt_len`` is 0, each
+        row's ``padding`` gives its positions. With ``pool``, the buffers are pooled as ``__init__``'s."""
+        first = parts[0][0]
+        picked = [(b, None if rows is None else torch.tensor(rows, dtype=torch.long, device=b.tokens.device))
+                  for b, rows in parts]
+        B, dev = sum(b.batch if rows is None else rows.numel() for b, rows in picked), first.tokens.device
+        key = SequencePool.key(B, capacity, dev)
+        buffers = pool.take(key) if pool is not None else None
+        if buffers is None:
+            buffers = _Buffers(B, capacity, dev)
+        seqs = cls.__new__(cls)
+        seqs.prompt_len, seqs.max_new_tokens, seqs.pad_token_id = 0, end, first.pad_token_id
+        seqs.tokens = buffers.tokens.fill_(first.pad_token_id)  # [B, C]
+        start = 0
+        for b, rows in picked:
+            S = min(b.tokens.shape[1], capacity)
+            taken = b.tokens[:, :S] if rows is None else b.tokens[:, :S].index_select(0, rows)  # [M, S]
+            seqs.tokens[start:start + taken.shape[0], :S].copy_(taken)
+            start += taken.shape[0]
+        for name in ("lengths", "finished", "padding"):  # [B] each
+            values = [getattr(b, name) if rows is None else getattr(b, name).index_select(0, rows) for b, rows in picked]
+            setattr(seqs, name, getattr(buffers, name).copy_(torch.cat(values)))
+        seqs.eos, seqs._eos_tables = first.eos, {}
+        seqs.end, seqs._steps = buffers.end.fill_(end), buffers.steps  # [], [C]
+        if pool is not None:
+            weakref.finalize(seqs, pool.give, key, buffers).atexit = False
+        seqs._host, seqs.next_inputs = None, None
+        return seqs
+
     @property
     def batch(self) -> int:
         return self.tokens.shape[0]

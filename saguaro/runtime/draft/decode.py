@@ -7,6 +7,7 @@ import torch
 from saguaro.core.stages import DRAFT_STEP
 from saguaro.runtime.base.kv_store import KVStore
 from saguaro.runtime.base.model_runner import ModelRunner
+from saguaro.tensor_math.verification import uniforms
 
 
 def draft_decode(
@@ -17,7 +18,7 @@ def draft_decode(
     positions: torch.Tensor,  # [B, n]
     k: int,
     temperature: float,
-    generator: torch.Generator | None,
+    generator,  # a torch.Generator, None, or one per row (a list)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decode ``k`` tokens after ``ids``: ``tokens [B, k]`` and the distributions drawn from ``[B, k, V]``."""
     store.invalidate_from(index[:, 0])
@@ -29,7 +30,7 @@ def draft_decode(
             (token,) = draft.run(stage, store, ids, positions, index)  # [B]
             prob = None
         else:
-            u = torch.rand(ids.shape[0], generator=generator, device=ids.device)
+            u = uniforms((ids.shape[0],), generator, ids.device)  # [B]: per row with one generator per row
             token, prob = draft.run(stage, store, ids, positions, index, inv_t, u)  # [B], [B, V]
         tokens.append(token)
         probs.append(prob)

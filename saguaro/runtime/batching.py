@@ -1,0 +1,218 @@
+"""Continuous batching at round granularity: a :class:`BatchSession` holds the rows of a running batch (their
+token buffers, both KV stores and, sampled, one ``torch.Generator`` per row) and, between rounds, lets rows
+join and leave it. ``saguaro serve``'s scheduler runs one per temperature (``saguaro.serve``).
+
+- :meth:`BatchSession.join` prefills a request alone, exactly as ``program.generate`` does for that prompt
+  (batch 1, the same padded prompt and store capacity, its own generator seeded as ``generate`` seeds it),
+  decides its first token, then splices its row into the running batch (``SequenceBatch.gathered``,
+  ``KVStore.take_rows``: slots a row never used are empty, as in a fresh store; the batch's tensors come
+  from the runners' pools, so each batch size and capacity keeps its addresses and its CUDA graphs).
+- :meth:`BatchSession.step` runs one round of every row: AR's step (or its greedy round stage), or SD's
+  ``k`` draft steps and one verify, the very functions ``generate``'s rounds call
+  (``runtime/decode/ar.py``, ``sd.py``). Sampled, each row draws its uniforms from its own generator in
+  the order it would alone (``tensor_math.verification.uniforms``), so a seeded request gets the tokens
+  ``generate`` gives it with that seed whoever its batch mates are; greedy rows are the target's greedy
+  tokens (a row attends to its own slots only; left padding and empty slots are masked).
+- A row whose request ended (EOS, its ``max_new_tokens``: the host keeps each row's budget and cuts the
+  round's tokens there) or that :meth:`BatchSession.leave` names is dropped before the next round: the
+  rows kept are copied into buffers and stores of their batch size, narrowed to the capacity they need.
+
+Mode ``ssd`` has no session: its draft lane holds its own batch (``runtime/lanes``), which cannot take rows
+between rounds; the server runs SSD batches back to back (``saguaro/serve/scheduler.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from saguaro.core.stages import TARGET_ROUND
+from saguaro.runtime.base.sequences import SequenceBatch
+from saguaro.runtime.base.state import DecodeState
+from saguaro.runtime.base.stats import Counters, since
+from saguaro.runtime.decode.ar import round_by_step, round_in_graph
+from saguaro.runtime.decode.prefill import prefill
+from saguaro.runtime.decode.sd import draft_speculation, verify_and_commit
+
+SESSION_MODES = ("ar", "sd")
+
+
+@dataclass(frozen=True)
+class RowTokens:
+    """What one row gained: ``row`` (the id :meth:`BatchSession.join` gave), its ``new_tokens`` (cut at its
+    ``max_new_tokens``), and ``finished`` (EOS or its budget reached: the row leaves before the next round)."""
+
+    row: int
+    new_tokens: list
+    finished: bool
+
+
+@dataclass
+class _Row:
+    id: int
+    budget: int  # max_new_tokens
+    emitted: int  # tokens of its buffer row handed out (the padded prompt's included)
+    generated: int  # new tokens handed out
+    capacity: int  # the store slots its generation needs, counted from its row's first column
+    generator: torch.Generator | None
+
+
+class BatchSession:
+    """The running batch of one ``temperature`` in ``mode`` ``ar`` or ``sd`` (default: the program's mode)
+    over a :class:`~saguaro.runtime.program.Program`. Each call holds the Program's lock, so ``generate``
+    calls of other threads run between rounds. One thread drives a session (the server's scheduler)."""
+
+    def __init__(self, program, temperature: float = 0.0, mode: str | None = None):
+        mode = mode or program.config.mode
+        if mode not in SESSION_MODES:
+            raise ValueError(f"mode={mode!r} is not allowed for a batch session: choose one of "
+                             f"{', '.join(SESSION_MODES)} (SSD's draft lane cannot take rows between rounds)")
+        if mode == "sd" and program.draft is None:
+            raise ValueError("mode='sd' needs a local draft model; compile with draft=... or use mode='ar'")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+            raise ValueError(f"temperature={temperature!r} is not allowed: it must be a finite number >= 0")
+        self.program, self.mode, self.temperature = program, mode, float(temperature)
+        self.counters = Counters(program.config.k)  # the last round's (accepted lengths, time): bounded memory
+        self.rows: list[_Row] = []
+        self.state: DecodeState | None = None
+        self.joined = self.left_early = 0  # rows spliced in; rows dropped before their end (leave)
+        self._leaving: set = set()  # ids of rows to drop before the next round: left early (leave) ...
+        self._ended: set = set()  # ... or ended (EOS, budget)
+        self._ids = itertools.count()
+        self._launch = None  # AR's round over the current rows (rebuilt when they change)
+
+    @property
+    def size(self) -> int:
+        """Rows in the running batch (those marked to leave included until the next round drops them)."""
+        return len(self.rows)
+
+    def join(self, prompt_ids, max_new_tokens: int, seed: int | None = None) -> RowTokens:
+        """Prefill ``prompt_ids`` (a list or ``[T]`` / ``[1, T]`` tensor) alone and decide its first token;
+        unless that ends it, the row runs in the batch's next round. ``seed``: as ``generate``'s (None at
+        temperature > 0: drawn from torch's global generator). Raises ``ValueError`` as ``generate`` would."""
+        program = self.program
+        ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) else torch.tensor([list(prompt_ids)])
+        with program._lock, torch.inference_mode():
+            _, ids, mask, eos_ids = program._validate(ids, max_new_tokens, self.temperature, "default", seed, None,
+                                                      self.mode)
+            if ids.shape[0] != 1:
+                raise ValueError(f"join takes one prompt (input_ids [1, T]); got a batch of {ids.shape[0]}")
+            padded_ids, padded_mask = program.shapes.pad_prompt(ids, mask, program.pad_token_id)
+            generator = None
+            if self.temperature > 0:  # as generate seeds its generator
+                base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long, device="cpu"))
+                generator = torch.Generator(device=program.target.spec.device).manual_seed(base)
+            program.prepare(self.mode, self.temperature)
+            T, capacity = padded_ids.shape[1], program._store_capacity(padded_ids.shape[1], max_new_tokens)
+            seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, program.pad_token_id)
+            draft = program.draft if self.mode == "sd" else None
+            alone = DecodeState(seqs, program.target.new_store(1, capacity),
+                                draft.new_store(1, capacity) if draft is not None else None, self.temperature,
+                                generator, program.config.k)
+            first = int(prefill(program.target, draft, alone)[0])
+            for runner in filter(None, (program.target, draft)):
+                runner.first_tokens_out()  # a background compiler held until the first text starts
+            row = _Row(next(self._ids), max_new_tokens, T + 1, 1, capacity, generator)
+            finished = not seqs.host_active[0]  # EOS, or a budget of one token
+            if not finished:
+                self._drop_leaving()
+                self._splice(row, alone)
+        return RowTokens(row.id, [first], finished)
+
+    def leave(self, row: int) -> None:
+        """Drop ``row`` (a :meth:`join` id) before the next round; a row not running is ignored."""
+        if any(r.id == row for r in self.rows) and row not in self._ended:
+            self._leaving.add(row)
+
+    def step(self) -> list[RowTokens]:
+        """One round of every running row (after dropping those that left): what each row gained, in the
+        order of the rows. Empty when no row runs."""
+        program = self.program
+        with program._lock, torch.inference_mode():
+            self._drop_leaving()
+            if not self.rows:
+                return []
+            state, seqs = self.state, self.state.seqs
+            self.counters = state.counters = Counters(program.config.k)  # a server's session may run for days
+            started = time.perf_counter()
+            if self.mode == "ar":
+                if self._launch is None:
+                    greedy = self.temperature == 0 and program.target.provides(TARGET_ROUND)
+                    self._launch = (round_in_graph if greedy else round_by_step)(program.target, state)
+                self._launch()
+                seqs = state.seqs
+                seqs.read()
+                decided = [1] * len(self.rows)
+                self.counters.accepted_lengths.extend(decided)
+                self.counters.rounds += 1
+            else:
+                draft_tokens, draft_probs = draft_speculation(program.draft, state)
+                self.counters.draft_s += since(started)
+                decided = verify_and_commit(program.target, state, draft_tokens, draft_probs).decided
+            self.counters.end_round(since(started), decided)
+            return self._hand_out(seqs)
+
+    def _hand_out(self, seqs: SequenceBatch) -> list[RowTokens]:
+        """Each row's new tokens (one device→host copy of ``[B, most gained]``), cut at its budget; rows that
+        ended are marked to leave."""
+        lengths, active = seqs.host_lengths, seqs.host_active
+        width = max(length - row.emitted for length, row in zip(lengths, self.rows))  # k + 1 at most
+        window = [[] for _ in self.rows]
+        if width > 0:
+            device = seqs.tokens.device
+            index = torch.tensor([row.emitted for row in self.rows], device=device)[:, None] + torch.arange(
+                width, device=device)[None, :]  # [B, width]
+            window = seqs.tokens.gather(1, index.clamp_max(seqs.tokens.shape[1] - 1)).tolist()
+        out = []
+        for row, tokens, length, on in zip(self.rows, window, lengths, active):
+            new = tokens[:length - row.emitted][:row.budget - row.generated]
+            row.emitted, row.generated = length, row.generated + len(new)
+            finished = not on or row.generated >= row.budget
+            if finished:
+                self._ended.add(row.id)
+            out.append(RowTokens(row.id, new, finished))
+        return out
+
+    def _splice(self, row: _Row, alone: DecodeState) -> None:
+        """Put ``alone``'s prefilled row after the running rows (one copy of the running batch's tensors)."""
+        parts = ([(self.state, None)] if self.state is not None else []) + [(alone, None)]
+        self._set(self.rows + [row], parts, max(r.capacity for r in self.rows + [row]))
+        self.joined += 1
+
+    def _drop_leaving(self) -> None:
+        if not self._leaving and not self._ended:
+            return
+        gone = self._leaving | self._ended
+        keep = [i for i, r in enumerate(self.rows) if r.id not in gone]
+        if not keep:
+            self.rows, self.state, self._launch = [], None, None
+        elif len(keep) < len(self.rows):
+            rows = [self.rows[i] for i in keep]
+            self._set(rows, [(self.state, keep)], max(r.capacity for r in rows))  # raises: the rows stay marked
+        self.left_early += len(self._leaving - self._ended)
+        self._leaving, self._ended = set(), set()
+
+    def _set(self, rows: list, parts: list, capacity: int) -> None:
+        """The running batch is now ``rows``: the rows of ``parts`` (``(DecodeState, row indices or None)``)
+        gathered into buffers and stores of ``capacity`` slots taken from the runners' pools, so the batch's
+        tensors have the addresses that batch size and capacity had before (CUDA graphs replay)."""
+        program = self.program
+        capacity = program.shapes.capacity(capacity)
+        seqs = SequenceBatch.gathered([(state.seqs, keep) for state, keep in parts], capacity, capacity,
+                                      program.target.seq_pool)
+        device = seqs.tokens.device
+        indexed = [(state, None if keep is None else torch.tensor(keep, dtype=torch.long, device=device))
+                   for state, keep in parts]
+        target = program.target.new_store(len(rows), capacity).take_rows(
+            [(state.target_store, keep) for state, keep in indexed])
+        draft = None
+        if self.mode == "sd":
+            draft = program.draft.new_store(len(rows), capacity).take_rows(
+                [(state.draft_store, None if keep is None else keep.to(state.draft_store.slot_pos.device))
+                 for state, keep in indexed])
+        generators = [r.generator for r in rows] if self.temperature > 0 else None
+        self.state = DecodeState(seqs, target, draft, self.temperature, generators, program.config.k)
+        self.rows, self._launch = rows, None

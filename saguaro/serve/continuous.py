@@ -1,0 +1,93 @@
+"""Continuous batching at round granularity for modes ``ar`` and ``sd`` (:mod:`saguaro.serve.scheduler`).
+
+Each turn of the loop, at a round boundary: the rows whose request ended early (client gone, stop string)
+leave their batch; waiting requests, in arrival order, up to ``max_batch`` rows in all, are prefilled alone
+and join the running batch of their temperature (:class:`~saguaro.runtime.batching.BatchSession`; the first
+token goes out at once); then every running batch decodes one round and each row's new tokens go out. A
+request that arrives while rows decode so starts streaming after at most one round of theirs, not after
+they end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from saguaro.runtime.batching import BatchSession
+
+log = logging.getLogger(__name__)
+
+
+class Continuous:
+    """The scheduler's loop for modes ``ar`` and ``sd``: one session per temperature."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.sessions: dict[float, BatchSession] = {}
+        self.jobs: dict[tuple, object] = {}  # (temperature, row id) -> the Job decoding in that row
+
+    def serve(self) -> None:
+        scheduler = self.scheduler
+        while True:
+            with scheduler.cond:
+                if not scheduler.wait_for_work(busy=bool(self.jobs)):
+                    return
+                joining = scheduler.take_waiting(scheduler.max_batch - len(self.jobs))
+                scheduler.running = len(self.jobs) + len(joining)
+            self._free_rows_left()
+            for job in joining:
+                self._join(job)
+            for temperature, session in list(self.sessions.items()):
+                if session.size:
+                    self._round(temperature, session)
+                if not session.size:
+                    self.sessions.pop(temperature, None)
+            with scheduler.cond:
+                scheduler.running = len(self.jobs)
+
+    def _free_rows_left(self) -> None:
+        """The rows whose request ended early leave their batch before its next round."""
+        for key, job in list(self.jobs.items()):
+            if job.leave:
+                job.done = True
+                self.scheduler.metrics.row_left(job.leave)
+                self.sessions[key[0]].leave(key[1])
+                del self.jobs[key]
+
+    def _join(self, job) -> None:
+        scheduler, sampling = self.scheduler, job.sampling
+        session = self.sessions.get(sampling.temperature)
+        try:
+            if session is None:
+                session = self.sessions[sampling.temperature] = BatchSession(scheduler.program, sampling.temperature)
+            if not session.size:
+                scheduler.metrics.batch_started()  # a batch starts when its first row joins
+            first = session.join(sampling.prompt_ids, sampling.max_tokens, seed=sampling.seed)
+        except Exception as exc:  # noqa: BLE001 - one failed request must not stop the server
+            log.exception("a request's prefill failed")
+            job.fail(exc)
+            return
+        # the session cuts each row at its max_tokens as the job does: a job done here is a row that never joined
+        if not job.take(first.new_tokens, first.finished, time.perf_counter(), scheduler.metrics, scheduler.eos):
+            self.jobs[(sampling.temperature, first.row)] = job
+
+    def _round(self, temperature: float, session: BatchSession) -> None:
+        scheduler, metrics = self.scheduler, self.scheduler.metrics
+        started = time.perf_counter()
+        try:
+            results = session.step()
+        except Exception as exc:  # noqa: BLE001 - one failed batch must not stop the server
+            log.exception("a round of %d row(s) failed", session.size)
+            for key in [key for key in self.jobs if key[0] == temperature]:
+                self.jobs.pop(key).fail(exc)
+            self.sessions.pop(temperature)
+            return
+        now = time.perf_counter()
+        metrics.round(now - started, len(results))
+        metrics.accepted(session.counters.accepted_lengths if session.mode != "ar" else [])  # this round's
+        for got in results:
+            job = self.jobs.get((temperature, got.row))
+            if job is None or job.done:
+                continue
+            if job.take(got.new_tokens, got.finished, now, metrics, scheduler.eos):  # and the row ends with it
+                del self.jobs[(temperature, got.row)]
