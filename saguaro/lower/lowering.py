@@ -111,8 +111,8 @@ def attention_implementation(backend: str, requested: str = "auto", device_type:
     ``"flex"`` there. ``"flex"`` (FlexAttention under an in-graph block mask) is opt-in for every stage:
     with torch 2.13 Inductor on CPU compiles it for multi-token stages but not for one-token steps,
     and it awaits a check on CUDA (``benchmarks/gpu_probe.py``). ``"reduce"``: Inductor on CPU, for the
-    :data:`REDUCED_ATTENTION` ``stage`` (requested: those stages on any backend and device, the others inline). See ``passes/lower_attention.py``."""
-    if requested == "reduce":  # one query per head: AR's target stages only, the others inline
+    :data:`REDUCED_ATTENTION` ``stage`` (requested: those stages anywhere, the others inline)."""
+    if requested == "reduce":
         return "reduce" if stage in REDUCED_ATTENTION else "inline"
     if requested != "auto":
         return requested
