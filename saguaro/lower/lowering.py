@@ -94,8 +94,7 @@ def shape_policy(backend: str) -> ShapePolicy:
 # dense additive mask. Off until benchmarks/gpu_probe.py shows flex exact and faster than SDPA there;
 # then this one line makes it the default (SDPA, "inline", stays the fallback everywhere else).
 FLEX_TREE_ON_CUDA = False
-# attention="auto" of Inductor on CPU for AR's target stages (one query row per head): "reduce", not SDPA (AR
-# 1.13-1.17x on the default pair; the draft's step measured 0.93-1.03x of SD with it: it keeps SDPA)
+# attention="auto" of Inductor on CPU for AR's target stages: "reduce", not SDPA (AR 1.13-1.17x; the draft's step 0.93-1.03x)
 REDUCED_ATTENTION = (TARGET_STEP, TARGET_ROUND)
 
 
