@@ -111,10 +111,8 @@ def attention_implementation(backend: str, requested: str = "auto", device_type:
     with torch 2.13 Inductor on CPU compiles it for multi-token stages but not for one-token steps,
     and it awaits a check on CUDA (``benchmarks/gpu_probe.py``). ``"reduce"``: Inductor on CPU, for the
     :data:`REDUCED_ATTENTION` ``stage`` (requested: those stages anywhere, the others inline)."""
-    if requested == "reduce":
-        return "reduce" if stage in REDUCED_ATTENTION else "inline"
     if requested != "auto":
-        return requested
+        return ("reduce" if stage in REDUCED_ATTENTION else "inline") if requested == "reduce" else requested
     if backend != "inductor":
         return "op"
     flex_tree = FLEX_TREE_ON_CUDA if flex_tree is None else flex_tree
