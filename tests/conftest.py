@@ -27,6 +27,15 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 
+# What stays alive for the whole session (torch, sympy, transformers and the other modules imported while collecting
+# the tests: about 380,000 objects) is frozen out of the cyclic collector's reach after collection, so its full
+# collections no longer walk them again and again. The thresholds stay Python's: raising them (rarer collections)
+# was tried and left cyclic garbage holding a remote lane's connection and a CUDA-graph test's pool alive.
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_configure(config):
     """The run's captures are kept on disk in a folder of its own (``SAGUARO_CACHE_DIR``, made here in the
     controlling process, so xdist workers and the processes tests start share it; removed at the end):

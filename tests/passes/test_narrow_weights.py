@@ -134,6 +134,7 @@ def test_one_narrow_copy_per_weight_is_shared_by_every_stage():
     assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_k, want_k))
 
 
+@pytest.mark.heavy  # two Inductor compiles of a step: about 35 s with an empty cache on a loaded 2-core CPU
 def test_inductor_narrowed_step_equals_the_float32_step_up_to_rounding_order():
     """Not bit for bit: Inductor's kernels reading float16 weights take 16 lanes where float32's take 8 (AVX2),
     and their reductions add in that order (measured: at hidden sizes 32, 64 and 128 logits and caches differ
