@@ -94,7 +94,7 @@ class BatchSession:
         unless that ends it, the row runs in the batch's next round. ``seed``: as ``generate``'s (None at
         temperature > 0: drawn from torch's global generator). Raises ``ValueError`` as ``generate`` would."""
         program = self.program
-        ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) else torch.tensor([list(prompt_ids)])
+        ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) else torch.tensor([list(prompt_ids)], device="cpu")  # as a caller of generate gives it
         with program._lock, torch.inference_mode():
             _, ids, mask, eos_ids = program._validate(ids, max_new_tokens, self.temperature, "default", seed, None,
                                                       self.mode)
