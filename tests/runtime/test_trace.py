@@ -43,6 +43,8 @@ def test_trace_is_valid_and_names_every_stage_call(mode, tmp_path):
     draft_calls = _names(trace, "draft")
     if mode == "sd":
         assert draft_calls.count("draft.step_greedy") == K * len(rounds)
+        # the first round feeds the draft two tokens: the first one's step writes its KV only
+        assert draft_calls[:3] == ["draft.prefill", "draft.step_greedy catch-up", "draft.step_greedy"]
         return
     # SSD: every build holds a glue and one tree slice per depth, nested in it
     builds = _names(trace, "draft").count("build")

@@ -166,6 +166,7 @@ class ModelRunner:
         branch: torch.Tensor | None = None,  # [B, T]; None: shared (0)
         limit: torch.Tensor | None = None,  # [B, T]; None: the query's own position
         depth: int | None = None,  # tree depth, named in traces
+        note: str | None = None,  # what the call is for, named in traces after the stage
         claimed: bool = False,  # the write slots hold these tokens already (AR's round claimed them)
     ):
         """Call ``stage`` on the store; returns the stage's outputs (a tuple), on ``input_ids``' device."""
@@ -182,6 +183,7 @@ class ModelRunner:
             self._timed(stage.qualified, watch.stop())
         else:  # a slice named by the stage on this model's track
             name = stage.qualified if depth is None else f"{stage.qualified} depth {depth}"
+            name = name if note is None else f"{name} {note}"
             slice_args = {"rows": int(input_ids.shape[0]), "tokens": int(input_ids.shape[1])}
             with self.recorder.slice(self.name, name, slice_args):
                 out = fn(*args, *extra)

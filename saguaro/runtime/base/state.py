@@ -25,6 +25,10 @@ class DecodeState:
     recorder: object = None  # a runtime.trace.TraceRecorder when this generate is traced
     on_round: object = None  # called with ``seqs`` once a round's tokens are committed (streaming)
     counters: Counters = field(init=False)
+    # the tokens the next draft call feeds each row: 2 (the pending token and the one before it, whose draft
+    # KV is missing when the last round accepted all k draft tokens) unless the last round's outcome showed
+    # every active row accepted fewer than k, when the draft holds the one before and 1 suffices
+    draft_feed: int = field(init=False, default=2)
 
     def __post_init__(self):
         self.counters = Counters(self.k)

@@ -25,7 +25,9 @@ def draft_speculation(draft: ModelRunner, state: DecodeState) -> tuple[torch.Ten
     """Draft ``k`` tokens after each row's pending token: ``tokens [B, k]`` and ``probs [B, k, V]``.
 
     The first draft call feeds the last two tokens of each row, so it (re)writes the draft KV of the
-    token before ``r`` — missing when the previous round accepted every draft token — and of ``r``.
+    token before ``r`` — missing when the previous round accepted every draft token — and of ``r``; only
+    ``r`` when the last round's outcome showed that no active row accepted all ``k`` (``state.draft_feed``:
+    the draft's KV of the token before ``r`` is then the one its own step wrote, so the tokens are the same).
     """
     seqs = state.seqs
     if seqs.next_inputs is not None:  # made by the last round's stage
@@ -33,6 +35,8 @@ def draft_speculation(draft: ModelRunner, state: DecodeState) -> tuple[torch.Ten
     else:
         index = seqs.tail_index(2)  # [B, 2]
         ids, positions = seqs.gather(index), seqs.positions(index)
+    if state.draft_feed == 1:
+        ids, index, positions = ids[:, 1:], index[:, 1:], positions[:, 1:]  # [B, 1] x 3 (draft_decode copies)
     return draft_decode(draft, state.draft_store, ids, index, positions, state.k, state.temperature, state.generator)
 
 
@@ -138,6 +142,8 @@ def counted(state: DecodeState, outcome: Outcome) -> Outcome:
     """Count a round's ``outcome``, just read from the device."""
     state.counters.settle()  # the verify's timing events, passed by the device before the read returned
     decided = outcome.decided
+    # the next draft call feeds one token unless a row accepted all k (the draft never saw the last of them)
+    state.draft_feed = 2 if any(a >= state.k for a in outcome.accepted_if_active if a is not None) else 1
     state.counters.accepted_lengths.extend(decided)
     state.counters.rounds += 1
     if state.recorder is not None:

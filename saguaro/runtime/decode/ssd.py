@@ -122,6 +122,7 @@ def _finish_with_sd(target: ModelRunner, draft: ModelRunner | None, state: Decod
         decode_ar(target, None, state, None, None)
         return
     state.draft_store = draft.new_store(seqs.batch, state.target_store.capacity)
+    state.draft_feed = 2  # SD's first draft call rewrites the two last tokens, as after any prefill
     width = max(seqs.host_lengths) - 1  # every decided token but the pending one of the longest row
     # shorter rows also write slots past their pending token; SD drops those before it drafts
     index = torch.arange(width, device=seqs.tokens.device).expand(seqs.batch, width)

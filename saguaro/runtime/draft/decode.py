@@ -9,6 +9,8 @@ from saguaro.runtime.base.kv_store import KVStore
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.tensor_math.verification import uniforms
 
+CATCH_UP = "catch-up"  # a trace's name for a step whose output is unused (the KV of a token before the last)
+
 
 def draft_decode(
     draft: ModelRunner,
@@ -20,11 +22,20 @@ def draft_decode(
     temperature: float,
     generator,  # a torch.Generator, None, or one per row (a list)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Decode ``k`` tokens after ``ids``: ``tokens [B, k]`` and the distributions drawn from ``[B, k, V]``."""
+    """Decode ``k`` tokens after ``ids``: ``tokens [B, k]`` and the distributions drawn from ``[B, k, V]``.
+
+    Greedy, the tokens before the last are fed one at a time (their outputs unused: only their KV is
+    wanted), so every call is the one-token step a round's other steps are (one compiled shape; on a
+    CPU a two-token step reads each weight twice and cost 2.4x a one-token one). Sampled, they go with
+    the last in one call, which draws one uniform per row as every step does."""
     store.invalidate_from(index[:, 0])
     stage = DRAFT_STEP.at(temperature)
     tokens, probs = [], []
     inv_t = torch.full((), 1.0 / temperature, device=ids.device) if temperature > 0 else None  # a fill: no sync
+    if inv_t is None:
+        for j in range(ids.shape[1] - 1):  # [B, 1] each, contiguous as the later steps' inputs are
+            draft.run(stage, store, *(_one_column(t, j) for t in (ids, positions, index)), note=CATCH_UP)
+        ids, positions, index = (_one_column(t, -1) for t in (ids, positions, index))  # [B, 1] x 3
     for _ in range(k):
         if inv_t is None:
             (token,) = draft.run(stage, store, ids, positions, index)  # [B]
@@ -37,3 +48,9 @@ def draft_decode(
         ids, index, positions = token[:, None], index[:, -1:] + 1, positions[:, -1:] + 1
     stacked_probs = torch.stack(probs, dim=1) if probs[0] is not None else None  # [B, k, V]
     return torch.stack(tokens, dim=1), stacked_probs  # [B, k]
+
+
+def _one_column(t: torch.Tensor, j: int) -> torch.Tensor:
+    """Column ``j`` of ``t [B, n]`` as a new ``[B, 1]`` tensor with the strides of a fresh one: what the
+    later steps feed, so every step's call matches one compiled graph's guards."""
+    return t[:, j:j + 1 if j != -1 else None].clone(memory_format=torch.contiguous_format)
