@@ -26,6 +26,7 @@ from saguaro.lower.compile_helper import helper_wanted
 from saguaro.models_io import check_pair
 from saguaro.passes import run_pipeline
 from saguaro.passes.fuse_projections import fusion_applies
+from saguaro.passes.lower_attention import attention_kernel
 from saguaro.passes.pipeline import PipelineStages, build_stage
 from saguaro.runtime.lanes.draft_files import RemoteDraft
 from saguaro.runtime.lanes.remote import RemoteEndpoint
@@ -182,7 +183,9 @@ class CompiledStages(PipelineStages):
         (``linears``, ``"gemm"``, ``"reduction"``, ``"packed"`` or ``"template"``, when given, instead of the choice; the
         template's graph keeps the GEMMs, as ``"gemm"``'s: only its compile settings differ)."""
         attention = attention_implementation(self.backend, self.requested_attention, self.device_type, stage.mask,
-                                             stage=stage)
+                                             stage=stage, kernel_built=self._kernels_built())
+        if attention == "kernel" and not packed_kernel_available():  # asked for, but no compiler here
+            attention = "inline"
         linears = linears or linear_implementation(self.backend, self.requested_linears, self.device_type,
                                                    stage.family)
         linears = "gemm" if linears == "template" else linears
@@ -194,6 +197,11 @@ class CompiledStages(PipelineStages):
         fuse = fusion_applies(self.backend, self.device_type, linears, self.fuse_projections)
         return build_stage(self.graph_module, stage, self.width, attention=attention, observe=observe, linears=linears,
                            narrow=narrow, fuse=fuse, narrow_panels=self.narrow_weights)
+
+    def _kernels_built(self) -> bool:
+        """Whether the ``saguaro_kernels`` library is at hand where ``"auto"`` would pick its attention (Inductor
+        on CPU): built, or built now (seconds, once per machine)."""
+        return self.backend == "inductor" and self.device_type == "cpu" and packed_kernel_available()
 
     def __call__(self, stage: Stage):
         linears = linear_implementation(self.backend, self.requested_linears, self.device_type, stage.family)
@@ -211,7 +219,8 @@ class CompiledStages(PipelineStages):
                               dynamic_dims=varying, eager_gm=eager_gm,
                               config_patch=TEMPLATE_GEMM_CONFIG if linears == "template" else None)
         inner = getattr(lowered, "compiled", lowered)  # a tiered stage's CompiledStage
-        if hasattr(inner, "helper_setup") and linears == "packed":
+        kernel_attention = any(node.target is attention_kernel for node in gm.graph.nodes)
+        if hasattr(inner, "helper_setup") and (linears == "packed" or kernel_attention):
             inner.helper_setup = (PACKED_SETUP,)  # the compile helper loads the kernel's library first
         return lowered
 

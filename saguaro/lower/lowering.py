@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.core.errors import ConfigError, SaguaroError
-from saguaro.core.stages import DRAFT_TREE, FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES, TARGET_ROUND, TARGET_STEP, Stage
+from saguaro.core.stages import (DRAFT_STEP, DRAFT_TREE, FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES, TARGET_ROUND,
+                                  TARGET_STEP, TARGET_VERIFY, TARGET_VERIFY_ROUND, Stage)
 from saguaro.lower.cuda_graphs import GraphedStage
 from saguaro.lower.direct_call import (compile_with_inductor, direct_call, direct_calls_wanted, held_tensors,
                                        recording)
@@ -96,11 +97,14 @@ def shape_policy(backend: str) -> ShapePolicy:
 FLEX_TREE_ON_CUDA = False
 # attention="auto" of Inductor on CPU for AR's target stages: "reduce", not SDPA (AR 1.13-1.17x; the draft's step 0.93-1.03x)
 REDUCED_ATTENTION = (TARGET_STEP, TARGET_ROUND)
+# attention="auto" of Inductor on CPU for SD's verify and the draft's step: the masked_attention C++ kernel (a
+# verify's 6 rows over 256 slots 37 us against SDPA's 64; a draft step's row 7 against 15), where it builds
+KERNEL_ATTENTION = (*TARGET_VERIFY, TARGET_VERIFY_ROUND, *DRAFT_STEP)
 
 
 def attention_implementation(backend: str, requested: str = "auto", device_type: str = "cpu",
                              mask: str | None = None, flex_tree: bool | None = None,
-                             stage: Stage | None = None) -> str:
+                             stage: Stage | None = None, kernel_built: bool = False) -> str:
     """How the ``lower_attention`` pass lowers the attention nodes of a stage with attention mask
     ``mask`` (``stage.mask``; None: any stage) on ``device_type``: ``requested`` unless ``"auto"``; then
     the custom op for the eager backend and the op's math inline for Inductor (it fuses the KV write;
@@ -110,9 +114,15 @@ def attention_implementation(backend: str, requested: str = "auto", device_type:
     ``"flex"`` there. ``"flex"`` (FlexAttention under an in-graph block mask) is opt-in for every stage:
     with torch 2.13 Inductor on CPU compiles it for multi-token stages but not for one-token steps,
     and it awaits a check on CUDA (``benchmarks/gpu_probe.py``). ``"reduce"``: Inductor on CPU, for the
-    :data:`REDUCED_ATTENTION` ``stage`` (requested: those stages anywhere, the others inline)."""
+    :data:`REDUCED_ATTENTION` ``stage`` (requested: those stages anywhere, the others inline). ``"kernel"``:
+    Inductor on CPU, for the :data:`KERNEL_ATTENTION` ``stage`` where the ``saguaro_kernels`` library builds
+    (``kernel_built``; requested: those stages on a CPU, the others inline)."""
+    if requested == "reduce":
+        return "reduce" if stage in REDUCED_ATTENTION else "inline"
+    if requested == "kernel":
+        return "kernel" if stage in KERNEL_ATTENTION and device_type == "cpu" else "inline"
     if requested != "auto":
-        return ("reduce" if stage in REDUCED_ATTENTION else "inline") if requested == "reduce" else requested
+        return requested
     if backend != "inductor":
         return "op"
     flex_tree = FLEX_TREE_ON_CUDA if flex_tree is None else flex_tree
@@ -120,6 +130,8 @@ def attention_implementation(backend: str, requested: str = "auto", device_type:
         return "flex"
     if device_type == "cpu" and stage in REDUCED_ATTENTION:
         return "reduce"
+    if device_type == "cpu" and stage in KERNEL_ATTENTION and kernel_built:
+        return "kernel"
     return "inline"
 
 

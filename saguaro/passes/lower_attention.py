@@ -19,6 +19,11 @@ Guarantees, by ``implementation``:
 * ``"reduce"`` (Inductor on CPU, AR's target stages): as ``"inline"``, the attention itself as products and
   sums Inductor compiles into its own reductions rather than an SDPA call (:func:`attention_reduced`);
   outputs equal the op's up to float rounding.
+* ``"kernel"`` (Inductor on CPU, the decode stages that attend a few rows: SD's verify, the draft's step): as
+  ``"inline"``, the attention itself as the ``saguaro_kernels::masked_attention`` C++ op
+  (:mod:`~saguaro.tensor_math.masked_attention`), which reads only the slots the mask leaves visible, instead
+  of an SDPA call (:func:`attention_kernel`); outputs equal the op's up to float rounding. Float32 only (other
+  dtypes, softcap and sinks keep the inline math).
 * ``"flex"`` (opt-in, meant for Inductor on CUDA): the KV write as for ``"inline"``, then
   FlexAttention over the store under a block mask built once per forward per layer kind (full,
   sliding window, chunk: read from ``meta["saguaro_mask"]`` of the node that yields the layer's
@@ -47,7 +52,7 @@ from saguaro.passes.base.graph_splice import PassError, keeps_mutations
 
 log = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("op", "inline", "flex", "reduce")
+IMPLEMENTATIONS = ("op", "inline", "flex", "reduce", "kernel")
 # query, key, value, k_cache, v_cache, write_slots, bias, scale (+ softcap, sinks for the variants op)
 OP_ARGS = {op: 8 if op is ATTENTION_OP else 10 for op in ATTENTION_OPS}
 MASK_INPUTS = ("write_slots", "positions", "query_branch", "query_limit", "slot_pos", "slot_branch")
@@ -107,6 +112,22 @@ def attention_reduced(query, key, value, k_cache, v_cache, write_slots, bias, sc
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(v_cache.dtype)  # [B, Hkv, rows, S]
     out = (probs[..., None] * v_cache[:, :, None, :, :]).sum(-2)  # [B, Hkv, rows, D]
     return out.reshape(B, H, T, D).to(query.dtype).contiguous()
+
+
+def attention_kernel(query, key, value, k_cache, v_cache, write_slots, bias, scale: float, softcap: float = 0.0,
+                     sinks=None) -> torch.Tensor:  # the arguments (and their shapes) of attention_inline
+    """The op as ``"inline"`` lowers it, its attention as the ``saguaro_kernels::masked_attention`` op (the query
+    groups of a KV head folded into its rows, as :func:`~saguaro.capture.attention_op.attention_reference`
+    folds them for SDPA). Returns ``[B, H, T, D]``; equal to the op's up to float rounding."""
+    float32 = all(t.dtype == torch.float32 for t in (query, k_cache, v_cache, bias))
+    if softcap != 0.0 or sinks is not None or not float32:
+        return attention_inline(query, key, value, k_cache, v_cache, write_slots, bias, scale, softcap, sinks)
+    write_kv(key, value, k_cache, v_cache, write_slots)
+    B, H, T, D = query.shape
+    Hkv = k_cache.shape[1]
+    q = query.reshape(B, Hkv, (H // Hkv) * T, D)  # [B, Hkv, G*T, D]: heads of one group are adjacent
+    out = torch.ops.saguaro_kernels.masked_attention(q, k_cache, v_cache, bias, scale)  # [B, Hkv, G*T, D]
+    return out.reshape(B, H, T, D)
 
 
 def flex_block_mask(
@@ -187,9 +208,10 @@ def lower_attention(gm: torch.fx.GraphModule, implementation: str, window: int =
         if len(node.args) != OP_ARGS[node.target] or node.kwargs:
             raise PassError(f"lower_attention: FX node {node.name!r} has {len(node.args)} positional and "
                             f"{len(node.kwargs)} keyword arguments, expected {OP_ARGS[node.target]} and 0")
-    if implementation in ("inline", "reduce"):
-        for node in nodes:  # same arguments, same result (reduce: up to rounding), same cache writes
-            node.target = attention_inline if implementation == "inline" else attention_reduced
+    if implementation in ("inline", "reduce", "kernel"):
+        target = {"inline": attention_inline, "reduce": attention_reduced, "kernel": attention_kernel}[implementation]
+        for node in nodes:  # same arguments, same result (reduce, kernel: up to rounding), same cache writes
+            node.target = target
     else:
         inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
         missing = [name for name in MASK_INPUTS if name not in inputs]

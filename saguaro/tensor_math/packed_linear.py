@@ -9,9 +9,11 @@ float32: the result does not depend on the storage dtype (a float16-held weight 
 outputs bit for bit), the vector width (the scalar loop, ``packed_linear_scalar``, gives the same bits) or the
 thread count. Inductor calls it as an extern kernel (from its C++ wrapper through the dispatcher).
 
-The C++ source is compiled at first use with the machine's instruction set (``-march=native``) by
+The C++ sources of the ``saguaro_kernels`` library (this kernel's and ``masked_attention.cpp``'s, see
+:mod:`~saguaro.tensor_math.masked_attention`) are compiled at first use with the machine's instruction set
+(``-march=native``) by
 ``torch.utils.cpp_extension`` into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), under a
-name derived from the source, the flags, torch's version and the CPU, so later processes load the library
+name derived from the sources, the flags, torch's version and the CPU, so later processes load the library
 (``torch.ops.load_library``) without compiling it or importing the builder.
 :func:`available` says whether it could be built (no compiler: the caller keeps another implementation).
 """
@@ -30,7 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 PANEL = 16  # output columns a panel holds (NB in the C++ source)
-SOURCE = Path(__file__).with_name("packed_linear.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.cpp", "masked_attention.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _lock = threading.Lock()
 _state: dict = {}  # "loaded": True / False once tried; "error": why not
@@ -47,8 +49,8 @@ def _cpu_signature() -> str:
 
 
 def library_name() -> str:
-    """The extension's name: one per source, flags, torch version and CPU (so a cached build always fits)."""
-    digest = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(CFLAGS), torch.__version__,
+    """The extension's name: one per sources, flags, torch version and CPU (so a cached build always fits)."""
+    digest = hashlib.sha256("\n".join([*(source.read_text() for source in SOURCES), " ".join(CFLAGS), torch.__version__,
                                        _cpu_signature()]).encode()).hexdigest()[:16]
     return f"saguaro_packed_linear_{digest}"
 
@@ -85,7 +87,7 @@ def _load() -> None:
     from torch.utils.cpp_extension import load  # not load_inline: it prepends torch/extension.h (a minute of g++)
 
     folder.mkdir(parents=True, exist_ok=True)
-    load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+    load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False, build_directory=str(folder))
 
 
@@ -96,10 +98,15 @@ def unavailable_reason() -> str | None:
 def _register_fakes() -> None:
     for name in ("packed_linear", "packed_linear_scalar"):
         torch.library.register_fake(f"saguaro_kernels::{name}")(_fake)
+    torch.library.register_fake("saguaro_kernels::masked_attention")(_fake_attention)
 
 
 def _fake(x, packed, n):
     return x.new_empty((x.shape[0], n))  # [M, n]
+
+
+def _fake_attention(q, k, v, bias, scale):
+    return q.new_empty(q.shape)  # [B, G, R, D]
 
 
 def vectorised() -> bool:
