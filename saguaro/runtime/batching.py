@@ -17,14 +17,21 @@ join and leave it. ``saguaro serve``'s scheduler runs one per temperature (``sag
   round's tokens there) or that :meth:`BatchSession.leave` names is dropped before the next round: the
   rows kept are copied into buffers and stores of their batch size, narrowed to the capacity they need.
 
-Mode ``ssd`` has no session: its draft lane holds its own batch (``runtime/lanes``), which cannot take rows
-between rounds; the server runs SSD batches back to back (``saguaro/serve/scheduler.py``).
+Mode ``ssd`` (:mod:`saguaro.runtime.batching_ssd`): the draft lane's server holds the running rows too, and
+changes them between rounds as the session does (``join_rows``, ``keep_rows``); a round is ``ssd_round``, as in
+``generate``. The session's first row is planned as ``generate`` plans it alone, so its rounds may run SD (or AR
+with a remote draft only): ``run`` says which, ``why`` why. A lane failure (or a ``generate`` call that takes
+the lane between rounds) leaves the rows to SD, exactly, and the session goes on. Greedy rows and unseeded
+sampled rows only: SSD's draft lane draws its randomness from one generator for the whole batch, so only alone
+(``generate``) are a seeded request's tokens those ``generate`` gives it with that seed; :meth:`BatchSession.join`
+refuses a seed in mode ``ssd`` at temperature > 0.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +40,15 @@ from saguaro.core.stages import TARGET_ROUND
 from saguaro.runtime.base.sequences import SequenceBatch
 from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import Counters, since
+from saguaro.runtime.batching_ssd import SessionLane
+from saguaro.core.warnings_at_caller import warn_at_caller
 from saguaro.runtime.decode.ar import round_by_step, round_in_graph
 from saguaro.runtime.decode.prefill import prefill
 from saguaro.runtime.decode.sd import draft_speculation, verify_and_commit
+from saguaro.runtime.decode.ssd import catch_up_draft
+from saguaro.runtime.lanes.protocol import DraftLaneError
 
-SESSION_MODES = ("ar", "sd")
+SESSION_MODES = ("ar", "sd", "ssd")
 
 
 @dataclass(frozen=True)
@@ -61,7 +72,7 @@ class _Row:
 
 
 class BatchSession:
-    """The running batch of one ``temperature`` in ``mode`` ``ar`` or ``sd`` (default: the program's mode)
+    """The running batch of one ``temperature`` in ``mode`` ``ar``, ``sd`` or ``ssd`` (default: the program's mode)
     over a :class:`~saguaro.runtime.program.Program`. Each call holds the Program's lock, so ``generate``
     calls of other threads run between rounds. One thread drives a session (the server's scheduler)."""
 
@@ -69,12 +80,17 @@ class BatchSession:
         mode = mode or program.config.mode
         if mode not in SESSION_MODES:
             raise ValueError(f"mode={mode!r} is not allowed for a batch session: choose one of "
-                             f"{', '.join(SESSION_MODES)} (SSD's draft lane cannot take rows between rounds)")
+                             f"{', '.join(SESSION_MODES)}")
         if mode == "sd" and program.draft is None:
             raise ValueError("mode='sd' needs a local draft model; compile with draft=... or use mode='ar'")
+        if mode == "ssd" and program.lanes is None:
+            raise ValueError("mode='ssd' needs a draft model (local or a draft server); compile with draft=...")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
             raise ValueError(f"temperature={temperature!r} is not allowed: it must be a finite number >= 0")
         self.program, self.mode, self.temperature = program, mode, float(temperature)
+        self.run, self.why = mode, f"mode {mode} asked"  # the rounds run (ssd: as planned at the first row)
+        self.lanes_failed = 0  # ssd: lanes that failed under this session (its rows went on with SD)
+        self.ssd = SessionLane(program, self) if mode == "ssd" else None
         self.counters = Counters(program.config.k)  # the last round's (accepted lengths, time): bounded memory
         self.rows: list[_Row] = []
         self.state: DecodeState | None = None
@@ -92,7 +108,8 @@ class BatchSession:
     def join(self, prompt_ids, max_new_tokens: int, seed: int | None = None) -> RowTokens:
         """Prefill ``prompt_ids`` (a list or ``[T]`` / ``[1, T]`` tensor) alone and decide its first token;
         unless that ends it, the row runs in the batch's next round. ``seed``: as ``generate``'s (None at
-        temperature > 0: drawn from torch's global generator). Raises ``ValueError`` as ``generate`` would."""
+        temperature > 0: drawn from torch's global generator; mode ``ssd`` takes none there: a seeded sampled
+        request runs alone, through ``generate``). Raises ``ValueError`` as ``generate`` would."""
         program = self.program
         ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) else torch.tensor([list(prompt_ids)], device="cpu")  # as a caller of generate gives it
         with program._lock, torch.inference_mode():
@@ -100,27 +117,38 @@ class BatchSession:
                                                       self.mode)
             if ids.shape[0] != 1:
                 raise ValueError(f"join takes one prompt (input_ids [1, T]); got a batch of {ids.shape[0]}")
+            if self.mode == "ssd" and self.temperature > 0 and seed is not None:
+                raise ValueError(f"seed={seed!r}: a batch session in mode 'ssd' takes no seed at temperature > 0 "
+                                 "(the draft lane draws from one generator per batch); run a seeded request alone "
+                                 "with generate")
             padded_ids, padded_mask = program.shapes.pad_prompt(ids, mask, program.pad_token_id)
-            generator = None
+            generator = base = None
             if self.temperature > 0:  # as generate seeds its generator
                 base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long, device="cpu"))
                 generator = torch.Generator(device=program.target.spec.device).manual_seed(base)
-            program.prepare(self.mode, self.temperature)
+            self._drop_leaving()
+            if self.mode == "ssd" and not self.rows:  # the first row: planned as generate plans it alone
+                plan = self.ssd.plan_first((padded_ids, padded_mask, max_new_tokens, eos_ids, self.temperature), base)
+                self.run, self.why = plan.run, plan.why
+            program.prepare(self.run, self.temperature)
             T, capacity = padded_ids.shape[1], program._store_capacity(padded_ids.shape[1], max_new_tokens)
             seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, program.pad_token_id)
-            draft = program.draft if self.mode == "sd" else None
+            draft = program.draft if self.run == "sd" else None
             alone = DecodeState(seqs, program.target.new_store(1, capacity),
                                 draft.new_store(1, capacity) if draft is not None else None, self.temperature,
                                 generator, program.config.k)
-            first = int(prefill(program.target, draft, alone)[0])
-            for runner in filter(None, (program.target, draft)):
-                runner.first_tokens_out()  # a background compiler held until the first text starts
-            row = _Row(next(self._ids), max_new_tokens, T + 1, 1, capacity, generator)
-            finished = not seqs.host_active[0]  # EOS, or a budget of one token
-            if not finished:
-                self._drop_leaving()
-                self._splice(row, alone)
-        return RowTokens(row.id, [first], finished)
+            with self._lanes_context():
+                first = prefill(program.target, draft, alone)
+                for runner in filter(None, (program.target, draft)):
+                    runner.first_tokens_out()  # a background compiler held until the first text starts
+                row = _Row(next(self._ids), max_new_tokens, T + 1, 1, capacity, generator)
+                finished = not seqs.host_active[0]  # EOS, or a budget of one token
+                if not finished:
+                    self._splice(row, alone)
+                    if self.run == "ssd":
+                        self._ssd_join(program._draft_spec(padded_ids, padded_mask, max_new_tokens, eos_ids,
+                                                           self.temperature, base), first)
+        return RowTokens(row.id, [int(first[0])], finished)
 
     def leave(self, row: int) -> None:
         """Drop ``row`` (a :meth:`join` id) before the next round; a row not running is ignored."""
@@ -138,7 +166,13 @@ class BatchSession:
             state, seqs = self.state, self.state.seqs
             self.counters = state.counters = Counters(program.config.k)  # a server's session may run for days
             started = time.perf_counter()
-            if self.mode == "ar":
+            if self.run == "ssd" and not self.ssd.holds():
+                self._lane_lost(None)  # a generate call took the lane: this round and the next are SD's
+            if self.run == "ssd":
+                with self._lanes_context():
+                    self._on_lane(self.ssd.round, state)
+                return self._hand_out(state.seqs)
+            if self.run == "ar":
                 if self._launch is None:
                     greedy = self.temperature == 0 and program.target.provides(TARGET_ROUND)
                     self._launch = (round_in_graph if greedy else round_by_step)(program.target, state)
@@ -186,7 +220,7 @@ class BatchSession:
         if not self._leaving and not self._ended:
             return
         gone = self._leaving | self._ended
-        keep = [i for i, r in enumerate(self.rows) if r.id not in gone]
+        keep, before = [i for i, r in enumerate(self.rows) if r.id not in gone], len(self.rows)
         if not keep:
             self.rows, self.state, self._launch = [], None, None
         elif len(keep) < len(self.rows):
@@ -194,6 +228,8 @@ class BatchSession:
             self._set(rows, [(self.state, keep)], max(r.capacity for r in rows))  # raises: the rows stay marked
         self.left_early += len(self._leaving - self._ended)
         self._leaving, self._ended = set(), set()
+        if self.run == "ssd" and len(keep) < before:
+            self._ssd_keep(keep)
 
     def _set(self, rows: list, parts: list, capacity: int) -> None:
         """The running batch is now ``rows``: the rows of ``parts`` (``(DecodeState, row indices or None)``)
@@ -209,10 +245,56 @@ class BatchSession:
         target = program.target.new_store(len(rows), capacity).take_rows(
             [(state.target_store, keep) for state, keep in indexed])
         draft = None
-        if self.mode == "sd":
+        if self.run == "sd":
             draft = program.draft.new_store(len(rows), capacity).take_rows(
                 [(state.draft_store, None if keep is None else keep.to(state.draft_store.slot_pos.device))
                  for state, keep in indexed])
         generators = [r.generator for r in rows] if self.temperature > 0 else None
         self.state = DecodeState(seqs, target, draft, self.temperature, generators, program.config.k)
         self.rows, self._launch = rows, None
+
+    # --- mode ssd (runtime/batching_ssd.py) -------------------------------------------------------------------
+
+    def _lanes_context(self):
+        """Where SSD's work runs (``LaneOwner.ssd_context``, as in ``generate``); elsewhere nothing changes."""
+        return self.program.lanes.ssd_context(self.program.target.spec.device) if self.run == "ssd" else nullcontext()
+
+    def _ssd_join(self, spec, first: torch.Tensor) -> None:
+        if self.ssd.lane is not None and not self.ssd.holds():
+            return self._lane_lost(None)
+        self._on_lane(self.ssd.join, spec, first)
+
+    def _ssd_keep(self, keep: list) -> None:
+        if not keep:
+            self.ssd.release()
+        elif not self.ssd.holds():
+            self._lane_lost(None)
+        else:
+            self._on_lane(self.ssd.keep, keep)
+
+    def _on_lane(self, work, *args) -> None:
+        """``work(*args)`` on the lane; a lane failure leaves the rows to SD (what a round committed stays)."""
+        try:
+            work(*args)
+        except DraftLaneError as exc:
+            self._lane_lost(exc)
+
+    def _lane_lost(self, exc: Exception | None) -> None:
+        """The lane failed (``exc``; dropped: the next session starts a fresh one) or no longer holds the rows
+        (None): they go on exactly with SD (AR with a remote draft only), as in ``decode_ssd``, until none runs."""
+        program = self.program
+        alone = program.without_lane
+        if exc is not None:
+            warn_at_caller(f"saguaro: {exc}; finishing this batch's rows with {alone.upper()} (output stays exact)")
+            self.lanes_failed += 1
+            program.lanes.drop()
+        self.ssd.release()
+        self.run, self.why = alone, (f"the draft lane failed: {exc}" if exc is not None else
+                                     "the draft lane was taken by another generation")
+        program.prepare(alone, self.temperature)
+        if self.state is not None:
+            if alone == "sd":
+                catch_up_draft(program.draft, self.state)
+            else:  # the last round's rejected slots
+                self.state.target_store.invalidate_from(self.state.seqs.tail_index(1)[:, 0])
+            self._launch = None

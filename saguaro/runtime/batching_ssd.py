@@ -1,0 +1,95 @@
+"""Mode ``ssd`` in a :class:`~saguaro.runtime.batching.BatchSession`: the draft lane a session holds between its
+rounds, and the speculation its next round verifies.
+
+- A session's first row (no row running) is planned as a ``generate`` call of that row alone is
+  (:func:`~saguaro.runtime.generation_plan.plan_call`: the lane started, warmed up and measured for batch 1 and
+  the row's store capacity, once per shape; then the verdict ``sd_when_faster``): the session's rounds run
+  SSD, or SD (AR where the only draft is remote) until no row runs. Later rows join without a warm-up: a
+  running batch of any size and capacity reuses what the first row's plan measured.
+- The first row opens the lane (``open``, ``start``: its first speculation), as ``generate`` does; each later
+  row joins it (``join_rows``) and a row that ends or leaves is dropped from it (``keep_rows``), between rounds,
+  while the lane is idle. A round is :func:`~saguaro.runtime.decode.ssd.ssd_round`, the function ``generate``'s
+  rounds call.
+- The lane serves one batch at a time: a ``generate`` call (or a calibration) between two rounds opens the
+  server for itself, and a session of another temperature finds the lane taken; either way the session's
+  rows go on exactly with SD (:meth:`BatchSession._lane_lost`), as they do after a lane failure (which also
+  drops the lane, so the next session starts a fresh one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from saguaro.runtime.decode.ssd import ssd_round
+from saguaro.runtime.draft.records import Speculation
+from saguaro.runtime.generation_plan import GenerationPlan, plan_call
+
+
+class SessionLane:
+    """The SSD side of one session: the lane it holds (``lane``, a ``DraftClient``) and ``speculation``, the
+    next round's (rows in the session's order)."""
+
+    def __init__(self, program, session):
+        self.program, self.session = program, session
+        self.lane = None
+        self.speculation: Speculation | None = None
+        self.plan: GenerationPlan | None = None
+
+    def plan_first(self, call: tuple, base: int | None) -> GenerationPlan:
+        """The plan of the session's first row: ``call`` = ``(padded_ids, padded_mask, max_new_tokens, eos_ids,
+        temperature)`` of that row alone, ``base`` its seed (sampled)."""
+        program = self.program
+        self.release()
+        client = program.lanes.started()
+        if client is not None and client.holder is not None:  # another session's rows are in the server
+            alone = program.without_lane
+            self.plan = GenerationPlan("ssd", alone, f"ssd asked, but the draft lane serves another batch: "
+                                                     f"{alone.upper()} gives the same tokens")
+        else:
+            self.plan = plan_call(program, "ssd", call, base)
+        return self.plan
+
+    def holds(self) -> bool:
+        """Whether the server still holds this session's rows (no generate opened it since, no lane restarted)."""
+        return self.lane is not None and self.lane.holder is self.session and \
+            self.program.lanes.started() is self.lane
+
+    def join(self, spec, first: torch.Tensor) -> None:
+        """A row joins (``spec`` its draft-side spec, batch 1; ``first [1]`` its first token): the first one opens
+        the lane, as ``generate`` does; a later one joins the open batch. Raises ``DraftLaneError``."""
+        if self.lane is None:
+            plan = self.plan
+            plan.lane.open(replace(plan.spec, plan_costs=plan.calibrated[1]))  # the row's spec, as generate opens it
+            self.lane, plan.lane.holder = plan.lane, self.session
+            self.speculation = self.lane.start(first)
+            return
+        one = self.lane.join_rows(spec, first)
+        s = self.speculation
+        self.speculation = Speculation(torch.cat([s.tokens, one.tokens.to(s.tokens.device)]),
+                                       None if s.probs is None else torch.cat([s.probs, one.probs.to(s.probs.device)]),
+                                       list(s.source) + list(one.source))
+
+    def keep(self, rows: list) -> None:
+        """Only ``rows`` (increasing indices) go on; none: the session lets the lane go. Raises ``DraftLaneError``."""
+        if not rows:
+            return self.release()
+        self.lane.keep_rows(rows)
+        s, index = self.speculation, torch.tensor(rows, dtype=torch.long, device=self.speculation.tokens.device)
+        self.speculation = Speculation(s.tokens.index_select(0, index),
+                                       None if s.probs is None else s.probs.index_select(0, index),
+                                       [s.source[b] for b in rows])
+
+    def round(self, state) -> None:
+        """One SSD round of every row (``ssd_round``); the lane is idle once it returns. Raises ``DraftLaneError``."""
+        try:
+            self.speculation = ssd_round(self.program.target, state, self.lane, self.speculation)
+        finally:
+            self.lane.settle()  # a round whose rows all ended leaves its build posted: it ends here
+
+    def release(self) -> None:
+        """The session no longer holds the lane (no row runs, or its rows went on with SD)."""
+        if self.lane is not None and self.lane.holder is self.session:
+            self.lane.holder = None
+        self.lane, self.speculation = None, None
