@@ -17,14 +17,11 @@ join and leave it. ``saguaro serve``'s scheduler runs one per temperature (``sag
   round's tokens there) or that :meth:`BatchSession.leave` names is dropped before the next round: the
   rows kept are copied into buffers and stores of their batch size, narrowed to the capacity they need.
 
-Mode ``ssd`` (:mod:`saguaro.runtime.batching_ssd`): the draft lane's server holds the running rows too, and
-changes them between rounds as the session does (``join_rows``, ``keep_rows``); a round is ``ssd_round``, as in
-``generate``. The session's first row is planned as ``generate`` plans it alone, so its rounds may run SD (or AR
-with a remote draft only): ``run`` says which, ``why`` why. A lane failure (or a ``generate`` call that takes
-the lane between rounds) leaves the rows to SD, exactly, and the session goes on. Greedy rows and unseeded
-sampled rows only: SSD's draft lane draws its randomness from one generator for the whole batch, so only alone
-(``generate``) are a seeded request's tokens those ``generate`` gives it with that seed; :meth:`BatchSession.join`
-refuses a seed in mode ``ssd`` at temperature > 0.
+Mode ``ssd`` (:mod:`saguaro.runtime.batching_ssd`): the draft lane's server changes its rows between rounds as
+the session does (``join_rows``, ``keep_rows``); a round is ``ssd_round``, as in ``generate``. The first row is
+planned as ``generate`` plans it alone: the rounds may run SD (``run`` says which, ``why`` why); a lane failure
+leaves the rows to SD, exactly. Greedy and unseeded sampled rows only: the draft lane draws from one generator
+per batch, so only alone (``generate``) does a seeded request get its seed's tokens; ``join`` refuses a seed.
 """
 
 from __future__ import annotations

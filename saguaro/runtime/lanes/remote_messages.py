@@ -21,7 +21,7 @@ from saguaro.runtime.base.stats import FALLBACK_KINDS, SOURCES
 from saguaro.runtime.draft.planner import StageCosts
 from saguaro.runtime.draft.server import GenerateSpec, Lookup, Speculation
 from saguaro.runtime.lanes.protocol import Method
-from saguaro.runtime.base.wire import WireError
+from saguaro.runtime.base.wire import WireError, check_trace_part
 
 METHODS = tuple(Method)  # a method's index is its number on the wire
 POST, CALL, REPLY = 16, 32, 48
@@ -294,28 +294,3 @@ def decode_text(t, what: str) -> str:
     if t is None or t.dtype != torch.uint8 or t.dim() != 1 or t.numel() > MAX_TEXT:
         raise WireError(f"{what}: expected a 1-d uint8 text of at most {MAX_TEXT} bytes")
     return bytes(t.cpu().tolist()).decode("utf-8", errors="replace")
-
-
-PHASES = frozenset("BECi")
-
-
-def check_trace_part(part) -> dict:
-    """A draft server's trace events (``TraceRecorder.take``'s dict) with every field checked: plain
-    numbers and short strings only."""
-    def short(s):
-        return isinstance(s, str) and len(s) <= 256
-
-    ok = isinstance(part, dict) and set(part) == {"pid", "process", "events"} and isinstance(part["pid"], int) \
-        and short(part["process"]) and isinstance(part["events"], list)
-    for event in part["events"] if ok else ():
-        args = event[4] if isinstance(event, list) and len(event) == 5 else None
-        ok = (isinstance(event, list) and len(event) == 5 and event[0] in PHASES and short(event[1])
-              and short(event[2]) and isinstance(event[3], int)
-              and (args is None or (isinstance(args, dict) and len(args) <= 64 and all(
-                  short(key) and (isinstance(v, (int, float)) or short(v)) for key, v in args.items()))))
-        if not ok:
-            break
-    if not ok:
-        raise WireError("the draft server's trace events do not have the expected form")
-    part["events"] = [tuple(e) for e in part["events"]]
-    return part
