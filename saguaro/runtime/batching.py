@@ -263,7 +263,7 @@ class BatchSession:
 
     def _ssd_keep(self, keep: list) -> None:
         if not keep:
-            self.ssd.release()
+            self.ssd.finish()
         elif not self.ssd.holds():
             self._lane_lost(None)
         else:

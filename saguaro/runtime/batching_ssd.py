@@ -14,6 +14,10 @@ rounds, and the speculation its next round verifies.
   server for itself, and a session of another temperature finds the lane taken; either way the session's
   rows go on exactly with SD (:meth:`BatchSession._lane_lost`), as they do after a lane failure (which also
   drops the lane, so the next session starts a fresh one).
+- The verdict learns from the session as from a ``generate`` call: once no row runs, the SSD rounds it ran
+  with one row (the batch its first row was planned at) are recorded against an SD round of that shape
+  (``Calibration.record_ssd``), so where SSD measured slower the next sessions run SD, and SSD again now and
+  then to measure it anew.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class SessionLane:
         self.lane = None
         self.speculation: Speculation | None = None
         self.plan: GenerationPlan | None = None
+        self.solo_rounds: list = []  # seconds of the SSD rounds run with one row (what the verdict compares)
 
     def plan_first(self, call: tuple, base: int | None) -> GenerationPlan:
         """The plan of the session's first row: ``call`` = ``(padded_ids, padded_mask, max_new_tokens, eos_ids,
@@ -72,9 +77,7 @@ class SessionLane:
                                        list(s.source) + list(one.source))
 
     def keep(self, rows: list) -> None:
-        """Only ``rows`` (increasing indices) go on; none: the session lets the lane go. Raises ``DraftLaneError``."""
-        if not rows:
-            return self.release()
+        """Only ``rows`` (increasing indices, at least one) go on. Raises ``DraftLaneError``."""
         self.lane.keep_rows(rows)
         s, index = self.speculation, torch.tensor(rows, dtype=torch.long, device=self.speculation.tokens.device)
         self.speculation = Speculation(s.tokens.index_select(0, index),
@@ -87,9 +90,20 @@ class SessionLane:
             self.speculation = ssd_round(self.program.target, state, self.lane, self.speculation)
         finally:
             self.lane.settle()  # a round whose rows all ended leaves its build posted: it ends here
+        if state.seqs.batch == 1:
+            self.solo_rounds += state.counters.round_s
+
+    def finish(self) -> None:
+        """No row runs: the SSD rounds run with one row go to the verdict (as ``generate`` records its rounds);
+        the lane is let go."""
+        plan = self.plan
+        if self.holds() and plan.spec is not None and plan.spec.input_ids.shape[0] == 1:
+            calibration = self.program.calibration
+            calibration.record_ssd(calibration.verdict_key(plan.lane, plan.spec), self.solo_rounds, plan.sd_round_s)
+        self.release()
 
     def release(self) -> None:
         """The session no longer holds the lane (no row runs, or its rows went on with SD)."""
         if self.lane is not None and self.lane.holder is self.session:
             self.lane.holder = None
-        self.lane, self.speculation = None, None
+        self.lane, self.speculation, self.solo_rounds = None, None, []
