@@ -82,3 +82,21 @@ def test_a_generate_call_between_rounds_takes_the_lane_and_the_rows_go_on_with_s
             BatchSession(program, temperature=0.8).join([5, 6], 4, seed=3)
     finally:
         program.close()
+
+
+def test_unseeded_sampled_rows_run_ssd_rounds_together():
+    """Sampled rows without a seed share the lane's batch: each verifies its own proposal distribution (the
+    joined rows' ``probs`` concatenated onto the batch's), draws from its own generator on the target's side,
+    and ends at its budget or EOS."""
+    _, _, program = tiny_program("llama", mode="ssd", lane="thread", sd_when_faster=False)
+    try:
+        session = BatchSession(program, temperature=0.8)
+        requests = requests_of(33)
+        tokens, sizes = drive(session, requests, leave_at={0: 5})
+        assert session.run == "ssd" and session.lanes_failed == 0 and max(sizes) >= 3, session.why
+        vocab, eos = program.target.spec.vocab_size, program.eos_token_id
+        for i, (_, _, budget, _) in enumerate(requests):
+            assert 1 <= len(tokens[i]) <= budget and all(0 <= t < vocab for t in tokens[i]), i
+            assert i == 0 or len(tokens[i]) == budget or tokens[i][-1] == eos, i
+    finally:
+        program.close()
