@@ -37,12 +37,10 @@ from saguaro.core.stages import TARGET_ROUND
 from saguaro.runtime.base.sequences import SequenceBatch
 from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import Counters, since
-from saguaro.runtime.batching_ssd import SessionLane
-from saguaro.core.warnings_at_caller import warn_at_caller
+from saguaro.runtime.batching_ssd import SessionLane, rows_to_sd
 from saguaro.runtime.decode.ar import round_by_step, round_in_graph
 from saguaro.runtime.decode.prefill import prefill
 from saguaro.runtime.decode.sd import draft_speculation, verify_and_commit
-from saguaro.runtime.decode.ssd import catch_up_draft
 from saguaro.runtime.lanes.protocol import DraftLaneError
 
 SESSION_MODES = ("ar", "sd", "ssd")
@@ -142,9 +140,9 @@ class BatchSession:
                 finished = not seqs.host_active[0]  # EOS, or a budget of one token
                 if not finished:
                     self._splice(row, alone)
-                    if self.run == "ssd":
-                        self._ssd_join(program._draft_spec(padded_ids, padded_mask, max_new_tokens, eos_ids,
-                                                           self.temperature, base), first)
+                    if self.run == "ssd":  # the lane takes it before the next round: its first token goes out now
+                        self.ssd.pending.append((program._draft_spec(padded_ids, padded_mask, max_new_tokens,
+                                                                     eos_ids, self.temperature, base), first))
         return RowTokens(row.id, [int(first[0])], finished)
 
     def leave(self, row: int) -> None:
@@ -163,12 +161,14 @@ class BatchSession:
             state, seqs = self.state, self.state.seqs
             self.counters = state.counters = Counters(program.config.k)  # a server's session may run for days
             started = time.perf_counter()
-            if self.run == "ssd" and not self.ssd.holds():
-                self._lane_lost(None)  # a generate call took the lane: this round and the next are SD's
             if self.run == "ssd":
                 with self._lanes_context():
-                    self._on_lane(self.ssd.round, state)
-                return self._hand_out(state.seqs)
+                    self._flush_lane()
+                    if self.run == "ssd" and not self.ssd.holds():
+                        self._lane_lost(None)  # a generate call took the lane: this round and the next are SD's
+                    if self.run == "ssd":
+                        self._on_lane(self.ssd.round, state)
+                        return self._hand_out(state.seqs)
             if self.run == "ar":
                 if self._launch is None:
                     greedy = self.temperature == 0 and program.target.provides(TARGET_ROUND)
@@ -256,17 +256,23 @@ class BatchSession:
         """Where SSD's work runs (``LaneOwner.ssd_context``, as in ``generate``); elsewhere nothing changes."""
         return self.program.lanes.ssd_context(self.program.target.spec.device) if self.run == "ssd" else nullcontext()
 
-    def _ssd_join(self, spec, first: torch.Tensor) -> None:
-        if self.ssd.lane is not None and not self.ssd.holds():
-            return self._lane_lost(None)
-        self._on_lane(self.ssd.join, spec, first)
+    def _flush_lane(self) -> None:
+        """The rows that joined since the last round join the lane's batch, in order (the first opens it)."""
+        pending, self.ssd.pending = self.ssd.pending, []
+        for spec, first in pending:
+            if self.run == "ssd" and self.ssd.lane is not None and not self.ssd.holds():
+                self._lane_lost(None)
+            if self.run != "ssd":
+                return  # catch_up_draft covered every row
+            self._on_lane(self.ssd.join, spec, first)
 
     def _ssd_keep(self, keep: list) -> None:
         if not keep:
-            self.ssd.finish()
-        elif not self.ssd.holds():
+            return self.ssd.finish()
+        self._flush_lane()  # the kept indices count the rows still to join the lane
+        if self.run == "ssd" and not self.ssd.holds():
             self._lane_lost(None)
-        else:
+        elif self.run == "ssd":
             self._on_lane(self.ssd.keep, keep)
 
     def _on_lane(self, work, *args) -> None:
@@ -277,21 +283,4 @@ class BatchSession:
             self._lane_lost(exc)
 
     def _lane_lost(self, exc: Exception | None) -> None:
-        """The lane failed (``exc``; dropped: the next session starts a fresh one) or no longer holds the rows
-        (None): they go on exactly with SD (AR with a remote draft only), as in ``decode_ssd``, until none runs."""
-        program = self.program
-        alone = program.without_lane
-        if exc is not None:
-            warn_at_caller(f"saguaro: {exc}; finishing this batch's rows with {alone.upper()} (output stays exact)")
-            self.lanes_failed += 1
-            program.lanes.drop()
-        self.ssd.release()
-        self.run, self.why = alone, (f"the draft lane failed: {exc}" if exc is not None else
-                                     "the draft lane was taken by another generation")
-        program.prepare(alone, self.temperature)
-        if self.state is not None:
-            if alone == "sd":
-                catch_up_draft(program.draft, self.state)
-            else:  # the last round's rejected slots
-                self.state.target_store.invalidate_from(self.state.seqs.tail_index(1)[:, 0])
-            self._launch = None
+        rows_to_sd(self, exc)

@@ -8,11 +8,12 @@ rounds, and the speculation its next round verifies.
   running batch of any size and capacity reuses what the first row's plan measured.
 - The first row opens the lane (``open``, ``start``: its first speculation), as ``generate`` does; each later
   row joins it (``join_rows``) and a row that ends or leaves is dropped from it (``keep_rows``), between rounds,
-  while the lane is idle. A round is :func:`~saguaro.runtime.decode.ssd.ssd_round`, the function ``generate``'s
-  rounds call.
+  while the lane is idle. A row joins the lane just before the next round (or a row change), not in
+  ``join``: its first token goes out after the target's prefill alone, as ``generate`` streams it. A round is
+  :func:`~saguaro.runtime.decode.ssd.ssd_round`, the function ``generate``'s rounds call.
 - The lane serves one batch at a time: a ``generate`` call (or a calibration) between two rounds opens the
   server for itself, and a session of another temperature finds the lane taken; either way the session's
-  rows go on exactly with SD (:meth:`BatchSession._lane_lost`), as they do after a lane failure (which also
+  rows go on exactly with SD (:func:`rows_to_sd`), as they do after a lane failure (which also
   drops the lane, so the next session starts a fresh one).
 - The verdict learns from the session as from a ``generate`` call: once no row runs, the SSD rounds it ran
   with one row (the batch its first row was planned at) are recorded against an SD round of that shape
@@ -26,7 +27,8 @@ from dataclasses import replace
 
 import torch
 
-from saguaro.runtime.decode.ssd import ssd_round
+from saguaro.core.warnings_at_caller import warn_at_caller
+from saguaro.runtime.decode.ssd import catch_up_draft, ssd_round
 from saguaro.runtime.draft.records import Speculation
 from saguaro.runtime.generation_plan import GenerationPlan, plan_call
 
@@ -41,6 +43,7 @@ class SessionLane:
         self.speculation: Speculation | None = None
         self.plan: GenerationPlan | None = None
         self.solo_rounds: list = []  # seconds of the SSD rounds run with one row (what the verdict compares)
+        self.pending: list = []  # (spec, first token) of rows joined since the last round, not yet on the lane
 
     def plan_first(self, call: tuple, base: int | None) -> GenerationPlan:
         """The plan of the session's first row: ``call`` = ``(padded_ids, padded_mask, max_new_tokens, eos_ids,
@@ -106,4 +109,25 @@ class SessionLane:
         """The session no longer holds the lane (no row runs, or its rows went on with SD)."""
         if self.lane is not None and self.lane.holder is self.session:
             self.lane.holder = None
-        self.lane, self.speculation, self.solo_rounds = None, None, []
+        self.lane, self.speculation, self.solo_rounds, self.pending = None, None, [], []
+
+
+def rows_to_sd(session, exc: Exception | None) -> None:
+    """``session``'s lane failed (``exc``; dropped: the next session starts a fresh one) or no longer holds its
+    rows (None): they go on exactly with SD (AR with a remote draft only), as in ``decode_ssd``, until none runs."""
+    program = session.program
+    alone = program.without_lane
+    if exc is not None:
+        warn_at_caller(f"saguaro: {exc}; finishing this batch's rows with {alone.upper()} (output stays exact)")
+        session.lanes_failed += 1
+        program.lanes.drop()
+    session.ssd.release()
+    session.run, session.why = alone, (f"the draft lane failed: {exc}" if exc is not None else
+                                       "the draft lane was taken by another generation")
+    program.prepare(alone, session.temperature)
+    if session.state is not None:
+        if alone == "sd":
+            catch_up_draft(program.draft, session.state)
+        else:  # the last round's rejected slots
+            session.state.target_store.invalidate_from(session.state.seqs.tail_index(1)[:, 0])
+        session._launch = None
