@@ -260,7 +260,7 @@ class BatchSession:
         """The rows that joined since the last round join the lane's batch, in order (the first opens it)."""
         pending, self.ssd.pending = self.ssd.pending, []
         for spec, first in pending:
-            if self.run == "ssd" and self.ssd.lane is not None and not self.ssd.holds():
+            if self.run == "ssd" and not self.ssd.usable():
                 self._lane_lost(None)
             if self.run != "ssd":
                 return  # catch_up_draft covered every row

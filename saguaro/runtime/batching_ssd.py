@@ -64,12 +64,18 @@ class SessionLane:
         return self.lane is not None and self.lane.holder is self.session and \
             self.program.lanes.started() is self.lane
 
+    def usable(self) -> bool:
+        """Whether a row may join: the session holds the lane, or (none joined yet) the planned lane still runs."""
+        if self.lane is None:
+            return self.plan.lane is not None and self.program.lanes.started() is self.plan.lane
+        return self.holds()
+
     def join(self, spec, first: torch.Tensor) -> None:
         """A row joins (``spec`` its draft-side spec, batch 1; ``first [1]`` its first token): the first one opens
         the lane, as ``generate`` does; a later one joins the open batch. Raises ``DraftLaneError``."""
         if self.lane is None:
             plan = self.plan
-            plan.lane.open(replace(plan.spec, plan_costs=plan.calibrated[1]))  # the row's spec, as generate opens it
+            plan.lane.open(replace(spec, plan_costs=plan.calibrated[1]))  # as generate opens it alone
             self.lane, plan.lane.holder = plan.lane, self.session
             self.speculation = self.lane.start(first)
             return
