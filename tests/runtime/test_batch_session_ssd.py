@@ -100,3 +100,34 @@ def test_unseeded_sampled_rows_run_ssd_rounds_together():
             assert i == 0 or len(tokens[i]) == budget or tokens[i][-1] == eos, i
     finally:
         program.close()
+
+
+def test_a_draft_process_killed_mid_session_leaves_the_rows_to_sd_exactly():
+    _, _, program = tiny_program("llama", k=3, mode="ssd", lane="process", sd_when_faster=False, lane_timeout_s=30)
+    try:
+        requests = requests_of(34)[:3]
+        wanted = [solo(program, prompt, budget) for _, prompt, budget, _ in requests]  # and the lane's warm-up
+        session = BatchSession(program)
+        got = {}
+        for i, (_, prompt, budget, _) in enumerate(requests[:2]):
+            first = session.join(prompt, budget)
+            got[first.row] = list(first.new_tokens)
+        for _ in range(2):
+            for r in session.step():
+                got[r.row] += r.new_tokens
+        assert session.run == "ssd"
+        process = program.lanes.started().lane.process
+        process.kill()
+        process.wait()
+        with pytest.warns(RuntimeWarning, match="dead.*SD"):
+            for r in session.step():
+                got[r.row] += r.new_tokens
+        assert session.run == "sd" and session.lanes_failed == 1 and program.lanes.started() is None
+        first = session.join(requests[2][1], requests[2][2])  # a row joins the batch that SD now runs
+        got[first.row] = list(first.new_tokens)
+        while session.size:
+            for r in session.step():
+                got[r.row] += r.new_tokens
+        assert [got[row] for row in sorted(got)] == wanted
+    finally:
+        program.close()
