@@ -1,7 +1,7 @@
 """A request that runs alone through ``program.stream`` (:mod:`saguaro.serve.continuous`): in mode ``ssd``, one
 sampled with a seed. SSD's draft lane draws its randomness from one generator per call, so only alone are such
-a request's tokens those of ``program.generate`` alone with its seed; the loop runs it once no batch row runs,
-and the requests behind it wait for it. A request whose client leaves stops being read at the next round, and
+a request's tokens those of ``program.generate`` alone with its seed; the loop runs it between two rounds of the
+running batches (once their rows end, where a batch runs SSD's rounds on the draft lane). A request whose client leaves stops being read at the next round, and
 the generation ends at that round boundary."""
 
 from __future__ import annotations

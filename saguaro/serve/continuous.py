@@ -7,10 +7,11 @@ token goes out at once); then every running batch decodes one round and each row
 request that arrives while rows decode so starts streaming after at most one round of theirs, not after
 they end.
 
-Mode ``ssd``: a request sampled with a seed runs alone (:mod:`saguaro.serve.alone`) once no row runs: no
-request behind it joins a batch meanwhile, so the running rows end, then it runs, then the others join. One
-SSD batch holds the draft lane at a time (the greedy one, or the first temperature to start a batch); a
-batch of another temperature that starts while it runs decodes with SD (``BatchSession.run``), exactly.
+Mode ``ssd``: a request sampled with a seed runs alone (:mod:`saguaro.serve.alone`), between two rounds of the
+running batches, unless a batch runs SSD's rounds on the draft lane (its rows would go on with SD): then it waits
+for that batch's rows to end, and no request behind it joins meanwhile. One SSD batch holds the draft lane at a
+time (the first temperature to start a batch); a batch of another temperature that starts while it runs decodes
+with SD (``BatchSession.run``), exactly.
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ class Continuous:
                 joining, alone = self._take(scheduler.max_batch - len(self.jobs))
                 scheduler.running = len(self.jobs) + len(joining) + (alone is not None)
             if alone is not None:
-                run_alone(scheduler, alone)
-                continue
+                run_alone(scheduler, alone)  # between two rounds of the running batches, if any
             self._free_rows_left()
             for job in joining:
                 self._join(job)
@@ -55,18 +55,23 @@ class Continuous:
                 scheduler.running = len(self.jobs)
 
     def _take(self, most: int) -> tuple[list, object]:
-        """Under the lock: up to ``most`` waiting requests that join a batch, in arrival order, up to the first
-        that runs alone; that one (or None) once no row runs."""
+        """Under the lock: up to ``most`` waiting requests that join a batch, in arrival order, and the first that
+        runs alone (or None). While a batch runs SSD's rounds on the lane, a request that runs alone waits for its
+        rows to end, and no request behind it joins meanwhile; otherwise it runs now, before the next round."""
         scheduler = self.scheduler
         if scheduler.program.config.mode != "ssd":
             return scheduler.take_waiting(most), None
         scheduler.take_waiting(0)  # drops the requests whose client left
-        joining = []
+        lane_busy = any(session.size and session.run == "ssd" for session in self.sessions.values())
+        joining, alone = [], None
         while scheduler.waiting and len(joining) < most:
             if runs_alone(scheduler.program, scheduler.waiting[0].sampling):
-                return joining, (scheduler.waiting.popleft() if not joining and not self.jobs else None)
+                if lane_busy or alone is not None:
+                    break
+                alone = scheduler.waiting.popleft()
+                continue
             joining.append(scheduler.waiting.popleft())
-        return joining, None
+        return joining, alone
 
     def _free_rows_left(self) -> None:
         """The rows whose request ended early leave their batch before its next round."""
