@@ -28,6 +28,7 @@ from dataclasses import replace
 import torch
 
 from saguaro.core.warnings_at_caller import warn_at_caller
+from saguaro.runtime.base.sequences import host_to_device
 from saguaro.runtime.decode.ssd import catch_up_draft, ssd_round
 from saguaro.runtime.draft.records import Speculation
 from saguaro.runtime.generation_plan import GenerationPlan, plan_call
@@ -88,7 +89,8 @@ class SessionLane:
     def keep(self, rows: list) -> None:
         """Only ``rows`` (increasing indices, at least one) go on. Raises ``DraftLaneError``."""
         self.lane.keep_rows(rows)
-        s, index = self.speculation, torch.tensor(rows, dtype=torch.long, device=self.speculation.tokens.device)
+        s = self.speculation
+        index = host_to_device(torch.tensor(rows, dtype=torch.long, device="cpu"), s.tokens.device)  # [M], no sync
         self.speculation = Speculation(s.tokens.index_select(0, index),
                                        None if s.probs is None else s.probs.index_select(0, index),
                                        [s.source[b] for b in rows])
