@@ -103,11 +103,12 @@ def test_a_seeded_request_runs_alone_between_the_rounds_of_a_batch_that_runs_sd(
             if all(job.done for job in jobs):
                 break
             threading.Event().wait(0.1)
+        scheduler.stop(60)
+        dones = [i for i, kind in events if kind == "done"]
+        assert dones[0] == 3 and sorted(dones) == [0, 1, 2, 3]  # the seeded one ended first: it did not wait
+        for job in jobs:  # on the same lane: a sampled SSD plan follows the costs its lane's warm-up measured
+            s = job.sampling
+            assert job.tokens == solo(program, s.prompt_ids, s.max_tokens, s.temperature, s.seed)
     finally:
         scheduler.stop(60)
         program.close()
-    dones = [i for i, kind in events if kind == "done"]
-    assert dones[0] == 3 and sorted(dones) == [0, 1, 2, 3]  # the seeded one ended first: it did not wait
-    for job in jobs:
-        s = job.sampling
-        assert job.tokens == solo(program, s.prompt_ids, s.max_tokens, s.temperature, s.seed)
