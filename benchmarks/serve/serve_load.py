@@ -35,6 +35,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sampled", type=float, default=0.25, help="share of requests sampled at temperature 0.8 with "
                    "a seed (default 0.25)")
     p.add_argument("--max-batch", type=int, default=32, help="saguaro serve --max-batch (default 32)")
+    p.add_argument("--plan", default="auto", choices=["auto", "always-ssd"], help="saguaro serve --plan: always-ssd "
+                   "runs SSD's own rounds where the planner would run SD's (default auto)")
     return p
 
 
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
     rows = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         server = ServerProcess(target, draft, mode, args.backend, args.k, args.max_batch, max(256, 2 * max(clients)),
-                               args.threads)
+                               args.threads, extra=("--plan", args.plan) if mode != "ar" else ())
         try:
             with httpx.Client() as warm:  # every shape a row will use compiles before the clock starts
                 for prompt in PROMPTS:

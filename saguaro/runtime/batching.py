@@ -17,14 +17,18 @@ join and leave it. ``saguaro serve``'s scheduler runs one per temperature (``sag
   round's tokens there) or that :meth:`BatchSession.leave` names is dropped before the next round: the
   rows kept are copied into buffers and stores of their batch size, narrowed to the capacity they need.
 
-Mode ``ssd`` has no session: its draft lane holds its own batch (``runtime/lanes``), which cannot take rows
-between rounds; the server runs SSD batches back to back (``saguaro/serve/scheduler.py``).
+Mode ``ssd`` (:mod:`saguaro.runtime.batching_ssd`): the draft lane's server changes its rows between rounds as
+the session does (``join_rows``, ``keep_rows``); a round is ``ssd_round``, as in ``generate``. The first row is
+planned as ``generate`` plans it alone: the rounds may run SD (``run`` says which, ``why`` why); a lane failure
+leaves the rows to SD, exactly. Greedy and unseeded sampled rows only: the draft lane draws from one generator
+per batch, so only alone (``generate``) does a seeded request get its seed's tokens; ``join`` refuses a seed.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +37,13 @@ from saguaro.core.stages import TARGET_ROUND
 from saguaro.runtime.base.sequences import SequenceBatch
 from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import Counters, since
+from saguaro.runtime.batching_ssd import SessionLane, rows_to_sd
 from saguaro.runtime.decode.ar import round_by_step, round_in_graph
 from saguaro.runtime.decode.prefill import prefill
 from saguaro.runtime.decode.sd import draft_speculation, verify_and_commit
+from saguaro.runtime.lanes.protocol import DraftLaneError
 
-SESSION_MODES = ("ar", "sd")
+SESSION_MODES = ("ar", "sd", "ssd")
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,7 @@ class _Row:
 
 
 class BatchSession:
-    """The running batch of one ``temperature`` in ``mode`` ``ar`` or ``sd`` (default: the program's mode)
+    """The running batch of one ``temperature`` in ``mode`` ``ar``, ``sd`` or ``ssd`` (default: the program's mode)
     over a :class:`~saguaro.runtime.program.Program`. Each call holds the Program's lock, so ``generate``
     calls of other threads run between rounds. One thread drives a session (the server's scheduler)."""
 
@@ -69,12 +75,17 @@ class BatchSession:
         mode = mode or program.config.mode
         if mode not in SESSION_MODES:
             raise ValueError(f"mode={mode!r} is not allowed for a batch session: choose one of "
-                             f"{', '.join(SESSION_MODES)} (SSD's draft lane cannot take rows between rounds)")
+                             f"{', '.join(SESSION_MODES)}")
         if mode == "sd" and program.draft is None:
             raise ValueError("mode='sd' needs a local draft model; compile with draft=... or use mode='ar'")
+        if mode == "ssd" and program.lanes is None:
+            raise ValueError("mode='ssd' needs a draft model (local or a draft server); compile with draft=...")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
             raise ValueError(f"temperature={temperature!r} is not allowed: it must be a finite number >= 0")
         self.program, self.mode, self.temperature = program, mode, float(temperature)
+        self.run, self.why = mode, f"mode {mode} asked"  # the rounds run (ssd: as planned at the first row)
+        self.lanes_failed = 0  # ssd: lanes that failed under this session (its rows went on with SD)
+        self.ssd = SessionLane(program, self) if mode == "ssd" else None
         self.counters = Counters(program.config.k)  # the last round's (accepted lengths, time): bounded memory
         self.rows: list[_Row] = []
         self.state: DecodeState | None = None
@@ -92,7 +103,8 @@ class BatchSession:
     def join(self, prompt_ids, max_new_tokens: int, seed: int | None = None) -> RowTokens:
         """Prefill ``prompt_ids`` (a list or ``[T]`` / ``[1, T]`` tensor) alone and decide its first token;
         unless that ends it, the row runs in the batch's next round. ``seed``: as ``generate``'s (None at
-        temperature > 0: drawn from torch's global generator). Raises ``ValueError`` as ``generate`` would."""
+        temperature > 0: drawn from torch's global generator; mode ``ssd`` takes none there: a seeded sampled
+        request runs alone, through ``generate``). Raises ``ValueError`` as ``generate`` would."""
         program = self.program
         ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) else torch.tensor([list(prompt_ids)], device="cpu")  # as a caller of generate gives it
         with program._lock, torch.inference_mode():
@@ -100,27 +112,38 @@ class BatchSession:
                                                       self.mode)
             if ids.shape[0] != 1:
                 raise ValueError(f"join takes one prompt (input_ids [1, T]); got a batch of {ids.shape[0]}")
+            if self.mode == "ssd" and self.temperature > 0 and seed is not None:
+                raise ValueError(f"seed={seed!r}: a batch session in mode 'ssd' takes no seed at temperature > 0 "
+                                 "(the draft lane draws from one generator per batch); run a seeded request alone "
+                                 "with generate")
             padded_ids, padded_mask = program.shapes.pad_prompt(ids, mask, program.pad_token_id)
-            generator = None
+            generator = base = None
             if self.temperature > 0:  # as generate seeds its generator
                 base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long, device="cpu"))
                 generator = torch.Generator(device=program.target.spec.device).manual_seed(base)
-            program.prepare(self.mode, self.temperature)
+            self._drop_leaving()
+            if self.mode == "ssd" and not self.rows:  # the first row: planned as generate plans it alone
+                plan = self.ssd.plan_first((padded_ids, padded_mask, max_new_tokens, eos_ids, self.temperature), base)
+                self.run, self.why = plan.run, plan.why
+            program.prepare(self.run, self.temperature)
             T, capacity = padded_ids.shape[1], program._store_capacity(padded_ids.shape[1], max_new_tokens)
             seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, program.pad_token_id)
-            draft = program.draft if self.mode == "sd" else None
+            draft = program.draft if self.run == "sd" else None
             alone = DecodeState(seqs, program.target.new_store(1, capacity),
                                 draft.new_store(1, capacity) if draft is not None else None, self.temperature,
                                 generator, program.config.k)
-            first = int(prefill(program.target, draft, alone)[0])
-            for runner in filter(None, (program.target, draft)):
-                runner.first_tokens_out()  # a background compiler held until the first text starts
-            row = _Row(next(self._ids), max_new_tokens, T + 1, 1, capacity, generator)
-            finished = not seqs.host_active[0]  # EOS, or a budget of one token
-            if not finished:
-                self._drop_leaving()
-                self._splice(row, alone)
-        return RowTokens(row.id, [first], finished)
+            with self._lanes_context():
+                first = prefill(program.target, draft, alone)
+                for runner in filter(None, (program.target, draft)):
+                    runner.first_tokens_out()  # a background compiler held until the first text starts
+                row = _Row(next(self._ids), max_new_tokens, T + 1, 1, capacity, generator)
+                finished = not seqs.host_active[0]  # EOS, or a budget of one token
+                if not finished:
+                    self._splice(row, alone)
+                    if self.run == "ssd":  # the lane takes it before the next round: its first token goes out now
+                        self.ssd.pending.append((program._draft_spec(padded_ids, padded_mask, max_new_tokens,
+                                                                     eos_ids, self.temperature, base), first))
+        return RowTokens(row.id, [int(first[0])], finished)
 
     def leave(self, row: int) -> None:
         """Drop ``row`` (a :meth:`join` id) before the next round; a row not running is ignored."""
@@ -138,7 +161,15 @@ class BatchSession:
             state, seqs = self.state, self.state.seqs
             self.counters = state.counters = Counters(program.config.k)  # a server's session may run for days
             started = time.perf_counter()
-            if self.mode == "ar":
+            if self.run == "ssd":
+                with self._lanes_context():
+                    self._flush_lane()
+                    if self.run == "ssd" and not self.ssd.holds():
+                        self._lane_lost(None)  # a generate call took the lane: this round and the next are SD's
+                    if self.run == "ssd":
+                        self._on_lane(self.ssd.round, state)
+                        return self._hand_out(state.seqs)
+            if self.run == "ar":
                 if self._launch is None:
                     greedy = self.temperature == 0 and program.target.provides(TARGET_ROUND)
                     self._launch = (round_in_graph if greedy else round_by_step)(program.target, state)
@@ -186,7 +217,7 @@ class BatchSession:
         if not self._leaving and not self._ended:
             return
         gone = self._leaving | self._ended
-        keep = [i for i, r in enumerate(self.rows) if r.id not in gone]
+        keep, before = [i for i, r in enumerate(self.rows) if r.id not in gone], len(self.rows)
         if not keep:
             self.rows, self.state, self._launch = [], None, None
         elif len(keep) < len(self.rows):
@@ -194,6 +225,8 @@ class BatchSession:
             self._set(rows, [(self.state, keep)], max(r.capacity for r in rows))  # raises: the rows stay marked
         self.left_early += len(self._leaving - self._ended)
         self._leaving, self._ended = set(), set()
+        if self.run == "ssd" and len(keep) < before:
+            self._ssd_keep(keep)
 
     def _set(self, rows: list, parts: list, capacity: int) -> None:
         """The running batch is now ``rows``: the rows of ``parts`` (``(DecodeState, row indices or None)``)
@@ -209,10 +242,45 @@ class BatchSession:
         target = program.target.new_store(len(rows), capacity).take_rows(
             [(state.target_store, keep) for state, keep in indexed])
         draft = None
-        if self.mode == "sd":
+        if self.run == "sd":
             draft = program.draft.new_store(len(rows), capacity).take_rows(
                 [(state.draft_store, None if keep is None else keep.to(state.draft_store.slot_pos.device))
                  for state, keep in indexed])
         generators = [r.generator for r in rows] if self.temperature > 0 else None
         self.state = DecodeState(seqs, target, draft, self.temperature, generators, program.config.k)
         self.rows, self._launch = rows, None
+
+    # --- mode ssd (runtime/batching_ssd.py) -------------------------------------------------------------------
+
+    def _lanes_context(self):
+        """Where SSD's work runs (``LaneOwner.ssd_context``, as in ``generate``); elsewhere nothing changes."""
+        return self.program.lanes.ssd_context(self.program.target.spec.device) if self.run == "ssd" else nullcontext()
+
+    def _flush_lane(self) -> None:
+        """The rows that joined since the last round join the lane's batch, in order (the first opens it)."""
+        pending, self.ssd.pending = self.ssd.pending, []
+        for spec, first in pending:
+            if self.run == "ssd" and not self.ssd.usable():
+                self._lane_lost(None)
+            if self.run != "ssd":
+                return  # catch_up_draft covered every row
+            self._on_lane(self.ssd.join, spec, first)
+
+    def _ssd_keep(self, keep: list) -> None:
+        if not keep:
+            return self.ssd.finish()
+        self._flush_lane()  # the kept indices count the rows still to join the lane
+        if self.run == "ssd" and not self.ssd.holds():
+            self._lane_lost(None)
+        elif self.run == "ssd":
+            self._on_lane(self.ssd.keep, keep)
+
+    def _on_lane(self, work, *args) -> None:
+        """``work(*args)`` on the lane; a lane failure leaves the rows to SD (what a round committed stays)."""
+        try:
+            work(*args)
+        except DraftLaneError as exc:
+            self._lane_lost(exc)
+
+    def _lane_lost(self, exc: Exception | None) -> None:
+        rows_to_sd(self, exc)

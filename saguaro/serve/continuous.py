@@ -1,4 +1,4 @@
-"""Continuous batching at round granularity for modes ``ar`` and ``sd`` (:mod:`saguaro.serve.scheduler`).
+"""Continuous batching at round granularity for modes ``ar``, ``sd`` and ``ssd`` (:mod:`saguaro.serve.scheduler`).
 
 Each turn of the loop, at a round boundary: the rows whose request ended early (client gone, stop string)
 leave their batch; waiting requests, in arrival order, up to ``max_batch`` rows in all, are prefilled alone
@@ -6,6 +6,12 @@ and join the running batch of their temperature (:class:`~saguaro.runtime.batchi
 token goes out at once); then every running batch decodes one round and each row's new tokens go out. A
 request that arrives while rows decode so starts streaming after at most one round of theirs, not after
 they end.
+
+Mode ``ssd``: a request sampled with a seed runs alone (:mod:`saguaro.serve.alone`), between two rounds of the
+running batches, unless a batch runs SSD's rounds on the draft lane (its rows would go on with SD): then it waits
+for that batch's rows to end, and no request behind it joins meanwhile. One SSD batch holds the draft lane at a
+time (the first temperature to start a batch); a batch of another temperature that starts while it runs decodes
+with SD (``BatchSession.run``), exactly.
 """
 
 from __future__ import annotations
@@ -14,12 +20,13 @@ import logging
 import time
 
 from saguaro.runtime.batching import BatchSession
+from saguaro.serve.alone import run_alone, runs_alone
 
 log = logging.getLogger(__name__)
 
 
 class Continuous:
-    """The scheduler's loop for modes ``ar`` and ``sd``: one session per temperature."""
+    """The scheduler's loop: one session per temperature (and, in mode ``ssd``, seeded requests alone)."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
@@ -32,8 +39,10 @@ class Continuous:
             with scheduler.cond:
                 if not scheduler.wait_for_work(busy=bool(self.jobs)):
                     return
-                joining = scheduler.take_waiting(scheduler.max_batch - len(self.jobs))
-                scheduler.running = len(self.jobs) + len(joining)
+                joining, alone = self._take(scheduler.max_batch - len(self.jobs))
+                scheduler.running = len(self.jobs) + len(joining) + (alone is not None)
+            if alone is not None:
+                run_alone(scheduler, alone)  # between two rounds of the running batches, if any
             self._free_rows_left()
             for job in joining:
                 self._join(job)
@@ -44,6 +53,25 @@ class Continuous:
                     self.sessions.pop(temperature, None)
             with scheduler.cond:
                 scheduler.running = len(self.jobs)
+
+    def _take(self, most: int) -> tuple[list, object]:
+        """Under the lock: up to ``most`` waiting requests that join a batch, in arrival order, and the first that
+        runs alone (or None). While a batch runs SSD's rounds on the lane, a request that runs alone waits for its
+        rows to end, and no request behind it joins meanwhile; otherwise it runs now, before the next round."""
+        scheduler = self.scheduler
+        if scheduler.program.config.mode != "ssd":
+            return scheduler.take_waiting(most), None
+        scheduler.take_waiting(0)  # drops the requests whose client left
+        lane_busy = any(session.size and session.run == "ssd" for session in self.sessions.values())
+        joining, alone = [], None
+        while scheduler.waiting and len(joining) < most:
+            if runs_alone(scheduler.program, scheduler.waiting[0].sampling):
+                if lane_busy or alone is not None:
+                    break
+                alone = scheduler.waiting.popleft()
+                continue
+            joining.append(scheduler.waiting.popleft())
+        return joining, alone
 
     def _free_rows_left(self) -> None:
         """The rows whose request ended early leave their batch before its next round."""
@@ -81,10 +109,15 @@ class Continuous:
             for key in [key for key in self.jobs if key[0] == temperature]:
                 self.jobs.pop(key).fail(exc)
             self.sessions.pop(temperature)
+            if session.ssd is not None:
+                session.ssd.release()  # the lane serves the next batch
             return
         now = time.perf_counter()
         metrics.round(now - started, len(results))
-        metrics.accepted(session.counters.accepted_lengths if session.mode != "ar" else [])  # this round's
+        metrics.accepted(session.counters.accepted_lengths if session.run != "ar" else [])  # this round's
+        if session.mode == "ssd":
+            metrics.cache(session.counters)
+            scheduler.check_lane(len(results))
         for got in results:
             job = self.jobs.get((temperature, got.row))
             if job is None or job.done:

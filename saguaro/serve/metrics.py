@@ -82,6 +82,12 @@ class Metrics:
                 self.accepted_sum += sum(decided) / len(decided)
                 self.accepted_rounds += 1
 
+    def cache(self, counters) -> None:
+        """A batch session's round in mode ``ssd``: its speculation cache's hits and lookups."""
+        with self.lock:
+            self.cache_hits += counters.hits
+            self.cache_lookups += counters.lookups
+
     def batch_done(self, stats: dict, counters) -> None:
         """A generation's statistics (one that ran to its end): accepted lengths, SSD cache hits."""
         with self.lock:

@@ -1,15 +1,16 @@
 """The scheduler: one thread that owns the Program and serves queued requests a round at a time.
 
-Modes ``ar`` and ``sd``: continuous batching at round granularity (:mod:`saguaro.serve.continuous`). A
-request that arrives while others decode is prefilled alone at the next round boundary and joins the
-running batch of its temperature (``runtime.batching.BatchSession``: greedy rows together, sampled rows of
-one temperature together, each with its own generator); a row whose request ended (its ``max_tokens``,
-EOS, a stop string, its client gone) leaves before the next round. At most ``max_batch`` rows run at once,
-over all temperatures; the others wait in the queue, in arrival order.
+Continuous batching at round granularity in every mode (:mod:`saguaro.serve.continuous`). A request that
+arrives while others decode is prefilled alone at the next round boundary and joins the running batch of its
+temperature (``runtime.batching.BatchSession``: greedy rows together, sampled rows of one temperature
+together, each with its own generator); a row whose request ended (its ``max_tokens``, EOS, a stop string, its
+client gone) leaves before the next round. At most ``max_batch`` rows run at once, over all temperatures; the
+others wait in the queue, in arrival order.
 
-Mode ``ssd``: batches back to back (:mod:`saguaro.serve.back_to_back`): SSD's draft lane decodes a static
-batch per call, so a request that arrives while a batch decodes waits for it to end, and a seeded sampled
-request runs alone.
+Mode ``ssd``: the draft lane's server takes and drops rows between rounds as the session does
+(``runtime/batching_ssd.py``). A request sampled with a seed runs alone once no row runs
+(:mod:`saguaro.serve.alone`): SSD's draft lane draws its randomness from one generator per batch, so only
+alone are its tokens those ``generate`` gives it with that seed.
 
 Either way each request gets what the same request gets alone through ``program.generate``: greedy token
 for token, a seeded sampled request the same tokens (the tests check both against ``generate`` alone).
@@ -22,7 +23,6 @@ import threading
 import time
 from collections import deque
 
-from saguaro.runtime.batching import SESSION_MODES
 from saguaro.serve.requests import RequestError, Sampling
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,6 @@ class Scheduler:
         self.waiting: deque = deque()
         self.running = 0  # rows decoding now
         self.closing = False
-        self.continuous = program.config.mode in SESSION_MODES
         self._lane_failures_seen = self.lane_failures
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="saguaro-serve-scheduler", daemon=True)
@@ -141,7 +140,6 @@ class Scheduler:
                         "(the next SSD batch starts a new lane) and the server keeps serving", rows)
 
     def _loop(self) -> None:
-        from saguaro.serve.back_to_back import BackToBack
         from saguaro.serve.continuous import Continuous
 
-        (Continuous if self.continuous else BackToBack)(self).serve()
+        Continuous(self).serve()

@@ -1,6 +1,7 @@
 """Continuous batching (``saguaro.runtime.batching.BatchSession``): rows that join a running batch at different
 rounds, leave it early or end at their budget each get exactly what ``program.generate`` gives their request
-alone: greedy token for token, and a seeded sampled request the same tokens whoever its batch mates are."""
+alone: greedy token for token, and a seeded sampled request the same tokens whoever its batch mates are (mode
+``ssd``: ``test_batch_session_ssd.py``)."""
 
 import pytest
 import torch
@@ -94,8 +95,8 @@ def test_a_session_serves_between_generate_calls_and_refuses_what_it_cannot_run(
         got += sum((r.new_tokens for r in session.step()), [])
         assert session.counters.rounds == 1 and len(session.counters.accepted_lengths) == 1  # the last round's only
     assert got == solo(program, [5, 6, 7], 6)
-    with pytest.raises(ValueError, match="mode='ssd'"):
-        BatchSession(program, mode="ssd")
+    with pytest.raises(ValueError, match="mode='tree' is not allowed for a batch session"):
+        BatchSession(program, mode="tree")
     with pytest.raises(ValueError, match="temperature"):
         BatchSession(program, temperature=-1)
     with pytest.raises(ValueError, match="max_new_tokens"):

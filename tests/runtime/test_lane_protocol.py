@@ -103,15 +103,45 @@ def test_registering_a_lane_that_falls_back_to_an_unknown_kind_is_refused():
 
 def test_plan_costs_travel_over_the_remote_wire_as_the_warm_up_costs_do():
     """``plan_costs`` (the builds calibration timed against the verify) takes no argument and answers stage
-    costs, or nothing without a planner; it is the last method, so every earlier one keeps its number."""
+    costs, or nothing without a planner; it came after every earlier one, which keep their numbers."""
     from saguaro.runtime.draft.planner import StageCosts
     from saguaro.runtime.lanes.remote_messages import METHODS, Bounds, decode_args, decode_result, encode_args, \
         encode_result
 
-    assert METHODS[-1] is Method.PLAN_COSTS and METHODS.index(Method.TRACE_TAKE) == 9
+    assert METHODS.index(Method.PLAN_COSTS) == 10 and METHODS.index(Method.TRACE_TAKE) == 9
     bounds = Bounds(vocab=16, k=3, max_capacity=64)
     assert encode_args(Method.PLAN_COSTS, ()) == [] and decode_args(Method.PLAN_COSTS, [], bounds) == ()
     costs = StageCosts(glue_s=1.5e-3, step_s=None, tree_s={4: 4e-3, 8: 4.5e-3}, verify_s={0: 7e-3})
     back = decode_result(Method.PLAN_COSTS, encode_result(Method.PLAN_COSTS, costs), bounds, torch.device("cpu"))
     assert (back.glue_s, back.step_s, back.tree_s, back.verify_s) == (1.5e-3, None, {4: 4e-3, 8: 4.5e-3}, {0: 7e-3})
     assert decode_result(Method.PLAN_COSTS, encode_result(Method.PLAN_COSTS, None), bounds, torch.device("cpu")) is None
+
+
+def test_row_changes_travel_over_the_remote_wire_and_move_both_sides_batch():
+    """``join_rows`` (a one-row spec and its first token; the answer a one-row speculation) and ``keep_rows``
+    (increasing row indices) come after every earlier method, so those keep their numbers; each side's batch
+    follows them (``sent_batch`` on the caller's, ``decode_args`` on the server's), and bad rows are refused."""
+    from saguaro.runtime.base.wire import WireError
+    from saguaro.runtime.draft.server import GenerateSpec, Speculation
+    from saguaro.runtime.lanes.remote_messages import METHODS, Bounds, decode_args, decode_result, encode_args, \
+        encode_result, sent_batch
+
+    assert METHODS[-2:] == (Method.JOIN_ROWS, Method.KEEP_ROWS) and METHODS.index(Method.PLAN_COSTS) == 10
+    caller, server = Bounds(vocab=16, k=3, max_capacity=64), Bounds(vocab=16, k=3, max_capacity=64)
+    two = GenerateSpec(torch.tensor([[1, 2, 3], [0, 4, 5]]), torch.tensor([[1, 1, 1], [0, 1, 1]]), 8, 32, [2], 0,
+                       0.0, None)
+    for method, args in ((Method.OPEN, (two,)), (Method.JOIN_ROWS, (GenerateSpec(
+            torch.tensor([[6, 7]]), torch.ones(1, 2, dtype=torch.long), 4, 32, [2], 0, 0.0, None), torch.tensor([9])))):
+        sent_batch(caller, method, args)
+        got = decode_args(method, encode_args(method, args), server)
+        assert torch.equal(got[0].input_ids, args[0].input_ids)
+    assert caller.batch == server.batch == 3
+    one = Speculation(torch.tensor([[1, 2, 3]]), None, [1])
+    back = decode_result(Method.JOIN_ROWS, encode_result(Method.JOIN_ROWS, one), caller, torch.device("cpu"))
+    assert back.tokens.tolist() == [[1, 2, 3]] and back.source == [1]
+    sent_batch(caller, Method.KEEP_ROWS, ([0, 2],))
+    assert decode_args(Method.KEEP_ROWS, encode_args(Method.KEEP_ROWS, ([0, 2],)), server) == ([0, 2],)
+    assert caller.batch == server.batch == 2
+    for bad in ([], [1, 0], [0, 2]):
+        with pytest.raises(WireError, match="keep_rows"):
+            decode_args(Method.KEEP_ROWS, encode_args(Method.KEEP_ROWS, (bad,)), server)

@@ -86,6 +86,28 @@ def test_greedy_tokens_over_the_remote_lane_equal_generate(server, batch):
     assert clock["source"].endswith(server.address) and "offset_ns_applied" in clock
 
 
+def test_a_batch_session_over_the_remote_lane_gives_each_row_its_solo_tokens(server):
+    """Continuous batching in mode ``ssd`` over the wire: rows join the server's batch (``join_rows``) and leave
+    it (``keep_rows``) between rounds, both sides keeping the batch in step, and each row is its solo output."""
+    from saguaro.runtime.batching import BatchSession
+    from tests.runtime.test_batch_session import drive, solo
+
+    program = remote_only(server)
+    ids, _ = prompts(3, 8, vocab_size=VOCAB, seed=9)
+    requests = [(0, ids[0, :5].tolist(), 30, None), (1, ids[1, :8].tolist(), 6, None),
+                (2, ids[2, :3].tolist(), 10, None)]
+    try:
+        session = BatchSession(program)
+        tokens, sizes = drive(session, requests, leave_at={0: 4})
+        assert session.run == "ssd" and session.lanes_failed == 0 and max(sizes) == 3, session.why
+        for i, (_, prompt, budget, _) in enumerate(requests):
+            want = solo(program, prompt, budget)
+            assert tokens[i] == want[:len(tokens[i])] and (i == 0 or tokens[i] == want), i
+        assert len(tokens[0]) < len(solo(program, requests[0][1], 30))  # it left early
+    finally:
+        program.close()
+
+
 def test_sampling_over_the_remote_lane_keeps_the_target_distribution(server):
     program = remote_only(server, fan_out=[2, 2, 2], fallback="neural", saguaro_c=0.5)
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.long)
@@ -238,3 +260,4 @@ def test_ctrl_c_ends_the_server_cleanly(server):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, int(port)))
     assert os.path.exists(server.secret_file)
+

@@ -25,6 +25,9 @@ header first, so a sender may start its sends before the receiver is listening (
 once; ``Sent.wait`` blocks until the transport has taken the data). A receiver should only call
 ``recv`` when it knows a message is coming (a gloo receive that times out closes the pair), for
 example after a doorbell on another channel.
+
+A traced generation's draft-side events travel as JSON text and are checked field by field
+(:func:`check_trace_part`) before they reach the trace.
 """
 
 from __future__ import annotations
@@ -167,3 +170,28 @@ class Channel:
             work.wait() if self.timeout is None else work.wait(self.timeout)
         except RuntimeError as exc:
             raise WireError(f"receiving a message failed: {exc}") from exc
+
+
+TRACE_PHASES = frozenset("BECi")
+
+
+def check_trace_part(part) -> dict:
+    """A draft server's trace events (``TraceRecorder.take``'s dict) with every field checked: plain
+    numbers and short strings only."""
+    def short(s):
+        return isinstance(s, str) and len(s) <= 256
+
+    ok = isinstance(part, dict) and set(part) == {"pid", "process", "events"} and isinstance(part["pid"], int) \
+        and short(part["process"]) and isinstance(part["events"], list)
+    for event in part["events"] if ok else ():
+        args = event[4] if isinstance(event, list) and len(event) == 5 else None
+        ok = (isinstance(event, list) and len(event) == 5 and event[0] in TRACE_PHASES and short(event[1])
+              and short(event[2]) and isinstance(event[3], int)
+              and (args is None or (isinstance(args, dict) and len(args) <= 64 and all(
+                  short(key) and (isinstance(v, (int, float)) or short(v)) for key, v in args.items()))))
+        if not ok:
+            break
+    if not ok:
+        raise WireError("the draft server's trace events do not have the expected form")
+    part["events"] = [tuple(e) for e in part["events"]]
+    return part

@@ -116,15 +116,21 @@ def _finish_with_sd(target: ModelRunner, draft: ModelRunner | None, state: Decod
     AR when the only draft is a remote one: ``draft`` None)."""
     warn_at_caller(f"saguaro: {exc}; finishing this generation with {'SD' if draft else 'AR'} (output stays exact)")
     state.counters.lane_failures += 1
-    seqs = state.seqs
     if draft is None:
-        state.target_store.invalidate_from(seqs.tail_index(1)[:, 0])  # the last round's rejected slots
+        state.target_store.invalidate_from(state.seqs.tail_index(1)[:, 0])  # the last round's rejected slots
         decode_ar(target, None, state, None, None)
         return
+    catch_up_draft(draft, state)
+    sd_rounds(target, draft, state)
+
+
+def catch_up_draft(draft: ModelRunner, state: DecodeState) -> None:
+    """A fresh draft store for SD's rounds, filled on this thread with every decided token but the pending one
+    (``state.draft_store``; left padding and each row's own padding are masked, as in the prefill)."""
+    seqs = state.seqs
     state.draft_store = draft.new_store(seqs.batch, state.target_store.capacity)
     state.draft_feed = 2  # SD's first draft call rewrites the two last tokens, as after any prefill
     width = max(seqs.host_lengths) - 1  # every decided token but the pending one of the longest row
     # shorter rows also write slots past their pending token; SD drops those before it drafts
     index = torch.arange(width, device=seqs.tokens.device).expand(seqs.batch, width)
     draft(state.draft_store, seqs.gather(index), seqs.positions(index).clamp_min(-1), index)
-    sd_rounds(target, draft, state)

@@ -4,8 +4,10 @@
 first speculation; ``build`` runs glue, fork and tree decode for the speculation now under
 verification (this is what overlaps the target); ``match`` takes the outcome ``(a, r')``, commits it
 and looks it up in the speculation cache; ``fallback`` makes the next speculation of the rows that
-missed. The server keeps its own mirror of the sequences, so a lane can run it unchanged on a worker
-thread or in another process: a lane only ever calls these methods by name.
+missed. Between rounds, ``join_rows`` and ``keep_rows`` let rows join and leave a running batch
+(:class:`~saguaro.runtime.draft.rows.RowChanges`). The server keeps its own mirror of the sequences, so a
+lane can run it unchanged on a worker thread or in another process: a lane only ever calls these methods
+by name.
 
 Host and device: outcomes arrive and hits leave as host lists (the caller has read the outcome once;
 the server copies what it needs to its device without a sync). Each build reads its candidate table
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +29,8 @@ from saguaro.runtime.draft.fallback import FallbackPolicy, fast_fallback, neural
 from saguaro.runtime.draft.fan_out import OutcomeEstimator, geometric_fan_out, resolve_fan_out
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.draft.planner import Planner, StageCosts
+from saguaro.runtime.draft.records import FAST, HIT, NEURAL, GenerateSpec, Lookup, Speculation
+from saguaro.runtime.draft.rows import RowChanges
 from saguaro.runtime.base.sequences import SequenceBatch, host_to_device
 from saguaro.runtime.base.stats import SOURCES
 from saguaro.runtime.base.timing import Stopwatch
@@ -35,46 +38,12 @@ from saguaro.runtime.base.trace import TraceRecorder, traced
 from saguaro.tensor_math.fork import ranks_from_ranked
 from saguaro.tensor_math.verification import outcome_tokens
 
-HIT, NEURAL, FAST = SOURCES.index("hit"), SOURCES.index("neural"), SOURCES.index("fast")
 MAX_LAYOUTS = 64  # branch layouts (index tensors per fan-out) a server keeps on its device
 
 
-@dataclass
-class GenerateSpec:
-    """What the draft side needs to mirror one ``generate`` call."""
-
-    input_ids: torch.Tensor  # [B, T]
-    attention_mask: torch.Tensor  # [B, T]
-    max_new_tokens: int
-    capacity: int
-    eos_token_ids: list
-    pad_token_id: int
-    temperature: float
-    seed: int | None
-    plan_costs: object = None  # StageCosts measured when the lane warmed up: the planner's starting costs
-
-
-@dataclass
-class Speculation:
-    """The speculation of the next round and where each row's came from."""
-
-    tokens: torch.Tensor  # [B, K]
-    probs: torch.Tensor | None  # [B, K, V]; None when greedy
-    source: list  # [B] host ints, index into SOURCES
-    fallback_kind: str | None = None  # the fallback the missed rows took, if any
-
-
-@dataclass
-class Lookup:
-    """The speculation cache's answer to an outcome: ``hit [B]`` and the cached speculation (rows that
-    missed hold filler until :meth:`SpeculationServer.fallback` replaces it)."""
-
-    hit: list  # [B] host bools; False on rows not looked up (finished before this round)
-    speculation: Speculation
-
-
-class SpeculationServer:
-    """Draft-side state of one generation at a time."""
+class SpeculationServer(RowChanges):
+    """Draft-side state of one generation at a time (or of a running batch whose rows join and leave between
+    rounds: :class:`~saguaro.runtime.draft.rows.RowChanges`)."""
 
     def __init__(self, draft: ModelRunner, config: SaguaroConfig):
         self.draft = draft
@@ -110,6 +79,7 @@ class SpeculationServer:
             self.planner.costs = copy.deepcopy(costs)
             self.planner.adaptive = not sampled
         self.cache = None
+        self.row_capacity = [spec.capacity] * self.seqs.batch  # the store slots each row needs (RowChanges)
         self._pending_ranks = None  # (accepted [B] host, ranks [B] device) of the last outcome, for ρ
         T = self.seqs.prompt_len
         index = torch.arange(T, device=device).expand(self.seqs.batch, T)

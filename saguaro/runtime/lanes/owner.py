@@ -121,6 +121,10 @@ class LaneOwner:
             self._finalizer = weakref.finalize(self, lane.close)
         return self._client
 
+    def started(self) -> DraftClient | None:
+        """The started lane's client, or None; starts nothing (a batch session checks that it holds it)."""
+        return self._client
+
     @property
     def shares_host(self) -> bool:
         """Whether the current lane's draft computes on the target's machine."""

@@ -38,7 +38,9 @@ class Method(enum.Enum):
     FINISHED = "finished"
     TRACE_START = "trace_start"
     TRACE_TAKE = "trace_take"
-    PLAN_COSTS = "plan_costs"  # last: a method's index is its number on the remote lane's wire
+    PLAN_COSTS = "plan_costs"
+    JOIN_ROWS = "join_rows"  # continuous batching (runtime/draft/rows.py)
+    KEEP_ROWS = "keep_rows"  # last: a method's index is its number on the remote lane's wire; add after it
 
     def bound_to(self, server: SpeculationServer):
         """The server's bound method."""
@@ -86,6 +88,9 @@ class DraftClient:
 
     def __init__(self, lane: DraftLane):
         self.lane = lane
+        # the BatchSession whose rows the server holds between its rounds; None once a generation (or a
+        # warm-up) has opened the server for itself: that session's rows are gone from it
+        self.holder = None
 
     @property
     def kind(self) -> str:
@@ -101,6 +106,7 @@ class DraftClient:
         self.lane.recorder = recorder
 
     def open(self, spec: GenerateSpec) -> None:
+        self.holder = None
         self.lane.call(Method.OPEN, spec)
 
     def start(self, first_tokens: torch.Tensor) -> Speculation:
@@ -120,7 +126,17 @@ class DraftClient:
 
     def warm_up(self, spec: GenerateSpec, first_tokens: torch.Tensor, timeout_s: float):
         """Every stage shape of a generation like ``spec`` run once; the planner's stage costs (or None)."""
+        self.holder = None
         return self.lane.call(Method.WARM_UP, spec, first_tokens, timeout_s=timeout_s)
+
+    def join_rows(self, spec: GenerateSpec, first_tokens: torch.Tensor) -> Speculation:
+        """Between rounds: one row (``spec`` of batch 1, its first token ``[1]``) joins the open batch as its
+        last row; its first speculation (tokens ``[1, K]``)."""
+        return self.lane.call(Method.JOIN_ROWS, spec, first_tokens)
+
+    def keep_rows(self, rows: list) -> None:
+        """Between rounds: only the rows ``rows`` (increasing host ints) stay in the open batch, in that order."""
+        self.lane.call(Method.KEEP_ROWS, list(rows))
 
     def build_budget(self, budget: int | None) -> None:
         """Posted: a build with the planner's fan-out for ``budget`` branches (calibration)."""

@@ -20,7 +20,7 @@ import torch
 from saguaro.runtime.lanes.protocol import DraftLaneError, Method
 from saguaro.runtime.lanes.remote_messages import (
     BYE, CALL, ERROR, METHODS, POST, REPLY, REQUESTS, Bounds, decode_args, decode_result, encode_args, encode_result,
-    encode_text, decode_text,
+    encode_text, decode_text, sent_batch,
 )
 from saguaro.runtime.base.wire import Channel, WireError
 
@@ -64,8 +64,7 @@ class RankLane:
         self.link = link
 
     def _send(self, method: Method, code: int, args: tuple) -> None:
-        if method in (Method.OPEN, Method.WARM_UP):
-            self.link.bounds.batch = args[0].input_ids.shape[0]
+        sent_batch(self.link.bounds, method, args)
         self.link.send(code, encode_args(method, args) if self.link.rank == 0 else [])
 
     def post(self, method: Method, *args) -> None:

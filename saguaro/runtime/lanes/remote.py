@@ -30,7 +30,7 @@ from saguaro.runtime.lanes import remote_handshake as hs
 from saguaro.runtime.lanes.process import uninterrupted
 from saguaro.runtime.lanes.protocol import DraftLaneError, Method
 from saguaro.runtime.lanes.remote_messages import (
-    CALL, ERROR, METHODS, POST, REPLY, Bounds, decode_result, decode_text, encode_args,
+    CALL, ERROR, METHODS, POST, REPLY, Bounds, decode_result, decode_text, encode_args, sent_batch,
 )
 from saguaro.runtime.base.wire import Channel, WireError
 
@@ -155,8 +155,7 @@ class RemoteLane:
             raise DraftLaneError(f"the connection to the draft server at {self.address} is unusable: {self._broken}")
         self._seq += 1
         tensors = encode_args(method, args)
-        if method in (Method.OPEN, Method.WARM_UP):
-            self.bounds.batch = args[0].input_ids.shape[0]
+        sent_batch(self.bounds, method, args)
         try:
             with traced(self.recorder, "host", f"send {method.value}"), uninterrupted():
                 sent = self.channel.send(code, self._seq, tensors)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,7 +21,7 @@ from saguaro.runtime.base.stats import FALLBACK_KINDS, SOURCES
 from saguaro.runtime.draft.planner import StageCosts
 from saguaro.runtime.draft.server import GenerateSpec, Lookup, Speculation
 from saguaro.runtime.lanes.protocol import Method
-from saguaro.runtime.base.wire import WireError
+from saguaro.runtime.base.wire import WireError, check_trace_part
 
 METHODS = tuple(Method)  # a method's index is its number on the wire
 POST, CALL, REPLY = 16, 32, 48
@@ -126,10 +126,22 @@ def decode_spec(ts: list, bounds: Bounds) -> GenerateSpec:
     return GenerateSpec(ids, mask, max_new, capacity, eos.tolist(), pad, t, seed if has_seed else None, costs)
 
 
+def sent_batch(bounds: Bounds, method: Method, args: tuple) -> None:
+    """The caller's side of the batch a message changes (the receiver's changes in :func:`decode_args`)."""
+    if method in (Method.OPEN, Method.WARM_UP):
+        bounds.batch = args[0].input_ids.shape[0]
+    elif method is Method.JOIN_ROWS and bounds.batch is not None:
+        bounds.batch += 1
+    elif method is Method.KEEP_ROWS:
+        bounds.batch = len(args[0])
+
+
 def encode_args(method: Method, args: tuple) -> list:
     if method is Method.OPEN:
         return encode_spec(args[0])
-    if method is Method.WARM_UP:
+    if method is Method.KEEP_ROWS:
+        return [torch.tensor(list(args[0]), dtype=I64, device="cpu")]
+    if method in (Method.WARM_UP, Method.JOIN_ROWS):
         return encode_spec(args[0]) + [args[1].long().cpu()]
     if method is Method.START:
         return [args[0].long().cpu()]
@@ -146,7 +158,7 @@ def encode_args(method: Method, args: tuple) -> list:
 
 def decode_args(method: Method, ts: list, bounds: Bounds) -> tuple:
     """The arguments of ``method`` from a request's tensors, checked (``bounds.batch`` is set by OPEN
-    and WARM_UP)."""
+    and WARM_UP, grows by one with JOIN_ROWS and is the rows kept after KEEP_ROWS)."""
     if method in (Method.OPEN, Method.WARM_UP):
         _count(6 if method is Method.OPEN else 7, ts, method.value)
         spec = decode_spec(ts, bounds)
@@ -163,6 +175,22 @@ def decode_args(method: Method, ts: list, bounds: Bounds) -> tuple:
     if bounds.batch is None:
         raise WireError(f"{method.value} before any generation was opened")
     B = bounds.batch
+    if method is Method.JOIN_ROWS:
+        _count(7, ts, "join_rows")
+        spec = decode_spec(ts, bounds)
+        first = _ids(_tensor(ts, 6, (I64,), 1, "first tokens"), bounds.vocab, "first tokens")
+        if spec.input_ids.shape[0] != 1 or first.numel() != 1 or B + 1 > MAX_BATCH:
+            raise WireError(f"join_rows: one row and one first token, up to a batch of {MAX_BATCH}; got "
+                            f"{spec.input_ids.shape[0]} rows and {first.numel()} tokens onto {B}")
+        bounds.batch = B + 1
+        return spec, first
+    if method is Method.KEEP_ROWS:
+        _count(1, ts, "keep_rows")
+        rows = _tensor(ts, 0, (I64,), 1, "kept rows").tolist()
+        if not rows or sorted(set(rows)) != rows or not 0 <= rows[0] <= rows[-1] < B:
+            raise WireError(f"keep_rows: expected increasing row indices in [0, {B}), at least one")
+        bounds.batch = len(rows)
+        return (rows,)
     if method is Method.START:
         _count(1, ts, "start")
         first = _ids(_tensor(ts, 0, (I64,), 1, "first tokens"), bounds.vocab, "first tokens")
@@ -216,7 +244,7 @@ def _decode_speculation(ts: list, bounds: Bounds, device: torch.device) -> Specu
 
 
 def encode_result(method: Method, result) -> list:
-    if method in (Method.START, Method.FALLBACK):
+    if method in (Method.START, Method.FALLBACK, Method.JOIN_ROWS):
         return _encode_speculation(result)
     if method is Method.MATCH:
         hit = torch.tensor([bool(h) for h in result.hit], dtype=I64, device="cpu")  # [B]
@@ -235,6 +263,9 @@ def decode_result(method: Method, ts: list, bounds: Bounds, device: torch.device
     if method in (Method.START, Method.FALLBACK):
         _count(3, ts, method.value)
         return _decode_speculation(ts, bounds, device)
+    if method is Method.JOIN_ROWS:  # the joining row's speculation alone
+        _count(3, ts, method.value)
+        return _decode_speculation(ts, replace(bounds, batch=1), device)
     if method is Method.MATCH:
         _count(4, ts, "match")
         hit = _tensor(ts, 3, (I64,), 1, "hits").tolist()
@@ -263,28 +294,3 @@ def decode_text(t, what: str) -> str:
     if t is None or t.dtype != torch.uint8 or t.dim() != 1 or t.numel() > MAX_TEXT:
         raise WireError(f"{what}: expected a 1-d uint8 text of at most {MAX_TEXT} bytes")
     return bytes(t.cpu().tolist()).decode("utf-8", errors="replace")
-
-
-PHASES = frozenset("BECi")
-
-
-def check_trace_part(part) -> dict:
-    """A draft server's trace events (``TraceRecorder.take``'s dict) with every field checked: plain
-    numbers and short strings only."""
-    def short(s):
-        return isinstance(s, str) and len(s) <= 256
-
-    ok = isinstance(part, dict) and set(part) == {"pid", "process", "events"} and isinstance(part["pid"], int) \
-        and short(part["process"]) and isinstance(part["events"], list)
-    for event in part["events"] if ok else ():
-        args = event[4] if isinstance(event, list) and len(event) == 5 else None
-        ok = (isinstance(event, list) and len(event) == 5 and event[0] in PHASES and short(event[1])
-              and short(event[2]) and isinstance(event[3], int)
-              and (args is None or (isinstance(args, dict) and len(args) <= 64 and all(
-                  short(key) and (isinstance(v, (int, float)) or short(v)) for key, v in args.items()))))
-        if not ok:
-            break
-    if not ok:
-        raise WireError("the draft server's trace events do not have the expected form")
-    part["events"] = [tuple(e) for e in part["events"]]
-    return part
