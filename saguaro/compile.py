@@ -182,12 +182,11 @@ class CompiledStages(PipelineStages):
         """The stage's graph, its attention lowered and its linears run as chosen for this stage and device
         (``linears``, ``"gemm"``, ``"reduction"``, ``"packed"`` or ``"template"``, when given, instead of the choice; the
         template's graph keeps the GEMMs, as ``"gemm"``'s: only its compile settings differ)."""
+        built = self.device_type == "cpu" and packed_kernel_available()  # the saguaro_kernels library
         attention = attention_implementation(self.backend, self.requested_attention, self.device_type, stage.mask,
-                                             stage=stage, kernel_built=self._kernels_built())
-        if attention == "kernel" and not packed_kernel_available():  # asked for, but no compiler here
-            attention = "inline"
-        linears = linears or linear_implementation(self.backend, self.requested_linears, self.device_type,
-                                                   stage.family)
+                                             stage=stage, kernel_built=built)
+        attention = "inline" if attention == "kernel" and not built else attention  # asked for, no compiler here
+        linears = linears or linear_implementation(self.backend, self.requested_linears, self.device_type, stage.family)
         linears = "gemm" if linears == "template" else linears
         if linears == "packed" and not packed_kernel_available():  # no compiler here: the reductions
             linears = "reduction" if self.backend == "inductor" else "gemm"
@@ -197,11 +196,6 @@ class CompiledStages(PipelineStages):
         fuse = fusion_applies(self.backend, self.device_type, linears, self.fuse_projections)
         return build_stage(self.graph_module, stage, self.width, attention=attention, observe=observe, linears=linears,
                            narrow=narrow, fuse=fuse, narrow_panels=self.narrow_weights)
-
-    def _kernels_built(self) -> bool:
-        """Whether the ``saguaro_kernels`` library is at hand where ``"auto"`` would pick its attention (Inductor
-        on CPU): built, or built now (seconds, once per machine)."""
-        return self.backend == "inductor" and self.device_type == "cpu" and packed_kernel_available()
 
     def __call__(self, stage: Stage):
         linears = linear_implementation(self.backend, self.requested_linears, self.device_type, stage.family)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.core.errors import ConfigError, SaguaroError
-from saguaro.core.stages import (DRAFT_STEP, DRAFT_TREE, FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES, TARGET_ROUND,
-                                  TARGET_STEP, TARGET_VERIFY, TARGET_VERIFY_ROUND, Stage)
+from saguaro.core.stages import (DRAFT_STEP, DRAFT_TREE, TARGET_ROUND, TARGET_STEP, TARGET_VERIFY, TARGET_VERIFY_ROUND,
+                                  Stage)
 from saguaro.lower.cuda_graphs import GraphedStage
 from saguaro.lower.direct_call import (compile_with_inductor, direct_call, direct_calls_wanted, held_tensors,
                                        recording)
@@ -18,6 +18,7 @@ from saguaro.lower.failed_node import responsible_node
 from saguaro.lower.forward_code import forward_outside_compiles
 from saguaro.lower.graph_inputs import mutated_inputs
 from saguaro.lower.kernel_log import capture_output_code
+from saguaro.core.linear_choice import linear_implementation  # noqa: F401 - lowering's public choice of linears
 from saguaro.lower.compile_helper import inductor_settings, mark_dynamic
 from saguaro.lower.compile_thread import BackgroundCompiler
 from saguaro.lower.tiered import KeyPositions, TieredStage
@@ -133,27 +134,6 @@ def attention_implementation(backend: str, requested: str = "auto", device_type:
     if device_type == "cpu" and stage in KERNEL_ATTENTION and kernel_built:
         return "kernel"
     return "inline"
-
-
-def linear_implementation(backend: str, requested: str = "auto", device_type: str = "cpu",
-                          family: str | None = None) -> str:
-    """How the linears of a stage of ``family`` run: ``"reduction"`` (``linear_as_reduction``), ``"packed"``
-    (``pack_linears``: the few-row C++ kernel over packed, narrow-held weights) or ``"gemm"`` (BLAS).
-    ``"reduction"`` / ``"packed"`` rewrite the few-row stages (:data:`FEW_ROW_FAMILIES`) on any backend; ``"auto"``,
-    for Inductor on CPU: packed for the several-row stages (:data:`MULTI_ROW_FAMILIES`; 1.2-1.5x the narrow
-    reductions at 6-32 rows, ``benchmarks/parts/few_row_linear.py``), reduction for the one-row ones. ``"template"``:
-    for Inductor on CPU, the several-row stages on Inductor's C++ GEMM template (:data:`TEMPLATE_GEMM_CONFIG`),
-    the others as ``"auto"``. Never chosen for CUDA by ``"auto"``: not measured there."""
-    if requested == "gemm" or family not in FEW_ROW_FAMILIES:
-        return "gemm"
-    on_cpu_inductor = backend == "inductor" and device_type == "cpu"
-    if requested == "template" and on_cpu_inductor and family in MULTI_ROW_FAMILIES:
-        return "template"
-    if requested in ("reduction", "packed"):
-        return requested
-    if on_cpu_inductor:
-        return "packed" if family in MULTI_ROW_FAMILIES else "reduction"
-    return "gemm"
 
 
 class LoweringError(SaguaroError):

@@ -1,0 +1,26 @@
+"""How the linear layers of a stage run (``SaguaroConfig.linears``), by stage family, backend and device."""
+
+from __future__ import annotations
+
+from saguaro.core.stages import FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES
+
+
+def linear_implementation(backend: str, requested: str = "auto", device_type: str = "cpu",
+                          family: str | None = None) -> str:
+    """How the linears of a stage of ``family`` run: ``"reduction"`` (``linear_as_reduction``), ``"packed"``
+    (``pack_linears``: the few-row C++ kernel over packed, narrow-held weights) or ``"gemm"`` (BLAS).
+    ``"reduction"`` / ``"packed"`` rewrite the few-row stages (:data:`FEW_ROW_FAMILIES`) on any backend; ``"auto"``,
+    for Inductor on CPU: packed for the several-row stages (:data:`MULTI_ROW_FAMILIES`; 1.2-1.5x the narrow
+    reductions at 6-32 rows, ``benchmarks/parts/few_row_linear.py``), reduction for the one-row ones. ``"template"``:
+    for Inductor on CPU, the several-row stages on Inductor's C++ GEMM template (:data:`~saguaro.lower.lowering.TEMPLATE_GEMM_CONFIG`),
+    the others as ``"auto"``. Never chosen for CUDA by ``"auto"``: not measured there."""
+    if requested == "gemm" or family not in FEW_ROW_FAMILIES:
+        return "gemm"
+    on_cpu_inductor = backend == "inductor" and device_type == "cpu"
+    if requested == "template" and on_cpu_inductor and family in MULTI_ROW_FAMILIES:
+        return "template"
+    if requested in ("reduction", "packed"):
+        return requested
+    if on_cpu_inductor:
+        return "packed" if family in MULTI_ROW_FAMILIES else "reduction"
+    return "gemm"
