@@ -27,7 +27,7 @@ from saguaro.models_io import check_pair
 from saguaro.passes import run_pipeline
 from saguaro.passes.fuse_projections import fusion_applies
 from saguaro.passes.lower_attention import attention_kernel
-from saguaro.passes.pipeline import PipelineStages, build_stage
+from saguaro.passes.pipeline import PipelineStages, build_stage, holding_what_it_reads
 from saguaro.runtime.lanes.draft_files import RemoteDraft
 from saguaro.runtime.lanes.remote import RemoteEndpoint
 from saguaro.runtime.draft.server import SpeculationServer
@@ -204,10 +204,9 @@ class CompiledStages(PipelineStages):
         if self.compiler is not None and linears == "reduction":
             eager_gm = self.stage_graph(stage, linears="gemm")
         if self.backend == "eager":
-            gm = direct_kernel_calls(gm)
-        varying = None  # Inductor compiles the sizes that change from call to call dynamic at once
-        if self.backend == "inductor":
-            varying = varying_dims(stage, sum(1 for node in gm.graph.nodes if node.op == "placeholder"))
+            gm = holding_what_it_reads(direct_kernel_calls(gm))  # ("kernel" attention: no op, the module kept)
+        inputs = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
+        varying = varying_dims(stage, inputs) if self.backend == "inductor" else None  # compiled dynamic at once
         lowered = lower_graph(gm, self.backend, stage.qualified, self.device_type,
                               cuda_graphs=self.cuda_graphs and captures_stage(stage), compiler=self.compiler,
                               dynamic_dims=varying, eager_gm=eager_gm,

@@ -5,6 +5,8 @@ the requests in flight."""
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
 from saguaro.cli.args import add_linears_arg, add_plan_arg, int_at_least, sd_when_faster
@@ -34,6 +36,10 @@ def add_arguments(parser) -> None:
                         help="most requests waiting for a batch; past it a request gets 429 (default 64)")
     parser.add_argument("--api-key-file", metavar="FILE", default=None,
                         help="a file holding the API key every request must send as 'Authorization: Bearer KEY'")
+    parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --backend inductor, compile every batch shape the server will run before it says "
+                        "it is ready, so no request waits for a compile (default on; --no-warm-up: compile on "
+                        "first use)")
     add_plan_arg(parser)
     add_linears_arg(parser)
     add_program_arg(parser)
@@ -59,10 +65,16 @@ def build_program(args):
 
 def run(args) -> int:
     from saguaro.serve.server import check_address, make_server, print_ready, read_api_key
+    from saguaro.serve.warm_up import needs_warm_up, warm_up
 
     api_key = read_api_key(args.api_key_file)
     check_address(args.host, api_key)  # before loading any model
     program, tokenizer, name = build_program(args)
+    if args.warm_up and needs_warm_up(program):
+        sys.stderr.write("saguaro serve: warming up (compiling each batch shape before serving; --no-warm-up skips "
+                         "it)\n")
+        seconds = warm_up(program, tokenizer, args.max_batch)
+        sys.stderr.write(f"saguaro serve: warm-up done in {seconds:.0f} s\n")
     server, _ = make_server(program, tokenizer, name, args.host, args.port, args.max_batch, args.max_queue, api_key,
                             announce=print_ready(name))
     try:

@@ -19,6 +19,7 @@ from saguaro.core.stages import Stage
 from saguaro.passes.flatten_signature import FlattenSignature
 from saguaro.passes.fuse_projections import FuseProjections
 from saguaro.passes.base.graph_pass import GraphPass, PassManager, copy_graph, settle_code
+from saguaro.passes.base.graph_splice import drop_unread_attributes
 from saguaro.passes.linear_as_reduction import LinearAsReduction
 from saguaro.passes.lower_attention import LowerAttention
 from saguaro.passes.narrow_weights import NarrowWeights
@@ -90,6 +91,14 @@ def build_stage(base: torch.fx.GraphModule, stage: Stage, width: int, attention:
                                                           "encoding": "string"},
                          payload_fn=lambda: gm.print_readable(print_output=False, include_stride=True,
                                                               include_device=True), expect_trace_id=False)
+    return gm
+
+
+def holding_what_it_reads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with every parameter and buffer its graph does not read deleted from it (its own submodules' paths;
+    the model keeps them), as a module made over its graph would hold: an eager stage whose attention was lowered
+    away from the ops (``"kernel"``) is the stage module itself, and holds no more than one with them."""
+    drop_unread_attributes(gm, [name for name, _ in (*gm.named_parameters(), *gm.named_buffers())])
     return gm
 
 

@@ -4,7 +4,8 @@ join and leave it. ``saguaro serve``'s scheduler runs one per temperature (``sag
 
 - :meth:`BatchSession.join` prefills a request alone, exactly as ``program.generate`` does for that prompt
   (batch 1, the same padded prompt and store capacity, its own generator seeded as ``generate`` seeds it),
-  decides its first token, then splices its row into the running batch (``SequenceBatch.gathered``,
+  decides its first token, then puts its row where a row that ended or left since the last round was
+  (:mod:`saguaro.runtime.batching_in_place`), else splices it into the running batch (``SequenceBatch.gathered``,
   ``KVStore.take_rows``: slots a row never used are empty, as in a fresh store; the batch's tensors come
   from the runners' pools, so each batch size and capacity keeps its addresses and its CUDA graphs).
 - :meth:`BatchSession.step` runs one round of every row: AR's step (or its greedy round stage), or SD's
@@ -37,6 +38,7 @@ from saguaro.core.stages import TARGET_ROUND
 from saguaro.runtime.base.sequences import SequenceBatch
 from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import Counters, since
+from saguaro.runtime.batching_in_place import free_slot, replace_row
 from saguaro.runtime.batching_ssd import SessionLane, rows_to_sd
 from saguaro.runtime.decode.ar import round_by_step, round_in_graph
 from saguaro.runtime.decode.prefill import prefill
@@ -121,12 +123,14 @@ class BatchSession:
             if self.temperature > 0:  # as generate seeds its generator
                 base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long, device="cpu"))
                 generator = torch.Generator(device=program.target.spec.device).manual_seed(base)
-            self._drop_leaving()
+            T, capacity = padded_ids.shape[1], program._store_capacity(padded_ids.shape[1], max_new_tokens)
+            slot = free_slot(self, capacity)  # a gone row's place, taken in place; else the batch is rebuilt
+            if slot is None:
+                self._drop_leaving()
             if self.mode == "ssd" and not self.rows:  # the first row: planned as generate plans it alone
                 plan = self.ssd.plan_first((padded_ids, padded_mask, max_new_tokens, eos_ids, self.temperature), base)
                 self.run, self.why = plan.run, plan.why
             program.prepare(self.run, self.temperature)
-            T, capacity = padded_ids.shape[1], program._store_capacity(padded_ids.shape[1], max_new_tokens)
             seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, program.pad_token_id)
             draft = program.draft if self.run == "sd" else None
             alone = DecodeState(seqs, program.target.new_store(1, capacity),
@@ -138,7 +142,9 @@ class BatchSession:
                     runner.first_tokens_out()  # a background compiler held until the first text starts
                 row = _Row(next(self._ids), max_new_tokens, T + 1, 1, capacity, generator)
                 finished = not seqs.host_active[0]  # EOS, or a budget of one token
-                if not finished:
+                if not finished and slot is not None:
+                    replace_row(self, slot, row, alone)
+                elif not finished:
                     self._splice(row, alone)
                     if self.run == "ssd":  # the lane takes it before the next round: its first token goes out now
                         self.ssd.pending.append((program._draft_spec(padded_ids, padded_mask, max_new_tokens,

@@ -49,7 +49,7 @@ def test_a_row_that_sees_no_slot_gets_zeros_and_the_others_are_unaffected():
     torch.testing.assert_close(out[:, :, ::2], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_kernel_is_chosen_for_the_verify_and_the_draft_step_on_cpu_inductor_where_it_builds():
+def test_kernel_is_chosen_for_the_verify_and_the_draft_step_on_cpu_where_it_builds():
     assert set(KERNEL_ATTENTION) == {*TARGET_VERIFY, TARGET_VERIFY_ROUND, *DRAFT_STEP}
     for stage in STAGES:
         picked = attention_implementation("inductor", "auto", "cpu", stage.mask, stage=stage, kernel_built=True)
@@ -59,6 +59,10 @@ def test_kernel_is_chosen_for_the_verify_and_the_draft_step_on_cpu_inductor_wher
         requested = attention_implementation("eager", "kernel", "cpu", stage.mask, stage=stage)
         assert requested == ("kernel" if stage in KERNEL_ATTENTION else "inline"), stage
         assert attention_implementation("eager", "kernel", "cuda", stage.mask, stage=stage) == "inline"
+        eager = attention_implementation("eager", "auto", "cpu", stage.mask, stage=stage, kernel_built=True)
+        assert eager == ("kernel" if stage in KERNEL_ATTENTION else "op"), stage  # eager: the op elsewhere
+        assert attention_implementation("eager", "auto", "cpu", stage.mask, stage=stage) == "op"  # not built
+        assert attention_implementation("eager", "auto", "cuda", stage.mask, stage=stage, kernel_built=True) == "op"
 
 
 def test_the_lowered_verify_calls_the_kernel_in_every_layer():

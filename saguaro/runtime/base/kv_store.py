@@ -152,6 +152,19 @@ class KVStore:
         sub._slot_index = self._slot_index
         return sub
 
+    def put_row(self, index: int, other: "KVStore") -> None:
+        """Row ``index`` becomes ``other``'s only row, in place (the other rows and the tensors' addresses stay);
+        its slots past ``other``'s capacity are emptied as in a fresh store, and ``other``'s slots past this
+        store's capacity must be empty."""
+        S = min(other.capacity, self.capacity)
+        for mine, theirs in zip((*self.k_caches, *self.v_caches), (*other.k_caches, *other.v_caches)):
+            mine[index, :, :S].copy_(theirs[0, :, :S])  # [Hkv, S, D]
+            mine[index, :, S:].zero_()
+        self.slot_pos[index, :S].copy_(other.slot_pos[0, :S])  # [S]
+        self.slot_pos[index, S:].fill_(-1)
+        self.slot_branch[index, :S].copy_(other.slot_branch[0, :S])
+        self.slot_branch[index, S:].zero_()
+
     def take_rows(self, parts: list) -> "KVStore":
         """Fill this store's rows with the rows of ``parts``, one part after another: ``(store, rows)``, ``rows``
         a ``[M]`` index of that store's rows or None for all of them. A part's slots past this store's

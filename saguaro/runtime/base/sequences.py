@@ -138,6 +138,17 @@ class SequenceBatch:
         seqs._host, seqs.next_inputs = None, None
         return seqs
 
+    def put_row(self, index: int, other: "SequenceBatch") -> None:
+        """Row ``index`` becomes ``other``'s only row (its tokens, length, flags, padding; columns past
+        ``other``'s are padding; ``other``'s past this batch's capacity must be padding too), in place: the other
+        rows and the buffers' addresses stay (continuous batching, ``runtime.batching``)."""
+        S = min(other.tokens.shape[1], self.tokens.shape[1])
+        self.tokens[index].fill_(self.pad_token_id)  # [C]
+        self.tokens[index, :S].copy_(other.tokens[0, :S])
+        for name in ("lengths", "finished", "padding"):  # [B] each
+            getattr(self, name)[index].copy_(getattr(other, name)[0])
+        self.changed()
+
     @property
     def batch(self) -> int:
         return self.tokens.shape[0]

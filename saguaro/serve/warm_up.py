@@ -1,0 +1,74 @@
+"""Before ``saguaro serve`` says it is ready, the shapes its rounds will meet are compiled (``--warm-up``).
+
+With Inductor (``compile="blocking"``), a stage compiles on its first call with new shapes: the first request,
+then the first round at a batch size above one (Inductor compiles the batch size dynamic then, once), then
+the first sampled request, each wait for the compile, on this 2-core CPU 30-70 s apiece with a cold cache, while
+every other request waits behind it. The warm-up runs each kind of batch the scheduler (:mod:`saguaro.serve.
+continuous`) makes, through the same :class:`~saguaro.runtime.batching.BatchSession`: greedy and sampled, one
+row and then two; in mode ``ssd`` also a seeded sampled request alone (``program.stream``, as
+:mod:`saguaro.serve.alone` runs it). Prompt lengths and store capacities are compiled dynamic from the first
+call, so two short prompts cover them. The warm-up's tokens go nowhere; nothing is counted in ``/metrics``.
+On the eager backend nothing needs compiling and it does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from saguaro.runtime.batching import BatchSession
+
+log = logging.getLogger(__name__)
+
+WARM_UP_TEXTS = ("def main():\n    return", "The first thing to say is")
+WARM_UP_TOKENS = 8  # new tokens of each warm-up row: a few rounds
+SAMPLED_TEMPERATURE = 0.8  # any temperature > 0 runs the sampled stages
+
+
+def needs_warm_up(program) -> bool:
+    """Whether ``program``'s stages compile on first use: Inductor's (a loaded artifact's are compiled already, and
+    its warm-up costs a few rounds); eager: no."""
+    return program.config.backend == "inductor"
+
+
+def warm_up_prompts(tokenizer, vocab_size: int) -> list:
+    """Two short prompts as token ids: the texts through ``tokenizer``, else ids counted from 1."""
+    prompts = []
+    for i, text in enumerate(WARM_UP_TEXTS):
+        ids = list(tokenizer(text)["input_ids"]) if tokenizer is not None else []
+        prompts.append(ids or [(1 + i + j) % vocab_size for j in range(6)])
+    return prompts
+
+
+def warm_up(program, tokenizer, max_batch: int) -> float:
+    """Run every kind of batch the server will make once, so their stages are compiled; the seconds it took."""
+    if not needs_warm_up(program):
+        return 0.0
+    started = time.perf_counter()
+    prompts = warm_up_prompts(tokenizer, program.target.spec.vocab_size)
+    for temperature in (0.0, SAMPLED_TEMPERATURE):
+        log.info("warm-up: %s rows, batch 1%s", "greedy" if temperature == 0 else "sampled",
+                 " and 2" if max_batch > 1 else "")
+        _batch(BatchSession(program, temperature), prompts[:2 if max_batch > 1 else 1])
+    if program.config.mode == "ssd":  # a seeded sampled request runs alone (serve.alone)
+        ids = torch.tensor([prompts[0]], dtype=torch.long)  # [1, T]
+        with program.stream(ids, max_new_tokens=WARM_UP_TOKENS, temperature=SAMPLED_TEMPERATURE, seed=0) as stream:
+            for _ in stream:
+                pass
+    seconds = time.perf_counter() - started
+    log.info("warm-up done in %.1f s", seconds)
+    return seconds
+
+
+def _batch(session: BatchSession, prompts: list) -> None:
+    """One row, a round, then the next row joins (a batch of two), and rounds until both end."""
+    for prompt in prompts:
+        session.join(prompt, WARM_UP_TOKENS)
+        session.step()
+    for _ in range(4 * WARM_UP_TOKENS):
+        if not session.size:
+            return
+        session.step()
+    raise RuntimeError("warm-up: a batch did not end")  # a row ends at its budget: never expected

@@ -1,0 +1,65 @@
+"""``saguaro serve --warm-up`` (``saguaro.serve.warm_up``): before the server says it is ready, each kind of batch
+its scheduler makes runs once (greedy and sampled, one row then two; mode ``ssd`` also a seeded sampled request
+alone), so Inductor compiles every stage shape then. Checked on eager programs with the Inductor test forced
+(what each warm-up runs does not depend on the backend); eager alone skips it."""
+
+import pytest
+
+from saguaro.cli.main import build_parser, subcommands
+from saguaro.runtime.batching import BatchSession
+from saguaro.serve import warm_up as warm
+from tests.conftest import tiny_program
+from tests.tiny_tokenizer import tiny_tokenizer
+
+
+def record_runs(monkeypatch, program):
+    """``[(temperature, rows) of each round]`` and ``[(temperature, seed) of each stream]`` while warming up."""
+    rounds, streams = [], []
+    step, stream = BatchSession.step, type(program).stream
+
+    def recording_step(session):
+        rounds.append((session.temperature, session.size))
+        return step(session)
+
+    def recording_stream(self, *args, **kwargs):
+        streams.append((kwargs.get("temperature"), kwargs.get("seed")))
+        return stream(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchSession, "step", recording_step)
+    monkeypatch.setattr(type(program), "stream", recording_stream)
+    monkeypatch.setattr(warm, "needs_warm_up", lambda program: True)
+    return rounds, streams
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_warm_up_runs_each_kind_of_batch_the_server_makes(monkeypatch, mode):
+    _, _, program = tiny_program("llama", mode=mode)
+    rounds, streams = record_runs(monkeypatch, program)
+    assert warm.warm_up(program, tiny_tokenizer(), max_batch=8) >= 0
+    for temperature in (0.0, warm.SAMPLED_TEMPERATURE):
+        sizes = {rows for t, rows in rounds if t == temperature}
+        assert {1, 2} <= sizes, (temperature, sizes)  # batch 1 static, then the batch size Inductor makes dynamic
+    assert streams == ([(warm.SAMPLED_TEMPERATURE, 0)] if mode == "ssd" else [])  # ssd: a seeded request alone
+
+
+def test_warm_up_of_a_one_row_server_runs_one_row_batches(monkeypatch):
+    _, _, program = tiny_program("llama", mode="sd")
+    rounds, _ = record_runs(monkeypatch, program)
+    warm.warm_up(program, None, max_batch=1)  # no tokenizer: ids counted from 1
+    assert {rows for _, rows in rounds} == {1} and {t for t, _ in rounds} == {0.0, warm.SAMPLED_TEMPERATURE}
+
+
+def test_eager_has_nothing_to_warm_up_and_the_flag_turns_it_off():
+    _, _, program = tiny_program("llama", mode="sd")
+    assert program.config.backend == "eager" and not warm.needs_warm_up(program)
+    assert warm.warm_up(program, None, max_batch=8) == 0.0
+    parser = build_parser(subcommands())
+    assert parser.parse_args(["serve"]).warm_up is True
+    assert parser.parse_args(["serve", "--no-warm-up"]).warm_up is False
+
+
+def test_warm_up_prompts_come_from_the_tokenizer_or_count_from_one():
+    tok = tiny_tokenizer()
+    prompts = warm.warm_up_prompts(tok, 128)
+    assert prompts == [list(tok(text)["input_ids"]) for text in warm.WARM_UP_TEXTS] and all(prompts)
+    assert warm.warm_up_prompts(None, 128) == [[1, 2, 3, 4, 5, 6], [2, 3, 4, 5, 6, 7]]
