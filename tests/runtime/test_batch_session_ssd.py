@@ -89,6 +89,8 @@ def test_unseeded_sampled_rows_run_ssd_rounds_together():
     joined rows' ``probs`` concatenated onto the batch's), draws from its own generator on the target's side,
     and ends at its budget or EOS."""
     _, _, program = tiny_program("llama", mode="ssd", lane="thread", sd_when_faster=False)
+    torch.manual_seed(33)  # unseeded rows draw their seeds from torch's generator: as it stands after earlier tests,
+    # rows could end early enough that never three ran together
     try:
         session = BatchSession(program, temperature=0.8)
         requests = requests_of(33)
