@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.core.stages import TARGET_ROUND
+from saguaro.runtime.base.inputs import validate_call
 from saguaro.runtime.base.sequences import SequenceBatch
 from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import Counters, since
@@ -110,8 +111,8 @@ class BatchSession:
         program = self.program
         ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) else torch.tensor([list(prompt_ids)], device="cpu")  # as a caller of generate gives it
         with program._lock, torch.inference_mode():
-            _, ids, mask, eos_ids = program._validate(ids, max_new_tokens, self.temperature, "default", seed, None,
-                                                      self.mode)
+            _, ids, mask, eos_ids = validate_call(program, ids, max_new_tokens, self.temperature, "default", seed,
+                                                  None, self.mode)
             if ids.shape[0] != 1:
                 raise ValueError(f"join takes one prompt (input_ids [1, T]); got a batch of {ids.shape[0]}")
             if self.mode == "ssd" and self.temperature > 0 and seed is not None:

@@ -30,7 +30,8 @@ class GenerationPlan:
     of its draft side, ``why`` in words; ``calibrated`` = ``(verify_alone_s, plan_costs)`` measured
     for SSD (kept when it runs as SD: the verify cost and the draft store's shapes), ``spec`` what the
     draft side is opened with, ``sd_round_s`` an SD round of this shape timed alone (SSD with a local
-    draft: what the generation's SSD rounds are measured against)."""
+    draft: what the generation's SSD rounds are measured against); ``made_for`` the call a plan made by
+    :meth:`~saguaro.runtime.program.Program.plan` is for (what ``generate(plan=...)`` checks)."""
 
     mode: str
     run: str
@@ -40,6 +41,7 @@ class GenerationPlan:
     calibrated: tuple | None = None
     spec: GenerateSpec | None = None
     sd_round_s: float | None = None
+    made_for: tuple | None = None
 
     @property
     def planned_sd(self) -> bool:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from saguaro.core.config import MODES, SaguaroConfig
-from saguaro.core.errors import ConfigError, SaguaroError
+from saguaro.core.config import SaguaroConfig
+from saguaro.core.errors import SaguaroError
 from saguaro.core.schedule import critical_path, expected_overlap, round_schedule
 from saguaro.core.stages import ROUND_STAGES, stages_for
 from saguaro.runtime.calibration import Calibration
@@ -21,7 +21,7 @@ from saguaro.runtime.generation_plan import GenerationPlan, plan_call, plan_stat
 from saguaro.runtime.decode import DECODERS
 from saguaro.runtime.decode.prefill import prefill
 from saguaro.runtime.draft.server import GenerateSpec
-from saguaro.runtime.base.inputs import check_generate_args
+from saguaro.runtime.base.inputs import validate_call
 from saguaro.runtime.lanes.owner import LaneOwner
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.sequences import SequenceBatch
@@ -165,7 +165,7 @@ class Program:
 
     def generate(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id="default",
                  seed: int | None = None, attention_mask=None, mode: str | None = None,
-                 trace=None, streamer=None, on_round=None) -> GenerateOutput:
+                 trace=None, streamer=None, on_round=None, plan: GenerationPlan | None = None) -> GenerateOutput:
         """Decode ``max_new_tokens`` after ``input_ids [B, T]`` (left-padded, ``attention_mask``) in
         ``mode`` (default: the configured one). ``trace``: a path to write a Chrome trace-event JSON
         timeline of this call to (Perfetto, chrome://tracing), or True to keep it only in ``out.trace``
@@ -173,11 +173,27 @@ class Program:
         ``seed=None`` draws the seed from torch's global generator, advancing it as a sampling call of
         ``transformers`` does, without reseeding it. ``streamer``: a ``transformers`` streamer fed each
         round's tokens (batch 1); ``on_round``: called with each round's ``RoundTokens`` (see
-        :mod:`saguaro.runtime.streaming`)."""
+        :mod:`saguaro.runtime.streaming`); ``plan``: what :meth:`plan` made for this very call (None: planned
+        here, the same way)."""
         check_not_reading(self._lock)  # from inside a program.stream loop of this Program: it holds the lock
         with streaming(streamer, on_round, input_ids) as emitter, self._lock:
             return self._generate(input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode,
-                                  trace, emitter)
+                                  trace, emitter, plan)
+
+    def plan(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, seed: int | None = None,
+             attention_mask=None, mode: str | None = None) -> GenerationPlan:
+        """What ``generate`` with these arguments runs, planned now as it plans (SSD: the lane started and warmed
+        up for a new shape, the SSD-or-SD verdict taken and counted); ``generate(..., plan=it)`` runs exactly
+        that. Sampled, ``seed`` is required (the plan's warm-up draws from it). ``saguaro serve`` plans a
+        seeded sampled SSD request first: planned SD, it joins a batch; planned SSD, it runs alone."""
+        if temperature > 0 and seed is None:
+            raise ValueError("plan() of a sampled call needs its seed (temperature > 0, seed=None)")
+        with self._lock, torch.inference_mode():
+            mode, ids, mask, eos_ids = validate_call(self, input_ids, max_new_tokens, temperature, "default", seed,
+                                                     attention_mask, mode)
+            padded_ids, padded_mask = self.shapes.pad_prompt(ids, mask, self.pad_token_id)
+            made = plan_call(self, mode, (padded_ids, padded_mask, max_new_tokens, eos_ids, temperature), seed)
+            return replace(made, made_for=_call_key(mode, padded_ids, max_new_tokens, temperature, seed))
 
     def stream(self, input_ids, **options) -> TokenStream:
         """:meth:`generate` (the same arguments) as an iterator of each round's decided tokens
@@ -187,9 +203,9 @@ class Program:
 
     @torch.inference_mode()
     def _generate(self, input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode, trace,
-                  on_round=None):
-        mode, input_ids, attention_mask, eos_ids = self._validate(input_ids, max_new_tokens, temperature,
-                                                                  eos_token_id, seed, attention_mask, mode)
+                  on_round=None, plan=None):
+        mode, input_ids, attention_mask, eos_ids = validate_call(self, input_ids, max_new_tokens, temperature,
+                                                                 eos_token_id, seed, attention_mask, mode)
         B, T = input_ids.shape
         padded_ids, padded_mask = self.shapes.pad_prompt(input_ids, attention_mask, self.pad_token_id)
         generator, base = None, None
@@ -197,7 +213,11 @@ class Program:
             base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long, device="cpu"))
             generator = torch.Generator(device=self.target.spec.device).manual_seed(base)
         # before the trace and the clock start: a new shape warms the lane up (and SD's shapes, warm_sd_shapes)
-        plan = plan_call(self, mode, (padded_ids, padded_mask, max_new_tokens, eos_ids, temperature), base)
+        if plan is None:
+            plan = plan_call(self, mode, (padded_ids, padded_mask, max_new_tokens, eos_ids, temperature), base)
+        elif plan.made_for != _call_key(mode, padded_ids, max_new_tokens, temperature, base):
+            raise ValueError("plan= was made by plan() for another call (mode, prompt shape, max_new_tokens, "
+                             "temperature or seed differ): plan this call, or leave plan=None")
         runners = [self.target] + ([self.draft] if plan.run == "sd" else [])
         with GenerationTrace(trace, runners, plan.lane if plan.run == "ssd" else None) as tracing:
             start = time.perf_counter()
@@ -216,31 +236,6 @@ class Program:
                                             plan.sd_round_s)
         return GenerateOutput(sequences=sequences, stats=stats, counters=state.counters,
                               trace=tracing.finish(stats))
-
-    def _validate(self, input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode):
-        """The call's mode, its checked ``input_ids [B, T]`` and mask on the target's device, and eos ids."""
-        mode = mode or self.config.mode
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} is not allowed: choose one of {', '.join(MODES)}")
-        if mode != "ar" and self.draft is None and (mode != "ssd" or self.lanes is None):
-            if self.lanes is not None:
-                raise ConfigError(f"mode={mode!r} needs a local draft: this program's draft is the server at "
-                                  f"{self.config.draft_address} (draft=None); use mode='ssd' (exact AR when the "
-                                  "server cannot serve) or 'ar', or compile with draft=... as well")
-            raise ValueError(f"mode={mode!r} needs a draft model; compile with draft=... or use mode='ar'")
-        if eos_token_id == "default":
-            eos_token_id = self.eos_token_id
-        input_ids, attention_mask, eos_ids = check_generate_args(
-            input_ids, attention_mask, max_new_tokens, temperature, seed, eos_token_id, self.target.spec.device)
-        vocab = self.target.spec.vocab_size
-        if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
-            raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")
-        T = input_ids.shape[1]
-        if T + max_new_tokens > self.max_length:
-            raise ValueError(
-                f"prompt length {T} + max_new_tokens {max_new_tokens} = {T + max_new_tokens} exceeds the maximum "
-                f"of {self.max_length} tokens (KV capacity / the models' max_position_embeddings)")
-        return mode, input_ids, attention_mask, eos_ids
 
     def _draft_spec(self, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base) -> GenerateSpec:
         capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, tree=True)
@@ -297,3 +292,8 @@ class Program:
         g = self.round_schedule("ssd", sampled)
         path, length = critical_path(g)
         return {"critical_path": path, "critical_path_ms": 1000 * length, "expected_overlap": expected_overlap(g)}
+
+
+def _call_key(mode: str, padded_ids: torch.Tensor, max_new_tokens: int, temperature: float, base) -> tuple:
+    """What a plan made by :meth:`Program.plan` must match in ``generate(plan=...)``: the same padded prompt too."""
+    return mode, tuple(padded_ids.shape), tuple(padded_ids.flatten().tolist()), max_new_tokens, float(temperature), base

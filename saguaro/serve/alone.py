@@ -1,8 +1,10 @@
-"""A request that runs alone through ``program.stream`` (:mod:`saguaro.serve.continuous`): in mode ``ssd``, one
-sampled with a seed. SSD's draft lane draws its randomness from one generator per call, so only alone are such
-a request's tokens those of ``program.generate`` alone with its seed; the loop runs it between two rounds of the
-running batches (once their rows end, where a batch runs SSD's rounds on the draft lane). A request whose client leaves stops being read at the next round, and
-the generation ends at that round boundary."""
+"""A seeded sampled request of mode ``ssd`` (:mod:`saguaro.serve.continuous`): SSD's draft lane draws its
+randomness from one generator per call, so only alone are such a request's SSD tokens those of
+``program.generate`` alone with its seed. :func:`plan_alone` plans it as ``generate`` does (``program.plan``);
+planned SSD, :func:`run_alone` runs it alone with that plan through ``program.stream``, between two rounds of
+the running batches (once their rows end, where a batch runs SSD's rounds on the draft lane). A request whose
+client leaves stops being read at the next round, and the generation ends at that round boundary.
+"""
 
 from __future__ import annotations
 
@@ -15,17 +17,33 @@ log = logging.getLogger(__name__)
 
 
 def runs_alone(program, sampling) -> bool:
-    """Whether ``sampling`` (a request's) runs alone rather than in a batch session of ``program``."""
+    """Whether ``sampling`` (a request's) is planned alone (:func:`plan_alone`) before it runs, rather than joining
+    its temperature's batch session of ``program``: seeded and sampled, in mode ``ssd``."""
     return program.config.mode == "ssd" and sampling.temperature > 0 and sampling.seed is not None
 
 
-def run_alone(scheduler, job) -> None:
-    """Decode ``job`` alone, handing out its tokens round by round; a failure fails the job, not the server."""
+def plan_alone(scheduler, job):
+    """``job``'s plan, as ``generate`` of it alone would plan now (the verdict counted), or None where planning
+    failed (the job fails with the error, the server goes on)."""
+    s = job.sampling
+    try:
+        ids = torch.tensor([s.prompt_ids], dtype=torch.long)  # [1, T]
+        return scheduler.program.plan(ids, max_new_tokens=s.max_tokens, temperature=s.temperature, seed=s.seed)
+    except Exception as exc:  # noqa: BLE001 - one failed request must not stop the server
+        log.exception("planning a request run alone failed")
+        job.fail(exc)
+        return None
+
+
+def run_alone(scheduler, job, plan=None) -> None:
+    """Decode ``job`` alone (with ``plan``, from :func:`plan_alone`), handing out its tokens round by round; a
+    failure fails the job, not the server."""
     program, metrics, s = scheduler.program, scheduler.metrics, job.sampling
     try:
         ids = torch.tensor([s.prompt_ids], dtype=torch.long)  # [1, T]
         metrics.batch_started()
-        with program.stream(ids, max_new_tokens=s.max_tokens, temperature=s.temperature, seed=s.seed) as stream:
+        with program.stream(ids, max_new_tokens=s.max_tokens, temperature=s.temperature, seed=s.seed,
+                            plan=plan) as stream:
             last = time.perf_counter()
             for chunk in stream:
                 now = time.perf_counter()

@@ -7,11 +7,14 @@ token goes out at once); then every running batch decodes one round and each row
 request that arrives while rows decode so starts streaming after at most one round of theirs, not after
 they end.
 
-Mode ``ssd``: a request sampled with a seed runs alone (:mod:`saguaro.serve.alone`), between two rounds of the
-running batches, unless a batch runs SSD's rounds on the draft lane (its rows would go on with SD): then it waits
-for that batch's rows to end, and no request behind it joins meanwhile. One SSD batch holds the draft lane at a
-time (the first temperature to start a batch); a batch of another temperature that starts while it runs decodes
-with SD (``BatchSession.run``), exactly.
+Mode ``ssd``: a request sampled with a seed is planned as ``generate`` plans it alone (``program.plan``,
+:mod:`saguaro.serve.alone`): planned SD (the planner's verdict), it joins the batch of seeded rows of its
+temperature that runs SD's rounds (one generator per row: its tokens are SD's alone with its seed, what
+``generate`` gives it under that plan); planned SSD, it runs alone with that plan, between two rounds of the
+running batches. Either waits while a batch runs SSD's rounds on the draft lane (its rows would go on with
+SD), until that batch's rows end, and no request behind it joins meanwhile. One SSD batch holds the draft
+lane at a time (the first temperature to start a batch); a batch of another temperature that starts while it
+runs decodes with SD (``BatchSession.run``), exactly.
 """
 
 from __future__ import annotations
@@ -20,18 +23,18 @@ import logging
 import time
 
 from saguaro.runtime.batching import BatchSession
-from saguaro.serve.alone import run_alone, runs_alone
+from saguaro.serve.alone import plan_alone, run_alone, runs_alone
 
 log = logging.getLogger(__name__)
 
 
 class Continuous:
-    """The scheduler's loop: one session per temperature (and, in mode ``ssd``, seeded requests alone)."""
+    """The scheduler's loop: one session per temperature (mode ``ssd``: seeded requests planned alone first)."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
-        self.sessions: dict[float, BatchSession] = {}
-        self.jobs: dict[tuple, object] = {}  # (temperature, row id) -> the Job decoding in that row
+        self.sessions: dict[object, BatchSession] = {}  # temperature (or (run, temperature): seeded, planned SD)
+        self.jobs: dict[tuple, object] = {}  # (session key, row id) -> the Job decoding in that row
 
     def serve(self) -> None:
         scheduler = self.scheduler
@@ -39,39 +42,39 @@ class Continuous:
             with scheduler.cond:
                 if not scheduler.wait_for_work(busy=bool(self.jobs)):
                     return
-                joining, alone = self._take(scheduler.max_batch - len(self.jobs))
-                scheduler.running = len(self.jobs) + len(joining) + (alone is not None)
-            if alone is not None:
-                run_alone(scheduler, alone)  # between two rounds of the running batches, if any
+                joining, seeded = self._take(scheduler.max_batch - len(self.jobs))
+                scheduler.running = len(self.jobs) + len(joining) + len(seeded)
+            for job in seeded:
+                self._seeded(job)  # before the next round of the running batches, if any
             self._free_rows_left()
             for job in joining:
                 self._join(job)
-            for temperature, session in list(self.sessions.items()):
+            for key, session in list(self.sessions.items()):
                 if session.size:
-                    self._round(temperature, session)
+                    self._round(key, session)
                 if not session.size:
-                    self.sessions.pop(temperature, None)
+                    self.sessions.pop(key, None)
             with scheduler.cond:
                 scheduler.running = len(self.jobs)
 
-    def _take(self, most: int) -> tuple[list, object]:
-        """Under the lock: up to ``most`` waiting requests that join a batch, in arrival order, and the first that
-        runs alone (or None). While a batch runs SSD's rounds on the lane, a request that runs alone waits for its
-        rows to end, and no request behind it joins meanwhile; otherwise it runs now, before the next round."""
+    def _take(self, most: int) -> tuple[list, list]:
+        """Under the lock: up to ``most`` waiting requests, in arrival order: those that join a batch, and (mode
+        ``ssd``) the seeded sampled ones, planned before they run. While a batch runs SSD's rounds on the lane, a
+        seeded request waits for its rows to end, and no request behind it is taken meanwhile."""
         scheduler = self.scheduler
         if scheduler.program.config.mode != "ssd":
-            return scheduler.take_waiting(most), None
+            return scheduler.take_waiting(most), []
         scheduler.take_waiting(0)  # drops the requests whose client left
         lane_busy = any(session.size and session.run == "ssd" for session in self.sessions.values())
-        joining, alone = [], None
-        while scheduler.waiting and len(joining) < most:
+        joining, seeded = [], []
+        while scheduler.waiting and len(joining) + len(seeded) < most:
             if runs_alone(scheduler.program, scheduler.waiting[0].sampling):
-                if lane_busy or alone is not None:
+                if lane_busy:
                     break
-                alone = scheduler.waiting.popleft()
+                seeded.append(scheduler.waiting.popleft())
                 continue
             joining.append(scheduler.waiting.popleft())
-        return joining, alone
+        return joining, seeded
 
     def _free_rows_left(self) -> None:
         """The rows whose request ended early leave their batch before its next round."""
@@ -82,12 +85,25 @@ class Continuous:
                 self.sessions[key[0]].leave(key[1])
                 del self.jobs[key]
 
-    def _join(self, job) -> None:
+    def _seeded(self, job) -> None:
+        """A seeded sampled request of mode ``ssd``: planned as ``generate`` alone plans it; SD (or AR) joins the
+        seeded batch of that run, SSD runs alone with the plan."""
+        plan = plan_alone(self.scheduler, job)
+        if plan is None:
+            return  # the planning failed: the job has its error
+        if plan.run == "ssd":
+            run_alone(self.scheduler, job, plan)
+        else:
+            self._join(job, (plan.run, job.sampling.temperature), plan.run)
+
+    def _join(self, job, key=None, mode: str | None = None) -> None:
+        """``job`` joins the session ``key`` (default: its temperature's), made in ``mode`` if none runs."""
         scheduler, sampling = self.scheduler, job.sampling
-        session = self.sessions.get(sampling.temperature)
+        key = sampling.temperature if key is None else key
+        session = self.sessions.get(key)
         try:
             if session is None:
-                session = self.sessions[sampling.temperature] = BatchSession(scheduler.program, sampling.temperature)
+                session = self.sessions[key] = BatchSession(scheduler.program, sampling.temperature, mode)
             if not session.size:
                 scheduler.metrics.batch_started()  # a batch starts when its first row joins
             first = session.join(sampling.prompt_ids, sampling.max_tokens, seed=sampling.seed)
@@ -97,18 +113,18 @@ class Continuous:
             return
         # the session cuts each row at its max_tokens as the job does: a job done here is a row that never joined
         if not job.take(first.new_tokens, first.finished, time.perf_counter(), scheduler.metrics, scheduler.eos):
-            self.jobs[(sampling.temperature, first.row)] = job
+            self.jobs[(key, first.row)] = job
 
-    def _round(self, temperature: float, session: BatchSession) -> None:
+    def _round(self, key, session: BatchSession) -> None:
         scheduler, metrics = self.scheduler, self.scheduler.metrics
         started = time.perf_counter()
         try:
             results = session.step()
         except Exception as exc:  # noqa: BLE001 - one failed batch must not stop the server
             log.exception("a round of %d row(s) failed", session.size)
-            for key in [key for key in self.jobs if key[0] == temperature]:
-                self.jobs.pop(key).fail(exc)
-            self.sessions.pop(temperature)
+            for row in [row for row in self.jobs if row[0] == key]:
+                self.jobs.pop(row).fail(exc)
+            self.sessions.pop(key)
             if session.ssd is not None:
                 session.ssd.release()  # the lane serves the next batch
             return
@@ -119,8 +135,8 @@ class Continuous:
             metrics.cache(session.counters)
             scheduler.check_lane(len(results))
         for got in results:
-            job = self.jobs.get((temperature, got.row))
+            job = self.jobs.get((key, got.row))
             if job is None or job.done:
                 continue
             if job.take(got.new_tokens, got.finished, now, metrics, scheduler.eos):  # and the row ends with it
-                del self.jobs[(temperature, got.row)]
+                del self.jobs[(key, got.row)]

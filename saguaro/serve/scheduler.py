@@ -8,9 +8,9 @@ client gone) leaves before the next round. At most ``max_batch`` rows run at onc
 others wait in the queue, in arrival order.
 
 Mode ``ssd``: the draft lane's server takes and drops rows between rounds as the session does
-(``runtime/batching_ssd.py``). A request sampled with a seed runs alone once no row runs
-(:mod:`saguaro.serve.alone`): SSD's draft lane draws its randomness from one generator per batch, so only
-alone are its tokens those ``generate`` gives it with that seed.
+(``runtime/batching_ssd.py``). A request sampled with a seed is planned as ``generate`` plans it alone
+(:mod:`saguaro.serve.alone`): SSD's draft lane draws its randomness from one generator per batch, so planned
+SSD it runs alone; planned SD it joins a batch of seeded rows running SD's rounds, a generator per row.
 
 Either way each request gets what the same request gets alone through ``program.generate``: greedy token
 for token, a seeded sampled request the same tokens (the tests check both against ``generate`` alone).

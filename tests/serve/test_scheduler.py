@@ -89,3 +89,27 @@ def test_ssd_runs_a_seeded_sampled_request_in_a_batch_of_its_own():
         assert jobs[0].tokens == solo(program, ids[0].tolist(), 6, 0.7, 2)
     finally:
         program.close()
+
+
+def test_ssd_seeded_sampled_requests_planned_sd_share_a_batch_with_their_solo_tokens(monkeypatch):
+    """Where the planner's verdict is SD, seeded sampled requests of mode ``ssd`` are not run one by one: they
+    share a batch of SD rounds (a generator per row), each with the tokens ``generate`` gives it alone."""
+    from saguaro.runtime.calibration import Calibration
+    from saguaro.serve import continuous
+
+    _, _, program = tiny_program("llama", mode="ssd", lane="thread", sd_when_faster=True)
+    monkeypatch.setattr(Calibration, "run_as_sd", lambda self, verdict, prior: True)
+    monkeypatch.setattr(continuous, "run_alone", lambda *args: (_ for _ in ()).throw(AssertionError("ran alone")))
+    ids, _ = prompts(5, 9, seed=16)
+    samplings = [Sampling(ids[i].tolist(), 8 + 2 * i, temperature=0.7, seed=10 + i) for i in range(4)]
+    samplings.append(Sampling(ids[4].tolist(), 12))  # greedy, beside them
+    try:
+        jobs, reasons, metrics = run_jobs(program, samplings)
+        assert all(reason[0] == "done" for reason in reasons)
+        assert metrics.batches == 2  # the four seeded rows in one batch, the greedy one in its own
+        assert max(b for b, n in zip(metrics.batch_rows.buckets, metrics.batch_rows.counts) if n) >= 2
+        for job in jobs:
+            s = job.sampling
+            assert job.tokens == solo(program, s.prompt_ids, s.max_tokens, s.temperature, s.seed)
+    finally:
+        program.close()

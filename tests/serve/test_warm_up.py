@@ -1,6 +1,6 @@
 """``saguaro serve --warm-up`` (``saguaro.serve.warm_up``): before the server says it is ready, each kind of batch
-its scheduler makes runs once (greedy and sampled, one row then two; mode ``ssd`` also a seeded sampled request
-alone), so Inductor compiles every stage shape then. Checked on eager programs with the Inductor test forced
+its scheduler makes runs once (greedy and sampled, one row then two; mode ``ssd`` also a sampled batch of SD's
+rounds and a seeded sampled request alone), so Inductor compiles every stage shape then. Checked on eager programs with the Inductor test forced
 (what each warm-up runs does not depend on the backend); eager alone skips it."""
 
 import pytest
@@ -18,7 +18,7 @@ def record_runs(monkeypatch, program):
     step, stream = BatchSession.step, type(program).stream
 
     def recording_step(session):
-        rounds.append((session.temperature, session.size))
+        rounds.append((session.temperature, session.size, session.mode))
         return step(session)
 
     def recording_stream(self, *args, **kwargs):
@@ -37,8 +37,11 @@ def test_warm_up_runs_each_kind_of_batch_the_server_makes(monkeypatch, mode):
     rounds, streams = record_runs(monkeypatch, program)
     assert warm.warm_up(program, tiny_tokenizer(), max_batch=8) >= 0
     for temperature in (0.0, warm.SAMPLED_TEMPERATURE):
-        sizes = {rows for t, rows in rounds if t == temperature}
+        sizes = {rows for t, rows, _ in rounds if t == temperature}
         assert {1, 2} <= sizes, (temperature, sizes)  # batch 1 static, then the batch size Inductor makes dynamic
+    seeded_sd = {rows for t, rows, run in rounds if t > 0 and run == "sd"}  # ssd: seeded requests planned SD
+    assert seeded_sd >= ({1, 2} if mode in ("sd", "ssd") else set())
+    assert {run for _, _, run in rounds} == ({mode, "sd"} if mode == "ssd" else {mode})
     assert streams == ([(warm.SAMPLED_TEMPERATURE, 0)] if mode == "ssd" else [])  # ssd: a seeded request alone
 
 
@@ -46,7 +49,7 @@ def test_warm_up_of_a_one_row_server_runs_one_row_batches(monkeypatch):
     _, _, program = tiny_program("llama", mode="sd")
     rounds, _ = record_runs(monkeypatch, program)
     warm.warm_up(program, None, max_batch=1)  # no tokenizer: ids counted from 1
-    assert {rows for _, rows in rounds} == {1} and {t for t, _ in rounds} == {0.0, warm.SAMPLED_TEMPERATURE}
+    assert {rows for _, rows, _ in rounds} == {1} and {t for t, _, _ in rounds} == {0.0, warm.SAMPLED_TEMPERATURE}
 
 
 def test_eager_has_nothing_to_warm_up_and_the_flag_turns_it_off():

@@ -6,6 +6,9 @@ import math
 
 import torch
 
+from saguaro.core.config import MODES
+from saguaro.core.errors import ConfigError
+
 
 def check_generate_args(input_ids, attention_mask, max_new_tokens, temperature, seed, eos_token_id, device):
     """Return ``(input_ids, attention_mask, eos_ids)`` on ``device``, or raise ``ValueError``."""
@@ -45,3 +48,30 @@ def check_generate_args(input_ids, attention_mask, max_new_tokens, temperature, 
     else:
         eos_ids = [int(e) for e in eos_token_id]
     return input_ids.to(device=device, dtype=torch.long), attention_mask, eos_ids
+
+
+def validate_call(program, input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode):
+    """A ``generate`` call's mode, its checked ``input_ids [B, T]`` and mask on the target's device, and eos ids
+    (``program``: the :class:`~saguaro.runtime.program.Program` called)."""
+    mode = mode or program.config.mode
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not allowed: choose one of {', '.join(MODES)}")
+    if mode != "ar" and program.draft is None and (mode != "ssd" or program.lanes is None):
+        if program.lanes is not None:
+            raise ConfigError(f"mode={mode!r} needs a local draft: this program's draft is the server at "
+                              f"{program.config.draft_address} (draft=None); use mode='ssd' (exact AR when the "
+                              "server cannot serve) or 'ar', or compile with draft=... as well")
+        raise ValueError(f"mode={mode!r} needs a draft model; compile with draft=... or use mode='ar'")
+    if eos_token_id == "default":
+        eos_token_id = program.eos_token_id
+    input_ids, attention_mask, eos_ids = check_generate_args(
+        input_ids, attention_mask, max_new_tokens, temperature, seed, eos_token_id, program.target.spec.device)
+    vocab = program.target.spec.vocab_size
+    if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
+        raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")
+    T = input_ids.shape[1]
+    if T + max_new_tokens > program.max_length:
+        raise ValueError(
+            f"prompt length {T} + max_new_tokens {max_new_tokens} = {T + max_new_tokens} exceeds the maximum "
+            f"of {program.max_length} tokens (KV capacity / the models' max_position_embeddings)")
+    return mode, input_ids, attention_mask, eos_ids
