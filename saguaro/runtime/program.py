@@ -173,27 +173,24 @@ class Program:
         ``seed=None`` draws the seed from torch's global generator, advancing it as a sampling call of
         ``transformers`` does, without reseeding it. ``streamer``: a ``transformers`` streamer fed each
         round's tokens (batch 1); ``on_round``: called with each round's ``RoundTokens`` (see
-        :mod:`saguaro.runtime.streaming`); ``plan``: what :meth:`plan` made for this very call (None: planned
-        here, the same way)."""
+        :mod:`saguaro.runtime.streaming`); ``plan``: what :meth:`plan` made for this very call (None: planned here)."""
         check_not_reading(self._lock)  # from inside a program.stream loop of this Program: it holds the lock
         with streaming(streamer, on_round, input_ids) as emitter, self._lock:
             return self._generate(input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode,
                                   trace, emitter, plan)
 
-    def plan(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, seed: int | None = None,
-             attention_mask=None, mode: str | None = None) -> GenerationPlan:
-        """What ``generate`` with these arguments runs, planned now as it plans (SSD: the lane started and warmed
-        up for a new shape, the SSD-or-SD verdict taken and counted); ``generate(..., plan=it)`` runs exactly
-        that. Sampled, ``seed`` is required (the plan's warm-up draws from it). ``saguaro serve`` plans a
-        seeded sampled SSD request first: planned SD, it joins a batch; planned SSD, it runs alone."""
+    def plan(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id="default",
+             seed: int | None = None, attention_mask=None, mode: str | None = None) -> GenerationPlan:
+        """What ``generate`` with these arguments runs, planned as it plans (SSD: the lane warmed up for a new shape,
+        the verdict taken and counted); ``generate(..., plan=it)`` runs exactly that. Sampled: ``seed`` required."""
         if temperature > 0 and seed is None:
             raise ValueError("plan() of a sampled call needs its seed (temperature > 0, seed=None)")
         with self._lock, torch.inference_mode():
-            mode, ids, mask, eos_ids = validate_call(self, input_ids, max_new_tokens, temperature, "default", seed,
-                                                     attention_mask, mode)
+            mode, ids, mask, eos_ids = validate_call(self, input_ids, max_new_tokens, temperature, eos_token_id,
+                                                     seed, attention_mask, mode)
             padded_ids, padded_mask = self.shapes.pad_prompt(ids, mask, self.pad_token_id)
-            made = plan_call(self, mode, (padded_ids, padded_mask, max_new_tokens, eos_ids, temperature), seed)
-            return replace(made, made_for=_call_key(mode, padded_ids, max_new_tokens, temperature, seed))
+            call = (padded_ids, padded_mask, max_new_tokens, eos_ids, temperature)
+            return replace(plan_call(self, mode, call, seed), made_for=_call_key(mode, call, seed))
 
     def stream(self, input_ids, **options) -> TokenStream:
         """:meth:`generate` (the same arguments) as an iterator of each round's decided tokens
@@ -213,11 +210,12 @@ class Program:
             base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long, device="cpu"))
             generator = torch.Generator(device=self.target.spec.device).manual_seed(base)
         # before the trace and the clock start: a new shape warms the lane up (and SD's shapes, warm_sd_shapes)
+        call = (padded_ids, padded_mask, max_new_tokens, eos_ids, temperature)
         if plan is None:
-            plan = plan_call(self, mode, (padded_ids, padded_mask, max_new_tokens, eos_ids, temperature), base)
-        elif plan.made_for != _call_key(mode, padded_ids, max_new_tokens, temperature, base):
-            raise ValueError("plan= was made by plan() for another call (mode, prompt shape, max_new_tokens, "
-                             "temperature or seed differ): plan this call, or leave plan=None")
+            plan = plan_call(self, mode, call, base)
+        elif plan.made_for != _call_key(mode, call, base):
+            raise ValueError("plan= was made by plan() for another call (mode, prompt, mask, max_new_tokens, "
+                             "temperature, seed or eos_token_id differ): plan this call, or leave plan=None")
         runners = [self.target] + ([self.draft] if plan.run == "sd" else [])
         with GenerationTrace(trace, runners, plan.lane if plan.run == "ssd" else None) as tracing:
             start = time.perf_counter()
@@ -294,6 +292,8 @@ class Program:
         return {"critical_path": path, "critical_path_ms": 1000 * length, "expected_overlap": expected_overlap(g)}
 
 
-def _call_key(mode: str, padded_ids: torch.Tensor, max_new_tokens: int, temperature: float, base) -> tuple:
-    """What a plan made by :meth:`Program.plan` must match in ``generate(plan=...)``: the same padded prompt too."""
-    return mode, tuple(padded_ids.shape), tuple(padded_ids.flatten().tolist()), max_new_tokens, float(temperature), base
+def _call_key(mode: str, call: tuple, base) -> tuple:
+    """What ``generate(plan=...)`` checks: ``mode``, seed ``base``, every argument in ``call`` (``plan_call``'s)."""
+    padded_ids, padded_mask, max_new_tokens, eos_ids, temperature = call
+    return (mode, tuple(padded_ids.shape), tuple(padded_ids.flatten().tolist()), tuple(padded_mask.flatten().tolist()),
+            max_new_tokens, tuple(eos_ids), float(temperature), base)

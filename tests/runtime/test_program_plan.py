@@ -46,7 +46,8 @@ def test_a_plan_for_another_call_is_refused(ssd_program):
     ids, _ = prompts(2, 8, seed=23)
     plan = ssd_program.plan(ids[:1], max_new_tokens=6, temperature=0.8, seed=1)
     for other in ({"input_ids": ids[1:], "seed": 1}, {"input_ids": ids[:1], "seed": 2},
-                  {"input_ids": ids[:1], "seed": 1, "max_new_tokens": 7}):
+                  {"input_ids": ids[:1], "seed": 1, "max_new_tokens": 7},
+                  {"input_ids": ids[:1], "seed": 1, "eos_token_id": None}):
         call = {"max_new_tokens": 6, "temperature": 0.8} | other
         with pytest.raises(ValueError, match="plan= was made by plan"):
             ssd_program.generate(**call, plan=plan)
