@@ -16,7 +16,7 @@ from saguaro.capture.attention_op import direct_kernel_calls
 from saguaro.capture.captured_files import CapturedSource, load_captured
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError, SaguaroError
-from saguaro.core.stages import TARGET_VERIFY_ROUND, Stage
+from saguaro.core.stages import DRAFT_CHAIN, TARGET_VERIFY_ROUND, Stage
 from saguaro.lower.cuda_graphs import GraphedStage, captures_stage, resolve_cuda_graphs
 from saguaro.lower.lowering import (
     TEMPLATE_GEMM_CONFIG, attention_implementation, linear_implementation, lower_graph, shape_policy,
@@ -171,7 +171,7 @@ class CompiledStages(PipelineStages):
         self.compiler = None
 
     def provides(self, stage: Stage) -> bool:  # not under CUDA graphs, where SD's round is sd_graph.py's graph
-        return not (self.cuda_graphs and stage is TARGET_VERIFY_ROUND)
+        return not (self.cuda_graphs and stage in (TARGET_VERIFY_ROUND, DRAFT_CHAIN))
 
     def graphed(self, fn, name: str, fixed):
         """Under CUDA graphs, ``fn`` (several stages' calls: SD's round) as one graph per signature, its

@@ -26,7 +26,7 @@ def test_generate_writes_a_trace(saved_pair, capsys, tmp_path):  # noqa: F811
     assert f"wrote the timeline to {path}" in out
     trace = json.loads(path.read_text())
     check_trace(trace)
-    assert {"target.prefill", "target.verify_round_greedy", "draft.step_greedy"} <= {s.name for s in slices(trace)}
+    assert {"target.prefill", "target.verify_round_greedy", "draft.chain_greedy"} <= {s.name for s in slices(trace)}
 
 
 def test_inspect_passes_table_and_diff(saved_pair, capsys):  # noqa: F811

@@ -7,7 +7,7 @@ nodes with them, and inspection and export walk :data:`STAGES`. Stage names are 
 elsewhere code reads ``stage.name`` / ``stage.qualified``.
 
 Shapes for batch ``B``: ``prefill [B, T]``, ``verify [B, K+1]``, ``step [B, 1]`` (``[B, n]`` for
-the first draft call of a round), ``round [B, 1]``, ``verify_round [B, K+1]``, ``glue [B, K+1]``,
+the first draft call of a round), ``round [B, 1]``, ``chain [B, 1]``, ``verify_round [B, K+1]``, ``glue [B, K+1]``,
 ``tree [B, MQ]`` (one call per depth).
 """
 
@@ -27,7 +27,8 @@ class Stage:
 
     ``model``: whose captured graph it is derived from, and so the lane it runs on in SSD.
     ``family``: what it does (``prefill``, ``step``, ``round``: AR's step and its round, ``verify``,
-    ``verify_round``: the verify and its round's commit, ``glue``, ``tree``).
+    ``verify_round``: the verify and its round's commit, ``chain``: the draft's greedy step and its next
+    query, ``glue``, ``tree``).
     ``variant``: ``"greedy"`` / ``"sampled"`` for the stages whose epilogue depends on the
     temperature, ``None`` for the others. ``mask``: ``"causal"`` or ``"tree"`` (the
     ``specialize_attention`` pass). ``epilogue``: the :mod:`saguaro.tensor_math` function of the
@@ -117,6 +118,11 @@ DRAFT_STEP = Variants(
     Stage("draft", "step", "sampled", "causal", "sampling.step_sampled", ("inv_temperature", "u"),
           ("tokens", "q")),  # [B], [B, V]
 )
+# the draft's greedy step chained to the next: its token and the next step's query ([B, 1] x 3), that slot claimed
+# in the store inside the graph, so k draft steps are k calls with nothing on the host between them
+DRAFT_CHAIN = Stage("draft", "chain", "greedy", "causal", "draft_chain.chain_greedy",
+                    outputs=("tokens", "input_ids", "positions", "write_slots"),  # [B], [B, 1] x 3
+                    reads=("positions", "write_slots", "slot_pos", "slot_branch"))
 DRAFT_GLUE = Stage("draft", "glue", None, "causal", "fork.fork_with_ranks",
                    ("draft_tokens", "branch_rows", "branch_ranks"), ("candidates", "ranked"),  # [B, MQ], [B, K+1, W]
                    ranked=True)
@@ -128,18 +134,19 @@ DRAFT_TREE = Variants(
 
 STAGES: tuple[Stage, ...] = (
     TARGET_PREFILL, TARGET_STEP, TARGET_ROUND, *TARGET_VERIFY, TARGET_VERIFY_ROUND, DRAFT_PREFILL, *DRAFT_STEP,
-    DRAFT_GLUE, *DRAFT_TREE)
+    DRAFT_CHAIN, DRAFT_GLUE, *DRAFT_TREE)
 BY_QUALIFIED_NAME = {stage.qualified: stage for stage in STAGES}
 # The families of few query rows (a step's 1 or 2, verify and glue K+1, a tree's MQ), whose linears the
 # linear_as_reduction pass rewrites on CPU (AR's round is a step with its epilogue); a prefill's T rows are a
 # GEMM's work (benchmarks/README.md).
-FEW_ROW_FAMILIES = ("step", "round", "verify", "verify_round", "glue", "tree")
+FEW_ROW_FAMILIES = ("step", "round", "chain", "verify", "verify_round", "glue", "tree")
 # Of those, the families of several rows per sequence (verify and glue K+1, a tree's MQ), whose GEMMs
 # linears="template" hands to Inductor's C++ GEMM template (register blocking over the rows).
 MULTI_ROW_FAMILIES = ("verify", "verify_round", "glue", "tree")
-# The round stages and what a runner whose builder does not offer one (``ModelRunner.provides``: CUDA graphs,
-# an artifact exported without it) runs instead, its round then finished on the host
-ROUND_STAGES = {TARGET_ROUND: TARGET_STEP, TARGET_VERIFY_ROUND: TARGET_VERIFY.greedy}
+# The round stages (and the draft's chained step) and what a runner whose builder does not offer one
+# (``ModelRunner.provides``: CUDA graphs, an artifact exported without it) runs instead, its round then finished
+# on the host
+ROUND_STAGES = {TARGET_ROUND: TARGET_STEP, TARGET_VERIFY_ROUND: TARGET_VERIFY.greedy, DRAFT_CHAIN: DRAFT_STEP.greedy}
 
 
 def stage_named(qualified: str) -> Stage:
@@ -156,7 +163,7 @@ def stages_for(mode: str, temperature: float) -> tuple[Stage, ...]:
     if mode == "ar":
         return (TARGET_PREFILL, TARGET_ROUND if temperature == 0 else TARGET_STEP)
     verify = TARGET_VERIFY_ROUND if temperature == 0 else TARGET_VERIFY.sampled
-    drafting = (TARGET_PREFILL, verify, DRAFT_PREFILL, DRAFT_STEP.at(temperature))
+    drafting = (TARGET_PREFILL, verify, DRAFT_PREFILL, DRAFT_CHAIN if temperature == 0 else DRAFT_STEP.sampled)
     if mode == "sd":
         return drafting
     if mode == "ssd":

@@ -1,6 +1,10 @@
-"""A stage GraphModule's forward code, generated where dynamo will compile it."""
+"""A stage GraphModule's forward code: generated where dynamo will compile it, and read back to name the FX node a
+failed compile stopped at (for the error that names it)."""
 
 from __future__ import annotations
+
+import re
+import traceback
 
 import torch
 
@@ -19,3 +23,20 @@ def forward_outside_compiles(gm: torch.fx.GraphModule) -> None:
         # a _LazyGraphModule's recompile() only installs a stub that would generate the code on its first call,
         # which may come inside a compile: generate it now
         getattr(gm, "real_recompile", lambda: None)()
+
+
+def responsible_node(gm: torch.fx.GraphModule, exc: BaseException) -> str | None:
+    """The FX node whose generated line the failure passed through last, if any."""
+    lines = gm.code.splitlines()
+    names = {n.name for n in gm.graph.nodes}
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if frame.filename.startswith("<eval_with_key>") and 0 < frame.lineno <= len(lines):
+            match = re.match(r"\s*(\w+)\s*=", lines[frame.lineno - 1])
+            if match and match.group(1) in names:
+                found = match.group(1)
+    text = str(exc)
+    for name in sorted(names, key=len, reverse=True):  # dynamo quotes the user code line it stopped at
+        if found is None and re.search(rf"\b{re.escape(name)} = ", text):
+            found = name
+    return found

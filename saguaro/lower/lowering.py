@@ -9,15 +9,15 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.core.errors import ConfigError, SaguaroError
-from saguaro.core.stages import (DRAFT_STEP, DRAFT_TREE, TARGET_ROUND, TARGET_STEP, TARGET_VERIFY, TARGET_VERIFY_ROUND,
-                                  Stage)
+from saguaro.core.stages import (DRAFT_CHAIN, DRAFT_STEP, DRAFT_TREE, TARGET_ROUND, TARGET_STEP, TARGET_VERIFY,
+                                  TARGET_VERIFY_ROUND, Stage)
 from saguaro.lower.cuda_graphs import GraphedStage
 from saguaro.lower.direct_call import (compile_with_inductor, direct_call, direct_calls_wanted, held_tensors,
                                        recording)
-from saguaro.lower.failed_node import responsible_node
-from saguaro.lower.forward_code import forward_outside_compiles
+from saguaro.lower.forward_code import forward_outside_compiles, responsible_node
 from saguaro.lower.graph_inputs import mutated_inputs
 from saguaro.lower.kernel_log import capture_output_code
+from saguaro.lower.repeated_call import repeated_call
 from saguaro.core.linear_choice import linear_implementation  # noqa: F401 - lowering's public choice of linears
 from saguaro.lower.compile_helper import inductor_settings, mark_dynamic
 from saguaro.lower.compile_thread import BackgroundCompiler
@@ -98,9 +98,9 @@ def shape_policy(backend: str) -> ShapePolicy:
 FLEX_TREE_ON_CUDA = False
 # attention="auto" of Inductor on CPU for AR's target stages: "reduce", not SDPA (AR 1.13-1.17x; the draft's step 0.93-1.03x)
 REDUCED_ATTENTION = (TARGET_STEP, TARGET_ROUND)
-# attention="auto" of Inductor on CPU for SD's verify and the draft's step: the masked_attention C++ kernel (a
+# attention="auto" of Inductor on CPU for SD's verify and the draft's step (and its chained form): the masked_attention C++ kernel (a
 # verify's 6 rows over 256 slots 37 us against SDPA's 64; a draft step's row 7 against 15), where it builds
-KERNEL_ATTENTION = (*TARGET_VERIFY, TARGET_VERIFY_ROUND, *DRAFT_STEP)
+KERNEL_ATTENTION = (*TARGET_VERIFY, TARGET_VERIFY_ROUND, *DRAFT_STEP, DRAFT_CHAIN)
 
 
 def attention_implementation(backend: str, requested: str = "auto", device_type: str = "cpu",
@@ -214,6 +214,10 @@ class CompiledStage:
         self.direct_calls = not isinstance(compiled, GraphedStage) and direct_calls_wanted()
         self._direct: dict = {}
         self._held = held_tensors(gm) if self.direct_calls else {}
+
+    def repeated(self, args, varying: int):
+        """Later calls like ``self(*args)``, the first ``varying`` arguments changing (``lower/repeated_call.py``)."""
+        return repeated_call(self, args, varying)
 
     @property
     def direct_keys(self) -> int:

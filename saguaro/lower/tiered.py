@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.lower.compile_thread import BackgroundCompiler
+from saguaro.lower.repeated_call import repeated_call
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ class TieredStage:
         self.blocking = False  # set by compile_blocking(): a new shape compiles on the caller's thread
 
     compile_s = property(lambda self: self.compiled.compile_s, doc="the first compile's seconds (None before)")
+    repeated = repeated_call  # later calls like one whose shapes run compiled (lower/repeated_call.py), or None
     output_code = property(lambda self: self.compiled.output_code, doc="what Inductor generated (kernel_log)")
 
     def __call__(self, *args):

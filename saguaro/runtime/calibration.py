@@ -27,7 +27,7 @@ import copy
 
 import torch
 
-from saguaro.core.stages import DRAFT_STEP, TARGET_VERIFY, TARGET_VERIFY_ROUND
+from saguaro.core.stages import DRAFT_CHAIN, DRAFT_STEP, TARGET_VERIFY, TARGET_VERIFY_ROUND
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.timing import Stopwatch
 
@@ -89,7 +89,7 @@ def time_sd_round(target: ModelRunner, draft: ModelRunner, batch: int, target_ca
     device = draft.spec.device
     store = draft.new_store(batch, draft_capacity)
     ids, positions, slots = (torch.zeros(batch, 1, dtype=torch.long, device=device) for _ in range(3))  # [B, 1]
-    stage = DRAFT_STEP.at(temperature)
+    stage = DRAFT_CHAIN if temperature == 0 and draft.provides(DRAFT_CHAIN) else DRAFT_STEP.at(temperature)  # SD's
     extra = ()
     if temperature > 0:
         extra = (torch.tensor(1.0 / temperature, device=device), torch.full((batch,), 0.5, device=device))

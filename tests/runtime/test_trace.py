@@ -42,9 +42,9 @@ def test_trace_is_valid_and_names_every_stage_call(mode, tmp_path):
     assert [a for _, a in counters(trace, "accepted length")] and trace["otherData"]["stats"]["mode"] == mode
     draft_calls = _names(trace, "draft")
     if mode == "sd":
-        assert draft_calls.count("draft.step_greedy") == K * len(rounds)
+        assert draft_calls.count("draft.chain_greedy") == K * len(rounds)
         # the first round feeds the draft two tokens: the first one's step writes its KV only
-        assert draft_calls[:3] == ["draft.prefill", "draft.step_greedy catch-up", "draft.step_greedy"]
+        assert draft_calls[:3] == ["draft.prefill", "draft.chain_greedy catch-up", "draft.chain_greedy"]
         return
     # SSD: every build holds a glue and one tree slice per depth, nested in it
     builds = _names(trace, "draft").count("build")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import saguaro
-from saguaro.core.stages import DRAFT_STEP, STAGES, TARGET_VERIFY, TARGET_VERIFY_ROUND
+from saguaro.core.stages import DRAFT_CHAIN, DRAFT_STEP, STAGES, TARGET_VERIFY, TARGET_VERIFY_ROUND
 from saguaro.lower.lowering import KERNEL_ATTENTION, attention_implementation
 from saguaro.passes.lower_attention import attention_kernel
 from saguaro.passes.pipeline import build_stage
@@ -50,7 +50,7 @@ def test_a_row_that_sees_no_slot_gets_zeros_and_the_others_are_unaffected():
 
 
 def test_kernel_is_chosen_for_the_verify_and_the_draft_step_on_cpu_where_it_builds():
-    assert set(KERNEL_ATTENTION) == {*TARGET_VERIFY, TARGET_VERIFY_ROUND, *DRAFT_STEP}
+    assert set(KERNEL_ATTENTION) == {*TARGET_VERIFY, TARGET_VERIFY_ROUND, *DRAFT_STEP, DRAFT_CHAIN}
     for stage in STAGES:
         picked = attention_implementation("inductor", "auto", "cpu", stage.mask, stage=stage, kernel_built=True)
         assert (picked == "kernel") == (stage in KERNEL_ATTENTION), stage

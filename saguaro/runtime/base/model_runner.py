@@ -195,6 +195,31 @@ class ModelRunner:
             out = tuple(to_device(t, caller) for t in out)
         return out
 
+    def repeated(self, stage: Stage, store: KVStore, input_ids: torch.Tensor, positions: torch.Tensor,
+                 write_slots: torch.Tensor, branch: torch.Tensor):
+        """Later calls of ``stage`` like one just run with these arguments, on this store, only the query changing and
+        its slots claimed already: ``call(input_ids, positions, write_slots) -> outputs``, or None from a call whose
+        query differs in shape (then :meth:`run`). The lowered stage's ``repeated`` call keys the shapes and builds
+        the inputs once, not per call (the draft's chained steps on a CPU); None where it offers none (an eager
+        stage, one compiling, dynamo's path), on CUDA (where graphs serve), while a trace is taken, and for a
+        caller on another device. Each call's time counts as :meth:`run`'s does."""
+        make = getattr(self._stages.get(stage), "repeated", None)
+        home = self.spec.device
+        if make is None or self.recorder is not None or home.type != "cpu" or elsewhere(input_ids.device, home):
+            return None
+        fast = make(self._graph_args(store, input_ids, positions, write_slots, branch, None, claimed=True), 5)
+        if fast is None:
+            return None
+        key = stage.qualified
+
+        def call(ids: torch.Tensor, query_positions: torch.Tensor, slots: torch.Tensor):
+            started = time.perf_counter()
+            out = fast(ids, query_positions, slots, branch, query_positions)  # limit: the query's own position
+            if out is not None:
+                self._timed(key, Interval(time.perf_counter() - started))
+            return out
+        return call
+
     def _timed(self, key: str, interval: Interval) -> None:
         with self._timings_lock:
             self._timings.append((key, interval))

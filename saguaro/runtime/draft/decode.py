@@ -1,10 +1,12 @@
-"""The draft's own decoding: ``k`` autoregressive steps (SD drafting and the neural fallback)."""
+"""The draft's own decoding: ``k`` autoregressive steps (SD drafting and the neural fallback). Greedy, by the
+chained step (:data:`~saguaro.core.stages.DRAFT_CHAIN`) where the draft's builder offers it: each call returns
+the next call's query, claimed in the store, so nothing runs on the host between the steps."""
 
 from __future__ import annotations
 
 import torch
 
-from saguaro.core.stages import DRAFT_STEP
+from saguaro.core.stages import DRAFT_CHAIN, DRAFT_STEP
 from saguaro.runtime.base.kv_store import KVStore
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.tensor_math.verification import uniforms
@@ -29,6 +31,8 @@ def draft_decode(
     CPU a two-token step reads each weight twice and cost 2.4x a one-token one). Sampled, they go with
     the last in one call, which draws one uniform per row as every step does."""
     store.invalidate_from(index[:, 0])
+    if temperature == 0 and draft.provides(DRAFT_CHAIN):
+        return chained_steps(draft, store, ids, index, positions, k), None
     stage = DRAFT_STEP.at(temperature)
     tokens, probs = [], []
     inv_t = torch.full((), 1.0 / temperature, device=ids.device) if temperature > 0 else None  # a fill: no sync
@@ -48,6 +52,43 @@ def draft_decode(
         ids, index, positions = token[:, None], index[:, -1:] + 1, positions[:, -1:] + 1
     stacked_probs = torch.stack(probs, dim=1) if probs[0] is not None else None  # [B, k, V]
     return torch.stack(tokens, dim=1), stacked_probs  # [B, k]
+
+
+def chained_steps(
+    draft: ModelRunner,
+    store: KVStore,
+    ids: torch.Tensor,  # [B, n]: tokens whose draft KV is missing, the last one being r
+    index: torch.Tensor,  # [B, n]: their slots, consecutive
+    positions: torch.Tensor,  # [B, n]: consecutive
+    k: int,
+) -> torch.Tensor:
+    """Greedy drafting by :data:`~saguaro.core.stages.DRAFT_CHAIN`: ``tokens [B, k]``, the same tokens as the
+    step's. Each call writes its token's KV and claims the next slot; a catch-up call's token is unused (the
+    next query is the next fed token, at the slot and position the call claimed), and the slot the last call
+    claimed, for ``x_k``, which no call writes, is dropped again."""
+    query = tuple(_one_column(t, 0) for t in (ids, positions, index))  # input_ids, positions, write_slots [B, 1]
+    branch = torch.zeros_like(query[1])  # [B, 1]: shared
+    repeat = None  # the later calls' fast form (ModelRunner.repeated), made after the first
+
+    def call(query: tuple, note: str | None = None) -> tuple:
+        nonlocal repeat
+        out = repeat(*query) if repeat is not None else None
+        if out is None:
+            first = repeat is None  # the first call's slot is claimed by the runner, the others' by the call before
+            out = draft.run(DRAFT_CHAIN, store, *query, branch=branch, note=note, claimed=not first)
+            if first:
+                repeat = draft.repeated(DRAFT_CHAIN, store, *query, branch) or (lambda *_: None)
+        return out
+
+    for j in range(1, ids.shape[1]):
+        _, _, next_positions, next_slots = call(query, CATCH_UP)
+        query = (_one_column(ids, j), next_positions, next_slots)
+    tokens = []
+    for _ in range(k):
+        token, *query = call(query)  # [B], [B, 1] x 3
+        tokens.append(token)
+    store.invalidate_from(query[2][:, 0])
+    return torch.stack(tokens, dim=1)  # [B, k]
 
 
 def _one_column(t: torch.Tensor, j: int) -> torch.Tensor:
