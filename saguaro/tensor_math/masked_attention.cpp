@@ -264,8 +264,9 @@ torch::stable::Tensor masked_attention(torch::stable::Tensor q_in, torch::stable
   float* op = static_cast<float*>(out.mutable_data_ptr());
   const Shape n{R, S, D};
   const float fscale = static_cast<float>(scale);
-  // grain: about 32K multiply-adds a task, so a small draft's heads stay on one thread
-  int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, 2 * R * S * D));
+  // grain: about 128K multiply-adds a task, so a small draft's heads stay on one thread (a draft step's 4 heads of
+  // one row over 256 slots took as long on two threads as on one, and paid the second thread's start)
+  int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, 2 * R * S * D));
   torch::stable::parallel_for(0, B * G, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(scratch_floats(n));
     for (int64_t i = begin; i < end; ++i) {
