@@ -7,8 +7,8 @@ nodes with them, and inspection and export walk :data:`STAGES`. Stage names are 
 elsewhere code reads ``stage.name`` / ``stage.qualified``.
 
 Shapes for batch ``B``: ``prefill [B, T]``, ``verify [B, K+1]``, ``step [B, 1]`` (``[B, n]`` for
-the first draft call of a round), ``round [B, 1]``, ``chain [B, 1]``, ``verify_round [B, K+1]``, ``glue [B, K+1]``,
-``tree [B, MQ]`` (one call per depth).
+the first draft call of a round), ``round [B, 1]``, ``chain [B, 1]``, ``verify_round [B, K+1]``,
+``glue [B, K+1]``, ``tree [B, MQ]`` (one call per depth).
 """
 
 from __future__ import annotations

@@ -198,13 +198,17 @@ class DirectCall:
             inputs[j] = args[i].stride(dim)
         return inputs
 
+    def boxed_inputs(self, args) -> list:
+        """The inputs of Inductor's graph function (``boxed``) for a stage call's ``args``."""
+        inputs = self.inputs(args)
+        if self._int_tensors is not None:  # the same 0-d tensor for a size each call, not a new one
+            for j, _, _ in (*self._sizes, *self._strides):
+                inputs[j] = self._int_tensor(inputs[j])
+        return inputs
+
     def __call__(self, args) -> tuple:
         if self.boxed is not None and not torch.autograd.profiler._is_profiler_enabled:
-            inputs = self.inputs(args)
-            if self._int_tensors is not None:  # the same 0-d tensor for a size each call, not a new one
-                for j, _, _ in (*self._sizes, *self._strides):
-                    inputs[j] = self._int_tensor(inputs[j])
-            return tuple(self.boxed(inputs))  # (the profiler's records come from the wrapper)
+            return tuple(self.boxed(self.boxed_inputs(args)))  # (the profiler's records come from the wrapper)
         return tuple(self.compiled(*self.inputs(args)))
 
     def _int_tensor(self, value: int) -> torch.Tensor:

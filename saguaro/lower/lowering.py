@@ -98,8 +98,9 @@ def shape_policy(backend: str) -> ShapePolicy:
 FLEX_TREE_ON_CUDA = False
 # attention="auto" of Inductor on CPU for AR's target stages: "reduce", not SDPA (AR 1.13-1.17x; the draft's step 0.93-1.03x)
 REDUCED_ATTENTION = (TARGET_STEP, TARGET_ROUND)
-# attention="auto" of Inductor on CPU for SD's verify and the draft's step (and its chained form): the masked_attention C++ kernel (a
-# verify's 6 rows over 256 slots 37 us against SDPA's 64; a draft step's row 7 against 15), where it builds
+# attention="auto" of Inductor on CPU for SD's verify and the draft's step (and its chained form): the
+# masked_attention C++ kernel (a verify's 6 rows over 256 slots 37 us against SDPA's 64; a draft step's row 7
+# against 15), where it builds
 KERNEL_ATTENTION = (*TARGET_VERIFY, TARGET_VERIFY_ROUND, *DRAFT_STEP, DRAFT_CHAIN)
 
 

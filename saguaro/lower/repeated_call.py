@@ -22,11 +22,7 @@ class RepeatedCall:
 
     def __init__(self, direct, args, varying: int, counted):
         self.boxed, self.counted = direct.boxed, counted
-        inputs = direct.inputs(args)
-        if direct._int_tensors is not None:  # as DirectCall.__call__: one 0-d tensor per size
-            for j, _, _ in (*direct._sizes, *direct._strides):
-                inputs[j] = direct._int_tensor(inputs[j])
-        self.inputs = inputs
+        self.inputs = direct.boxed_inputs(args)
         self.replaced = [(j, i) for j, i in direct._arguments if i < varying]  # (input position, argument position)
         self.layouts = [(a.shape, a.stride()) for a in args[:varying]]
 

@@ -7,8 +7,8 @@
 // (60 us for 6 rows over 256 slots, 14 us for one row of a small draft): this kernel reads only the slots the
 // bias leaves visible (-inf marks the others), keeps each row's logits in a buffer, and takes the
 // exponentials eight at a time. The rows of a head take K and V block by block (a block stays in L1 while
-// every row reads it): 1.2-1.3x a row-at-a-time loop at a verify's six rows, the same bits. Results equal SDPA's up to float rounding (another summation order, an
-// exponential within 2 ulp). A row that sees no slot gets zeros. The vector path needs AVX2 + FMA; any other
+// every row reads it): 1.2-1.3x a row-at-a-time loop at a verify's six rows, the same bits. Results equal
+// SDPA's up to float rounding (another summation order, an exponential within 2 ulp). A row that sees no slot gets zeros. The vector path needs AVX2 + FMA; any other
 // machine runs the scalar loop.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -183,7 +183,7 @@ void values_block(const float* v, const float* weights, const Shape& n, int64_t 
 
 // The rows of one head: logits block by block (each block of K read once for all rows), a softmax per row, then
 // the values block by block. Per row the arithmetic and its order are a row-at-a-time loop's. scratch: R S logits,
-// 8 R maxima, R D accumulators.
+// 8 R maxima, R D accumulators, R inverses.
 template <int NC>
 void rows_vector(const float* q, const float* k, const float* v, const float* bias, float scale, const Shape& n,
                  float* out, float* scratch) {
@@ -191,12 +191,12 @@ void rows_vector(const float* q, const float* k, const float* v, const float* bi
   float* logits = scratch;
   float* maxima = logits + n.R * n.S;
   float* acc_rows = maxima + 8 * n.R;
+  float* inverses = acc_rows + n.R * D;
   std::fill(maxima, maxima + 8 * n.R, NEG_INF);
   std::fill(acc_rows, acc_rows + n.R * D, 0.f);
   const int64_t block = block_slots(D), vector_end = n.S / 8 * 8;
   for (int64_t s = 0; s < vector_end; s += block)
     logits_block<NC>(q, k, bias, scale, n, s, std::min(s + block, vector_end), logits, maxima);
-  std::vector<float> inverses(n.R);
   for (int64_t r = 0; r < n.R; ++r) {
     float maximum = *std::max_element(maxima + 8 * r, maxima + 8 * r + 8);
     Shape rest{n.R, n.S - vector_end, n.D};
@@ -234,9 +234,9 @@ void head(const float* q, const float* k, const float* v, const float* bias, flo
   }
 }
 
-// Scratch floats of one head: the vector path's R S logits, 8 R maxima and R D accumulators (the scalar loop
-// uses the first S).
-int64_t scratch_floats(const Shape& n) { return n.R * n.S + 8 * n.R + n.R * n.D; }
+// Scratch floats of one head: the vector path's R S logits, 8 R maxima, R D accumulators and R inverses (the
+// scalar loop uses the first S).
+int64_t scratch_floats(const Shape& n) { return n.R * n.S + 8 * n.R + n.R * n.D + n.R; }
 
 void check(bool ok, const char* message) {
   if (!ok) throw std::runtime_error(message);

@@ -103,8 +103,7 @@ def test_a_repeated_call_puts_in_the_changed_arguments_and_refuses_another_layou
         return out
 
     # inputs: argument 0 (changes) and argument 2 (fixed); argument 1 unread
-    direct = SimpleNamespace(boxed=boxed, _int_tensors=None, _sizes=[], _strides=[], _arguments=[(0, 0), (1, 2)],
-                             inputs=lambda args: [args[0], args[2]])
+    direct = SimpleNamespace(boxed=boxed, _arguments=[(0, 0), (1, 2)], boxed_inputs=lambda args: [args[0], args[2]])
     calls = []
     fixed = torch.tensor([[1], [2]])
     repeat = RepeatedCall(direct, (torch.zeros(2, 1, dtype=torch.long), None, fixed), 1, lambda: calls.append(1))

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 COST_WEIGHT = 0.1  # weight of a new call in a stage's running mean cost
 MAX_PENDING = 1024  # stage timings in flight on a device before a call waits for the oldest
+QUERY_ARGS = 5  # a stage's first flat inputs that a query sets: input_ids, positions, write_slots, branch, limit
 
 
 class StageBuilder(Protocol):
@@ -207,7 +208,7 @@ class ModelRunner:
         home = self.spec.device
         if make is None or self.recorder is not None or home.type != "cpu" or elsewhere(input_ids.device, home):
             return None
-        fast = make(self._graph_args(store, input_ids, positions, write_slots, branch, None, claimed=True), 5)
+        fast = make(self._graph_args(store, input_ids, positions, write_slots, branch, None, claimed=True), QUERY_ARGS)
         if fast is None:
             return None
         key = stage.qualified
