@@ -18,9 +18,8 @@ from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError, SaguaroError
 from saguaro.core.stages import DRAFT_CHAIN, TARGET_VERIFY_ROUND, Stage
 from saguaro.lower.cuda_graphs import GraphedStage, captures_stage, resolve_cuda_graphs
-from saguaro.lower.lowering import (
-    TEMPLATE_GEMM_CONFIG, attention_implementation, linear_implementation, lower_graph, shape_policy,
-)
+from saguaro.lower.lowering import TEMPLATE_GEMM_CONFIG, attention_implementation, linear_implementation, lower_graph
+from saguaro.lower.lowering import shape_policy
 from saguaro.lower.compile_thread import BackgroundCompiler
 from saguaro.lower.compile_helper import helper_wanted
 from saguaro.models_io import check_pair
@@ -151,8 +150,7 @@ class CompiledStages(PipelineStages):
         self.fuse_projections = fuse_projections  # fuse_projections.fusion_applies's `requested`
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
-        """True once no background compile is queued or running (at once without a compiler); False
-        when ``timeout`` seconds passed first."""
+        """True once no background compile is queued or running (at once without one); False after ``timeout`` s."""
         return True if self.compiler is None else self.compiler.wait(timeout)
 
     def first_tokens_out(self) -> None:
@@ -174,22 +172,17 @@ class CompiledStages(PipelineStages):
         return not (self.cuda_graphs and stage in (TARGET_VERIFY_ROUND, DRAFT_CHAIN))
 
     def graphed(self, fn, name: str, fixed):
-        """Under CUDA graphs, ``fn`` (several stages' calls: SD's round) as one graph per signature, its
-        stages running inside it (``GraphedStage(encloses=True)``); else None."""
+        """Under CUDA graphs, ``fn`` (SD's round) as one graph per signature, its stages inside it; else None."""
         return GraphedStage(fn, name, fixed, encloses=True) if self.cuda_graphs else None
 
     def stage_graph(self, stage: Stage, observe=None, linears: str | None = None):
-        """The stage's graph, its attention lowered and its linears run as chosen for this stage and device
-        (``linears``, ``"gemm"``, ``"reduction"``, ``"packed"`` or ``"template"``, when given, instead of the choice; the
-        template's graph keeps the GEMMs, as ``"gemm"``'s: only its compile settings differ)."""
+        """The stage's graph, its attention lowered and its linears run as :meth:`linears_of` says (``"template"``'s
+        graph keeps the GEMMs, as ``"gemm"``'s: only its compile settings differ)."""
         built = self.device_type == "cpu" and packed_kernel_available()  # the saguaro_kernels library
         attention = attention_implementation(self.backend, self.requested_attention, self.device_type, stage.mask,
                                              stage=stage, kernel_built=built)
         attention = "inline" if attention == "kernel" and not built else attention  # asked for, no compiler here
-        linears = linears or linear_implementation(self.backend, self.requested_linears, self.device_type, stage.family)
-        linears = "gemm" if linears == "template" else linears
-        if linears == "packed" and not packed_kernel_available():  # no compiler here: the reductions
-            linears = "reduction" if self.backend == "inductor" else "gemm"
+        linears = "gemm" if (linears := self.linears_of(stage, linears)) == "template" else linears
         # narrow weights where reads fuse into Inductor's kernels (a BLAS call would copy them widened each call):
         # the reductions', the packed stages' other reads (the embedding); packed panels widen in registers
         narrow = self.narrow_weights and self.backend == "inductor" and linears in ("reduction", "packed")
@@ -197,8 +190,15 @@ class CompiledStages(PipelineStages):
         return build_stage(self.graph_module, stage, self.width, attention=attention, observe=observe, linears=linears,
                            narrow=narrow, fuse=fuse, narrow_panels=self.narrow_weights)
 
+    def linears_of(self, stage: Stage, linears: str | None = None) -> str:
+        """How ``stage``'s linears run: ``linears`` when given, else the choice for this stage and device; the
+        reductions where the packed kernel cannot be built here."""
+        linears = linears or linear_implementation(self.backend, self.requested_linears, self.device_type, stage.family)
+        unbuilt = linears == "packed" and not packed_kernel_available()  # no compiler here
+        return ("reduction" if self.backend == "inductor" else "gemm") if unbuilt else linears
+
     def __call__(self, stage: Stage):
-        linears = linear_implementation(self.backend, self.requested_linears, self.device_type, stage.family)
+        linears = self.linears_of(stage)
         gm = self.stage_graph(stage, linears=linears)
         eager_gm = None  # what runs eager during a background compile: BLAS linears (an eager product is slow)
         if self.compiler is not None and linears == "reduction":
@@ -210,7 +210,8 @@ class CompiledStages(PipelineStages):
         lowered = lower_graph(gm, self.backend, stage.qualified, self.device_type,
                               cuda_graphs=self.cuda_graphs and captures_stage(stage), compiler=self.compiler,
                               dynamic_dims=varying, eager_gm=eager_gm,
-                              config_patch=TEMPLATE_GEMM_CONFIG if linears == "template" else None)
+                              config_patch=TEMPLATE_GEMM_CONFIG if linears == "template" else None,
+                              serial_kernels=linears == "packed")
         inner = getattr(lowered, "compiled", lowered)  # a tiered stage's CompiledStage
         kernel_attention = any(node.target is attention_kernel for node in gm.graph.nodes)
         if hasattr(inner, "helper_setup") and (linears == "packed" or kernel_attention):

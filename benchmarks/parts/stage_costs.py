@@ -86,7 +86,8 @@ def main(argv=None) -> int:
     k = args.k
     # the verify greedy rounds run: with the commit (the round stage) where the builder offers it
     verify = costs.get("target.verify_round_greedy", costs.get("target.verify_greedy"))
-    step = costs["draft.step_greedy"]
+    # greedy drafting calls the chained step where the builder offers it, the plain step otherwise
+    step = costs.get("draft.chain_greedy", costs.get("draft.step_greedy"))
     glue = costs["draft.glue"]
     rows = {"sd_round_ms": verify + k * step}
     ar = costs.get("target.round_greedy", costs.get("target.step_greedy"))

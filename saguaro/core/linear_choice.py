@@ -10,8 +10,10 @@ def linear_implementation(backend: str, requested: str = "auto", device_type: st
     """How the linears of a stage of ``family`` run: ``"reduction"`` (``linear_as_reduction``), ``"packed"``
     (``pack_linears``: the few-row C++ kernel over packed, narrow-held weights) or ``"gemm"`` (BLAS).
     ``"reduction"`` / ``"packed"`` rewrite the few-row stages (:data:`FEW_ROW_FAMILIES`) on any backend; ``"auto"``,
-    for Inductor on CPU: packed for the several-row stages (:data:`MULTI_ROW_FAMILIES`; 1.2-1.5x the narrow
-    reductions at 6-32 rows, ``benchmarks/parts/few_row_linear.py``), reduction for the one-row ones. ``"template"``:
+    for Inductor on CPU: packed for every few-row stage (the several-row ones, :data:`MULTI_ROW_FAMILIES`, 1.2-1.5x
+    the narrow reductions at 6-32 rows, ``benchmarks/parts/few_row_linear.py``; the one-row ones since the kernel
+    runs one row over several panels at once: AR 1.13x, SD 1.20x in whole generations, ``benchmarks/README.md``),
+    the reductions where the kernel cannot be built (``saguaro.compile``). ``"template"``:
     for Inductor on CPU, the several-row stages on Inductor's C++ GEMM template (:data:`~saguaro.lower.lowering.TEMPLATE_GEMM_CONFIG`),
     the others as ``"auto"``. Never chosen for CUDA by ``"auto"``: not measured there."""
     if requested == "gemm" or family not in FEW_ROW_FAMILIES:
@@ -22,5 +24,5 @@ def linear_implementation(backend: str, requested: str = "auto", device_type: st
     if requested in ("reduction", "packed"):
         return requested
     if on_cpu_inductor:
-        return "packed" if family in MULTI_ROW_FAMILIES else "reduction"
+        return "packed"
     return "gemm"

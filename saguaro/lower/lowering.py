@@ -35,17 +35,19 @@ BACKENDS = ("eager", "inductor")
 # per-call overhead, not FLOPs. The wrapper (glue: allocations and kernel calls) is compiled apart from the
 # kernels, at -O1 rather than at the kernels' -O3: g++ time of an AR program's two stages (tiny Gemma 2,
 # precompiled headers warm) 13.7 / 14.6 s against 18.7 s in one file, the same tokens per second.
-# The kernels take the thread count at run time (``cpp.dynamic_threads``), so a stage SSD's lanes run with
-# one thread (dynamo recompiles it: it guards on the count) reuses the code compiled for all threads from
-# Inductor's cache in about a second rather than compiling it again (7-8 s a stage for the default pair).
-# The wrapper's per-call work runs on one thread while the kernels' other threads wait: no size asserts on the
-# inputs (a stage is called only with the sizes and strides it was compiled for: dynamo's guards, or the key
-# of a direct call) and one pooled allocation for the intermediate buffers (``memory_planning``; 7 allocations
-# a call of the default pair's AR round instead of 114): the round takes 0.91x the time a call at two threads
-# (``benchmarks/README.md``).
+# The kernels take the thread count at run time (``cpp.dynamic_threads``; a packed stage's are serial, below), so
+# a stage SSD's lanes run with one thread (dynamo recompiles it: it guards on the count) reuses the code compiled
+# for all threads from Inductor's cache in about a second (7-8 s a stage to compile, default pair). No size
+# asserts (a stage is called only with the sizes and strides it was compiled for: dynamo's guards, or the key of
+# a direct call) and one pooled allocation for the intermediate buffers (``memory_planning``; 7 allocations a
+# call of the default pair's AR round instead of 114): 0.91x the round's time (``benchmarks/README.md``).
 INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "cpp.dynamic_threads": True,
                             "size_asserts": False, "memory_planning": True},
                     "cuda": {}}
+# A packed stage (linears and attention in the saguaro_kernels ops, which split their own loops over torch's
+# threads) keeps Inductor's kernels (norms, rotary embedding, glue: a few hundred values a row) on one thread,
+# where a parallel region (a fork, a barrier, a futex wake even at one thread) costs more than it saves.
+SERIAL_KERNELS = {"cpp.dynamic_threads": False, "cpp.threads": 1}
 # linears="template": the Inductor settings a stage compiles under (a config patch around its compiling calls:
 # freezing is read outside the options torch.compile takes). Freezing makes the weights constants, which the
 # CPU weight prepacking packs once; max-autotune with the C++ backend then offers the GEMM template (a
@@ -65,10 +67,9 @@ def bucketed(n: int, step: int) -> int:
 
 @dataclass(frozen=True)
 class ShapePolicy:
-    """The shapes the runtime feeds a backend's stages: prompts left-padded to a multiple of
-    ``prompt_bucket`` columns (masked; the runtime drops them from the result) and KV capacities
-    rounded up to a multiple of ``capacity_bucket`` slots. Lowering owns it; ``saguaro.compile``
-    hands it to the runtime."""
+    """The shapes the runtime feeds a backend's stages: prompts left-padded to a multiple of ``prompt_bucket``
+    columns (masked; the runtime drops them from the result) and KV capacities rounded up to a multiple of
+    ``capacity_bucket`` slots. Lowering owns it; ``saguaro.compile`` hands it to the runtime."""
 
     prompt_bucket: int = 1
     capacity_bucket: int = 1
@@ -145,7 +146,7 @@ class LoweringError(SaguaroError):
 def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: str = "cpu",
                 cuda_graphs: bool = False, compiler: BackgroundCompiler | None = None,
                 dynamic_dims: dict | None = None, eager_gm: torch.fx.GraphModule | None = None,
-                config_patch: dict | None = None):
+                config_patch: dict | None = None, serial_kernels: bool = False):
     """``eager`` runs the GraphModule itself; ``inductor`` compiles it with ``torch.compile``
     (``fullgraph=True``: a graph break is an error). ``dynamic_dims`` (``{input position: (dimension,
     ...)}``, the sizes that change from call to call: query length, KV slots) are compiled dynamic from
@@ -161,8 +162,8 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
     compiles it with the same ``dynamic_dims`` (once), and a graph is captured per shape. ``compiler``
     (``compile="background"``; not with ``cuda_graphs``, which compiles blocking): a
     :class:`~saguaro.lower.tiered.TieredStage` that runs the GraphModule itself for shapes Inductor has not
-    compiled yet while ``compiler``'s thread compiles them. ``config_patch`` (Inductor settings, such as
-    :data:`TEMPLATE_GEMM_CONFIG`): applied around each call that compiles."""
+    compiled yet while ``compiler``'s thread compiles them. ``config_patch`` (Inductor settings: :data:`TEMPLATE_GEMM_CONFIG`)
+    around each call that compiles. ``serial_kernels`` (CPU): one-thread kernels (:data:`SERIAL_KERNELS`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not allowed: choose one of {', '.join(BACKENDS)}")
     if cuda_graphs and device_type != "cuda":
@@ -174,6 +175,8 @@ def lower_graph(gm: torch.fx.GraphModule, backend: str, name: str, device_type: 
         # compile the generated forward itself: GraphModule.__call__'s error wrapper walks tracebacks
         # with a generator, which hides the real error of a failed compile under "trace generator"
         options = dict(INDUCTOR_OPTIONS.get(device_type, {}))
+        if serial_kernels and device_type == "cpu":
+            options.update(SERIAL_KERNELS)
         forward_outside_compiles(gm)
         compiled = compile_with_inductor(gm, options)
         if cuda_graphs:  # inside CompiledStage, which maps compile errors and logs the kernels

@@ -14,6 +14,8 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include "stable_tensors.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -253,9 +255,9 @@ torch::stable::Tensor masked_attention(torch::stable::Tensor q_in, torch::stable
         "masked_attention: v must be k's shape");
   check(bias_in.size(0) == B && bias_in.size(1) == 1 && bias_in.size(2) == R && bias_in.size(3) == S,
         "masked_attention: bias must be [B, 1, R, S]");
-  torch::stable::Tensor q = torch::stable::contiguous(q_in), k = torch::stable::contiguous(k_in);
-  torch::stable::Tensor v = torch::stable::contiguous(v_in), bias = torch::stable::contiguous(bias_in);
-  torch::stable::Tensor out = torch::stable::new_empty(q, {B, G, R, D});
+  torch::stable::Tensor q = saguaro::contiguous_of(q_in), k = saguaro::contiguous_of(k_in);
+  torch::stable::Tensor v = saguaro::contiguous_of(v_in), bias = saguaro::contiguous_of(bias_in);
+  torch::stable::Tensor out = saguaro::new_float(q, {B, G, R, D});
   if (B * G * R * D == 0) return out;
   const float* qp = static_cast<const float*>(q.const_data_ptr());
   const float* kp = static_cast<const float*>(k.const_data_ptr());

@@ -5,13 +5,16 @@
 // multiply-adds (std::fma: rounded once), whatever the weight's storage dtype, the vector width or the thread
 // count: a weight held in float16 or bfloat16 is widened in registers to the very float32 values, so the
 // result equals the float32 weight's bit for bit. The vector path (AVX2 + FMA + F16C) holds a block of up to
-// 6 rows x 16 columns in 12 registers and reads each weight panel once per block of rows; any other machine
-// runs the scalar loop, which computes the same fused multiply-adds in the same order.
+// 6 rows x 16 columns in 12 registers and reads each weight panel once per block of rows; one row (AR's round,
+// the draft's step) runs several panels side by side instead, in AVX-512 registers where the machine has them;
+// any other machine runs the scalar loop, which computes the same fused multiply-adds in the same order.
 // Written against torch's stable ABI (torch/csrc/stable): its headers compile in seconds, where ATen's
 // take most of a minute, and the library keeps working across torch versions.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
+
+#include "stable_tensors.h"
 
 #include <algorithm>
 #include <cmath>
@@ -29,6 +32,7 @@ namespace {
 constexpr int64_t NB = 16;  // output columns per panel
 constexpr int64_t MR = 6;   // rows per register block
 constexpr int64_t PREFETCH_BYTES = 2048;  // how far ahead of the loads the weight stream is prefetched
+constexpr int64_t ROW_PREFETCH_BYTES = 512;  // the same for each panel a one-row block streams
 
 struct Half { uint16_t bits; };   // float16, as stored
 struct Brain { uint16_t bits; };  // bfloat16, as stored
@@ -123,6 +127,80 @@ void block(const float* x, int64_t K, const W* w, float* out, int64_t ldo, int64
 }
 #undef SAGUARO_ROW
 
+// One row against Q panels side by side: Q independent accumulator sets, so the panels' multiply-adds overlap (a
+// single panel's two accumulators wait out the FMA latency at every k). Each output is still one float32 sum
+// over k = 0 .. K-1 in order, the multi-row blocks' operations exactly. With AVX-512 a panel's 16 columns are
+// one register (one load and one widening a step, up to 6 panels); with AVX2 two (up to 4 panels: 8
+// accumulators, with the broadcast and the loads, within the 16 registers).
+#if defined(__AVX512F__)
+constexpr int QR = 6;  // panels per one-row block
+inline __m512 load16z(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16z(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16z(const Brain* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#define SAGUARO_PANEL(q)                                                \
+  if constexpr (Q > q) {                                                \
+    _mm_prefetch(ahead + (q * K + k) * NB * sizeof(W), _MM_HINT_T0);    \
+    c##q = _mm512_fmadd_ps(b, load16z(w + q * K * NB + k * NB), c##q);  \
+  }
+#define SAGUARO_STORE(q)                                                                           \
+  if constexpr (Q > q) {                                                                           \
+    int64_t cols = std::min<int64_t>(NB, n_left - q * NB);                                         \
+    _mm512_mask_storeu_ps(out + q * NB, cols >= NB ? __mmask16(0xffff) : __mmask16((1u << cols) - 1), c##q); \
+  }
+template <typename W, int Q>
+void row_block(const float* x, int64_t K, const W* w, float* out, int64_t n_left) {
+  __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
+  const char* ahead = reinterpret_cast<const char*>(w) + ROW_PREFETCH_BYTES;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 b = _mm512_set1_ps(x[k]);
+    SAGUARO_PANEL(0) SAGUARO_PANEL(1) SAGUARO_PANEL(2) SAGUARO_PANEL(3) SAGUARO_PANEL(4) SAGUARO_PANEL(5)
+  }
+  SAGUARO_STORE(0) SAGUARO_STORE(1) SAGUARO_STORE(2) SAGUARO_STORE(3) SAGUARO_STORE(4) SAGUARO_STORE(5)
+}
+#else
+constexpr int QR = 4;  // panels per one-row block
+#define SAGUARO_PANEL(q)                                              \
+  if constexpr (Q > q) {                                              \
+    __m256 lo, hi;                                                    \
+    _mm_prefetch(ahead + (q * K + k) * NB * sizeof(W), _MM_HINT_T0);  \
+    load16(w + q * K * NB + k * NB, lo, hi);                          \
+    c##q##0 = _mm256_fmadd_ps(b, lo, c##q##0);                        \
+    c##q##1 = _mm256_fmadd_ps(b, hi, c##q##1);                        \
+  }
+#define SAGUARO_STORE(q) \
+  if constexpr (Q > q) store16(out + q * NB, c##q##0, c##q##1, std::min<int64_t>(NB, n_left - q * NB));
+template <typename W, int Q>
+void row_block(const float* x, int64_t K, const W* w, float* out, int64_t n_left) {
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 c00 = zero, c01 = zero, c10 = zero, c11 = zero, c20 = zero, c21 = zero, c30 = zero, c31 = zero;
+  const char* ahead = reinterpret_cast<const char*>(w) + ROW_PREFETCH_BYTES;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 b = _mm256_broadcast_ss(x + k);
+    SAGUARO_PANEL(0) SAGUARO_PANEL(1) SAGUARO_PANEL(2) SAGUARO_PANEL(3)
+  }
+  SAGUARO_STORE(0) SAGUARO_STORE(1) SAGUARO_STORE(2) SAGUARO_STORE(3)
+}
+#endif
+#undef SAGUARO_PANEL
+#undef SAGUARO_STORE
+
+template <typename W>
+void row_vector(const float* x, int64_t K, const W* w, int64_t p0, int64_t p1, float* out, int64_t n) {  // panels p0 .. p1-1
+  int64_t p = p0;
+  for (; p + QR <= p1; p += QR) row_block<W, QR>(x, K, w + p * K * NB, out + p * NB, n - p * NB);
+  switch (p1 - p) {
+    case 5: row_block<W, 5>(x, K, w + p * K * NB, out + p * NB, n - p * NB); break;
+    case 4: row_block<W, 4>(x, K, w + p * K * NB, out + p * NB, n - p * NB); break;
+    case 3: row_block<W, 3>(x, K, w + p * K * NB, out + p * NB, n - p * NB); break;
+    case 2: row_block<W, 2>(x, K, w + p * K * NB, out + p * NB, n - p * NB); break;
+    case 1: row_block<W, 1>(x, K, w + p * K * NB, out + p * NB, n - p * NB); break;
+    default: break;
+  }
+}
+
 template <typename W>
 void panel_vector(const float* x, int64_t K, const W* w, int64_t rows, float* out, int64_t ldo, int64_t cols) {
   int64_t m = 0;
@@ -143,6 +221,12 @@ void run(const float* x, int64_t M, int64_t K, const W* w, int64_t panels, float
   // grain: about 64K multiply-adds a task, so the draft's small linears stay on one thread
   int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * K * NB));
   torch::stable::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+#ifdef SAGUARO_AVX2
+    if (vector && M == 1) {
+      row_vector(x, K, w, begin, end, out, n);
+      return;
+    }
+#endif
     for (int64_t p = begin; p < end; ++p) {
       const W* wp = w + p * K * NB;
       int64_t cols = std::min<int64_t>(NB, n - p * NB);
@@ -168,9 +252,9 @@ torch::stable::Tensor packed_linear_impl(const torch::stable::Tensor& x_in, cons
   check(packed.dim() == 3 && packed.size(2) == NB && packed.size(1) == x_in.size(1) && packed.is_contiguous(),
         "packed_linear: packed must be a contiguous [P, K, 16] panel tensor of x's K");
   check(n > (packed.size(0) - 1) * NB && n <= packed.size(0) * NB, "packed_linear: n does not fit the panels");
-  torch::stable::Tensor x = torch::stable::contiguous(x_in);
+  torch::stable::Tensor x = saguaro::contiguous_of(x_in);
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
-  torch::stable::Tensor out = torch::stable::new_empty(x, {M, n});
+  torch::stable::Tensor out = saguaro::new_float(x, {M, n});
   if (M == 0) return out;
   const float* xp = static_cast<const float*>(x.const_data_ptr());
   float* op = static_cast<float*>(out.mutable_data_ptr());

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 PANEL = 16  # output columns a panel holds (NB in the C++ source)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.cpp", "masked_attention.cpp"))
+HEADERS = (Path(__file__).with_name("stable_tensors.h"),)  # included by the sources: part of the build's name
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _lock = threading.Lock()
 _state: dict = {}  # "loaded": True / False once tried; "error": why not
@@ -50,7 +51,7 @@ def _cpu_signature() -> str:
 
 def library_name() -> str:
     """The extension's name: one per sources, flags, torch version and CPU (so a cached build always fits)."""
-    digest = hashlib.sha256("\n".join([*(source.read_text() for source in SOURCES), " ".join(CFLAGS), torch.__version__,
+    digest = hashlib.sha256("\n".join([*(source.read_text() for source in SOURCES + HEADERS), " ".join(CFLAGS), torch.__version__,
                                        _cpu_signature()]).encode()).hexdigest()[:16]
     return f"saguaro_packed_linear_{digest}"
 

@@ -205,9 +205,10 @@ def test_where_the_pass_applies():
         return "fuse_projections" in record_of(builder.stage_graph(stage)).ran
 
     assert not fused("inductor", TARGET_STEP) and not fused("inductor", TARGET_VERIFY.greedy)  # slower on a CPU
-    assert fused("inductor", TARGET_STEP, fuse_projections=True)
+    assert fused("inductor", TARGET_STEP, linears="reduction", fuse_projections=True)
     assert fused("inductor", TARGET_VERIFY.greedy, linears="reduction", fuse_projections=True)
-    assert not fused("inductor", TARGET_VERIFY.greedy, fuse_projections=True)  # "auto" packs it: not joined
+    for stage in (TARGET_STEP, TARGET_VERIFY.greedy):  # "auto" packs them: pack_linears joins, not this pass
+        assert not fused("inductor", stage, fuse_projections=True)
     assert not fused("inductor", TARGET_PREFILL, fuse_projections=True)  # a BLAS GEMM
     assert not fused("inductor", TARGET_VERIFY.greedy, linears="template", fuse_projections=True)
     assert not fused("eager", TARGET_STEP, fuse_projections=True)

@@ -58,12 +58,12 @@ def test_a_linear_of_unknown_rank_is_left_as_it_was(caplog):
     assert "1 of 1 linears left as they were" in caplog.text
 
 
-def test_the_one_row_stages_of_inductor_on_cpu_get_it_by_default_the_others_the_packed_kernel():
+def test_the_few_row_stages_of_inductor_on_cpu_get_the_packed_kernel_by_default_and_this_pass_on_request():
     few = [s for s in STAGES if s.family in FEW_ROW_FAMILIES]
     assert {s.family for s in STAGES} - set(FEW_ROW_FAMILIES) == {"prefill"} and few
-    for stage in few:
-        several = stage.family in MULTI_ROW_FAMILIES  # verify, glue, tree: pack_linears
-        assert linear_implementation("inductor", "auto", "cpu", stage.family) == ("packed" if several else "reduction")
+    assert {s.family for s in few} - set(MULTI_ROW_FAMILIES)  # one-row stages are among them
+    for stage in few:  # one row (step, round, chain) and several (verify, glue, tree) alike: pack_linears
+        assert linear_implementation("inductor", "auto", "cpu", stage.family) == "packed"
         assert linear_implementation("eager", "packed", "cpu", stage.family) == "packed"
         assert linear_implementation("inductor", "auto", "cuda", stage.family) == "gemm"  # not measured there
         assert linear_implementation("eager", "auto", "cpu", stage.family) == "gemm"
@@ -82,8 +82,8 @@ def test_template_takes_the_multi_row_stages_of_inductor_on_cpu_only():
     assert set(MULTI_ROW_FAMILIES) == set(FEW_ROW_FAMILIES) - {"step", "round", "chain"}  # one row: steps and rounds
     for stage in (s for s in STAGES if s.family in FEW_ROW_FAMILIES):
         template = linear_implementation("inductor", "template", "cpu", stage.family)
-        # several rows per sequence: the GEMM template; a step's one row: the reductions, as "auto"
-        assert template == ("template" if stage.family in MULTI_ROW_FAMILIES else "reduction"), stage
+        # several rows per sequence: the GEMM template; a step's one row: the packed kernel, as "auto"
+        assert template == ("template" if stage.family in MULTI_ROW_FAMILIES else "packed"), stage
         for backend, device in (("inductor", "cuda"), ("eager", "cpu")):  # elsewhere, as "auto"
             assert (linear_implementation(backend, "template", device, stage.family)
                     == linear_implementation(backend, "auto", device, stage.family)), (backend, device)

@@ -1,7 +1,7 @@
 """pack_linears and the packed few-row kernel: outputs equal bit for bit whether the panels hold the weights in
 float32, float16 or bfloat16, vector or scalar loop, on each tested family; greedy SD and SSD through it equal
 ``generate``; which stages ``CompiledStages`` packs. Inductor calling the op inside compiled stages:
-``tests/lower/test_inductor.py`` (its verify, glue and tree stages are packed under the default settings)."""
+``tests/lower/test_inductor.py`` (its few-row stages are packed under the default settings)."""
 
 import pytest
 import torch
@@ -9,8 +9,8 @@ import torch
 import saguaro
 from saguaro.compile import CompiledStages
 from saguaro.capture import capture
-from saguaro.core.stages import (DRAFT_GLUE, DRAFT_STEP, DRAFT_TREE, TARGET_PREFILL, TARGET_ROUND, TARGET_VERIFY,
-                                 TARGET_VERIFY_ROUND)
+from saguaro.core.stages import (DRAFT_CHAIN, DRAFT_GLUE, DRAFT_STEP, DRAFT_TREE, TARGET_PREFILL, TARGET_ROUND,
+                                 TARGET_VERIFY, TARGET_VERIFY_ROUND)
 from saguaro.passes import run_pipeline
 from saguaro.passes.base.graph_pass import LINEARS_PACKED, copy_graph, record_of
 from saguaro.passes.pack_linears import ATTRIBUTE_PREFIX, PackLinears, panels
@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(not pl.available(), reason="the packed kernel co
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")  # tests.models.tiny_target's; FAMILIES: tiny_family_target's
 
 
-@pytest.mark.parametrize("rows, n, k", [(1, 48, 64), (6, 384, 96), (7, 100, 33), (13, 17, 200), (32, 64, 40)])
+@pytest.mark.parametrize("rows, n, k", [(1, 48, 64), (1, 250, 70), (1, 1040, 24), (2, 97, 16), (6, 384, 96),
+                                        (7, 100, 33), (13, 17, 200), (32, 64, 40)])
 def test_the_kernel_gives_the_same_bits_from_any_panel_dtype_and_either_loop(rows, n, k):
     gen = torch.Generator().manual_seed(rows * n + k)
     x = torch.randn(rows, k, generator=gen)  # [M, K]
@@ -74,6 +75,27 @@ def test_narrow_panels_give_the_float32_panels_bits_on_each_family(family):
         torch.testing.assert_close(want, model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", [*ARCHS, *FAMILIES])
+def test_linears_of_one_input_joined_into_one_call_give_the_same_bits_on_each_family(family):
+    model = tiny_target(family, hidden=128) if family in ARCHS else tiny_family_target(family)
+    captured = capture(_rounded(model))
+    captured.graph_module = run_pipeline(captured.graph_module)
+    apart, joined = (PackLinears(True, join)(copy_graph(captured.graph_module)) for join in (False, True))
+    calls = [sum(1 for n in gm.graph.nodes if n.target is PACKED) for gm in (apart, joined)]
+    assert calls[1] < calls[0]  # q / k / v (and gate / up where the MLP has them) in one call each
+    assert any(name.startswith(ATTRIBUTE_PREFIX + "joined_") for name, _ in joined.named_buffers())
+    for rows in (1, 6):  # a step's and a verify's
+        ids = torch.randint(3, 128, (2, rows), generator=torch.Generator().manual_seed(rows))
+        results = []
+        for gm in (apart, joined):
+            store = KVStore(captured.spec, 2, 16)
+            with torch.no_grad():
+                logits = call(gm, store, ids, torch.arange(rows).expand(2, rows).contiguous())[0]
+            results.append((logits, [c.clone() for c in store.k_caches + store.v_caches]))
+        (want, want_kv), (got, got_kv) = results
+        assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_kv, want_kv)), rows
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_greedy_sd_and_ssd_through_packed_linears_equal_generate(family):
@@ -101,7 +123,7 @@ def test_panels_are_made_once_per_weight_and_version():
     assert panels(weight, True).dtype == torch.float32
 
 
-def test_inductor_packs_the_stages_of_several_rows_under_auto():
+def test_inductor_packs_every_few_row_stage_under_auto():
     model = _rounded(tiny_target("llama", hidden=128))
     captured = capture(model)
     captured.graph_module = run_pipeline(captured.graph_module)
@@ -112,11 +134,12 @@ def test_inductor_packs_the_stages_of_several_rows_under_auto():
         gm = builder.stage_graph(stage)
         return {t.dtype for name, t in gm.named_buffers() if name.startswith(ATTRIBUTE_PREFIX)}
 
-    for stage in (TARGET_VERIFY.greedy, TARGET_VERIFY_ROUND, TARGET_VERIFY.sampled, DRAFT_GLUE, DRAFT_TREE.greedy):
+    for stage in (TARGET_VERIFY.greedy, TARGET_VERIFY_ROUND, TARGET_VERIFY.sampled, DRAFT_GLUE, DRAFT_TREE.greedy,
+                  TARGET_ROUND, DRAFT_STEP.greedy, DRAFT_CHAIN):  # several rows and one alike
         assert packed("inductor", stage) == {torch.float16}
     assert packed("inductor", TARGET_VERIFY.greedy, narrow=False) == {torch.float32}
-    for stage in (TARGET_ROUND, DRAFT_STEP.greedy, TARGET_PREFILL):  # one row: fused reductions; prefill: BLAS
-        assert not packed("inductor", stage)
+    assert packed("inductor", TARGET_ROUND, linears="reduction") == set()  # on request: fused reductions
+    assert not packed("inductor", TARGET_PREFILL)  # a prefill's T rows: BLAS
     assert not packed("inductor", TARGET_VERIFY.greedy, linears="template")
     assert not packed("eager", TARGET_VERIFY.greedy)  # eager keeps MKL unless asked
     assert packed("eager", TARGET_VERIFY.greedy, linears="packed") == {torch.float16}
