@@ -7,7 +7,8 @@ its time is the weights' bytes. The kernel (``packed_linear.cpp``) reads each we
 widens it in registers, and sums each output over ``k = 0 .. K-1`` in order with fused multiply-adds in
 float32: the result does not depend on the storage dtype (a float16-held weight gives the float32 weight's
 outputs bit for bit), the vector width (the scalar loop, ``packed_linear_scalar``, gives the same bits) or the
-thread count. Inductor calls it as an extern kernel (from its C++ wrapper through the dispatcher).
+thread count. One row (AR's round, the draft's step) runs against several panels at once, so its multiply-adds
+do not wait on one another. Inductor calls it as an extern kernel (from its C++ wrapper through the dispatcher).
 
 The C++ sources of the ``saguaro_kernels`` library (this kernel's and ``masked_attention.cpp``'s, see
 :mod:`~saguaro.tensor_math.masked_attention`) are compiled at first use with the machine's instruction set
