@@ -22,6 +22,7 @@ class RepeatedCall:
 
     def __init__(self, direct, args, varying: int, counted):
         self.boxed, self.counted = direct.boxed, counted
+        self.applies = direct.applies  # whether this thread's global state is still the recorded call's
         self.inputs = direct.boxed_inputs(args)
         self.replaced = [(j, i) for j, i in direct._arguments if i < varying]  # (input position, argument position)
         self.layouts = [(a.shape, a.stride()) for a in args[:varying]]

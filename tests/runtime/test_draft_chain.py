@@ -7,6 +7,7 @@ import torch
 
 import saguaro
 from saguaro.core.stages import DRAFT_CHAIN, DRAFT_STEP, stages_for
+from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.draft.decode import draft_decode
 from saguaro.tensor_math.draft_chain import chain_greedy
 from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
@@ -80,13 +81,25 @@ def test_compiled_chained_steps_after_the_first_reuse_its_inputs_and_stay_exact(
         return out
 
     monkeypatch.setattr(repeated_call.RepeatedCall, "__call__", counted)
+    run, by_run = ModelRunner.run, []
+
+    def run_counted(runner, stage, *args, **kwargs):
+        by_run.append(stage)
+        return run(runner, stage, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "run", run_counted)
     try:
+        chain_runs = []
         for _ in range(2):  # the first generation compiles; the second's chained calls go the repeated way
+            by_run.clear()
             out = program.generate(ids, attention_mask=mask, max_new_tokens=16, mode="sd", eos_token_id=None)
             assert torch.equal(out.sequences, expected)
+            chain_runs.append(by_run.count(DRAFT_CHAIN))
         assert served and all(served)  # every later call of a chain reused the first's inputs
+        # and the later rounds' first calls too (ModelRunner.repeated_again: the same store's tensors)
+        assert out.stats["rounds"] > 2 and chain_runs[1] <= 1
         stage = program.draft.stage(DRAFT_CHAIN)
-        assert stage.calls >= len(served) + out.stats["rounds"]  # the repeated calls are counted as the stage's
+        assert stage.calls == len(served) + sum(chain_runs)  # the repeated calls are counted as the stage's
         assert program.draft.stage_cost_s[DRAFT_CHAIN.qualified] > 0
     finally:
         program.close()
@@ -103,7 +116,8 @@ def test_a_repeated_call_puts_in_the_changed_arguments_and_refuses_another_layou
         return out
 
     # inputs: argument 0 (changes) and argument 2 (fixed); argument 1 unread
-    direct = SimpleNamespace(boxed=boxed, _arguments=[(0, 0), (1, 2)], boxed_inputs=lambda args: [args[0], args[2]])
+    direct = SimpleNamespace(boxed=boxed, _arguments=[(0, 0), (1, 2)], boxed_inputs=lambda args: [args[0], args[2]],
+                             applies=lambda: True)
     calls = []
     fixed = torch.tensor([[1], [2]])
     repeat = RepeatedCall(direct, (torch.zeros(2, 1, dtype=torch.long), None, fixed), 1, lambda: calls.append(1))

@@ -66,6 +66,7 @@ class ModelRunner:
         self._timings: deque = deque()  # (stage name, Interval) not folded into the means yet
         self._timings_lock = threading.Lock()  # a lane's worker and the caller may both fold
         self.recorder = None  # a runtime.trace.TraceRecorder while a traced generate runs
+        self._repeats: dict = {}  # stage -> (the store's tensors, its repeated call): kept for later rounds
 
     def new_store(self, batch: int, capacity: int) -> KVStore:
         return RunnerStore(self.spec, batch, capacity, pool=self.kv_pool)
@@ -198,10 +199,11 @@ class ModelRunner:
 
     def repeated(self, stage: Stage, store: KVStore, input_ids: torch.Tensor, positions: torch.Tensor,
                  write_slots: torch.Tensor, branch: torch.Tensor):
-        """Later calls of ``stage`` like one just run with these arguments, on this store, only the query changing and
-        its slots claimed already: ``call(input_ids, positions, write_slots) -> outputs``, or None from a call whose
-        query differs in shape (then :meth:`run`). The lowered stage's ``repeated`` call keys the shapes and builds
-        the inputs once, not per call (the draft's chained steps on a CPU); None where it offers none (an eager
+        """Later calls of ``stage`` like one just run with these arguments, on this store, only the query changing
+        and its slots claimed already: ``call(input_ids, positions, write_slots, branch=branch) -> outputs``, or None
+        from a call whose query differs in shape (then :meth:`run`); kept for :meth:`repeated_again`. The lowered
+        stage's ``repeated`` call keys the shapes and builds the inputs once, not per call (the draft's chained
+        steps on a CPU); None where it offers none (an eager
         stage, one compiling, dynamo's path), on CUDA (where graphs serve), while a trace is taken, and for a
         caller on another device. Each call's time counts as :meth:`run`'s does."""
         make = getattr(self._stages.get(stage), "repeated", None)
@@ -213,13 +215,26 @@ class ModelRunner:
             return None
         key = stage.qualified
 
-        def call(ids: torch.Tensor, query_positions: torch.Tensor, slots: torch.Tensor):
+        def call(ids: torch.Tensor, query_positions: torch.Tensor, slots: torch.Tensor, branch: torch.Tensor = branch):
             started = time.perf_counter()
             out = fast(ids, query_positions, slots, branch, query_positions)  # limit: the query's own position
             if out is not None:
                 self._timed(key, Interval(time.perf_counter() - started))
             return out
+        call.applies = fast.applies
+        self._repeats[stage] = (_store_tensors(store), call)  # one store's at a time
         return call
+
+    def repeated_again(self, stage: Stage, store: KVStore):
+        """The call :meth:`repeated` made for ``stage`` on this very store (its tensors the same objects), for a
+        later round's calls, the first included (``call(ids, positions, slots, branch)``, the slots claimed by the
+        caller); None when there is none, or while a trace is taken."""
+        kept = self._repeats.get(stage)
+        if kept is None or self.recorder is not None:
+            return None
+        tensors, call = kept
+        same = len(tensors) == len(now := _store_tensors(store)) and all(a is b for a, b in zip(tensors, now))
+        return call if same and call.applies() else None
 
     def _timed(self, key: str, interval: Interval) -> None:
         with self._timings_lock:
@@ -248,6 +263,10 @@ class ModelRunner:
             store.claim(write_slots, positions, branch)
         return (input_ids, positions, write_slots, branch, limit, store.slot_pos, store.slot_branch,
                 *store.k_caches, *store.v_caches)
+
+
+def _store_tensors(store: KVStore) -> tuple:
+    return (store.slot_pos, store.slot_branch, *store.k_caches, *store.v_caches)
 
 
 class RunnerStore(KVStore):

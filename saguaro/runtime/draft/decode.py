@@ -68,16 +68,22 @@ def chained_steps(
     claimed, for ``x_k``, which no call writes, is dropped again."""
     query = tuple(_one_column(t, 0) for t in (ids, positions, index))  # input_ids, positions, write_slots [B, 1]
     branch = torch.zeros_like(query[1])  # [B, 1]: shared
-    repeat = None  # the later calls' fast form (ModelRunner.repeated), made after the first
+    # the calls' fast form (ModelRunner.repeated): an earlier round's on this store, else made after the first call
+    repeat = draft.repeated_again(DRAFT_CHAIN, store)
+    first = True  # the first call's slot is claimed here or by the runner, the others' by the call before
 
     def call(query: tuple, note: str | None = None) -> tuple:
-        nonlocal repeat
-        out = repeat(*query) if repeat is not None else None
-        if out is None:
-            first = repeat is None  # the first call's slot is claimed by the runner, the others' by the call before
-            out = draft.run(DRAFT_CHAIN, store, *query, branch=branch, note=note, claimed=not first)
+        nonlocal repeat, first
+        out = None
+        if repeat is not None:
             if first:
+                store.claim(query[2], query[1], branch)
+            out = repeat(*query, branch)
+        if out is None:
+            out = draft.run(DRAFT_CHAIN, store, *query, branch=branch, note=note, claimed=not first)
+            if repeat is None:
                 repeat = draft.repeated(DRAFT_CHAIN, store, *query, branch) or (lambda *_: None)
+        first = False
         return out
 
     for j in range(1, ids.shape[1]):
