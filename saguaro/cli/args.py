@@ -67,13 +67,13 @@ def add_linears_arg(parser) -> None:
 
     parser.add_argument("--linears", default="auto", choices=list(LINEARS),
                         help="how the linear layers of the decode stages run (SaguaroConfig.linears): auto (on a CPU "
-                             "with inductor, one-pass reductions), gemm, reduction, or template: as auto, with SD's "
-                             "verify (and SSD's glue and tree) on Inductor's C++ GEMM template over frozen weights, "
+                             "with inductor, the packed C++ kernel), gemm, reduction, packed, or template: as auto, "
+                             "with SD's verify (and SSD's glue and tree) on Inductor's C++ GEMM template over frozen weights, "
                              "faster there but compiled again in every process. Default auto")
     parser.add_argument("--narrow-weights", default="on", choices=["on", "off"],
                         help="on: float32 weights whose values are all float16 (or bfloat16) values are held in that "
-                             "dtype in the stages whose linears are reductions and widened inside the kernels: the "
-                             "same arithmetic, half the bytes (SaguaroConfig.narrow_weights). off: as loaded. "
+                             "dtype in the stages whose linears are packed or reductions, widened inside the kernels: "
+                             "the same arithmetic, half the bytes (SaguaroConfig.narrow_weights). off: as loaded. "
                              "Default on")
 
 
