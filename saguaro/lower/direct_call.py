@@ -20,8 +20,8 @@ One level further down: the function dynamo runs is AOT autograd's runtime wrapp
 graph, which for these inference graphs passes the inputs in and the outputs out unchanged, in Python, about
 0.1 ms a call (5 % of the default pair's AR round at two threads; ``benchmarks/README.md``). Where the recorded
 call shows it did exactly that (the graph called once, with the very inputs the wrapper was given, returning the
-very outputs the wrapper returned), the direct call calls the graph's own function (:func:`inductor_graph`), and
-with the C++ wrapper that function's C++ entry (:func:`cpp_entry`)."""
+very outputs the wrapper returned), the direct call calls the graph's own function (:func:`inductor_graph`).
+"""
 
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ import threading
 import types
 
 import torch
-from torch._C import _aoti
 
 DIRECT_CALLS_ENV = "SAGUARO_DIRECT_CALLS"  # "0": every call goes through dynamo (to rule direct calls out)
 
@@ -151,7 +150,7 @@ def symbol_name(value):
     return str(value.node.expr) if isinstance(value, torch.SymInt) else None
 
 
-def direct_calls_wanted() -> bool:  # SAGUARO_DIRECT_CALLS=0: every call through dynamo
+def direct_calls_wanted() -> bool:
     return os.environ.get(DIRECT_CALLS_ENV, "1") != "0"
 
 
@@ -176,7 +175,6 @@ class DirectCall:
         self.compiled, self.sources = entry.compiled, sources
         self.boxed = boxed  # Inductor's graph function, when the wrapper around it only passes things through
         self._int_tensors = {} if boxed is not None and entry.int_tensors else None  # {int: 0-d tensor}
-        self.entry = cpp_entry(boxed) if self._int_tensors is not None else None  # under the graph function
         # the held tensors in place once; per call only the arguments and the integers are filled in
         self._template = [s if kind == 1 else None for kind, s in sources]
         self._arguments = [(j, s) for j, (kind, s) in enumerate(sources) if kind == 0]
@@ -208,32 +206,16 @@ class DirectCall:
                 inputs[j] = self._int_tensor(inputs[j])
         return inputs
 
-    def graph(self, inputs: list) -> list:
-        """Inductor's graph function on ``inputs`` (:meth:`boxed_inputs`: all tensors), by its C++ entry if found."""
-        if self.entry is None:
-            return self.boxed(inputs)
-        handles = _aoti.unsafe_alloc_void_ptrs_from_tensors(inputs)  # the entry takes them over
-        return _aoti.alloc_tensors_by_stealing_from_void_ptrs(self.entry(handles))
-
     def __call__(self, args) -> tuple:
         if self.boxed is not None and not torch.autograd.profiler._is_profiler_enabled:
-            return tuple(self.graph(self.boxed_inputs(args)))  # (the profiler's records come from the wrapper)
+            return tuple(self.boxed(self.boxed_inputs(args)))  # (the profiler's records come from the wrapper)
         return tuple(self.compiled(*self.inputs(args)))
 
     def _int_tensor(self, value: int) -> torch.Tensor:
-        if (held := self._int_tensors.get(value)) is None:
+        held = self._int_tensors.get(value)
+        if held is None:
             held = self._int_tensors[value] = torch.tensor(value, dtype=torch.int64)
         return held
-
-
-def cpp_entry(boxed):
-    """The C++ entry of a C++-wrapper graph function ``boxed`` (Inductor's ``g(args)``, which makes tensors of
-    the inputs that are not, handles of the list and empties it: 8 us a draft step); None if not that wrapper."""
-    cells = getattr(boxed, "__closure__", None) or ()
-    with contextlib.suppress(ValueError):  # an empty cell
-        entry = cells[0].cell_contents if getattr(boxed, "__name__", None) == "g" and len(cells) == 1 else None
-        return entry if type(entry).__name__ == "builtin_function_or_method" else None
-    return None
 
 
 def direct_call(calls: list, args: tuple, out, held: dict) -> DirectCall | None:

@@ -21,7 +21,7 @@ class RepeatedCall:
     stages' call counts)."""
 
     def __init__(self, direct, args, varying: int, counted):
-        self.boxed, self.counted = direct.graph, counted
+        self.boxed, self.counted = direct.boxed, counted
         self.applies = direct.applies  # whether this thread's global state is still the recorded call's
         self.inputs = direct.boxed_inputs(args)
         self.replaced = [(j, i) for j, i in direct._arguments if i < varying]  # (input position, argument position)

@@ -66,8 +66,6 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
         for runner in (compiled.target, compiled.draft):
             for stage, fn in runner.built_stages.items():
                 assert fn.direct_keys > 0 and fn.graph_keys == fn.direct_keys, stage.qualified
-                # and, the C++ wrapper's, past its Python wrapper to the C++ entry (direct_call.cpp_entry)
-                assert all(c.entry is not None for c in fn._direct.values() if c is not None), stage.qualified
         assert counters["stats"]["unique_graphs"] >= 6  # the stages really went through dynamo
         # the verify's attention as the masked_attention kernel where it builds (attention "kernel": the family's
         # softcap takes the inline math inside it), else inline

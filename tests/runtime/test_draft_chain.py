@@ -116,7 +116,7 @@ def test_a_repeated_call_puts_in_the_changed_arguments_and_refuses_another_layou
         return out
 
     # inputs: argument 0 (changes) and argument 2 (fixed); argument 1 unread
-    direct = SimpleNamespace(graph=boxed, _arguments=[(0, 0), (1, 2)], boxed_inputs=lambda args: [args[0], args[2]],
+    direct = SimpleNamespace(boxed=boxed, _arguments=[(0, 0), (1, 2)], boxed_inputs=lambda args: [args[0], args[2]],
                              applies=lambda: True)
     calls = []
     fixed = torch.tensor([[1], [2]])
