@@ -203,9 +203,9 @@ class ModelRunner:
         and its slots claimed already: ``call(input_ids, positions, write_slots, branch=branch) -> outputs``, or None
         from a call whose query differs in shape (then :meth:`run`); kept for :meth:`repeated_again`. The lowered
         stage's ``repeated`` call keys the shapes and builds the inputs once, not per call (the draft's chained
-        steps on a CPU); None where it offers none (an eager
-        stage, one compiling, dynamo's path), on CUDA (where graphs serve), while a trace is taken, and for a
-        caller on another device. Each call's time counts as :meth:`run`'s does."""
+        steps on a CPU); None where it offers none (an eager stage, one compiling, dynamo's path), on CUDA (where
+        graphs serve), while a trace is taken, and for a caller on another device. Each call's time counts as
+        :meth:`run`'s does. The kept call holds the store's tensors until another store's replaces it."""
         make = getattr(self._stages.get(stage), "repeated", None)
         home = self.spec.device
         if make is None or self.recorder is not None or home.type != "cpu" or elsewhere(input_ids.device, home):
