@@ -173,18 +173,24 @@ def _join(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], narrow: bool) ->
             bias = _read(gm, joined(tuple(get_attribute(gm, b.target) for _, b, _ in operands)), name + "_bias", dtype)
         fused = graph.call_function(LINEAR, (nodes[0].args[0], weight, bias))  # [..., sum N_i]
     fused.meta.update({k: v for k, v in nodes[0].meta.items() if k in ("nn_module_stack", "stack_trace")})
+    slice_back(graph, fused, nodes, [w.shape[0] for w in weights])
+    return True
+
+
+def slice_back(graph: torch.fx.Graph, fused: torch.fx.Node, nodes: list[torch.fx.Node], widths: list[int]) -> None:
+    """Replace each of ``nodes`` (in graph order) by its column slice of ``fused [..., sum widths]`` and erase it;
+    a ``view`` that reads one becomes a ``reshape`` (the slice's strides may not allow the view)."""
     start = 0
-    for node, w in zip(nodes, weights):
+    for node, width in zip(nodes, widths):
         with graph.inserting_before(node):
-            part = graph.call_function(aten.slice.Tensor, (fused, -1, start, start + w.shape[0]))  # [..., N_i]
+            part = graph.call_function(aten.slice.Tensor, (fused, -1, start, start + width))  # [..., N_i]
         part.meta.update(node.meta)
-        start += w.shape[0]
+        start += width
         for user in list(node.users):
             if user.op == "call_function" and user.target in VIEWS:
                 user.target = aten.reshape.default
         node.replace_all_uses_with(part)
         graph.erase_node(node)
-    return True
 
 
 def fuse_projections(gm: torch.fx.GraphModule, narrow: bool = False) -> torch.fx.GraphModule:

@@ -36,7 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from saguaro.passes.base.graph_pass import LINEARS_PACKED, GraphPass
 from saguaro.passes.base.graph_splice import PassError, drop_unread_attributes, get_attribute
-from saguaro.passes.fuse_projections import VIEWS, groups
+from saguaro.passes.fuse_projections import groups, slice_back
 from saguaro.passes.narrow_weights import SAGUARO_PREFIX, exact_narrow, version
 from saguaro.tensor_math.packed_linear import available, pack, unavailable_reason
 
@@ -123,21 +123,12 @@ def pack_linears(gm: torch.fx.GraphModule, narrow: bool = True, join: bool = Tru
             if _bias(nodes[0]) is not None:  # all present (groups' key): added joined
                 biases = [graph.get_attr(_bias(node).target) for node in nodes]
                 out = graph.call_function(aten.add.Tensor, (out, graph.call_function(aten.cat.default, (biases,))))
-        start = 0
-        for node, width in zip(nodes, widths):
-            with graph.inserting_before(node):
-                part = graph.call_function(aten.slice.Tensor, (out, -1, start, start + width))  # [..., N_i]
-            part.meta.update({key: v for key, v in node.meta.items() if key in ("val", "tensor_meta", "stack_trace")})
-            start += width
-            for user in list(node.users):  # a column slice may not allow a view
-                if user.op == "call_function" and user.target in VIEWS:
-                    user.target = aten.reshape.default
-            node.replace_all_uses_with(part)
-            graph.erase_node(node)
-            joined.add(node)
+        slice_back(graph, out, nodes, widths)
+        joined.update(nodes)
         rewritten, calls = rewritten + len(nodes), calls + 1
-    for node in [n for n in linears if n not in joined and _float32_weight(gm, n) is not None]:  # the others
-        weight, weight_node, bias = _float32_weight(gm, node), node.args[1], _bias(node)
+    others = [(n, w) for n in linears if n not in joined and (w := _float32_weight(gm, n)) is not None]
+    for node, weight in others:
+        weight_node, bias = node.args[1], _bias(node)
         name = names.get(weight_node.target)
         if name is None:
             name = names[weight_node.target] = ATTRIBUTE_PREFIX + weight_node.target.replace(".", "_")

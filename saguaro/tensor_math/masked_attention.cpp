@@ -8,8 +8,8 @@
 // bias leaves visible (-inf marks the others), keeps each row's logits in a buffer, and takes the
 // exponentials eight at a time. The rows of a head take K and V block by block (a block stays in L1 while
 // every row reads it): 1.2-1.3x a row-at-a-time loop at a verify's six rows, the same bits. Results equal
-// SDPA's up to float rounding (another summation order, an exponential within 2 ulp). A row that sees no slot gets zeros. The vector path needs AVX2 + FMA; any other
-// machine runs the scalar loop.
+// SDPA's up to float rounding (another summation order, an exponential within 2 ulp). A row that sees no slot
+// gets zeros. The vector path needs AVX2 + FMA; any other machine runs the scalar loop.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
