@@ -5,8 +5,8 @@
 // multiply-adds (std::fma: rounded once), whatever the weight's storage dtype, the vector width or the thread
 // count: a weight held in float16 or bfloat16 is widened in registers to the very float32 values, so the
 // result equals the float32 weight's bit for bit. The vector path (AVX2 + FMA + F16C) holds a block of up to
-// 6 rows x 16 columns in 12 registers and reads each weight panel once per block of rows; one row (AR's round,
-// the draft's step) runs several panels side by side instead, in AVX-512 registers where the machine has them;
+// 6 rows x 16 columns in 12 registers and reads each weight panel once per block of rows; one or two rows (AR's
+// round, the draft's steps) run several panels side by side instead, in AVX-512 registers where the machine has them;
 // any other machine runs the scalar loop, which computes the same fused multiply-adds in the same order.
 // Written against torch's stable ABI (torch/csrc/stable): its headers compile in seconds, where ATen's
 // take most of a minute, and the library keeps working across torch versions.
@@ -14,6 +14,7 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include "packed_weights.h"
 #include "stable_tensors.h"
 
 #include <algorithm>
@@ -22,40 +23,17 @@
 #include <cstring>
 #include <stdexcept>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define SAGUARO_AVX2 1
-#endif
-
 namespace {
 
-constexpr int64_t NB = 16;  // output columns per panel
+using saguaro::Brain, saguaro::Half, saguaro::NB, saguaro::widen;
+#ifdef SAGUARO_AVX2
+using saguaro::load16, saguaro::store16;
+#endif
+
 constexpr int64_t MR = 6;   // rows per register block
 constexpr int64_t PREFETCH_BYTES = 2048;  // how far ahead of the loads the weight stream is prefetched
 constexpr int64_t ROW_PREFETCH_BYTES = 512;  // the same for each panel a one-row block streams
-
-struct Half { uint16_t bits; };   // float16, as stored
-struct Brain { uint16_t bits; };  // bfloat16, as stored
-
-inline float from_bits(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float widen(float v) { return v; }
-inline float widen(Brain v) { return from_bits(uint32_t{v.bits} << 16); }
-inline float widen(Half v) {  // exact: every float16 value is a float32 value
-  uint32_t sign = uint32_t{v.bits & 0x8000u} << 16, exponent = (v.bits >> 10) & 0x1f, mantissa = v.bits & 0x3ffu;
-  if (exponent == 0x1f) return from_bits(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
-  if (exponent != 0) return from_bits(sign | ((exponent + 112) << 23) | (mantissa << 13));
-  if (mantissa == 0) return from_bits(sign);
-  int shift = 0;  // subnormal: normalise
-  while ((mantissa & 0x400u) == 0) {
-    mantissa <<= 1;
-    ++shift;
-  }
-  return from_bits(sign | uint32_t(113 - shift) << 23 | ((mantissa & 0x3ffu) << 13));
-}
+constexpr int64_t SMALL_ROWS = 2;  // up to this many rows run as one-row blocks, the multi-row blocks beyond
 
 template <typename W>
 void panel_scalar(const float* x, int64_t K, const W* w, int64_t rows, float* out, int64_t ldo, int64_t cols) {
@@ -69,33 +47,6 @@ void panel_scalar(const float* x, int64_t K, const W* w, int64_t rows, float* ou
 }
 
 #ifdef SAGUARO_AVX2
-inline void load16(const float* p, __m256& lo, __m256& hi) {
-  lo = _mm256_loadu_ps(p);
-  hi = _mm256_loadu_ps(p + 8);
-}
-inline void load16(const Half* p, __m256& lo, __m256& hi) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-}
-inline void load16(const Brain* p, __m256& lo, __m256& hi) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16));
-  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
-}
-
-inline void store16(float* out, __m256 lo, __m256 hi, int64_t cols) {
-  if (cols == NB) {
-    _mm256_storeu_ps(out, lo);
-    _mm256_storeu_ps(out + 8, hi);
-  } else {
-    alignas(32) float tmp[NB];
-    _mm256_store_ps(tmp, lo);
-    _mm256_store_ps(tmp + 8, hi);
-    std::memcpy(out, tmp, cols * sizeof(float));
-  }
-}
-
 // One row's two accumulators over 16 columns: acc = fma(x[r, k], w[k, :], acc), k in order.
 #define SAGUARO_ROW(r)                                          \
   if constexpr (R > r) {                                        \
@@ -127,13 +78,14 @@ void block(const float* x, int64_t K, const W* w, float* out, int64_t ldo, int64
 }
 #undef SAGUARO_ROW
 
-// One row against Q panels side by side: Q independent accumulator sets, so the panels' multiply-adds overlap (a
-// single panel's two accumulators wait out the FMA latency at every k). Each output is still one float32 sum
-// over k = 0 .. K-1 in order, the multi-row blocks' operations exactly. With AVX-512 a panel's 16 columns are
-// one register (one load and one widening a step, up to 6 panels); with AVX2 two (up to 4 panels: 8
-// accumulators, with the broadcast and the loads, within the 16 registers).
+// One or two rows (R) against Q panels side by side: R x Q independent accumulator sets, so the multiply-adds
+// overlap (a single panel's accumulators would wait out the FMA latency at every k), and each panel's weights
+// are loaded once for both rows. Each output is still one float32 sum over k = 0 .. K-1 in order, the
+// multi-row blocks' operations exactly. With AVX-512 a panel's 16 columns are one register (one load and one
+// widening a step; 6 panels, 12 accumulators at two rows); with AVX2 two (4 panels of one row or 2 of two: 8
+// accumulators, with the broadcasts and the loads, within the 16 registers).
 #if defined(__AVX512F__)
-constexpr int QR = 6;  // panels per one-row block
+constexpr int panels_per_block(int rows) { return rows > 0 ? 6 : 0; }
 inline __m512 load16z(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16z(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16z(const Brain* p) {
@@ -143,25 +95,30 @@ inline __m512 load16z(const Brain* p) {
 #define SAGUARO_PANEL(q)                                                \
   if constexpr (Q > q) {                                                \
     _mm_prefetch(ahead + (q * K + k) * NB * sizeof(W), _MM_HINT_T0);    \
-    c##q = _mm512_fmadd_ps(b, load16z(w + q * K * NB + k * NB), c##q);  \
+    __m512 v = load16z(w + q * K * NB + k * NB);                        \
+    c##q = _mm512_fmadd_ps(b, v, c##q);                                 \
+    if constexpr (R > 1) d##q = _mm512_fmadd_ps(e, v, d##q);            \
   }
-#define SAGUARO_STORE(q)                                                                           \
-  if constexpr (Q > q) {                                                                           \
-    int64_t cols = std::min<int64_t>(NB, n_left - q * NB);                                         \
-    _mm512_mask_storeu_ps(out + q * NB, cols >= NB ? __mmask16(0xffff) : __mmask16((1u << cols) - 1), c##q); \
+#define SAGUARO_STORE(q)                                                                             \
+  if constexpr (Q > q) {                                                                             \
+    int64_t cols = std::min<int64_t>(NB, n_left - q * NB);                                           \
+    __mmask16 mask = cols >= NB ? __mmask16(0xffff) : __mmask16((1u << cols) - 1);                   \
+    _mm512_mask_storeu_ps(out + q * NB, mask, c##q);                                                 \
+    if constexpr (R > 1) _mm512_mask_storeu_ps(out + ldo + q * NB, mask, d##q);                      \
   }
-template <typename W, int Q>
-void row_block(const float* x, int64_t K, const W* w, float* out, int64_t n_left) {
+template <typename W, int R, int Q>
+void row_block(const float* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t n_left) {
   __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
+  __m512 d0 = c0, d1 = c0, d2 = c0, d3 = c0, d4 = c0, d5 = c0;
   const char* ahead = reinterpret_cast<const char*>(w) + ROW_PREFETCH_BYTES;
   for (int64_t k = 0; k < K; ++k) {
-    __m512 b = _mm512_set1_ps(x[k]);
+    __m512 b = _mm512_set1_ps(x[k]), e = R > 1 ? _mm512_set1_ps(x[K + k]) : b;
     SAGUARO_PANEL(0) SAGUARO_PANEL(1) SAGUARO_PANEL(2) SAGUARO_PANEL(3) SAGUARO_PANEL(4) SAGUARO_PANEL(5)
   }
   SAGUARO_STORE(0) SAGUARO_STORE(1) SAGUARO_STORE(2) SAGUARO_STORE(3) SAGUARO_STORE(4) SAGUARO_STORE(5)
 }
 #else
-constexpr int QR = 4;  // panels per one-row block
+constexpr int panels_per_block(int rows) { return rows > 1 ? 2 : 4; }
 #define SAGUARO_PANEL(q)                                              \
   if constexpr (Q > q) {                                              \
     __m256 lo, hi;                                                    \
@@ -169,16 +126,25 @@ constexpr int QR = 4;  // panels per one-row block
     load16(w + q * K * NB + k * NB, lo, hi);                          \
     c##q##0 = _mm256_fmadd_ps(b, lo, c##q##0);                        \
     c##q##1 = _mm256_fmadd_ps(b, hi, c##q##1);                        \
+    if constexpr (R > 1) {                                            \
+      d##q##0 = _mm256_fmadd_ps(e, lo, d##q##0);                      \
+      d##q##1 = _mm256_fmadd_ps(e, hi, d##q##1);                      \
+    }                                                                 \
   }
-#define SAGUARO_STORE(q) \
-  if constexpr (Q > q) store16(out + q * NB, c##q##0, c##q##1, std::min<int64_t>(NB, n_left - q * NB));
-template <typename W, int Q>
-void row_block(const float* x, int64_t K, const W* w, float* out, int64_t n_left) {
+#define SAGUARO_STORE(q)                                                                         \
+  if constexpr (Q > q) {                                                                         \
+    store16(out + q * NB, c##q##0, c##q##1, std::min<int64_t>(NB, n_left - q * NB));             \
+    if constexpr (R > 1) store16(out + ldo + q * NB, d##q##0, d##q##1, std::min<int64_t>(NB, n_left - q * NB)); \
+  }
+template <typename W, int R, int Q>
+void row_block(const float* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t n_left) {
+  static_assert(R * Q <= 4, "AVX2: at most 8 accumulators");
   const __m256 zero = _mm256_setzero_ps();
   __m256 c00 = zero, c01 = zero, c10 = zero, c11 = zero, c20 = zero, c21 = zero, c30 = zero, c31 = zero;
+  __m256 d00 = zero, d01 = zero, d10 = zero, d11 = zero, d20 = zero, d21 = zero, d30 = zero, d31 = zero;  // R * Q <= 4
   const char* ahead = reinterpret_cast<const char*>(w) + ROW_PREFETCH_BYTES;
   for (int64_t k = 0; k < K; ++k) {
-    __m256 b = _mm256_broadcast_ss(x + k);
+    __m256 b = _mm256_broadcast_ss(x + k), e = R > 1 ? _mm256_broadcast_ss(x + K + k) : b;
     SAGUARO_PANEL(0) SAGUARO_PANEL(1) SAGUARO_PANEL(2) SAGUARO_PANEL(3)
   }
   SAGUARO_STORE(0) SAGUARO_STORE(1) SAGUARO_STORE(2) SAGUARO_STORE(3)
@@ -187,18 +153,26 @@ void row_block(const float* x, int64_t K, const W* w, float* out, int64_t n_left
 #undef SAGUARO_PANEL
 #undef SAGUARO_STORE
 
-template <typename W>
-void row_vector(const float* x, int64_t K, const W* w, int64_t p0, int64_t p1, float* out, int64_t n) {  // panels p0 .. p1-1
+// R rows against panels p0 .. p1-1, panels_per_block(R) at a time (the last group may be narrower).
+template <typename W, int R>
+void row_blocks(const float* x, int64_t K, const W* w, int64_t p0, int64_t p1, float* out, int64_t n) {
+  constexpr int QR = panels_per_block(R);
   int64_t p = p0;
-  for (; p + QR <= p1; p += QR) row_block<W, QR>(x, K, w + p * K * NB, out + p * NB, n - p * NB);
-  switch (p1 - p) {
-    case 5: row_block<W, 5>(x, K, w + p * K * NB, out + p * NB, n - p * NB); break;
-    case 4: row_block<W, 4>(x, K, w + p * K * NB, out + p * NB, n - p * NB); break;
-    case 3: row_block<W, 3>(x, K, w + p * K * NB, out + p * NB, n - p * NB); break;
-    case 2: row_block<W, 2>(x, K, w + p * K * NB, out + p * NB, n - p * NB); break;
-    case 1: row_block<W, 1>(x, K, w + p * K * NB, out + p * NB, n - p * NB); break;
-    default: break;
-  }
+  for (; p + QR <= p1; p += QR) row_block<W, R, QR>(x, K, w + p * K * NB, out + p * NB, n, n - p * NB);
+  const int64_t left = p1 - p;
+  if constexpr (QR > 5) if (left == 5) row_block<W, R, 5>(x, K, w + p * K * NB, out + p * NB, n, n - p * NB);
+  if constexpr (QR > 4) if (left == 4) row_block<W, R, 4>(x, K, w + p * K * NB, out + p * NB, n, n - p * NB);
+  if constexpr (QR > 3) if (left == 3) row_block<W, R, 3>(x, K, w + p * K * NB, out + p * NB, n, n - p * NB);
+  if constexpr (QR > 2) if (left == 2) row_block<W, R, 2>(x, K, w + p * K * NB, out + p * NB, n, n - p * NB);
+  if constexpr (QR > 1) if (left == 1) row_block<W, R, 1>(x, K, w + p * K * NB, out + p * NB, n, n - p * NB);
+}
+
+// A few rows (SMALL_ROWS at most) against panels p0 .. p1-1: two rows at a time, then one.
+template <typename W>
+void rows_vector(const float* x, int64_t M, int64_t K, const W* w, int64_t p0, int64_t p1, float* out, int64_t n) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) row_blocks<W, 2>(x + m * K, K, w, p0, p1, out + m * n, n);
+  if (m < M) row_blocks<W, 1>(x + m * K, K, w, p0, p1, out + m * n, n);
 }
 
 template <typename W>
@@ -222,8 +196,8 @@ void run(const float* x, int64_t M, int64_t K, const W* w, int64_t panels, float
   int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * K * NB));
   torch::stable::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
 #ifdef SAGUARO_AVX2
-    if (vector && M == 1) {
-      row_vector(x, K, w, begin, end, out, n);
+    if (vector && M <= SMALL_ROWS) {
+      rows_vector(x, M, K, w, begin, end, out, n);
       return;
     }
 #endif

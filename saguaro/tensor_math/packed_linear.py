@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 PANEL = 16  # output columns a panel holds (NB in the C++ source)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.cpp", "masked_attention.cpp"))
-HEADERS = (Path(__file__).with_name("stable_tensors.h"),)  # included by the sources: part of the build's name
+# included by the sources: part of the build's name
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("stable_tensors.h", "packed_weights.h"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _lock = threading.Lock()
 _state: dict = {}  # "loaded": True / False once tried; "error": why not

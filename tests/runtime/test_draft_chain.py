@@ -2,6 +2,8 @@
 claimed in the store inside the graph) drafts the step's tokens and leaves the draft's store as the step by step
 drafting does; the epilogue claims nothing past the store's last slot."""
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -30,12 +32,18 @@ def _drafted(runner, feed: int, chained: bool, k: int = 4):
     return tokens, store
 
 
-@pytest.mark.parametrize("feed", [1, 2], ids=["one token", "catch-up"])
-def test_chained_drafting_equals_the_steps_and_leaves_the_same_store(feed):
+@pytest.mark.parametrize("feed, together", [(1, True), (2, True), (2, False)],
+                         ids=["one token", "two tokens in one call", "two tokens, a catch-up call first"])
+def test_chained_drafting_equals_the_steps_and_leaves_the_same_store(feed, together, monkeypatch):
+    from saguaro.runtime.draft import decode
+
+    if not together:  # as where the draft's linears are Inductor's reductions
+        monkeypatch.setattr(decode, "feeds_together", lambda draft, stage: False)
     target = tiny_target("llama")
     program = saguaro.compile(target, truncated_draft(target, layers=2), k=4, mode="sd", backend="eager")
     runner = program.draft
     assert runner.provides(DRAFT_CHAIN) and DRAFT_CHAIN in stages_for("sd", 0.0)
+    assert decode.feeds_together(runner, DRAFT_CHAIN) is together  # eager: BLAS linears, two rows for one
     chained, chained_store = _drafted(runner, feed, chained=True)
     stepped, stepped_store = _drafted(runner, feed, chained=False)
     assert torch.equal(chained, stepped)
@@ -83,23 +91,26 @@ def test_compiled_chained_steps_after_the_first_reuse_its_inputs_and_stay_exact(
     monkeypatch.setattr(repeated_call.RepeatedCall, "__call__", counted)
     run, by_run = ModelRunner.run, []
 
-    def run_counted(runner, stage, *args, **kwargs):
-        by_run.append(stage)
-        return run(runner, stage, *args, **kwargs)
+    def run_counted(runner, stage, store, input_ids, *args, **kwargs):
+        by_run.append((stage, input_ids.shape[1]))
+        return run(runner, stage, store, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "run", run_counted)
     try:
-        chain_runs = []
+        chain_runs = []  # per generation: {query width: chained calls that went through run}
         for _ in range(2):  # the first generation compiles; the second's chained calls go the repeated way
             by_run.clear()
             out = program.generate(ids, attention_mask=mask, max_new_tokens=16, mode="sd", eos_token_id=None)
             assert torch.equal(out.sequences, expected)
-            chain_runs.append(by_run.count(DRAFT_CHAIN))
+            chain_runs.append(Counter(width for stage, width in by_run if stage is DRAFT_CHAIN))
         assert served and all(served)  # every later call of a chain reused the first's inputs
-        # and the later rounds' first calls too (ModelRunner.repeated_again: the same store's tensors)
-        assert out.stats["rounds"] > 2 and chain_runs[1] <= 1
+        # and the later rounds' first calls too (ModelRunner.repeated_again: the same store's tensors): one call
+        # of each query width ran (a round's first call feeds 2 tokens, or 1, in one call: feeds_together)
+        assert out.stats["rounds"] > 2 and set(chain_runs[1]) <= {1, 2} and max(chain_runs[1].values(), default=0) <= 1
+        assert 2 in chain_runs[0]  # the first round fed its two tokens in one call
         stage = program.draft.stage(DRAFT_CHAIN)
-        assert stage.calls == len(served) + sum(chain_runs)  # the repeated calls are counted as the stage's
+        # the repeated calls are counted as the stage's
+        assert stage.calls == len(served) + sum(sum(runs.values()) for runs in chain_runs)
         assert program.draft.stage_cost_s[DRAFT_CHAIN.qualified] > 0
     finally:
         program.close()
@@ -128,3 +139,16 @@ def test_a_repeated_call_puts_in_the_changed_arguments_and_refuses_another_layou
     assert repeat(torch.zeros(2, 2, dtype=torch.long)) is None  # another shape
     assert repeat(torch.zeros(1, 2, dtype=torch.long).t()) is None  # the shape, other strides
     assert len(calls) == 2
+
+
+def test_fed_tokens_go_together_where_the_linears_read_each_weight_once_for_every_row():
+    from types import SimpleNamespace
+
+    from saguaro.runtime.draft.decode import feeds_together
+
+    def runner(linears):
+        return SimpleNamespace(build=SimpleNamespace(linears_of=lambda stage: linears))
+
+    assert feeds_together(runner("packed"), DRAFT_CHAIN) and feeds_together(runner("gemm"), DRAFT_CHAIN)
+    assert not feeds_together(runner("reduction"), DRAFT_CHAIN)  # two rows read each weight twice there
+    assert not feeds_together(SimpleNamespace(build=object()), DRAFT_CHAIN)  # a builder that does not say

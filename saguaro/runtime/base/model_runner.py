@@ -66,7 +66,7 @@ class ModelRunner:
         self._timings: deque = deque()  # (stage name, Interval) not folded into the means yet
         self._timings_lock = threading.Lock()  # a lane's worker and the caller may both fold
         self.recorder = None  # a runtime.trace.TraceRecorder while a traced generate runs
-        self._repeats: dict = {}  # stage -> (the store's tensors, its repeated call): kept for later rounds
+        self._repeats: dict = {}  # (stage, query width) -> (the store's tensors, its repeated call), for later rounds
 
     def new_store(self, batch: int, capacity: int) -> KVStore:
         return RunnerStore(self.spec, batch, capacity, pool=self.kv_pool)
@@ -222,14 +222,14 @@ class ModelRunner:
                 self._timed(key, Interval(time.perf_counter() - started))
             return out
         call.applies = fast.applies
-        self._repeats[stage] = (_store_tensors(store), call)  # one store's at a time
+        self._repeats[stage, input_ids.shape[1]] = (_store_tensors(store), call)  # one store's at a time
         return call
 
-    def repeated_again(self, stage: Stage, store: KVStore):
-        """The call :meth:`repeated` made for ``stage`` on this very store (its tensors the same objects), for a
-        later round's calls, the first included (``call(ids, positions, slots, branch)``, the slots claimed by the
-        caller); None when there is none, or while a trace is taken."""
-        kept = self._repeats.get(stage)
+    def repeated_again(self, stage: Stage, store: KVStore, width: int = 1):
+        """The call :meth:`repeated` made for ``stage`` with queries of ``width`` tokens on this very store (its
+        tensors the same objects), for a later round's calls, the first included (``call(ids, positions, slots,
+        branch)``, the slots claimed by the caller); None when there is none, or while a trace is taken."""
+        kept = self._repeats.get((stage, width))
         if kept is None or self.recorder is not None:
             return None
         tensors, call = kept

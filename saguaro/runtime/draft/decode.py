@@ -26,20 +26,22 @@ def draft_decode(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decode ``k`` tokens after ``ids``: ``tokens [B, k]`` and the distributions drawn from ``[B, k, V]``.
 
-    Greedy, the tokens before the last are fed one at a time (their outputs unused: only their KV is
-    wanted), so every call is the one-token step a round's other steps are (one compiled shape; on a
-    CPU a two-token step reads each weight twice and cost 2.4x a one-token one). Sampled, they go with
-    the last in one call, which draws one uniform per row as every step does."""
+    The tokens before the last (their outputs unused: only their KV is wanted) go with the last in one call
+    (:func:`feeds_together`), which draws one uniform per row as every step does; greedy, where the stage's
+    linears are Inductor's reductions (a two-token call reads each weight twice there and costs 2.4x a
+    one-token one on a CPU) or unknown (a loaded artifact's), they are fed one at a time before it."""
     store.invalidate_from(index[:, 0])
     if temperature == 0 and draft.provides(DRAFT_CHAIN):
         return chained_steps(draft, store, ids, index, positions, k), None
     stage = DRAFT_STEP.at(temperature)
     tokens, probs = [], []
     inv_t = torch.full((), 1.0 / temperature, device=ids.device) if temperature > 0 else None  # a fill: no sync
-    if inv_t is None:
+    if inv_t is None and not feeds_together(draft, stage):
         for j in range(ids.shape[1] - 1):  # [B, 1] each, contiguous as the later steps' inputs are
             draft.run(stage, store, *(_one_column(t, j) for t in (ids, positions, index)), note=CATCH_UP)
         ids, positions, index = (_one_column(t, -1) for t in (ids, positions, index))  # [B, 1] x 3
+    if inv_t is None and ids.shape[1] > 1:
+        ids, positions, index = (t.contiguous() for t in (ids, positions, index))  # [B, n] x 3: fed at once
     for _ in range(k):
         if inv_t is None:
             (token,) = draft.run(stage, store, ids, positions, index)  # [B]
@@ -63,38 +65,59 @@ def chained_steps(
     k: int,
 ) -> torch.Tensor:
     """Greedy drafting by :data:`~saguaro.core.stages.DRAFT_CHAIN`: ``tokens [B, k]``, the same tokens as the
-    step's. Each call writes its token's KV and claims the next slot; a catch-up call's token is unused (the
-    next query is the next fed token, at the slot and position the call claimed), and the slot the last call
-    claimed, for ``x_k``, which no call writes, is dropped again."""
-    query = tuple(_one_column(t, 0) for t in (ids, positions, index))  # input_ids, positions, write_slots [B, 1]
-    branch = torch.zeros_like(query[1])  # [B, 1]: shared
-    # the calls' fast form (ModelRunner.repeated): an earlier round's on this store, else made after the first call
-    repeat = draft.repeated_again(DRAFT_CHAIN, store)
-    first = True  # the first call's slot is claimed here or by the runner, the others' by the call before
+    step's. Each call writes its tokens' KV and claims the next slot. The ``n`` fed tokens go in the first call
+    (:func:`feeds_together`), else one at a time: a catch-up call's token is unused (the next query is the next
+    fed token, at the slot and position the call claimed). The slot the last call claimed, for ``x_k``, which
+    no call writes, is dropped again."""
+    together = feeds_together(draft, DRAFT_CHAIN)
+    columns = [(0, None)] if together else [(j, j + 1) for j in range(ids.shape[1])]
+    query = _columns(ids, positions, index, *columns[0])  # input_ids, positions, write_slots [B, n or 1]
+    branches: dict = {}  # query width -> [B, width] zeros: shared
+    # the calls' fast form per query width (ModelRunner.repeated): an earlier round's on this store, else made
+    # after the first call of that width
+    repeats: dict = {}
+    first = True  # the first call's slots are claimed here or by the runner, the others' by the call before
 
     def call(query: tuple, note: str | None = None) -> tuple:
-        nonlocal repeat, first
+        nonlocal first
+        width = query[0].shape[1]
+        branch = branches.setdefault(width, torch.zeros_like(query[1]))
+        if width not in repeats:
+            repeats[width] = draft.repeated_again(DRAFT_CHAIN, store, width)
         out = None
-        if repeat is not None:
+        if (repeat := repeats[width]) is not None:
             if first:
                 store.claim(query[2], query[1], branch)
             out = repeat(*query, branch)
         if out is None:
             out = draft.run(DRAFT_CHAIN, store, *query, branch=branch, note=note, claimed=not first)
             if repeat is None:
-                repeat = draft.repeated(DRAFT_CHAIN, store, *query, branch) or (lambda *_: None)
+                repeats[width] = draft.repeated(DRAFT_CHAIN, store, *query, branch) or (lambda *_: None)
         first = False
         return out
 
-    for j in range(1, ids.shape[1]):
+    for j, end in columns[1:]:
         _, _, next_positions, next_slots = call(query, CATCH_UP)
-        query = (_one_column(ids, j), next_positions, next_slots)
+        query = (_columns(ids, positions, index, j, end)[0], next_positions, next_slots)
     tokens = []
     for _ in range(k):
         token, *query = call(query)  # [B], [B, 1] x 3
         tokens.append(token)
     store.invalidate_from(query[2][:, 0])
     return torch.stack(tokens, dim=1)  # [B, k]
+
+
+def feeds_together(draft: ModelRunner, stage) -> bool:
+    """Whether a draft round's fed tokens go to ``stage`` in one call: where its linears read each weight once for
+    every row (BLAS, the packed kernel: two rows cost little more than one), not where they are Inductor's
+    reductions or unknown (a loaded artifact's builder says nothing of them)."""
+    linears_of = getattr(draft.build, "linears_of", None)
+    return linears_of is not None and linears_of(stage) != "reduction"
+
+
+def _columns(ids: torch.Tensor, positions: torch.Tensor, index: torch.Tensor, start: int, end: int | None) -> tuple:
+    """Columns ``start:end`` of each as new contiguous ``[B, end - start]`` tensors."""
+    return tuple(t[:, start:end].clone(memory_format=torch.contiguous_format) for t in (ids, positions, index))
 
 
 def _one_column(t: torch.Tensor, j: int) -> torch.Tensor:
