@@ -16,7 +16,7 @@ from saguaro.capture.attention_op import direct_kernel_calls
 from saguaro.capture.captured_files import CapturedSource, load_captured
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError, SaguaroError
-from saguaro.core.stages import DRAFT_CHAIN, TARGET_VERIFY_ROUND, Stage
+from saguaro.core.stages import DRAFT_CHAIN, FEW_ROW_FAMILIES, TARGET_VERIFY_ROUND, Stage
 from saguaro.lower.cuda_graphs import GraphedStage, captures_stage, resolve_cuda_graphs
 from saguaro.lower.lowering import TEMPLATE_GEMM_CONFIG, attention_implementation, linear_implementation, lower_graph
 from saguaro.lower.lowering import shape_policy
@@ -197,8 +197,8 @@ class CompiledStages(PipelineStages):
         unbuilt = linears == "packed" and not packed_kernel_available()  # no compiler here
         return ("reduction" if self.backend == "inductor" else "gemm") if unbuilt else linears
 
-    def __call__(self, stage: Stage):
-        linears = self.linears_of(stage)
+    def __call__(self, stage: Stage, linears: str | None = None):  # linears: as linears_of's
+        linears = self.linears_of(stage, linears)
         gm = self.stage_graph(stage, linears=linears)
         eager_gm = None  # what runs eager during a background compile: BLAS linears (an eager product is slow)
         if self.compiler is not None and linears == "reduction":
@@ -211,7 +211,7 @@ class CompiledStages(PipelineStages):
                               cuda_graphs=self.cuda_graphs and captures_stage(stage), compiler=self.compiler,
                               dynamic_dims=varying, eager_gm=eager_gm,
                               config_patch=TEMPLATE_GEMM_CONFIG if linears == "template" else None,
-                              serial_kernels=linears == "packed")
+                              serial_kernels=linears == "packed" and stage.family in FEW_ROW_FAMILIES)  # not T rows
         inner = getattr(lowered, "compiled", lowered)  # a tiered stage's CompiledStage
         kernel_attention = any(node.target is attention_kernel for node in gm.graph.nodes)
         if hasattr(inner, "helper_setup") and (linears == "packed" or kernel_attention):

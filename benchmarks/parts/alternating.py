@@ -2,7 +2,8 @@
 timed passes that alternate between two forms of one warm program, so that the machine's drift falls on both.
 
 A pass is ``--prompts`` held-out prompts x ``--new`` tokens each, greedy; a rate is tokens per second after the
-prefill, as llama.cpp counts them; every generation is compared with the target's own greedy ``generate``.
+prefill, as llama.cpp counts them (with ``--with-prefill``: over the whole generation, as ``saguaro bench``'s first
+column); every generation is compared with the target's own greedy ``generate``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def ab_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--passes", type=int, default=5, help="timed passes per form and mode (default 5)")
     p.add_argument("--prompts", type=int, default=4, help="held-out prompts per pass (default 4)")
     p.add_argument("--new", type=int, default=128, help="new tokens per prompt (default 128)")
+    p.add_argument("--with-prefill", action="store_true", help="count the prefill in the rates (whole generations)")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     return p
 
@@ -35,22 +37,24 @@ def checked(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
 
 def alternate(program, forms: tuple, use_form, modes: tuple, args, prompts: list, expected: list) -> tuple[dict, bool]:
     """Warm ``program`` up in every form and mode (every shape compiled), then ``args.passes`` timed passes per
-    form and mode, the forms' order flipped every other pass (``use_form(form)`` switches). Returns
+    form and mode, the forms' order flipped every other pass (``use_form(form)`` switches; a program it returns
+    runs that form instead of ``program``). Returns
     ``({(form, mode): [rates]}, whether every generation equalled expected)``."""
     from linear_as_reduction import equal_to_expected, timed_pass  # this folder's script
 
-    exact = True
+    exact, which = True, 0 if getattr(args, "with_prefill", False) else 1  # timed_pass's rate with or after the prefill
     for form in forms:
-        use_form(form)
+        prog = use_form(form) or program
         for mode in modes:
-            exact &= equal_to_expected(timed_pass(program, prompts, mode, args.new)[2], expected)
+            exact &= equal_to_expected(timed_pass(prog, prompts, mode, args.new)[2], expected)
     rates = {(form, mode): [] for form in forms for mode in modes}
     for rep in range(args.passes):
         for mode in modes:
             for form in (forms if rep % 2 == 0 else forms[::-1]):
-                use_form(form)
-                _, rate, outputs = timed_pass(program, prompts, mode, args.new)  # the rate after the prefill
-                rates[(form, mode)].append(rate)
+                prog = use_form(form) or program
+                timed = timed_pass(prog, prompts, mode, args.new)
+                rates[(form, mode)].append(timed[which])
+                outputs = timed[2]
                 exact &= equal_to_expected(outputs, expected)
     return rates, exact
 
@@ -60,14 +64,15 @@ def report(forms: tuple, modes: tuple, rates: dict, exact: bool, args) -> list[d
     a, b = forms
     rows = [{"mode": mode, **{form: statistics.median(rates[(form, mode)]) for form in forms},
              "passes": {form: rates[(form, mode)] for form in forms}} for mode in modes]
-    print(f"threads {torch.get_num_threads()}; tokens/s after the prefill, medians of {args.passes} passes")
+    counted = "with" if getattr(args, "with_prefill", False) else "after"
+    print(f"threads {torch.get_num_threads()}; tokens/s {counted} the prefill, medians of {args.passes} passes")
     print(f"{'mode':<6}{a:>9}{b:>9}{f'{b}/{a}':>15}")
     for row in rows:
         print(f"{row['mode']:<6}{row[a]:>9.1f}{row[b]:>9.1f}{row[b] / row[a]:>15.3f}")
     print("every generation equals the target's greedy generate:", exact)
     if args.json:
-        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows, "exact": exact},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows, "exact": exact,
+                                               "with_prefill": counted == "with"}, indent=2))
     return rows
 
 

@@ -138,7 +138,8 @@ STAGES: tuple[Stage, ...] = (
 BY_QUALIFIED_NAME = {stage.qualified: stage for stage in STAGES}
 # The families of few query rows (a step's 1 or 2, verify and glue K+1, a tree's MQ), whose linears the
 # pack_linears pass (linear_as_reduction on request) rewrites on CPU (AR's round is a step with its epilogue); a
-# prefill's T rows are a GEMM's work (benchmarks/README.md).
+# prefill's T rows are never reductions' work (each row would read every weight), the packed kernel's or a GEMM's
+# (core/linear_choice.py).
 FEW_ROW_FAMILIES = ("step", "round", "chain", "verify", "verify_round", "glue", "tree")
 # Of those, the families of several rows per sequence (verify and glue K+1, a tree's MQ), whose GEMMs
 # linears="template" hands to Inductor's C++ GEMM template (register blocking over the rows).

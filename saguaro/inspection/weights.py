@@ -2,7 +2,7 @@
 storage), in the form it is held (float32 as loaded, a narrow copy, packed panels), with the stages that read it.
 
 A weight is *held* when the program keeps a reference to it: the captured graph of each model (the float32
-weights as loaded, which the prefill's BLAS GEMM reads; they are the model's own tensors, shared, not copied) and
+weights as loaded, which a BLAS GEMM reads where one runs; they are the model's own tensors, shared, not copied) and
 every stage built so far (their narrow copies and panels). A decode stage whose linears are packed holds the
 panels and not the float32 weights it no longer reads (``pack_linears``, ``narrow_weights``).
 """

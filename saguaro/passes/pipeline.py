@@ -20,6 +20,7 @@ from saguaro.passes.flatten_signature import FlattenSignature
 from saguaro.passes.fuse_projections import FuseProjections
 from saguaro.passes.base.graph_pass import GraphPass, PassManager, copy_graph, settle_code
 from saguaro.passes.base.graph_splice import drop_unread_attributes
+from saguaro.passes.last_row_head import LastRowHead
 from saguaro.passes.linear_as_reduction import LinearAsReduction
 from saguaro.passes.lower_attention import LowerAttention
 from saguaro.passes.narrow_weights import NarrowWeights
@@ -48,7 +49,8 @@ def stage_passes(stage: Stage, width: int, attention: str, window: int, linears:
     """The stage pipeline of ``stage``, in order.
 
     The mask specialisation and the epilogue splice touch different nodes (either order gives the same
-    graph); attention is lowered after both (it requires both), so that it sees the final graph, whose
+    graph); ``last_row_head`` then trims the LM head to the last row where the epilogue reads only that row;
+    attention is lowered after them (it requires both), so that it sees the final graph, whose
     attention nodes all read one mask. With ``fuse`` the ``fuse_projections`` pass then joins the linears
     that read one input (it touches no node the others read), before ``linear_as_reduction`` (it joins
     ``aten.linear`` nodes, which that pass replaces; it refuses to run after it). With
@@ -58,7 +60,8 @@ def stage_passes(stage: Stage, width: int, attention: str, window: int, linears:
     pass sees the float32 weights, except the joined ones, which ``fuse_projections`` keeps narrow itself
     when ``narrow``: narrow_weights leaves a read that is not float32 as it is).
     """
-    passes = [SpecializeAttention(stage.mask), SpliceEpilogue(stage, width), LowerAttention(attention, window=window)]
+    passes = [SpecializeAttention(stage.mask), SpliceEpilogue(stage, width), LastRowHead(),
+              LowerAttention(attention, window=window)]
     if fuse:
         passes.append(FuseProjections(narrow))
     if linears == "reduction":

@@ -37,6 +37,8 @@ from saguaro.passes.base.graph_splice import (
 
 log = logging.getLogger(__name__)
 
+LOGITS_NODE = "saguaro_logits"  # a node's meta: it is the logits [B, T, V] the epilogue reads (last_row_head)
+
 
 def check_width(stage: Stage, width: int) -> None:
     if stage.ranked and (not isinstance(width, int) or width < 1):
@@ -47,6 +49,7 @@ def check_width(stage: Stage, width: int) -> None:
 def splice_epilogue(gm: torch.fx.GraphModule, stage: Stage, width: int = 0) -> torch.fx.GraphModule:
     check_width(stage, width)
     logits = logits_node(gm)  # [B, T, V]
+    logits.meta[LOGITS_NODE] = True
     placeholders = {n.target: n for n in gm.graph.nodes if n.op == "placeholder"}
     missing = [name for name in stage.reads if name not in placeholders]
     if missing:

@@ -23,7 +23,6 @@ from saguaro.capture.attention_op import ATTENTION_OPS
 from saguaro.core.stages import DRAFT_CHAIN, TARGET_PREFILL, TARGET_ROUND, TARGET_VERIFY_ROUND, stages_for
 from saguaro.passes.linear_as_reduction import LINEAR
 from saguaro.passes.lower_attention import attention_kernel
-from saguaro.passes.narrow_weights import ATTRIBUTE_PREFIX
 from saguaro.passes.pack_linears import ATTRIBUTE_PREFIX as PANELS
 from saguaro.tensor_math.packed_linear import available
 from tests.models import WINDOW, family_draft, prompts, reference_greedy, tiny_family_target
@@ -73,22 +72,21 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
         lowered = [n for n in verify.graph.nodes if n.op == "call_function" and n.target is attention_kernel]
         assert len(lowered) == 2 and all(n.args[8] == 1.0 for n in lowered)  # one per layer, the softcap kept
         assert not any(n.target in ATTENTION_OPS for n in verify.graph.nodes if n.op == "call_function")
-        # the verify's linears as the packed kernel over narrow panels (pack_linears); the prefill's stay GEMMs
+        # the verify's linears as the packed kernel over narrow panels (pack_linears); the prefill's T rows too
         linears = [n for n in verify.graph.nodes if n.op == "call_function" and n.target is LINEAR]
         packed = [n for n in verify.graph.nodes if n.op == "call_function" and n.target is PACKED]
         prefill = compiled.target.stage(TARGET_PREFILL).gm
         assert not linears and len(packed) == 4 * 2 + 1  # q/k/v joined, o, gate/up joined, down a layer; the LM head
-        assert any(n.target is LINEAR for n in prefill.graph.nodes if n.op == "call_function")
+        assert not any(n.target is LINEAR for n in prefill.graph.nodes if n.op == "call_function")
+        assert sum(1 for n in prefill.graph.nodes if n.target is PACKED) == len(packed)
         panels = {t.dtype for name, t in verify.named_buffers() if name.startswith(PANELS)}
         assert panels and panels <= {torch.float16, torch.bfloat16}  # float16 first where a weight's values fit it
-        # the round's (one row) on the packed kernel too, its panels shared with the verify's; the prefill keeps
-        # its GEMMs over float32 weights
+        # the round's (one row) on the packed kernel too; the round and the prefill share the verify's panels
         step = compiled.target.stage(TARGET_ROUND).gm
         assert not any(n.target is LINEAR for n in step.graph.nodes if n.op == "call_function")
         assert sum(1 for n in step.graph.nodes if n.target is PACKED) == len(packed)
         held = lambda gm: {t.data_ptr() for name, t in gm.named_buffers() if name.startswith(PANELS)}  # noqa: E731
-        assert held(step) == held(verify)
-        assert not any(name.startswith((ATTRIBUTE_PREFIX, PANELS)) for name, _ in prefill.named_buffers())
+        assert held(step) == held(verify) == held(prefill)
         # saguaro inspect kernels: each stage's compile time, generated code files and kernel names
         rows = saguaro.inspect(compiled).kernels("ssd", warm=False)
         assert [r["stage"] for r in rows] == [s.qualified for s in stages_for("ssd", 0.0)]
@@ -100,6 +98,9 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
         for row in packed_rows:  # the packed kernel called from the C++ wrapper; Inductor's own kernels serial
             code = "".join(open(f).read() for f in row["files"])
             assert "saguaro_kernels::packed_linear" in code and "#pragma omp" not in code, row
+        prefill_row = next(r for r in rows if r["stage"] == TARGET_PREFILL.qualified)
+        code = "".join(open(f).read() for f in prefill_row["files"])  # T rows: its own kernels keep their threads
+        assert "saguaro_kernels::packed_linear" in code and "#pragma omp" in code
     finally:
         eager.close()
         compiled.close()

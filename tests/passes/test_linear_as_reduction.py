@@ -69,8 +69,13 @@ def test_the_few_row_stages_of_inductor_on_cpu_get_the_packed_kernel_by_default_
         assert linear_implementation("eager", "auto", "cpu", stage.family) == "gemm"
         assert linear_implementation("eager", "reduction", "cpu", stage.family) == "reduction"
         assert linear_implementation("inductor", "gemm", "cpu", stage.family) == "gemm"
-    for requested in ("auto", "reduction", "packed", "template"):  # a prefill's T rows stay a GEMM
-        assert linear_implementation("inductor", requested, "cpu", TARGET_PREFILL.family) == "gemm"
+    # a prefill's T rows: the packed kernel (auto on Inductor/CPU, or asked) or a GEMM, never the reductions
+    for requested in ("auto", "packed", "template"):
+        assert linear_implementation("inductor", requested, "cpu", TARGET_PREFILL.family) == "packed"
+    assert linear_implementation("eager", "packed", "cpu", TARGET_PREFILL.family) == "packed"
+    for backend, requested, device in (("inductor", "reduction", "cpu"), ("inductor", "gemm", "cpu"),
+                                       ("eager", "auto", "cpu"), ("inductor", "auto", "cuda")):
+        assert linear_implementation(backend, requested, device, TARGET_PREFILL.family) == "gemm"
     _, captured = base_graph()
     step = build_stage(captured.graph_module, TARGET_STEP, 8, "op", linears="reduction")
     verify = build_stage(captured.graph_module, TARGET_VERIFY.greedy, 8, "op")

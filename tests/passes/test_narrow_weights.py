@@ -180,7 +180,9 @@ def test_inductor_narrows_the_reduction_stages_only_and_only_when_asked():
     assert narrowed("inductor", TARGET_STEP) and narrowed("inductor", TARGET_ROUND)
     assert narrowed("inductor", TARGET_VERIFY.greedy)  # "auto": its linears are reductions too
     assert not narrowed("inductor", TARGET_VERIFY.greedy, linears="template")  # a GEMM template reads float32
-    assert not narrowed("inductor", TARGET_PREFILL)  # a BLAS GEMM: widening would copy the weights each call
+    assert narrowed("inductor", TARGET_PREFILL)  # "auto": its linears are packed, its other reads narrow
+    # its linears a BLAS GEMM (as "reduction" leaves a prefill): widening would copy the weights each call
+    assert not narrowed("inductor", TARGET_PREFILL, linears="reduction")
     assert not narrowed("inductor", TARGET_STEP, narrow=False)
     assert not narrowed("eager", TARGET_STEP)  # eager would widen every weight on every call
 

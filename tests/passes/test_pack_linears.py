@@ -123,7 +123,7 @@ def test_panels_are_made_once_per_weight_and_version():
     assert panels(weight, True).dtype == torch.float32
 
 
-def test_inductor_packs_every_few_row_stage_under_auto():
+def test_inductor_packs_every_few_row_stage_and_the_prefill_under_auto():
     model = _rounded(tiny_target("llama", hidden=128))
     captured = capture(model)
     captured.graph_module = run_pipeline(captured.graph_module)
@@ -139,7 +139,8 @@ def test_inductor_packs_every_few_row_stage_under_auto():
         assert packed("inductor", stage) == {torch.float16}
     assert packed("inductor", TARGET_VERIFY.greedy, narrow=False) == {torch.float32}
     assert packed("inductor", TARGET_ROUND, linears="reduction") == set()  # on request: fused reductions
-    assert not packed("inductor", TARGET_PREFILL)  # a prefill's T rows: BLAS
+    assert packed("inductor", TARGET_PREFILL) == {torch.float16}  # a prefill's T rows too (not its kernels serial)
+    assert not packed("inductor", TARGET_PREFILL, linears="reduction")  # there: BLAS
     assert not packed("inductor", TARGET_VERIFY.greedy, linears="template")
     assert not packed("eager", TARGET_VERIFY.greedy)  # eager keeps MKL unless asked
     assert packed("eager", TARGET_VERIFY.greedy, linears="packed") == {torch.float16}

@@ -36,8 +36,8 @@ def test_every_pass_declares_what_it_requires_and_guarantees():
             f"{graph_pass.name} requires nothing and does not say why"
         assert (graph_pass.requires | graph_pass.guarantees | graph_pass.invalidates) <= set(FACTS)
     names = {p.name for p in every_pass()}
-    assert names == {*BASE_PASSES, "specialize_attention", "splice_epilogue", "lower_attention", "fuse_projections",
-                     "linear_as_reduction", "narrow_weights"}
+    assert names == {*BASE_PASSES, "specialize_attention", "splice_epilogue", "last_row_head", "lower_attention",
+                     "fuse_projections", "linear_as_reduction", "narrow_weights"}
     # the base pipeline requires nothing: it runs on capture's graph
     assert [p.requires for p in PIPELINE] == [frozenset(), frozenset()]
     with pytest.raises(TypeError, match="pass class Undeclared: declare name, guarantees"):
@@ -70,7 +70,8 @@ def test_a_pass_run_by_hand_checks_the_graph_record():
                                         r"guarantees; and stage_mask, which no earlier pass guarantees"):
         LowerAttention("inline")(copy_graph(captured.graph_module))
     stage_graph = build_stage(captured.graph_module, TARGET_VERIFY.greedy, 8)
-    assert record_of(stage_graph).ran == (*BASE_PASSES, "specialize_attention", "splice_epilogue", "lower_attention")
+    assert record_of(stage_graph).ran == (*BASE_PASSES, "specialize_attention", "splice_epilogue", "last_row_head",
+                                          "lower_attention")
     assert not {GENERIC_MASK, LOGITS_OUTPUT} & record_of(stage_graph).facts
     with pytest.raises(PassError, match=r"^splice_epilogue requires logits_output, which splice_epilogue "
                                         r"invalidated"):

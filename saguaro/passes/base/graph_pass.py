@@ -35,6 +35,7 @@ LINEARS_AS_REDUCTIONS = "linears_as_reductions"
 WEIGHTS_NARROWED = "weights_narrowed"
 PROJECTIONS_FUSED = "projections_fused"
 LINEARS_PACKED = "linears_packed"
+HEAD_LAST_ROW = "head_last_row"
 FACTS = {
     GENERIC_MASK: "one saguaro::attention_mask node per layer kind (capture)",
     LOGITS_OUTPUT: "the logits [B, T, V] are the graph's only output (capture)",
@@ -48,6 +49,7 @@ FACTS = {
     LINEARS_AS_REDUCTIONS: "each linear a product and a sum reading its weight once for all rows (linear_as_reduction)",
     WEIGHTS_NARROWED: "float32 weights exactly float16 / bfloat16 stored so, widened where read (narrow_weights)",
     LINEARS_PACKED: "each linear the packed few-row kernel over its weight's panels, narrow where exact (pack_linears)",
+    HEAD_LAST_ROW: "the LM head over the last row alone where only its logits are read (last_row_head)",
 }
 
 RECORD_KEY = "saguaro_pass_record"
