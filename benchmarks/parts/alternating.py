@@ -35,6 +35,23 @@ def checked(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     return args
 
 
+def modes_program(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple:
+    """``args.modes`` checked (of ``ar`` and ``sd``), torch's threads set, the default pair compiled by Inductor
+    (blocking; the draft where ``sd`` runs): ``(program, modes, prompts, expected)``."""
+    import saguaro
+    from linear_as_reduction import pair_and_prompts  # this folder's script
+
+    modes = tuple(args.modes.split(","))
+    if not modes or set(modes) - {"ar", "sd"}:
+        parser.error(f"--modes {args.modes}: choose ar, sd or ar,sd")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, draft, prompts, expected = pair_and_prompts(args.prompts, args.new)
+    program = saguaro.compile(target, draft if "sd" in modes else None, mode="ar", backend="inductor",
+                              compile="blocking")
+    return program, modes, prompts, expected
+
+
 def alternate(program, forms: tuple, use_form, modes: tuple, args, prompts: list, expected: list) -> tuple[dict, bool]:
     """Warm ``program`` up in every form and mode (every shape compiled), then ``args.passes`` timed passes per
     form and mode, the forms' order flipped every other pass (``use_form(form)`` switches; a program it returns

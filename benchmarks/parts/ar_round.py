@@ -16,8 +16,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 FORMS = ("step", "round")
@@ -36,21 +34,12 @@ def use_round(program, on: bool) -> None:
 
 
 def main(argv=None) -> int:
-    import saguaro
-    from alternating import ab_parser, alternate, checked, report  # this folder's harness
-    from linear_as_reduction import pair_and_prompts
+    from alternating import ab_parser, alternate, checked, modes_program, report  # this folder's harness
 
     parser = ab_parser(__doc__)
     parser.add_argument("--modes", default="ar", help="comma-separated, of ar and sd (default ar)")
     args = checked(parser, argv)
-    modes = tuple(args.modes.split(","))
-    if not modes or set(modes) - {"ar", "sd"}:
-        parser.error(f"--modes {args.modes}: choose ar, sd or ar,sd")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, draft, prompts, expected = pair_and_prompts(args.prompts, args.new)
-    program = saguaro.compile(target, draft if "sd" in modes else None, mode="ar", backend="inductor",
-                              compile="blocking")
+    program, modes, prompts, expected = modes_program(parser, args)
     rates, exact = alternate(program, FORMS, lambda form: use_round(program, form == "round"), modes, args,
                              prompts, expected)
     use_round(program, True)

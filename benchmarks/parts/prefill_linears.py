@@ -14,8 +14,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 FORMS = ("gemm", "packed")
@@ -46,9 +44,7 @@ def use_prefill(forms: dict, form: str) -> None:
 
 
 def main(argv=None) -> int:
-    import saguaro
-    from alternating import ab_parser, alternate, checked, report  # this folder's harness
-    from linear_as_reduction import pair_and_prompts
+    from alternating import ab_parser, alternate, checked, modes_program, report  # this folder's harness
 
     parser = ab_parser(__doc__)
     parser.add_argument("--modes", default="ar,sd", help="comma-separated, of ar and sd (default ar,sd)")
@@ -56,14 +52,7 @@ def main(argv=None) -> int:
                         help="rates after the prefill (the decode alone); by default whole generations")
     parser.set_defaults(with_prefill=True)
     args = checked(parser, argv)
-    modes = tuple(args.modes.split(","))
-    if not modes or set(modes) - {"ar", "sd"}:
-        parser.error(f"--modes {args.modes}: choose ar, sd or ar,sd")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, draft, prompts, expected = pair_and_prompts(args.prompts, args.new)
-    program = saguaro.compile(target, draft if "sd" in modes else None, mode="ar", backend="inductor",
-                              compile="blocking")
+    program, modes, prompts, expected = modes_program(parser, args)
     forms = prefill_forms(program)
     rates, exact = alternate(program, FORMS, lambda form: use_prefill(forms, form), modes, args, prompts, expected)
     program.close()
