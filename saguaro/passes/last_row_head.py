@@ -78,13 +78,10 @@ def last_row_head(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return gm
     head, chain = _head(logits)
     x = head.args[0] if head is not None else None
-    shape = getattr(x.meta.get("val"), "shape", None) if isinstance(x, torch.fx.Node) else None
-    if x is None or shape is None or len(shape) != 3:
-        log.debug("last_row_head: the logits do not come from a linear over [B, T, H] rows; left as they are")
-        return gm
-    value = _last_row_value(x)
-    if value is None:  # the later passes read the head's input rank from it: without it, they would skip the head
-        log.debug("last_row_head: the head's input has no value metadata to slice; left as it is")
+    # the later passes read the head's input rank from its value metadata: without one, they would skip the head
+    value = _last_row_value(x) if isinstance(x, torch.fx.Node) else None
+    if value is None:
+        log.debug("last_row_head: the logits do not come from a linear over [B, T, H] rows of known shape; left")
         return gm
     with gm.graph.inserting_before(head):
         last = gm.graph.call_function(aten.slice.Tensor, (x, 1, -1, END))  # [B, 1, H]

@@ -26,10 +26,10 @@ def draft_decode(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decode ``k`` tokens after ``ids``: ``tokens [B, k]`` and the distributions drawn from ``[B, k, V]``.
 
-    The tokens before the last (their outputs unused: only their KV is wanted) go with the last in one call
-    (:func:`feeds_together`), which draws one uniform per row as every step does; greedy, where the stage's
-    linears are Inductor's reductions (a two-token call reads each weight twice there and costs 2.4x a
-    one-token one on a CPU) or unknown (a loaded artifact's), they are fed one at a time before it."""
+    Sampled, the tokens before the last (their outputs unused: only their KV is wanted) go with the last in one
+    call, which draws one uniform per row as every step does. Greedy, likewise where :func:`feeds_together`
+    says so; where the step's linears are Inductor's reductions (a two-token call reads each weight twice there
+    and costs 2.4x a one-token one on a CPU) or unknown (a loaded artifact's), one at a time before it."""
     store.invalidate_from(index[:, 0])
     if temperature == 0 and draft.provides(DRAFT_CHAIN):
         return chained_steps(draft, store, ids, index, positions, k), None
@@ -38,10 +38,10 @@ def draft_decode(
     inv_t = torch.full((), 1.0 / temperature, device=ids.device) if temperature > 0 else None  # a fill: no sync
     if inv_t is None and not feeds_together(draft, stage):
         for j in range(ids.shape[1] - 1):  # [B, 1] each, contiguous as the later steps' inputs are
-            draft.run(stage, store, *(_one_column(t, j) for t in (ids, positions, index)), note=CATCH_UP)
-        ids, positions, index = (_one_column(t, -1) for t in (ids, positions, index))  # [B, 1] x 3
-    if inv_t is None and ids.shape[1] > 1:
-        ids, positions, index = (t.contiguous() for t in (ids, positions, index))  # [B, n] x 3: fed at once
+            draft.run(stage, store, *_columns(j, j + 1, ids, positions, index), note=CATCH_UP)
+        ids, positions, index = _columns(-1, None, ids, positions, index)  # [B, 1] x 3
+    elif inv_t is None:
+        ids, positions, index = _columns(0, None, ids, positions, index)  # [B, n] x 3: fed at once
     for _ in range(k):
         if inv_t is None:
             (token,) = draft.run(stage, store, ids, positions, index)  # [B]
@@ -71,7 +71,7 @@ def chained_steps(
     no call writes, is dropped again."""
     together = feeds_together(draft, DRAFT_CHAIN)
     columns = [(0, None)] if together else [(j, j + 1) for j in range(ids.shape[1])]
-    query = _columns(ids, positions, index, *columns[0])  # input_ids, positions, write_slots [B, n or 1]
+    query = _columns(*columns[0], ids, positions, index)  # input_ids, positions, write_slots [B, n or 1]
     branches: dict = {}  # query width -> [B, width] zeros: shared
     # the calls' fast form per query width (ModelRunner.repeated): an earlier round's on this store, else made
     # after the first call of that width
@@ -98,7 +98,7 @@ def chained_steps(
 
     for j, end in columns[1:]:
         _, _, next_positions, next_slots = call(query, CATCH_UP)
-        query = (_columns(ids, positions, index, j, end)[0], next_positions, next_slots)
+        query = (*_columns(j, end, ids), next_positions, next_slots)
     tokens = []
     for _ in range(k):
         token, *query = call(query)  # [B], [B, 1] x 3
@@ -115,12 +115,7 @@ def feeds_together(draft: ModelRunner, stage) -> bool:
     return linears_of is not None and linears_of(stage) != "reduction"
 
 
-def _columns(ids: torch.Tensor, positions: torch.Tensor, index: torch.Tensor, start: int, end: int | None) -> tuple:
-    """Columns ``start:end`` of each as new contiguous ``[B, end - start]`` tensors."""
-    return tuple(t[:, start:end].clone(memory_format=torch.contiguous_format) for t in (ids, positions, index))
-
-
-def _one_column(t: torch.Tensor, j: int) -> torch.Tensor:
-    """Column ``j`` of ``t [B, n]`` as a new ``[B, 1]`` tensor with the strides of a fresh one: what the
-    later steps feed, so every step's call matches one compiled graph's guards."""
-    return t[:, j:j + 1 if j != -1 else None].clone(memory_format=torch.contiguous_format)
+def _columns(start: int, end: int | None, *tensors: torch.Tensor) -> tuple:
+    """Columns ``start:end`` of each ``[B, n]`` tensor as a new one with the strides of a fresh one: what the later
+    steps feed, so that every call of a query width matches one compiled graph's guards."""
+    return tuple(t[:, start:end].clone(memory_format=torch.contiguous_format) for t in tensors)
