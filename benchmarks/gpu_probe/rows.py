@@ -11,7 +11,8 @@ host-sync counter and the fan-out recorder on (their patches cost host time). Fi
 - ``launches_per_stage`` (kernels per stage call, counted from the generated code) and ``graphed_stages``;
 - ``host_syncs_per_round`` (device-to-host reads per round, median over the rounds after the first);
 - SD: ``c_measured``, one draft step's time over one verify's (``stats`` draft and verify seconds);
-- SSD: ``hits_by_position``, ``cache_hit_rate``, ``fan_out_per_round``, ``fallbacks`` (by kind), ``plan``.
+- SSD: ``hits_by_position``, ``cache_hit_rate``, ``fallbacks`` (by kind), ``plan``; ``fan_out_per_round`` from the
+  counted generation, which ran as ``counted_ran``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def measure(program, ids, args, label: str, part: dict) -> dict:
     decode_s = stats["wall_s"] - stats.get("prefill_s", 0.0)
     ms_per_round = 1000 * decode_s / rounds
     batch = ids.shape[0]
-    ran = "sd" if stats.get("planned_sd") or stats.get("ran_as") == "sd" else stats.get("mode")
+    ran = ran_as(stats)
     pair = part["pair"]
     bytes_b = pair_bytes(args.scale, args.target_layers, pair["dtype_bytes"], pair["context"], batch)
     per_round = round_bytes(ran, program.config.k, bytes_b)
@@ -78,18 +79,24 @@ def measure(program, ids, args, label: str, part: dict) -> dict:
     return entry
 
 
+def ran_as(stats: dict) -> str:
+    """What a generation ran as: its mode, or ``"sd"`` where the planner ran SSD's generation as SD's rounds."""
+    return "sd" if stats.get("planned_sd") or stats.get("ran_as") == "sd" else stats.get("mode")
+
+
 def _sig(x: float, digits: int = 4) -> float:
     """``x`` to ``digits`` significant digits (a small share stays above zero)."""
     return float(f"{x:.{digits}g}")
 
 
 def counted_generation(program, ids, args) -> dict:
-    """Host syncs per round and (SSD) the fan-out per round, from one more generation."""
+    """Host syncs per round and (SSD) the fan-out per round, from one more generation, and what that generation
+    ran as (``counted_ran``: the planner decides per generation, so it may differ from the timed one's)."""
     from . import counting
 
     with counting.fan_outs() as seen, counting.SyncCounter() as syncs:
         out = program.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=None)
-    found = syncs.summary(out.stats.get("rounds", 0))
+    found = syncs.summary(out.stats.get("rounds", 0)) | {"counted_ran": ran_as(out.stats)}
     if program.config.mode == "ssd":
         found |= counting.fan_out_summary(seen)
     return found
