@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 WARM_UP_TEXTS = ("def main():\n    return", "The first thing to say is")
 WARM_UP_TOKENS = 8  # new tokens of each warm-up row: a few rounds
+JOIN_TRIES = 4  # joins tried for each row a warm-up batch wants (a sampled row may end at once)
 SAMPLED_TEMPERATURE = 0.8  # any temperature > 0 runs the sampled stages
 
 
@@ -64,9 +65,14 @@ def warm_up(program, tokenizer, max_batch: int) -> float:
 
 
 def _batch(session: BatchSession, prompts: list) -> None:
-    """One row, a round, then the next row joins (a batch of two), and rounds until both end."""
-    for prompt in prompts:
-        session.join(prompt, WARM_UP_TOKENS)
+    """One row, a round, then the next row joins (a batch of two), a round, and rounds until both end. A row that
+    ended already (a sampled one may draw its end early) is replaced by another prompt's, a few times at most, so
+    that the round of two rows runs."""
+    for rows in range(1, len(prompts) + 1):
+        for attempt in range(JOIN_TRIES):
+            if session.size >= rows:
+                break
+            session.join(prompts[(rows - 1 + attempt) % len(prompts)], WARM_UP_TOKENS)
         session.step()
     for _ in range(4 * WARM_UP_TOKENS):
         if not session.size:

@@ -66,3 +66,31 @@ def test_warm_up_prompts_come_from_the_tokenizer_or_count_from_one():
     prompts = warm.warm_up_prompts(tok, 128)
     assert prompts == [list(tok(text)["input_ids"]) for text in warm.WARM_UP_TEXTS] and all(prompts)
     assert warm.warm_up_prompts(None, 128) == [[1, 2, 3, 4, 5, 6], [2, 3, 4, 5, 6, 7]]
+
+
+def test_a_warm_up_batch_runs_its_round_of_two_rows_when_a_row_ends_early():
+    class Session:  # BatchSession's part _batch uses: join, step, size
+        def __init__(self, lives):
+            self.lives, self.rows, self.sizes = list(lives), [], []  # rounds each joined row lives (0: ends at join)
+
+        @property
+        def size(self):
+            return len(self.rows)
+
+        def join(self, prompt, max_new_tokens):
+            if (life := self.lives.pop(0)) > 0:
+                self.rows.append([prompt, life])
+
+        def step(self):
+            self.sizes.append(self.size)
+            for row in self.rows:
+                row[1] -= 1
+            self.rows = [row for row in self.rows if row[1] > 0]
+
+    # the first row ends in its round, the next ends as it joins: two more joins make the batch of two
+    session = Session([1, 0, 3, 3])
+    warm._batch(session, [[5, 6], [7, 8]])
+    assert session.sizes[:2] == [1, 2] and session.sizes[-1] > 0 and not session.rows
+    assert not session.lives  # every join tried was needed
+    with pytest.raises(RuntimeError, match="a batch did not end"):
+        warm._batch(Session([1000, 1000]), [[5, 6], [7, 8]])
