@@ -66,10 +66,11 @@ def add_linears_arg(parser) -> None:
     from saguaro.core.config import LINEARS
 
     parser.add_argument("--linears", default="auto", choices=list(LINEARS),
-                        help="how the linear layers of the decode stages run (SaguaroConfig.linears): auto (on a CPU "
-                             "with inductor, the packed C++ kernel), gemm, reduction, packed, or template: as auto, "
-                             "with SD's verify (and SSD's glue and tree) on Inductor's C++ GEMM template over frozen weights, "
-                             "faster there but compiled again in every process. Default auto")
+                        help="how the linear layers of the stages run (SaguaroConfig.linears): auto (on a CPU with "
+                             "inductor, the packed C++ kernel, the prefill's included), gemm, reduction (the decode "
+                             "stages; the prefill keeps BLAS), packed, or template: as auto, with SD's verify (and "
+                             "SSD's glue and tree) on Inductor's C++ GEMM template over frozen weights, faster there "
+                             "but compiled again in every process. Default auto")
     parser.add_argument("--narrow-weights", default="on", choices=["on", "off"],
                         help="on: float32 weights whose values are all float16 (or bfloat16) values are held in that "
                              "dtype in the stages whose linears are packed or reductions, widened inside the kernels: "

@@ -68,14 +68,16 @@ class SaguaroConfig:
         ``"auto"``: op for the eager backend, inline for Inductor (reduce for AR's target stages on CPU). The tree stage of Inductor on CUDA
         is written to take flex under ``"auto"`` (``saguaro.lower.lowering.FLEX_TREE_ON_CUDA``, a
         one-line switch), off until ``benchmarks/gpu_probe.py`` shows it exact and faster than SDPA.
-    linears: how the linear layers of the few-row stages (step, round, verify, glue, tree; not prefill) run:
+    linears: how the linear layers of the few-row stages (step, round, verify, glue, tree; the prefill only as
+        ``"packed"``, never as reductions) run:
         ``"reduction"`` (the ``linear_as_reduction`` pass: a product and a sum that Inductor fuses into one
         reduction reading each weight once for all rows), ``"gemm"`` (the BLAS call, as captured) or
         ``"packed"`` (the ``pack_linears`` pass: a C++ kernel built at first use with the machine's instruction
         set, cached on disk, over each weight packed once in panels of 16 columns, held narrow where
         ``narrow_weights`` and exact and widened in registers, 6 rows x 16 columns register-blocked, one row
         over several panels; the linears of one input joined into one call) or ``"auto"``: for Inductor on
-        CPU, packed for every few-row stage (where the kernel cannot be built, reduction); gemm elsewhere (see
+        CPU, packed for every few-row stage and the prefill (where the kernel cannot be built, reduction, and
+        BLAS for the prefill); gemm elsewhere (see
         :func:`saguaro.lower.lowering.linear_implementation`). ``"template"`` (Inductor on CPU; elsewhere as
         ``"auto"``): as ``"auto"``, but the stages of several rows per sequence (verify, glue, tree) keep their
         GEMMs, compiled with Inductor's freezing (the weights become constants, packed once) and its C++ GEMM

@@ -40,8 +40,8 @@ Exactness, per lowering form. Output ``[m, o_i + n]`` of the joined linear reads
   and greedy equality with ``generate`` is what ``benchmarks/gpu_probe.py``'s exactness part checks.
 
 Speed: off by default on a CPU (``fusion_applies``), where it is exact but slower for the reductions; the packed
-stages (every few-row stage of Inductor on a CPU by default) join the same groups in ``pack_linears`` instead. Inductor already runs the
-reductions of q, k and v of one width (and of gate and up) as one loop over the weights' rows with an
+stages (every stage of Inductor on a CPU by default) join the same groups in ``pack_linears`` instead. Inductor
+already runs the reductions of q, k and v of one width (and of gate and up) as one loop over the weights' rows with an
 accumulator each, computing their shared input (the RMSNorm, inlined) once per row for all three; joined, it
 computes it once per row of the joined weight, three times as often. The default pair's target (one thread,
 min of 30 alternating batches, the machine loaded by other work): step 3.56 ms apart against 4.85 joined,

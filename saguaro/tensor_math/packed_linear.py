@@ -7,8 +7,9 @@ its time is the weights' bytes. The kernel (``packed_linear.cpp``) reads each we
 widens it in registers, and sums each output over ``k = 0 .. K-1`` in order with fused multiply-adds in
 float32: the result does not depend on the storage dtype (a float16-held weight gives the float32 weight's
 outputs bit for bit), the vector width (the scalar loop, ``packed_linear_scalar``, gives the same bits) or the
-thread count. One row (AR's round, the draft's step) runs against several panels at once, so its multiply-adds
-do not wait on one another. Inductor calls it as an extern kernel (from its C++ wrapper through the dispatcher).
+thread count. One or two rows (AR's round, the draft's steps) run against several panels at once, so their
+multiply-adds do not wait on one another. Inductor calls it as an extern kernel (from its C++ wrapper through
+the dispatcher).
 
 The C++ sources of the ``saguaro_kernels`` library (this kernel's and ``masked_attention.cpp``'s, see
 :mod:`~saguaro.tensor_math.masked_attention`) are compiled at first use with the machine's instruction set
@@ -53,9 +54,9 @@ def _cpu_signature() -> str:
 
 def library_name() -> str:
     """The extension's name: one per sources, flags, torch version and CPU (so a cached build always fits)."""
-    digest = hashlib.sha256("\n".join([*(source.read_text() for source in SOURCES + HEADERS), " ".join(CFLAGS), torch.__version__,
-                                       _cpu_signature()]).encode()).hexdigest()[:16]
-    return f"saguaro_packed_linear_{digest}"
+    texts = [source.read_text() for source in SOURCES + HEADERS]
+    digest = hashlib.sha256("\n".join([*texts, " ".join(CFLAGS), torch.__version__, _cpu_signature()]).encode())
+    return f"saguaro_packed_linear_{digest.hexdigest()[:16]}"
 
 
 def available() -> bool:

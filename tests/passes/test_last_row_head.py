@@ -85,9 +85,10 @@ def _spliced_graph(extra_reader: bool, between=None):
 
 def test_a_head_read_otherwise_is_left_alone_and_a_scaled_one_is_trimmed():
     x, weight = torch.randn(2, 5, 4), torch.randn(3, 4)
+    # add: not among the operations it walks through
     for extra_reader, between, trimmed in ((False, None, True), (True, None, False),
                                            (False, torch.ops.aten.mul.Tensor, True),
-                                           (False, torch.ops.aten.add.Tensor, False)):  # add: not among those it walks through
+                                           (False, torch.ops.aten.add.Tensor, False)):
         gm = _spliced_graph(extra_reader, between)
         want = gm(x, weight)
         gm = last_row_head(gm)
