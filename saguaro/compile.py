@@ -27,6 +27,7 @@ from saguaro.passes import run_pipeline
 from saguaro.passes.fuse_projections import fusion_applies
 from saguaro.passes.lower_attention import attention_kernel
 from saguaro.passes.pipeline import PipelineStages, build_stage, holding_what_it_reads
+from saguaro.passes.quantize_weights import QuantizeWeights
 from saguaro.runtime.lanes.draft_files import RemoteDraft
 from saguaro.runtime.lanes.remote import RemoteEndpoint
 from saguaro.runtime.draft.server import SpeculationServer
@@ -99,7 +100,8 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
     # the draft process rebuilds the model from its class and captures it; or a draft server serves the draft)
     source = CapturedSource.of(captures["draft"]) if draft is not None and endpoint is None else None
     runners = {name: build_runner(name, captures[name], cfg.backend, cfg.attention, graphs[name],
-                                  shard if name == "target" else None, compiler, cfg.linears, cfg.narrow_weights)
+                                  shard if name == "target" else None, compiler, cfg.linears, cfg.narrow_weights,
+                                  cfg.quantized(name))
                for name in models}
     gen = getattr(target, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
@@ -115,14 +117,17 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
 
 def build_runner(name: str, model: torch.nn.Module | CapturedModel, backend: str, attention: str = "auto",
                  cuda_graphs: bool = False, shard=None, compiler: BackgroundCompiler | None = None,
-                 linears: str = "auto", narrow_weights: bool = True) -> ModelRunner:
+                 linears: str = "auto", narrow_weights: bool = True,
+                 quantized: tuple[str, int | None] | None = None) -> ModelRunner:
     """Capture ``model`` (or take its capture), run the base pass pipeline, and wrap it with the builder
     of its stages (``cuda_graphs``: fixed-shape stages replay CUDA graphs over KV stores and sequence buffers
     kept at fixed addresses; ``shard``: a ``ShardTensorParallel`` pass after the base pipeline, the runner's spec its
     rank's heads; ``compiler``: the thread of ``compile="background"``; ``linears``, ``narrow_weights``: as
-    ``SaguaroConfig``'s)."""
+    ``SaguaroConfig``'s; ``quantized``: ``(kind, group size)`` of the ``quantize_weights`` pass, after the base
+    pipeline, or None)."""
     captured = model if isinstance(model, CapturedModel) else capture(model)
-    captured.graph_module = run_pipeline(captured.graph_module, (shard,) if shard is not None else ())
+    extra = ((shard,) if shard is not None else ()) + ((QuantizeWeights(*quantized),) if quantized else ())
+    captured.graph_module = run_pipeline(captured.graph_module, extra)
     if shard is not None:
         captured.spec = shard.local_spec
     width = min(captured.spec.vocab_size, RANK_WIDTH)  # fork / rank / Saguaro-sampling width
@@ -232,7 +237,8 @@ def compile_tensor_parallel(target, draft, cfg: SaguaroConfig):
     if ranks.is_draft:
         def make_server():
             return SpeculationServer(build_runner("draft", draft, cfg.backend, cfg.attention, linears=cfg.linears,
-                                                  narrow_weights=cfg.narrow_weights), cfg)
+                                                  narrow_weights=cfg.narrow_weights,
+                                                  quantized=cfg.quantized("draft")), cfg)
         return DraftRankProgram(cfg, ranks, make_server, spec.vocab_size)
     shard = ShardTensorParallel(spec, Shard(ranks.rank, cfg.tensor_parallel, ranks.target_group.group_name))
     # SSD's rounds always: choosing SD by measured time would need the ranks to agree on one measurement; no CUDA
@@ -283,7 +289,7 @@ def captured_draft_server(description: dict, config: SaguaroConfig) -> Speculati
     captured = load_captured(description, torch.device(description["device"]))
     runner = build_runner("draft", captured, description["backend"], description["attention"],
                           resolve_cuda_graphs(config.cuda_graphs, captured.spec.device),
-                          narrow_weights=config.narrow_weights)
+                          narrow_weights=config.narrow_weights, quantized=config.quantized("draft"))
     return SpeculationServer(runner, config)
 
 
@@ -295,5 +301,5 @@ def draft_server(description: dict, config: SaguaroConfig) -> SpeculationServer:
     model = load_draft(description)
     runner = build_runner("draft", model, description["backend"], description["attention"],
                           resolve_cuda_graphs(config.cuda_graphs, next(model.parameters()).device),
-                          narrow_weights=config.narrow_weights)
+                          narrow_weights=config.narrow_weights, quantized=config.quantized("draft"))
     return SpeculationServer(runner, config)

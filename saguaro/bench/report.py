@@ -33,9 +33,12 @@ def format_table(rows) -> str:
     tokens after each prefill's first over the seconds after it, the rate llama.cpp reports; ``-`` for
     the ``transformers`` rows), mean accepted length, speed-up over AR and over SD
     (ratios of medians), the p99 time per round, and for SSD rows the cache hit rate, the draft wait per
-    round and the overlap efficiency (against the verify alone). A row is named by :func:`row_label`. Under
-    the table, :func:`busy_note` when a row's passes spread over :data:`BUSY_SPREAD_PCT`."""
+    round and the overlap efficiency (against the verify alone); where known (``saguaro.bench.bandwidth``), the
+    weight megabytes a token reads, the GB/s that makes and its share of the read bandwidth measured at the
+    start. A row is named by :func:`row_label`. Under the table, :func:`busy_note` when a row's passes spread
+    over :data:`BUSY_SPREAD_PCT`."""
     with_hits = any(r.get("cache_hit_rate") is not None for r in rows)
+    with_bytes = any(r.get("weight_bytes_per_token") is not None for r in rows)
     labels = [row_label(r) for r in rows]
     width = max([16] + [len(label) + 2 for label in labels])
     header = (f"{'mode':<{width}}{'tokens/s':>10}{'spread':>8}{'decode tok/s':>14}{'accepted len':>14}"
@@ -43,6 +46,8 @@ def format_table(rows) -> str:
               f"{'p99 ms/rd':>11}")
     if with_hits:
         header += f"{'cache hits':>12}{'wait ms/rd':>12}{'overlap eff':>13}"
+    if with_bytes:
+        header += f"{'MB/token':>10}{'GB/s':>8}{'roofline':>10}"
     lines = [header, "-" * len(header)]
     for r, label in zip(rows, labels):
         line = (f"{label:<{width}}{r['tokens_per_s']:>10.1f}{_cell(r.get('spread_pct'), '.1f', 8, '%')}"
@@ -52,6 +57,10 @@ def format_table(rows) -> str:
         if with_hits:
             line += (f"{_cell(r.get('cache_hit_rate'), '.2f', 12)}{_cell(r.get('draft_wait_ms_per_round'), '.2f', 12)}"
                      f"{_cell(r.get('overlap_efficiency'), '.2f', 13)}")
+        if with_bytes:
+            per_token = r.get("weight_bytes_per_token")
+            line += (f"{_cell(per_token / 1e6 if per_token else None, '.1f', 10)}"
+                     f"{_cell(r.get('weight_gbs'), '.1f', 8)}{_cell(r.get('roofline_share'), '.2f', 10)}")
         lines.append(line)
     note = busy_note(rows)
     return "\n".join(lines + ([note] if note else []))

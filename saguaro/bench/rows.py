@@ -41,17 +41,17 @@ def _batches(prompts, batch, pad_id):
 
 
 def compile_for(target, draft, k: int, backend: str = "inductor", sd_when_faster: bool = True,
-                compile: str = "blocking", linears: str = "auto", narrow_weights: bool = True):
+                compile: str = "blocking", linears: str = "auto", narrow_weights: bool = True, **weights):
     """One Program serving every Saguaro row (``ssd`` with a draft, ``ar`` without one); ``sd_when_faster``
     False (``--plan always-ssd``): SSD rows run SSD's own rounds on any machine. A row times blocking
-    programs (``compile="background"`` is for a first, untimed generation); ``linears``, ``narrow_weights``:
-    as ``SaguaroConfig``'s."""
+    programs (``compile="background"`` is for a first, untimed generation); ``linears``, ``narrow_weights`` and
+    ``weights`` (``weights``, ``draft_weights``, ``weight_group_size``): as ``SaguaroConfig``'s."""
     from saguaro.compile import compile as saguaro_compile
 
     start = time.perf_counter()
     program = saguaro_compile(target, draft, k=k, mode="ssd" if draft is not None else "ar", backend=backend,
                               sd_when_faster=sd_when_faster, compile=compile, linears=linears,
-                              narrow_weights=narrow_weights)
+                              narrow_weights=narrow_weights, **weights)
     log.info("compiled in %.1fs", time.perf_counter() - start)
     return program
 

@@ -19,6 +19,7 @@ from dataclasses import asdict
 
 import torch
 
+from saguaro.bench.bandwidth import add_bandwidth, measure_read_gbs
 from saguaro.bench.report import busy_rows
 from saguaro.bench.rows import ALL_MODES, DRAFT_MODES, HF_MODES, SAGUARO_MODES
 from saguaro.bench.passes import add_speedups, interleaved
@@ -54,7 +55,7 @@ class WorkerRow:
         self._process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
                                          text=True, bufsize=1)
         try:
-            self.setup_s = self._answer("ready")
+            self.setup_s = self._answer("ready", "setup_s")  # the worker's own clock: capture, compile, warm-up
         except BaseException:
             self.close()
             raise
@@ -89,11 +90,15 @@ class WorkerRow:
             raise self._failed() from None
         return self._answer(answer)
 
-    def _answer(self, key: str):
+    def _answer(self, key: str, field: str | None = None):
+        """The next answer, which must hold ``key``: its ``key`` value, or its ``field`` value when given."""
         line = self._process.stdout.readline()
         if not line:
             raise self._failed()
-        return json.loads(line)[key]
+        answer = json.loads(line)
+        if key not in answer:
+            raise RuntimeError(f"benchmark row {self.name}: expected a {key!r} answer, got {sorted(answer)}")
+        return answer[key if field is None else field]
 
     def _failed(self) -> RuntimeError:
         code = self._process.wait()
@@ -132,6 +137,10 @@ def run_bench(params: BenchParams, announce=lambda line: None) -> dict:
              if mode not in HF_MODES or backend == backends[0]]
     labels = [f"{mode}[{backend}]" if mode in SAGUARO_MODES and len(backends) > 1 else mode for mode, backend in specs]
     order = interleaved(labels, params.repeats)
+    read_gbs = measure_read_gbs(params.threads) if torch.device(params.device).type == "cpu" else None
+    if read_gbs is not None:
+        announce(f"memory read bandwidth, measured now: {read_gbs:.1f} GB/s on "
+                 f"{params.threads or torch.get_num_threads()} threads (the roofline of the GB/s column)")
     started, compile_s = {}, {}
     try:
         for label, (mode, backend) in zip(labels, specs):
@@ -149,6 +158,8 @@ def run_bench(params: BenchParams, announce=lambda line: None) -> dict:
         for row in started.values():
             row.close()  # waits for each process to exit; ends those of a failed run
     add_speedups(rows, ar=("ar", "ar[eager]"), sd=("sd", f"sd[{backends[-1]}]"))
+    for row in rows:
+        add_bandwidth(row, read_gbs)
     differ = [r["mode"] for r in rows if r.get("prompt_source") != prompts.source]
     if differ:
         log.warning("rows %s did not run on the %s prompts the report names", differ, prompts.source)
@@ -156,7 +167,8 @@ def run_bench(params: BenchParams, announce=lambda line: None) -> dict:
                                "order": order}
     return {
         "config": config,
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "read_gbs": read_gbs},
         "prompts": prompts.describe(),
         "rows": rows,
         "compile_s": compile_s,

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from saguaro.bench.bandwidth import token_bytes
 from saguaro.bench.prompts import PromptSet, prompt_set
 from saguaro.bench.rows import DRAFT_MODES, SAGUARO_MODES, RowTimer, compile_for
 
@@ -53,6 +54,9 @@ class BenchParams:
     repeats: int = 3  # timed passes per row, the rows' passes alternating
     linears: str = "auto"  # SaguaroConfig.linears of the Saguaro rows
     narrow_weights: bool = True  # SaguaroConfig.narrow_weights of the Saguaro rows
+    weights: str = "as-loaded"  # SaguaroConfig.weights / draft_weights / weight_group_size of the Saguaro rows
+    draft_weights: str | None = None
+    weight_group_size: int | None = None
 
     def __post_init__(self):
         if self.repeats < 1:
@@ -88,7 +92,9 @@ class RowSession:
         try:
             if mode in SAGUARO_MODES:
                 self.program = compile_for(target, draft, params.k, backend, sd_when_faster=params.plan != "always-ssd",
-                                           linears=params.linears, narrow_weights=params.narrow_weights)
+                                           linears=params.linears, narrow_weights=params.narrow_weights,
+                                           weights=params.weights, draft_weights=params.draft_weights,
+                                           weight_group_size=params.weight_group_size)
             self.timer = RowTimer(target, draft, self.program, self.prompts.ids, mode, params.k,
                                   params.max_new_tokens, params.temperature, params.batch, params.seed)
             self.timer.warm_up()
@@ -108,6 +114,9 @@ class RowSession:
             if self.params.trace_dir is not None:
                 self.timer.write_trace(self.params.trace_dir, self.backend)
             row = self.timer.row()
+            if self.mode in SAGUARO_MODES:  # from the stages the row built: what it streamed
+                row["weight_bytes_per_token"] = token_bytes(self.program, self.mode, self.params.k,
+                                                            row.get("mean_accepted_len"))
         finally:
             self.close()
         if self.mode in SAGUARO_MODES:

@@ -71,6 +71,13 @@ def add_linears_arg(parser) -> None:
                              "stages; the prefill keeps BLAS), packed, or template: as auto, with SD's verify (and "
                              "SSD's glue and tree) on Inductor's C++ GEMM template over frozen weights, faster there "
                              "but compiled again in every process. Default auto")
+    parser.add_argument("--weights", default="as-loaded", choices=["as-loaded", "int8", "int4"],
+                        help="the target's linear weights (SaguaroConfig.weights): as loaded, or weight-only int8 / "
+                             "int4 (lossless with respect to the quantized target). Default as-loaded")
+    parser.add_argument("--draft-weights", default=None, choices=["as-loaded", "int8", "int4"],
+                        help="the draft's linear weights (SaguaroConfig.draft_weights); default: as --weights")
+    parser.add_argument("--weight-group-size", type=int, default=None,
+                        help="k per scale of quantized weights (default: per output column for int8, 64 for int4)")
     parser.add_argument("--narrow-weights", default="on", choices=["on", "off"],
                         help="on: float32 weights whose values are all float16 (or bfloat16) values are held in that "
                              "dtype in the stages whose linears are packed or reductions, widened inside the kernels: "

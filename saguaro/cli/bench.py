@@ -30,7 +30,8 @@ def run(args) -> int:
         batch=args.batch, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         backend=args.backend, device=args.device, dtype=args.dtype, seed=args.seed, threads=args.threads,
         same_process=args.same_process, trace_dir=args.trace, plan=args.plan, repeats=args.repeats,
-        linears=args.linears, narrow_weights=args.narrow_weights == "on")
+        linears=args.linears, narrow_weights=args.narrow_weights == "on", weights=args.weights,
+        draft_weights=args.draft_weights, weight_group_size=args.weight_group_size)
     report = run_bench(params, announce=lambda line: sys.stdout.write(line + "\n"))
     sys.stdout.write(format_table(report["rows"]) + "\n")
     for mode, reason in report["skipped"].items():

@@ -14,6 +14,7 @@ LANES = ("auto", "thread", "process", "remote")
 ATTENTIONS = ("auto", "op", "inline", "flex", "reduce", "kernel")
 LINEARS = ("auto", "gemm", "reduction", "packed", "template")
 COMPILE_MODES = ("blocking", "background")
+WEIGHTS = ("as-loaded", "int8", "int4")
 MAX_K = 16
 DRAFT_DEVICE_TYPES = ("cpu", "cuda")
 _DEVICE = re.compile(r"([a-z_]+)(?::(\d+))?")  # a torch device string: type[:index]
@@ -73,8 +74,9 @@ class SaguaroConfig:
         ``"reduction"`` (the ``linear_as_reduction`` pass: a product and a sum that Inductor fuses into one
         reduction reading each weight once for all rows), ``"gemm"`` (the BLAS call, as captured) or
         ``"packed"`` (the ``pack_linears`` pass: a C++ kernel built at first use with the machine's instruction
-        set, cached on disk, over each weight packed once in panels of 16 columns, held narrow where
-        ``narrow_weights`` and exact and widened in registers, 6 rows x 16 columns register-blocked, one row
+        set, cached on disk, over each weight packed once in panels of 64 columns, held narrow where
+        ``narrow_weights`` and exact (16-bit weights as loaded) and widened in registers, up to 6 rows x 64
+        columns register-blocked, each thread streaming its panels front to back, one row
         over several panels; the linears of one input joined into one call) or ``"auto"``: for Inductor on
         CPU, packed for every few-row stage and the prefill (where the kernel cannot be built, reduction, and
         BLAS for the prefill); gemm elsewhere (see
@@ -123,6 +125,11 @@ class SaguaroConfig:
     tensor_parallel: None (one process holds the target), or ``N >= 1``: under ``torch.distributed`` with
         ``N + 1`` ranks (``torchrun --nproc-per-node N+1``), ranks ``0..N-1`` hold the target's shards
         (the ``shard_tensor_parallel`` pass) and rank ``N`` the draft (``saguaro.runtime.tensor_parallel``).
+    weights: the target's linear weights: ``"as-loaded"`` (the default), or weight-only ``"int8"`` / ``"int4"``
+        (the ``quantize_weights`` pass; lossless with respect to the quantized target; see ``docs/api.md``).
+    draft_weights: the draft's, the same choices; None (the default) takes ``weights``.
+    weight_group_size: ``k`` per scale of the quantized weights; None: one scale per output column for int8,
+        64 for int4.
     """
 
     k: int = 5
@@ -146,6 +153,9 @@ class SaguaroConfig:
     draft_address: str | None = None
     draft_secret_file: str | None = None
     tensor_parallel: int | None = None
+    weights: str = "as-loaded"
+    draft_weights: str | None = None
+    weight_group_size: int | None = None
 
     def __post_init__(self):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
@@ -186,9 +196,25 @@ class SaguaroConfig:
             raise ConfigError(f"max_seq_len={self.max_seq_len!r} is not allowed: it must be an int >= 2")
         self._check_draft_device()
         self._check_remote()
+        self._check_weights()
         tp = self.tensor_parallel
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise ConfigError(f"tensor_parallel={tp!r} is not allowed: use None or an int >= 1 (target ranks)")
+
+    def _check_weights(self):
+        for field in ("weights", "draft_weights"):
+            value = getattr(self, field)
+            if not (value is None and field == "draft_weights") and (not isinstance(value, str) or value not in WEIGHTS):
+                raise ConfigError(f"{field}={value!r} is not allowed: choose one of {', '.join(WEIGHTS)}")
+        group = self.weight_group_size
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+            raise ConfigError(f"weight_group_size={group!r} is not allowed: use None or a positive int dividing "
+                              "each quantized weight's width")
+
+    def quantized(self, model: str) -> tuple[str, int | None] | None:
+        """``(kind, group size)`` the ``model`` (``"target"`` or ``"draft"``) is quantized with; None: as loaded."""
+        kind = self.weights if model == "target" or self.draft_weights is None else self.draft_weights
+        return None if kind == "as-loaded" else (kind, self.weight_group_size)
 
     def _check_remote(self):
         """``lane="remote"`` and ``draft_address`` come together (``"auto"`` with an address is remote)."""

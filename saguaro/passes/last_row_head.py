@@ -27,6 +27,7 @@ import torch
 from saguaro.capture.graph_file import TensorSpec
 from saguaro.passes.base.graph_pass import EPILOGUE_SPLICED, HEAD_LAST_ROW, GraphPass
 from saguaro.passes.splice_epilogue import LOGITS_NODE
+from saguaro.tensor_math.quantized_linear import QUANTIZED_LINEAR
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def _head(logits: torch.fx.Node) -> tuple[torch.fx.Node | None, list]:
     """The linear the logits come from and the row-local nodes between (logits first); None when another
     operation, or another reader of an intermediate value, stands between."""
     chain, node = [], logits
-    while node.op == "call_function" and node.target is not LINEAR:
+    while node.op == "call_function" and node.target not in (LINEAR, QUANTIZED_LINEAR):
         operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
         if node.target not in ROW_LOCAL or operands != [node.args[0]] or len(node.args[0].users) != 1:
             return None, chain

@@ -5,14 +5,17 @@ weights' bytes. ``linear_as_reduction`` reads each weight once for all rows, but
 row once per activation row; a BLAS GEMM register-blocks the rows but reads float32 weights only. This pass
 rewrites every ``aten.linear(x [..., K], W [N, K], b)`` whose weight is a module attribute as
 
-    x -> [M, K]  ->  saguaro_kernels.packed_linear(x, panels [P, K, 16], N)  ->  [M, N]  ->  [..., N]  (+ b)
+    x -> [M, K]  ->  saguaro_kernels.packed_linear(x, panels [P, K, 64], N)  ->  [M, N]  ->  [..., N]  (+ b)
 
-over the weight packed once into panels of 16 output columns (:func:`~saguaro.tensor_math.packed_linear.pack`)
-held by the stage module; with ``narrow`` the panels hold the weight in float16 (else bfloat16) where every
-value is exactly one (:func:`~saguaro.passes.narrow_weights.narrow_copy`), widened in registers. The kernel
-register-blocks 6 rows x 16 columns and sums each output over K in order with fused multiply-adds in float32,
-so a stage's outputs do not depend on ``narrow`` (bit for bit); they differ from MKL's by rounding (another
-summation order), as ``linear_as_reduction``'s do. Inductor calls the op as an extern kernel from its C++
+over the weight packed once into panels of 64 output columns (:func:`~saguaro.tensor_math.packed_linear.pack`)
+held by the stage module; a float32 weight with ``narrow`` is held in float16 (else bfloat16) where every
+value is exactly one (:func:`~saguaro.passes.narrow_weights.narrow_copy`); a float16 or bfloat16 weight (a model
+loaded in that dtype) is packed as it is, its 16-bit input widened exactly to float32 for the kernel and the
+float32 sums rounded once back, as a 16-bit GEMM accumulating in float32 rounds them. The kernel widens in
+registers and sums each output over K in order with fused multiply-adds in float32, so a stage's outputs do not
+depend on ``narrow`` nor on the number of rows (bit for bit); they differ from MKL's by rounding (another
+summation order), as ``linear_as_reduction``'s do. ``saguaro::quantized_linear`` nodes (``quantize_weights``)
+become ``packed_linear_q`` over their panels as they are held. Inductor calls the op as an extern kernel from its C++
 wrapper. The panels are made once per weight tensor and version and shared by every stage that reads them.
 
 Linears that read one input (an attention layer's q / k / v projections, an MLP's gate / up: the groups
@@ -23,7 +26,8 @@ weight row as column ``n`` of part ``i`` (the kernel computes each column on its
 are kept, not a joined float32 copy.
 
 Requires: nothing (each linear is replaced by its own definition). Guarantees: ``linears_packed``: every
-``aten.linear`` over a 2-D float32 weight attribute with known input ranks is rewritten (others are left as
+``aten.linear`` over a 2-D float32, float16 or bfloat16 weight attribute of its input's dtype with known input
+ranks, and every ``saguaro::quantized_linear``, is rewritten (others are left as
 they were, with a warning).
 """
 
@@ -39,17 +43,19 @@ from saguaro.passes.base.graph_splice import PassError, drop_unread_attributes, 
 from saguaro.passes.fuse_projections import groups, slice_back
 from saguaro.passes.narrow_weights import SAGUARO_PREFIX, exact_narrow, version
 from saguaro.tensor_math.packed_linear import available, pack, unavailable_reason
+from saguaro.tensor_math.quantized_linear import QUANTIZED_LINEAR
 
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 LINEAR = aten.linear.default
 ATTRIBUTE_PREFIX = SAGUARO_PREFIX + "panels_"  # the stage module's buffer holding a weight's panels
 _PACKED = WeakIdKeyDictionary()  # float32 weight (a group's first) -> {(the versions of its group, narrow): panels}
 
 
 def panels(weight: torch.Tensor, narrow: bool, *others: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]``'s panels ``[P, K, 16]`` (with ``others``: those of ``weight`` and ``others``
+    """``weight [N, K]``'s panels ``[P, K, 64]`` (with ``others``: those of ``weight`` and ``others``
     concatenated along N): float16 / bfloat16 where ``narrow`` and every value is exactly one, else float32;
     made once per group of tensors, their versions and ``narrow``. No narrow or joined copy is kept."""
     parts = (weight, *others)
@@ -59,7 +65,7 @@ def panels(weight: torch.Tensor, narrow: bool, *others: torch.Tensor) -> torch.T
         known.pop(next((k for k in known if k[0] == key[0]), None), None)  # an older version's panels are stale
         with torch.no_grad():
             whole = torch.cat([t.detach() for t in parts]) if others else weight.detach()  # [N, K]
-            source = exact_narrow(whole) if narrow else None
+            source = exact_narrow(whole) if narrow and whole.dtype == torch.float32 else None
             known[key] = pack(whole if source is None else source)
     return known[key]
 
@@ -69,12 +75,17 @@ def _value_shape(node) -> tuple | None:
     return tuple(shape) if isinstance(shape, (tuple, torch.Size)) else None
 
 
+PACKED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the weights the kernel reads as they are
+
+
 def _float32_weight(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.Tensor | None:
-    """The weight of linear ``node`` when it is a 2-D float32 attribute of ``gm`` its input's last size fits."""
+    """The weight of linear ``node`` when it is a 2-D float32, float16 or bfloat16 attribute of ``gm`` whose
+    dtype its input's matches and whose width its input's last size fits."""
     weight_node, x_shape = node.args[1], _value_shape(node.args[0])
     weight = get_attribute(gm, weight_node.target) if weight_node.op == "get_attr" else None
-    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != torch.float32
-            or not x_shape or x_shape[-1] != weight.shape[1]):
+    x_dtype = getattr(node.args[0].meta.get("val"), "dtype", None) if isinstance(node.args[0], torch.fx.Node) else None
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in PACKED_DTYPES
+            or x_dtype not in (None, weight.dtype) or not x_shape or x_shape[-1] != weight.shape[1]):
         return None
     return weight
 
@@ -83,12 +94,24 @@ def _bias(node: torch.fx.Node):
     return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
 
 
-def _packed_call(graph: torch.fx.Graph, x: torch.fx.Node, panels_name: str, n: int, k: int) -> torch.fx.Node:
-    """Nodes computing ``x [..., K]`` times the weight the panels ``panels_name`` hold: ``[..., N]``."""
+def _packed_call(graph: torch.fx.Graph, x: torch.fx.Node, panels_name: str, n: int, k: int,
+                 dtype: torch.dtype = torch.float32, scales_name: str | None = None) -> torch.fx.Node:
+    """Nodes computing ``x [..., K]`` times the weight the panels ``panels_name`` hold: ``[..., N]``. A 16-bit
+    ``x`` (``dtype``: the model's) is widened exactly to float32 for the kernel and its float32 sums rounded once
+    to ``dtype``, as a 16-bit GEMM accumulating in float32 rounds them. With ``scales_name`` the panels are
+    quantized ones (``quantize_weights``'), read by ``packed_linear_q``."""
     call = graph.call_function
     leading = [call(aten.sym_size.int, (x, d)) for d in range(len(_value_shape(x)) - 1)]  # the sizes of x's "..."
     rows = call(aten.reshape.default, (x, [-1, k]))  # [M, K]
-    out = call(torch.ops.saguaro_kernels.packed_linear.default, (rows, graph.get_attr(panels_name), n))  # [M, N]
+    if dtype != torch.float32:
+        rows = call(prims.convert_element_type.default, (rows, torch.float32))
+    if scales_name is None:
+        out = call(torch.ops.saguaro_kernels.packed_linear.default, (rows, graph.get_attr(panels_name), n))  # [M, N]
+    else:
+        out = call(torch.ops.saguaro_kernels.packed_linear_q.default,
+                   (rows, graph.get_attr(panels_name), graph.get_attr(scales_name), n))  # [M, N]
+    if dtype != torch.float32:
+        out = call(prims.convert_element_type.default, (out, dtype))
     return call(aten.reshape.default, (out, [*leading, n]))  # [..., N]
 
 
@@ -100,7 +123,7 @@ def pack_linears(gm: torch.fx.GraphModule, narrow: bool = True, join: bool = Tru
     graph = gm.graph
     linears = [n for n in graph.nodes if n.op == "call_function" and n.target is LINEAR]
     names: dict = {}  # weight attribute -> its panels' buffer (a weight read by several linears)
-    rewritten, panel_bytes, calls = 0, 0, 0
+    rewritten, panel_bytes, calls, quantized = 0, 0, 0, 0
     joined: set = set()  # the linears a joined call replaced
 
     def hold(name: str, held: torch.Tensor) -> None:
@@ -119,7 +142,8 @@ def pack_linears(gm: torch.fx.GraphModule, narrow: bool = True, join: bool = Tru
         names.update((node.args[1].target, name) for node in nodes)
         widths = [w.shape[0] for w in weights]
         with graph.inserting_before(nodes[0]):
-            out = _packed_call(graph, nodes[0].args[0], name, sum(widths), weights[0].shape[1])  # [..., sum N_i]
+            out = _packed_call(graph, nodes[0].args[0], name, sum(widths), weights[0].shape[1],
+                              weights[0].dtype)  # [..., sum N_i]
             if _bias(nodes[0]) is not None:  # all present (groups' key): added joined
                 biases = [graph.get_attr(_bias(node).target) for node in nodes]
                 out = graph.call_function(aten.add.Tensor, (out, graph.call_function(aten.cat.default, (biases,))))
@@ -134,18 +158,30 @@ def pack_linears(gm: torch.fx.GraphModule, narrow: bool = True, join: bool = Tru
             name = names[weight_node.target] = ATTRIBUTE_PREFIX + weight_node.target.replace(".", "_")
             hold(name, panels(weight, narrow))
         with graph.inserting_before(node):
-            out = _packed_call(graph, node.args[0], name, *weight.shape)  # [..., N]
+            out = _packed_call(graph, node.args[0], name, *weight.shape, weight.dtype)  # [..., N]
             if bias is not None:
                 out = graph.call_function(aten.add.Tensor, (out, bias))
         out.meta.update({key: v for key, v in node.meta.items() if key in ("val", "tensor_meta", "stack_trace")})
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         rewritten, calls = rewritten + 1, calls + 1
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is QUANTIZED_LINEAR]:
+        x, packed, scales, n, *rest = node.args  # quantize_weights' panels: the kernel reads them as they are
+        bias = rest[0] if rest else node.kwargs.get("bias")
+        dtype = getattr(x.meta.get("val"), "dtype", torch.float32)
+        with graph.inserting_before(node):
+            out = _packed_call(graph, x, packed.target, n, _value_shape(x)[-1], dtype, scales.target)  # [..., N]
+            if bias is not None:
+                out = graph.call_function(aten.add.Tensor, (out, bias))
+        out.meta.update({key: v for key, v in node.meta.items() if key in ("val", "tensor_meta", "stack_trace")})
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        rewritten, calls, quantized = rewritten + 1, calls + 1, quantized + 1
     for node in list(graph.nodes):  # the float32 weights' reads no linear takes now
         if node.op == "get_attr" and not node.users and not node.target.startswith(ATTRIBUTE_PREFIX):
             graph.erase_node(node)
     dropped = drop_unread_attributes(gm, names)  # the stage module holds the panels only
-    if rewritten != len(linears):
+    if rewritten - quantized != len(linears):
         log.warning("pack_linears: %d of %d linears left as they were (not a 2-D float32 weight attribute of "
                     "known input rank)", len(linears) - rewritten, len(linears))
     graph.lint()

@@ -1,14 +1,17 @@
-"""A linear layer of few rows over a weight packed once, read in float32, float16 or bfloat16: the op
-``torch.ops.saguaro_kernels.packed_linear(x [M, K], packed [P, K, 16], n) -> [M, n]``.
+"""A linear layer of few rows over a weight packed once, read in float32, float16, bfloat16, int8 or int4: the ops
+``torch.ops.saguaro_kernels.packed_linear(x [M, K], packed [P, K, 64], n) -> [M, n]`` and
+``torch.ops.saguaro_kernels.packed_linear_q(x [M, K], packed, scales [P, G, 64], n) -> [M, n]``.
 
 A verify, glue or tree stage multiplies a handful of rows (``K+1``, ``MQ``) by every weight of the model, so
 its time is the weights' bytes. The kernel (``packed_linear.cpp``) reads each weight from a panel layout
-(:func:`pack`: 16 output columns a panel, ``[P, K, 16]``, made once per weight) in the dtype it is held in,
-widens it in registers, and sums each output over ``k = 0 .. K-1`` in order with fused multiply-adds in
-float32: the result does not depend on the storage dtype (a float16-held weight gives the float32 weight's
-outputs bit for bit), the vector width (the scalar loop, ``packed_linear_scalar``, gives the same bits) or the
-thread count. One or two rows (AR's round, the draft's steps) run against several panels at once, so their
-multiply-adds do not wait on one another. Inductor calls it as an extern kernel (from its C++ wrapper through
+(:func:`pack`: 64 output columns a panel, ``[P, K, 64]``, made once per weight, so each thread streams its
+panels front to back) in the dtype it is held in, widens it in registers, and sums each output over
+``k = 0 .. K-1`` in order with fused multiply-adds in float32: the result does not depend on the storage dtype
+(a float16-held weight gives the float32 weight's outputs bit for bit), the vector width (the scalar loop,
+``packed_linear_scalar``, gives the same bits), the number of rows or the thread count. Quantized panels
+(:mod:`~saguaro.tensor_math.quantized_linear`: int8, or int4 two to a byte, with a float32 scale per group of
+``k`` and column) widen each weight to ``float(q) * scale`` before its multiply-add: the outputs are the
+dequantized weight's bit for bit. Inductor calls the ops as extern kernels (from its C++ wrapper through
 the dispatcher).
 
 The C++ sources of the ``saguaro_kernels`` library (this kernel's and ``masked_attention.cpp``'s, see
@@ -33,7 +36,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-PANEL = 16  # output columns a panel holds (NB in the C++ source)
+PANEL = 64  # output columns a panel holds (NB in the C++ source)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.cpp", "masked_attention.cpp"))
 # included by the sources: part of the build's name
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("stable_tensors.h", "packed_weights.h"))
@@ -102,10 +105,16 @@ def unavailable_reason() -> str | None:
 def _register_fakes() -> None:
     for name in ("packed_linear", "packed_linear_scalar"):
         torch.library.register_fake(f"saguaro_kernels::{name}")(_fake)
+    for name in ("packed_linear_q", "packed_linear_q_scalar"):
+        torch.library.register_fake(f"saguaro_kernels::{name}")(_fake_quantized)
     torch.library.register_fake("saguaro_kernels::masked_attention")(_fake_attention)
 
 
 def _fake(x, packed, n):
+    return x.new_empty((x.shape[0], n))  # [M, n]
+
+
+def _fake_quantized(x, packed, scales, n):
     return x.new_empty((x.shape[0], n))  # [M, n]
 
 
@@ -118,15 +127,41 @@ def vectorised() -> bool:
     return available() and bool(torch.ops.saguaro_kernels.vectorised())
 
 
+def read_bandwidth(megabytes: int = 1024, passes: int = 3) -> float:
+    """The machine's memory read bandwidth in GB/s, measured now: the best of ``passes`` reads of a ``megabytes``
+    buffer (far past any last-level cache) by the kernel library's ``stream_read``, on torch's intra-op threads,
+    split as the packed linears split their panels. What a few-row linear's weight stream is held against (its
+    roofline share). Raises ``RuntimeError`` where the library could not be built."""
+    import time
+
+    if not available():
+        raise RuntimeError(f"read_bandwidth needs the kernel library: {unavailable_reason()}")
+    buffer = torch.ones(megabytes * 2**20 // 8, dtype=torch.float64, device="cpu")  # touched: pages mapped
+    torch.ops.saguaro_kernels.stream_read(buffer)
+    best = float("inf")
+    for _ in range(passes):
+        started = time.perf_counter()
+        torch.ops.saguaro_kernels.stream_read(buffer)
+        best = min(best, time.perf_counter() - started)
+    return buffer.numel() * 8 / best / 1e9
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` (any of float32, float16, bfloat16) as panels ``[ceil(N/16), K, 16]`` of the same dtype:
-    panel ``p`` holds rows ``16p .. 16p+15`` transposed, the rows past ``N`` zero."""
+    """``weight [N, K]`` (any of float32, float16, bfloat16, int8) as panels ``[ceil(N/64), K, 64]`` of the same
+    dtype: panel ``p`` holds rows ``64p .. 64p+63`` transposed, the rows past ``N`` zero."""
     n, k = weight.shape
     panels = -(-n // PANEL)
     with torch.no_grad():
         padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype, device=weight.device)  # [P*16, K]
         padded[:n] = weight
-        return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()  # [P, K, 16]
+        return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()  # [P, K, 64]
+
+
+def packed_linear_q(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """``x [M, K]`` float32 times the quantized weight ``(packed, scales)`` hold
+    (:func:`~saguaro.tensor_math.quantized_linear.pack_quantized`), transposed: ``[M, n]`` float32, equal bit for
+    bit to :func:`packed_linear` over the dequantized weight."""
+    return torch.ops.saguaro_kernels.packed_linear_q(x, packed, scales, n)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:

@@ -276,3 +276,24 @@ def test_weights_are_written_once_outside_the_packages(exported):
     assert sorted(p.name for p in (native / "weights").iterdir()) == ["target.safetensors"]
     assert set(manifest["files"]) == {p.relative_to(native).as_posix() for p in native.rglob("*")
                                       if p.is_file() and p.name != "manifest.json"}
+
+
+@pytest.mark.heavy
+def test_a_quantized_program_survives_export_and_load_in_a_fresh_process(tmp_path):
+    """int4 weights (the nibble panels and their scales in the weights file, unpacked by the stages' aten form):
+    the loaded program's greedy AR and SD give the original program's tokens, which are the quantized target's."""
+    target = tiny_target("llama")
+    program = saguaro.compile(target, truncated_draft(target), k=3, mode="sd", attention="inline", lane="thread",
+                              backend="eager", sd_when_faster=False, weights="int4")
+    program.export(tmp_path / "int4", native=False, modes=["ar", "sd"], sampling=False)
+    manifest = json.loads((tmp_path / "int4" / "manifest.json").read_text())
+    assert manifest["config"]["weights"] == "int4"
+    runs = [dict(path=str(tmp_path / "int4"), mode=m, temperature=0.0) for m in ("ar", "sd")]
+    result = run_loader(runs)
+    ids, mask = prompts(2, 7, seed=1, pad_rows={1: 2})
+    original = program.generate(ids, attention_mask=mask, max_new_tokens=12, mode="ar", eos_token_id=None).sequences
+    program.close()
+    # the quantization shows: these seeded weights' int4 tokens are not the float target's
+    assert not torch.equal(original, reference_greedy(target, ids, mask, max_new_tokens=12))
+    for tokens in result["tokens"]:
+        assert torch.equal(torch.tensor(tokens), original)

@@ -53,7 +53,7 @@ def test_rows_from_a_fake_build_are_medians_of_alternating_passes(tmp_path, monk
     _program(bin_dir / "llama-speculative", 'if [ "$1" = --help ]; then echo "--spec-draft-n-max N"; exit 0; fi\n'
              f'echo "s $*" >> {calls}; printf "{SPECULATIVE_OUT.format(n=50, s="0.100")}"\n')
     prompts = [str(tmp_path / "p0.txt")]
-    monkeypatch.setattr(llama_cpp, "write_prompts", lambda count, new, workdir: prompts)
+    monkeypatch.setattr(llama_cpp, "write_prompts", lambda count, new, workdir, target, draft: prompts)
     out = tmp_path / "r.json"
     assert llama_cpp.main(["--llama-cpp", str(tmp_path / "build"), "--target-gguf", "t.gguf", "--draft-gguf",
                            "d.gguf", "--threads", "1,2", "--repeats", "3", "--saguaro-modes", "",
@@ -155,3 +155,17 @@ def test_saguaro_rows_load_the_pair_in_the_dtype_asked_for(monkeypatch):
         assert started == [(expected, "ar"), (expected, "sd")]
     with pytest.raises(SystemExit):
         llama_cpp.parse_args(["--dtype", "int8"])
+
+
+def test_saguaro_rows_take_the_pairs_folders_and_quantized_weights(monkeypatch):
+    started = []
+    monkeypatch.setattr(importlib.import_module("saguaro.bench.run"), "start_row",
+                        lambda params, mode, backend: started.append((params.target, params.draft, params.weights))
+                        or mode)
+    args = llama_cpp.parse_args(["--saguaro-modes", "ar", "--target", "pairs/t", "--draft", "pairs/d",
+                                 "--weights", "int8"])
+    assert llama_cpp.start_saguaro_rows(args, 2) == {"saguaro ar": "ar"}
+    assert started == [("pairs/t", "pairs/d", "int8")]
+    assert llama_cpp.parse_args([]).weights == "as-loaded"
+    with pytest.raises(SystemExit):
+        llama_cpp.parse_args(["--weights", "int3"])

@@ -40,8 +40,11 @@ def test_the_kernel_gives_the_same_bits_from_any_panel_dtype_and_either_loop(row
         assert torch.equal(pl.packed_linear(x, pl.pack(narrow), n), want)
         assert torch.equal(torch.ops.saguaro_kernels.packed_linear_scalar(x, pl.pack(narrow), n), want)
         torch.testing.assert_close(want, x @ narrow.float().T, rtol=1e-5, atol=1e-4 * float(narrow.float().abs().max()))
-    with pytest.raises(RuntimeError, match="packed must be a contiguous"):
-        pl.packed_linear(x, pl.pack(half)[:, :-1], n)
+    panels = pl.pack(half)
+    with pytest.raises(RuntimeError, match="packed must be a contiguous"):  # the right shape, strided
+        pl.packed_linear(x, torch.cat([panels, panels], 2)[..., :pl.PANEL], n)
+    with pytest.raises(RuntimeError, match="panel tensor of x's K"):
+        pl.packed_linear(x, panels[:, :-1].contiguous(), n)
 
 
 def _rounded(model, dtype=torch.float16):
@@ -159,7 +162,7 @@ def test_the_program_s_weights_are_reported_and_packed_stages_hold_only_their_pa
     assert target_forms["as loaded"] == loaded  # held once, by the captured graph (the prefill reads them)
     linear_f32 = sum(m.weight.numel() * 4 for m in target.modules() if isinstance(m, torch.nn.Linear))
     panel_bytes = target_forms["panels"]
-    assert linear_f32 / 2 <= panel_bytes < linear_f32  # float16 panels: half, padded to 16 columns
+    assert linear_f32 / 2 <= panel_bytes < linear_f32  # float16 panels: half, padded to 64 columns
     assert report["total_bytes"] == sum(report["by_form"].values()) == sum(report["by_dtype"].values())
     assert report["by_dtype"]["float16"] >= panel_bytes
     verify = report["models"]["target"]["stages"][TARGET_VERIFY_ROUND.qualified]

@@ -36,6 +36,7 @@ WEIGHTS_NARROWED = "weights_narrowed"
 PROJECTIONS_FUSED = "projections_fused"
 LINEARS_PACKED = "linears_packed"
 HEAD_LAST_ROW = "head_last_row"
+WEIGHTS_QUANTIZED = "weights_quantized"
 FACTS = {
     GENERIC_MASK: "one saguaro::attention_mask node per layer kind (capture)",
     LOGITS_OUTPUT: "the logits [B, T, V] are the graph's only output (capture)",
@@ -50,6 +51,7 @@ FACTS = {
     WEIGHTS_NARROWED: "float32 weights exactly float16 / bfloat16 stored so, widened where read (narrow_weights)",
     LINEARS_PACKED: "each linear the packed few-row kernel over its weight's panels, narrow where exact (pack_linears)",
     HEAD_LAST_ROW: "the LM head over the last row alone where only its logits are read (last_row_head)",
+    WEIGHTS_QUANTIZED: "each linear's weight int8 / int4 panels, read by saguaro::quantized_linear (quantize_weights)",
 }
 
 RECORD_KEY = "saguaro_pass_record"
