@@ -76,3 +76,17 @@ def test_main_dispatches_to_the_registered_run_and_turns_value_errors_into_statu
     assert cli_main.main(["fake"]) == 7
     assert cli_main.main(["fake", "--fail"]) == 2
     assert capsys.readouterr().err == "saguaro: error: --fail given: nothing to do\n"
+
+
+def test_bench_generate_and_serve_take_the_weight_options():
+    from saguaro.cli.args import weight_options
+
+    parser = cli_main.build_parser()
+    for command in (["bench"], ["generate", "--prompt", "x"], ["serve"]):
+        args = parser.parse_args([*command, "--weights", "int4", "--draft-weights", "as-loaded",
+                                  "--weight-group-size", "32"])
+        assert weight_options(args) == {"weights": "int4", "draft_weights": "as-loaded", "weight_group_size": 32}
+        assert weight_options(parser.parse_args(command)) == {"weights": "as-loaded", "draft_weights": None,
+                                                              "weight_group_size": None}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--weights", "int3"])

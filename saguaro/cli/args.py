@@ -85,6 +85,11 @@ def add_linears_arg(parser) -> None:
                              "Default on")
 
 
+def weight_options(args) -> dict:
+    """The ``SaguaroConfig`` weight fields ``--weights``, ``--draft-weights`` and ``--weight-group-size`` ask for."""
+    return {"weights": args.weights, "draft_weights": args.draft_weights, "weight_group_size": args.weight_group_size}
+
+
 def sd_when_faster(args) -> bool:
     """The ``sd_when_faster`` option ``--plan`` asks for."""
     return args.plan != "always-ssd"

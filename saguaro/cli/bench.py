@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from saguaro.cli.args import add_bench_args, add_linears_arg, add_model_args, add_plan_arg, sd_when_faster
+from saguaro.cli.args import (add_bench_args, add_linears_arg, add_model_args, add_plan_arg, sd_when_faster,
+                              weight_options)
 from saguaro.cli.program import add_program_arg, check_program_args, load_program
 from saguaro.cli.registry import Subcommand
 
@@ -30,8 +31,7 @@ def run(args) -> int:
         batch=args.batch, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         backend=args.backend, device=args.device, dtype=args.dtype, seed=args.seed, threads=args.threads,
         same_process=args.same_process, trace_dir=args.trace, plan=args.plan, repeats=args.repeats,
-        linears=args.linears, narrow_weights=args.narrow_weights == "on", weights=args.weights,
-        draft_weights=args.draft_weights, weight_group_size=args.weight_group_size)
+        linears=args.linears, narrow_weights=args.narrow_weights == "on", **weight_options(args))
     report = run_bench(params, announce=lambda line: sys.stdout.write(line + "\n"))
     sys.stdout.write(format_table(report["rows"]) + "\n")
     for mode, reason in report["skipped"].items():

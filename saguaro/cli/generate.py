@@ -11,7 +11,7 @@ import sys
 import threading
 from contextlib import contextmanager
 
-from saguaro.cli.args import add_linears_arg, add_model_args, add_plan_arg, sd_when_faster
+from saguaro.cli.args import add_linears_arg, add_model_args, add_plan_arg, sd_when_faster, weight_options
 from saguaro.cli.program import add_program_arg, check_program_args, load_program
 from saguaro.cli.registry import Subcommand
 from saguaro.core.config import COMPILE_MODES, MODES
@@ -61,7 +61,7 @@ def run(args) -> int:
             draft = None  # AR never runs the draft: do not capture it
         program = saguaro_compile(target, draft, k=args.k, mode=args.mode, backend=args.backend,
                                   compile=args.compile, sd_when_faster=sd_when_faster(args), linears=args.linears,
-                                  narrow_weights=args.narrow_weights == "on")
+                                  narrow_weights=args.narrow_weights == "on", **weight_options(args))
     if not sd_when_faster(args) and args.program is not None:
         program = program.reconfigure(sd_when_faster=False)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids

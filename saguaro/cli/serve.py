@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from saguaro.cli.args import add_linears_arg, add_plan_arg, int_at_least, sd_when_faster
+from saguaro.cli.args import add_linears_arg, add_plan_arg, int_at_least, sd_when_faster, weight_options
 from saguaro.cli.program import add_program_arg, check_program_args, load_program
 from saguaro.cli.registry import Subcommand
 from saguaro.core.config import MAX_K, MODES
@@ -58,7 +58,7 @@ def build_program(args):
                                          dtype=DTYPES[args.dtype], device=args.device)
     program = saguaro_compile(target, None if args.mode == "ar" else draft, k=args.k, mode=args.mode,
                               backend=args.backend, sd_when_faster=sd_when_faster(args), linears=args.linears,
-                              narrow_weights=args.narrow_weights == "on")
+                              narrow_weights=args.narrow_weights == "on", **weight_options(args))
     name = Path(args.target).name if args.target else "saguaro-default-pair"
     return program, tokenizer, name
 

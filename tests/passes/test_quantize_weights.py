@@ -96,3 +96,25 @@ def test_bad_weight_options_are_refused_by_name(config, match):
 def test_a_group_size_that_does_not_divide_a_width_names_the_weight():
     with pytest.raises(ValueError, match=r"weight_group_size=48 cannot quantize .*q_proj.* \[64, 64\].*does not divide"):
         saguaro.compile(tiny_target("llama"), None, mode="ar", backend="eager", weights="int8", weight_group_size=48)
+
+
+@pytest.mark.heavy
+@pytest.mark.skipif(not pl.available(), reason="the packed kernel could not be built here")
+def test_inductor_runs_quantized_weights_on_the_packed_kernel_and_stays_exact():
+    """Inductor's stages on a CPU read the int4 panels through ``packed_linear_q`` (no dequantized copy), and
+    greedy AR, SD and SSD still give ``generate``'s tokens for the dequantized model."""
+    target, draft = _pair("qwen2")
+    ids, mask = prompts(2, 7)
+    want = reference_greedy(_dequantized(target, "int4"), ids, mask, 12)
+    program = saguaro.compile(target, draft, k=3, mode="sd", backend="inductor", weights="int4")
+    for mode in ("ar", "sd", "ssd"):
+        got = program.generate(ids, attention_mask=mask, max_new_tokens=12, mode=mode).sequences
+        assert torch.equal(got, want), (mode, got, want)
+    graphs = [gm for fn in program.runner("target").built_stages.values()
+              for gm in (fn, getattr(fn, "gm", None), getattr(getattr(fn, "compiled", None), "gm", None))
+              if isinstance(gm, torch.fx.GraphModule)]
+    assert graphs, "no stage graph to look at"
+    for gm in graphs:  # every stage, the prefill's included, on the kernel
+        targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+        assert torch.ops.saguaro_kernels.packed_linear_q.default in targets and QUANTIZED_LINEAR not in targets
+    program.close()
