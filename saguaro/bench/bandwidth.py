@@ -40,20 +40,13 @@ def stream_bytes(gm: torch.fx.GraphModule) -> int:
     return total
 
 
-def _graph_modules(fn):
-    for candidate in (fn, getattr(fn, "gm", None), getattr(getattr(fn, "compiled", None), "gm", None)):
-        if isinstance(candidate, torch.fx.GraphModule):
-            yield candidate
-
-
 def model_stream_bytes(program, model: str) -> int | None:
     """The most bytes one decode stage (not the prefill) of ``model`` built so far streams a call; None when the
     program has no such model or stage (a loaded artifact's stages hold no graph)."""
     runner = program.runner(model) if program is not None else None
     if runner is None:
         return None
-    sizes = [stream_bytes(gm) for stage, fn in runner.built_stages.items() if stage.family != TARGET_PREFILL.family
-             for gm in _graph_modules(fn)]
+    sizes = [stream_bytes(gm) for stage, gm in runner.stage_graphs() if stage.family != TARGET_PREFILL.family]
     return max(sizes) if sizes else None
 
 

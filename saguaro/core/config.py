@@ -202,10 +202,11 @@ class SaguaroConfig:
             raise ConfigError(f"tensor_parallel={tp!r} is not allowed: use None or an int >= 1 (target ranks)")
 
     def _check_weights(self):
-        for field in ("weights", "draft_weights"):
-            value = getattr(self, field)
-            if not (value is None and field == "draft_weights") and (not isinstance(value, str) or value not in WEIGHTS):
-                raise ConfigError(f"{field}={value!r} is not allowed: choose one of {', '.join(WEIGHTS)}")
+        for field, value, allowed in (("weights", self.weights, WEIGHTS),
+                                      ("draft_weights", self.draft_weights, (None, *WEIGHTS))):
+            if not (value is None or isinstance(value, str)) or value not in allowed:
+                raise ConfigError(f"{field}={value!r} is not allowed: choose one of {', '.join(WEIGHTS)}"
+                                  + (" (or None: as weights)" if None in allowed else ""))
         group = self.weight_group_size
         if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
             raise ConfigError(f"weight_group_size={group!r} is not allowed: use None or a positive int dividing "

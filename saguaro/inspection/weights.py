@@ -15,16 +15,6 @@ from saguaro.passes.narrow_weights import ATTRIBUTE_PREFIX as NARROW_PREFIX
 from saguaro.passes.pack_linears import ATTRIBUTE_PREFIX as PANEL_PREFIX
 
 
-def _modules_of(fn) -> list[torch.fx.GraphModule]:
-    """The GraphModules behind a built stage: itself (eager), or a compiled / tiered stage's ``gm`` (and the
-    eager graph a tiered stage runs while it compiles)."""
-    found = []
-    for candidate in (fn, getattr(fn, "gm", None), getattr(getattr(fn, "compiled", None), "gm", None)):
-        if isinstance(candidate, torch.fx.GraphModule) and all(candidate is not m for m in found):
-            found.append(candidate)
-    return found
-
-
 def _form(name: str) -> str:
     if PANEL_PREFIX in name:
         return "panels"
@@ -51,7 +41,7 @@ def program_weights(program) -> dict:
             continue
         entry = models[model] = {"bytes": 0, "by_form": {}, "stages": {}}
         sources = [("captured", runner.captured.graph_module)]
-        sources += [(stage.qualified, gm) for stage, fn in runner.built_stages.items() for gm in _modules_of(fn)]
+        sources += [(stage.qualified, gm) for stage, gm in runner.stage_graphs()]
         for label, gm in sources:
             read = 0
             for name, tensor in _tensors(gm):

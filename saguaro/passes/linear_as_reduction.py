@@ -31,7 +31,7 @@ import logging
 import torch
 
 from saguaro.passes.base.graph_pass import LINEARS_AS_REDUCTIONS, GraphPass
-from saguaro.passes.base.graph_splice import get_attribute
+from saguaro.passes.base.graph_splice import get_attribute, replace_node
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,7 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
         out = call(aten.reshape.default, (summed, [*leading, n]))  # [..., N]
         if bias is not None:
             out = call(aten.add.Tensor, (out, bias))
-    out.meta.update({key: v for key, v in node.meta.items() if key in ("val", "tensor_meta", "stack_trace")})
-    node.replace_all_uses_with(out)
-    graph.erase_node(node)
+    replace_node(graph, node, out)
     return True
 
 

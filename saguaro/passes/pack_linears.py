@@ -39,7 +39,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from saguaro.passes.base.graph_pass import LINEARS_PACKED, GraphPass
-from saguaro.passes.base.graph_splice import PassError, drop_unread_attributes, get_attribute
+from saguaro.passes.base.graph_splice import PassError, drop_unread_attributes, get_attribute, replace_node
 from saguaro.passes.fuse_projections import groups, slice_back
 from saguaro.passes.narrow_weights import SAGUARO_PREFIX, exact_narrow, version
 from saguaro.tensor_math.packed_linear import available, pack, unavailable_reason
@@ -78,7 +78,7 @@ def _value_shape(node) -> tuple | None:
 PACKED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the weights the kernel reads as they are
 
 
-def _float32_weight(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.Tensor | None:
+def _packable_weight(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.Tensor | None:
     """The weight of linear ``node`` when it is a 2-D float32, float16 or bfloat16 attribute of ``gm`` whose
     dtype its input's matches and whose width its input's last size fits."""
     weight_node, x_shape = node.args[1], _value_shape(node.args[0])
@@ -134,7 +134,7 @@ def pack_linears(gm: torch.fx.GraphModule, narrow: bool = True, join: bool = Tru
         panel_bytes += held.numel() * held.element_size()
 
     for nodes in groups(gm) if join else []:  # the linears of one input, each a float32 weight: one call
-        weights = [_float32_weight(gm, node) for node in nodes]
+        weights = [_packable_weight(gm, node) for node in nodes]
         if any(w is None for w in weights):
             continue
         name = ATTRIBUTE_PREFIX + "joined_" + nodes[0].args[1].target.replace(".", "_")
@@ -150,7 +150,7 @@ def pack_linears(gm: torch.fx.GraphModule, narrow: bool = True, join: bool = Tru
         slice_back(graph, out, nodes, widths)
         joined.update(nodes)
         rewritten, calls = rewritten + len(nodes), calls + 1
-    others = [(n, w) for n in linears if n not in joined and (w := _float32_weight(gm, n)) is not None]
+    others = [(n, w) for n in linears if n not in joined and (w := _packable_weight(gm, n)) is not None]
     for node, weight in others:
         weight_node, bias = node.args[1], _bias(node)
         name = names.get(weight_node.target)
@@ -161,9 +161,7 @@ def pack_linears(gm: torch.fx.GraphModule, narrow: bool = True, join: bool = Tru
             out = _packed_call(graph, node.args[0], name, *weight.shape, weight.dtype)  # [..., N]
             if bias is not None:
                 out = graph.call_function(aten.add.Tensor, (out, bias))
-        out.meta.update({key: v for key, v in node.meta.items() if key in ("val", "tensor_meta", "stack_trace")})
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
+        replace_node(graph, node, out)
         rewritten, calls = rewritten + 1, calls + 1
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target is QUANTIZED_LINEAR]:
         x, packed, scales, n, *rest = node.args  # quantize_weights' panels: the kernel reads them as they are
@@ -173,21 +171,20 @@ def pack_linears(gm: torch.fx.GraphModule, narrow: bool = True, join: bool = Tru
             out = _packed_call(graph, x, packed.target, n, _value_shape(x)[-1], dtype, scales.target)  # [..., N]
             if bias is not None:
                 out = graph.call_function(aten.add.Tensor, (out, bias))
-        out.meta.update({key: v for key, v in node.meta.items() if key in ("val", "tensor_meta", "stack_trace")})
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
-        rewritten, calls, quantized = rewritten + 1, calls + 1, quantized + 1
+        replace_node(graph, node, out)
+        calls, quantized = calls + 1, quantized + 1
     for node in list(graph.nodes):  # the float32 weights' reads no linear takes now
         if node.op == "get_attr" and not node.users and not node.target.startswith(ATTRIBUTE_PREFIX):
             graph.erase_node(node)
     dropped = drop_unread_attributes(gm, names)  # the stage module holds the panels only
-    if rewritten - quantized != len(linears):
-        log.warning("pack_linears: %d of %d linears left as they were (not a 2-D float32 weight attribute of "
-                    "known input rank)", len(linears) - rewritten, len(linears))
+    if rewritten != len(linears):
+        log.warning("pack_linears: %d of %d linears left as they were (not a 2-D float32, float16 or bfloat16 "
+                    "weight attribute of their input's dtype and known input rank)", len(linears) - rewritten,
+                    len(linears))
     graph.lint()
     gm.recompile()
     log.info("pack_linears: %d linears packed into %d calls, %.1f MiB of panels, %.1f MiB of weights no longer held",
-             rewritten, calls, panel_bytes / 2**20, dropped / 2**20)
+             rewritten + quantized, calls, panel_bytes / 2**20, dropped / 2**20)
     return gm
 
 

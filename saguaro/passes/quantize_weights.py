@@ -22,7 +22,7 @@ import logging
 import torch
 
 from saguaro.passes.base.graph_pass import WEIGHTS_QUANTIZED, GraphPass
-from saguaro.passes.base.graph_splice import PassError, drop_unread_attributes, get_attribute
+from saguaro.passes.base.graph_splice import PassError, drop_unread_attributes, get_attribute, replace_node
 from saguaro.passes.narrow_weights import SAGUARO_PREFIX
 from saguaro.tensor_math.quantized_linear import (
     DEFAULT_INT4_GROUP, QUANTIZED_BITS, QUANTIZED_LINEAR, pack_quantized, quantize,
@@ -80,9 +80,7 @@ def quantize_weights(gm: torch.fx.GraphModule, kind: str, group: int | None = No
         with graph.inserting_before(node):
             packed_node, scales_node = graph.get_attr(packed_name), graph.get_attr(scales_name)
             out = graph.call_function(QUANTIZED_LINEAR, (node.args[0], packed_node, scales_node, n, bias))
-        out.meta.update({key: v for key, v in node.meta.items() if key in ("val", "tensor_meta", "stack_trace")})
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
+        replace_node(graph, node, out)
         count += 1
     if count == 0:
         raise PassError(f"quantize_weights: weights={kind!r} found no linear layer over a floating weight "

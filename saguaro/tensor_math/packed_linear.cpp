@@ -66,6 +66,18 @@ void panel_scalar(const float* x, int64_t K, Panel<W> p, int64_t rows, float* ou
 }
 
 #ifdef SAGUARO_AVX512
+// One k step of a block: acc[r][j] = fma(x[r, k], v[j], acc[r][j]) for its R rows and 4 vectors.
+template <int R>
+__attribute__((always_inline)) inline void multiply_add(__m512 (&acc)[R][NV], const float* x, int64_t K, int64_t k,
+                                                        const __m512 (&v)[NV]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512 b = _mm512_set1_ps(x[r * K + k]);
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(b, v[j], acc[r][j]);
+  }
+}
+
 // R rows x 64 columns: acc[r][j] = fma(x[r, k], w[k, 16j .. 16j+15], acc[r][j]), k in order.
 template <typename W, bool QUANT, int R>
 void block(const float* x, int64_t K, Panel<W> p, float* out, int64_t ldo, int64_t cols) {
@@ -97,18 +109,8 @@ void block(const float* x, int64_t K, Panel<W> p, float* out, int64_t ldo, int64
           even[j] = _mm512_mul_ps(_mm512_permutexvar_ps(bytes, table), s[j]);
           odd[j] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table), s[j]);
         }
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m512 b = _mm512_set1_ps(x[r * K + k]);
-#pragma GCC unroll 4
-          for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(b, even[j], acc[r][j]);
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m512 b = _mm512_set1_ps(x[r * K + k + 1]);
-#pragma GCC unroll 4
-          for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(b, odd[j], acc[r][j]);
-        }
+        multiply_add<R>(acc, x, K, k, even);
+        multiply_add<R>(acc, x, K, k + 1, odd);
       }
     } else {
     for (int64_t k = k0; k < k1; ++k) {
@@ -126,12 +128,7 @@ void block(const float* x, int64_t K, Panel<W> p, float* out, int64_t ldo, int64
 #pragma GCC unroll 4
         for (int j = 0; j < NV; ++j) v[j] = _mm512_mul_ps(v[j], s[j]);
       }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m512 b = _mm512_set1_ps(x[r * K + k]);
-#pragma GCC unroll 4
-        for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(b, v[j], acc[r][j]);
-      }
+      multiply_add<R>(acc, x, K, k, v);
     }
     }
   }

@@ -110,9 +110,7 @@ def test_inductor_runs_quantized_weights_on_the_packed_kernel_and_stays_exact():
     for mode in ("ar", "sd", "ssd"):
         got = program.generate(ids, attention_mask=mask, max_new_tokens=12, mode=mode).sequences
         assert torch.equal(got, want), (mode, got, want)
-    graphs = [gm for fn in program.runner("target").built_stages.values()
-              for gm in (fn, getattr(fn, "gm", None), getattr(getattr(fn, "compiled", None), "gm", None))
-              if isinstance(gm, torch.fx.GraphModule)]
+    graphs = [gm for _, gm in program.runner("target").stage_graphs()]
     assert graphs, "no stage graph to look at"
     for gm in graphs:  # every stage, the prefill's included, on the kernel
         targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}

@@ -24,6 +24,14 @@ def get_attribute(gm: torch.nn.Module, path: str):
     return gm
 
 
+def replace_node(graph: torch.fx.Graph, node: torch.fx.Node, out: torch.fx.Node) -> None:
+    """Make ``out`` stand for ``node`` (its value metadata and stack trace carried over, so later passes read the
+    same shapes) and erase ``node``."""
+    out.meta.update({key: v for key, v in node.meta.items() if key in ("val", "tensor_meta", "stack_trace")})
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+
+
 def drop_unread_attributes(gm: torch.fx.GraphModule, targets) -> int:
     """Delete from ``gm`` each attribute of ``targets`` (``get_attr`` targets) that no node of its graph reads
     any more (a weight a pass replaced by another form): the stage module then holds no reference to it. The

@@ -34,6 +34,16 @@ MAX_PENDING = 1024  # stage timings in flight on a device before a call waits fo
 QUERY_ARGS = 5  # a stage's first flat inputs that a query sets: input_ids, positions, write_slots, branch, limit
 
 
+
+def graph_modules_of(fn) -> list[torch.fx.GraphModule]:
+    """The GraphModules behind a built stage: itself (eager), or a compiled / tiered stage's ``gm`` (and the
+    eager graph a tiered stage runs while it compiles); none for a loaded artifact's stage."""
+    found = []
+    for candidate in (fn, getattr(fn, "gm", None), getattr(getattr(fn, "compiled", None), "gm", None)):
+        if isinstance(candidate, torch.fx.GraphModule) and all(candidate is not m for m in found):
+            found.append(candidate)
+    return found
+
 class StageBuilder(Protocol):
     """What builds one model's stages: the runtime calls it, the inspector asks it for graphs."""
 
@@ -156,6 +166,10 @@ class ModelRunner:
     def built_stages(self) -> dict:
         """``{stage: lowered callable}`` of every stage built so far."""
         return dict(self._stages)
+
+    def stage_graphs(self) -> list[tuple[Stage, torch.fx.GraphModule]]:
+        """``(stage, graph module)`` of every stage built so far, each module once: see :func:`graph_modules_of`."""
+        return [(stage, gm) for stage, fn in self._stages.items() for gm in graph_modules_of(fn)]
 
     def run(
         self,
