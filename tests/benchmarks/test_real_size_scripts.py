@@ -66,3 +66,15 @@ def test_the_gguf_file_holds_llama_cpp_s_names_and_rotary_order(tmp_path):
     tokens = reader.fields["tokenizer.ggml.tokens"]
     first = bytes(tokens.parts[tokens.data[ord("a")]]).decode()
     assert first == "a" and json.loads((tmp_path / "model" / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_the_roofline_script_times_the_linears_a_step_calls():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "parts"))
+    import roofline_linears
+
+    shapes = roofline_linears.step_shapes(make_pair.make_config("tinyllama-1.1b"))
+    assert len(shapes) == 4 * 22 + 1 and shapes[0] == ((32 + 2 * 4) * 64, 2048) and shapes[-1] == (32000, 2048)
+    assert sum(n * k for n, k in shapes) * 2 == pytest.approx(2.07e9, rel=0.01)  # the journal's 2.07 GB in bf16
+    with pytest.raises(SystemExit) as done:
+        roofline_linears.main(["--help"])
+    assert done.value.code == 0
