@@ -42,6 +42,7 @@ from saguaro.passes.base.graph_pass import LINEARS_PACKED, GraphPass
 from saguaro.passes.base.graph_splice import PassError, drop_unread_attributes, get_attribute, replace_node
 from saguaro.passes.fuse_projections import groups, slice_back
 from saguaro.passes.narrow_weights import SAGUARO_PREFIX, exact_narrow, version
+from saguaro.tensor_math.huge_pages import on_huge_pages
 from saguaro.tensor_math.packed_linear import available, pack, unavailable_reason
 from saguaro.tensor_math.quantized_linear import QUANTIZED_LINEAR
 
@@ -57,7 +58,8 @@ _PACKED = WeakIdKeyDictionary()  # float32 weight (a group's first) -> {(the ver
 def panels(weight: torch.Tensor, narrow: bool, *others: torch.Tensor) -> torch.Tensor:
     """``weight [N, K]``'s panels ``[P, K, 64]`` (with ``others``: those of ``weight`` and ``others``
     concatenated along N): float16 / bfloat16 where ``narrow`` and every value is exactly one, else float32;
-    made once per group of tensors, their versions and ``narrow``. No narrow or joined copy is kept."""
+    made once per group of tensors, their versions and ``narrow``, on huge pages where the platform allows
+    (:func:`~saguaro.tensor_math.huge_pages.on_huge_pages`). No narrow or joined copy is kept."""
     parts = (weight, *others)
     known = _PACKED.setdefault(weight, {})
     key = (tuple(id(t) for t in others), tuple(version(t) for t in parts), narrow)
@@ -66,7 +68,7 @@ def panels(weight: torch.Tensor, narrow: bool, *others: torch.Tensor) -> torch.T
         with torch.no_grad():
             whole = torch.cat([t.detach() for t in parts]) if others else weight.detach()  # [N, K]
             source = exact_narrow(whole) if narrow and whole.dtype == torch.float32 else None
-            known[key] = pack(whole if source is None else source)
+            known[key] = on_huge_pages(pack(whole if source is None else source))
     return known[key]
 
 

@@ -24,6 +24,7 @@ import torch
 from saguaro.passes.base.graph_pass import WEIGHTS_QUANTIZED, GraphPass
 from saguaro.passes.base.graph_splice import PassError, drop_unread_attributes, get_attribute, replace_node
 from saguaro.passes.narrow_weights import SAGUARO_PREFIX
+from saguaro.tensor_math.huge_pages import on_huge_pages
 from saguaro.tensor_math.quantized_linear import (
     DEFAULT_INT4_GROUP, QUANTIZED_BITS, QUANTIZED_LINEAR, pack_quantized, quantize,
 )
@@ -67,7 +68,7 @@ def quantize_weights(gm: torch.fx.GraphModule, kind: str, group: int | None = No
             except ValueError as exc:
                 raise ValueError(f"weights={kind!r}, weight_group_size={group!r} cannot quantize "
                                  f"{weight_node.target} [{n}, {k}]: {exc}") from None
-            packed, packed_scales = pack_quantized(q, scales, bits)
+            packed, packed_scales = (on_huge_pages(t) for t in pack_quantized(q, scales, bits))
             base = ATTRIBUTE_PREFIX + weight_node.target.replace(".", "_")
             for name, tensor in ((base, packed), (base + "_scales", packed_scales)):
                 if hasattr(gm, name):

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from saguaro.tensor_math import huge_pages
+
 log = logging.getLogger(__name__)
 
 PANEL = 64  # output columns a panel holds (NB in the C++ source)
@@ -130,13 +132,13 @@ def vectorised() -> bool:
 def read_bandwidth(megabytes: int = 1024, passes: int = 3) -> float:
     """The machine's memory read bandwidth in GB/s, measured now: the best of ``passes`` reads of a ``megabytes``
     buffer (far past any last-level cache) by the kernel library's ``stream_read``, on torch's intra-op threads,
-    split as the packed linears split their panels. What a few-row linear's weight stream is held against (its
+    split as the packed linears split their panels, on huge pages where the platform allows, as the panels are. What a few-row linear's weight stream is held against (its
     roofline share). Raises ``RuntimeError`` where the library could not be built."""
     import time
 
     if not available():
         raise RuntimeError(f"read_bandwidth needs the kernel library: {unavailable_reason()}")
-    buffer = torch.ones(megabytes * 2**20 // 8, dtype=torch.float64, device="cpu")  # touched: pages mapped
+    buffer = huge_pages.empty((megabytes * 2**20 // 8,), torch.float64).fill_(1.0)  # touched: pages mapped
     torch.ops.saguaro_kernels.stream_read(buffer)
     best = float("inf")
     for _ in range(passes):

@@ -78,3 +78,5 @@ def test_the_roofline_script_times_the_linears_a_step_calls():
     with pytest.raises(SystemExit) as done:
         roofline_linears.main(["--help"])
     assert done.value.code == 0
+    with pytest.raises(SystemExit, match="--pages 'small'"):
+        roofline_linears.main(["--pages", "small"])
