@@ -23,6 +23,7 @@ from saguaro.core.stages import BY_QUALIFIED_NAME, Stage
 from saguaro.core.tensor_files import load_tensors
 from saguaro.runtime.draft.server import SpeculationServer
 from saguaro.runtime.base.model_runner import ModelRunner
+from saguaro.tensor_math.huge_pages import on_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ class ArtifactStages:
         from safetensors.torch import load_file
 
         own = dict(self.tensors)
-        own.update(load_file(str(self.root / f"{entry['stem']}.constants.safetensors"), device=str(self.device)))
+        own.update(placed(load_file(str(self.root / f"{entry['stem']}.constants.safetensors"),
+                                    device=str(self.device))))
         return own
 
     def exported_program(self, qualified: str):
@@ -117,13 +119,24 @@ def model_files(manifest: dict, model: str) -> set:
     return names
 
 
+def placed(tensors: dict) -> dict:
+    """``tensors`` with each CPU tensor of 2 MiB or more on huge pages where the platform allows
+    (:func:`~saguaro.tensor_math.huge_pages.on_huge_pages`: the panels a decode step streams read 1.2x faster);
+    names bound to one tensor (aliases) stay bound to one copy."""
+    copies: dict = {}  # id of a loaded tensor -> its copy
+    for t in tensors.values():
+        if id(t) not in copies:
+            copies[id(t)] = on_huge_pages(t)
+    return {name: copies[id(t)] for name, t in tensors.items()}
+
+
 def load_runner(root: Path, manifest: dict, model: str, device: torch.device, rebuild: bool) -> ModelRunner:
     """One model's runner, its weights read once. Native stages are opened now (milliseconds each) and
     rebuilt ones compiled now; portable ones are deserialized on first use (about a second each)."""
     started = time.perf_counter()
     info = manifest["models"][model]
     spec = spec_from_json(info["spec"], device)
-    stages = ArtifactStages(root, model, manifest, load_tensors(root / info["weights"], info["aliases"], device),
+    stages = ArtifactStages(root, model, manifest, placed(load_tensors(root / info["weights"], info["aliases"], device)),
                             device, rebuild)
     runner = ModelRunner(model, CapturedModel(graph_module=None, spec=spec), stages, info["width"])
     if stages.kind != "portable":

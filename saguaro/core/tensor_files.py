@@ -13,8 +13,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from saguaro.tensor_math.huge_pages import on_huge_pages
-
 
 def model_tensors(gm: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of the captured model by its name in the stage graphs (aliases included)."""
@@ -39,9 +37,8 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, str]
 
 
 def load_tensors(path: Path, aliases: dict[str, str], device: torch.device) -> dict[str, torch.Tensor]:
-    """The tensors :func:`save_tensors` wrote to ``path``, on ``device``, aliases bound to their tensors; on the CPU
-    those of 2 MiB or more on huge pages where the platform allows (:mod:`saguaro.tensor_math.huge_pages`)."""
-    tensors = {name: on_huge_pages(t) for name, t in load_file(str(path), device=str(device)).items()}
+    """The tensors :func:`save_tensors` wrote to ``path``, on ``device``, aliases bound to their tensors."""
+    tensors = load_file(str(path), device=str(device))
     for alias, name in aliases.items():
         tensors[alias] = tensors[name]
     return tensors

@@ -49,7 +49,7 @@ def available() -> bool:
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype`` on a 2 MiB-aligned mapping advised for
     huge pages, or ``torch.empty`` where it is under 2 MiB or :func:`available` is False."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not available():
         return torch.empty(shape, dtype=dtype, device="cpu")
     length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE

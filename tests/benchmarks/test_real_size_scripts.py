@@ -43,6 +43,26 @@ def test_the_draft_is_the_targets_first_layers_and_the_tuned_agreement_is_measur
     assert make_pair.agreement(target, draft, prompts, 8) == 1.0  # the later layers silent: the target is the draft
 
 
+def test_the_seeded_pair_scales_the_later_layers_and_keeps_the_first(monkeypatch):
+    from saguaro.bench import real_size
+
+    tiny = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=300, rope_theta=10000.0, rms_norm_eps=1e-5,
+                tie_word_embeddings=False, max_position_embeddings=128)
+    monkeypatch.setitem(real_size.SHAPES, "tiny", tiny)
+    plain = real_size.random_target("tiny", 3, torch.float32)
+    target, draft, tokenizer = real_size.seeded_pair("tiny", seed=3, scale=0.25, dtype=torch.float32)
+    assert torch.equal(target.model.layers[1].self_attn.o_proj.weight,
+                       plain.model.layers[1].self_attn.o_proj.weight * 0.25)
+    assert torch.equal(target.model.layers[2].mlp.down_proj.weight, plain.model.layers[2].mlp.down_proj.weight * 0.25)
+    assert torch.equal(target.model.layers[0].mlp.down_proj.weight, plain.model.layers[0].mlp.down_proj.weight)
+    assert draft.config.num_hidden_layers == 1
+    assert torch.equal(draft.model.layers[0].self_attn.o_proj.weight, target.model.layers[0].self_attn.o_proj.weight)
+    assert tokenizer("ab").input_ids[-2:] == [ord("a"), ord("b")]
+    with pytest.raises(SystemExit, match="draft_layers=3 must lie in 1..2"):
+        real_size.seeded_pair("tiny", draft_layers=3)
+
+
 def test_text_is_its_bytes_ids_in_the_byte_tokenizer():
     tokenizer = make_pair.byte_tokenizer(300)
     text = "def f(x):\n    return x + 1  # ¿é?"

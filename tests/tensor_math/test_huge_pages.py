@@ -87,12 +87,10 @@ def test_packed_panels_are_placed_and_read_as_any_tensor():
 
 
 @needs_thp
-def test_loaded_tensors_are_placed(tmp_path):
-    from saguaro.core.tensor_files import load_tensors, save_tensors
+def test_loaded_tensors_are_placed_and_aliases_share_one_copy():
+    from saguaro.artifact.load import placed
 
-    tensors = {"big": torch.randn(1024, 1024), "small": torch.randn(4, 4)}
-    path = tmp_path / "weights.safetensors"
-    save_tensors(path, tensors)
-    loaded = load_tensors(path, {"alias": "big"}, torch.device("cpu"))
+    big, small = torch.randn(1024, 1024), torch.randn(4, 4)
+    loaded = placed({"big": big, "alias": big, "small": small})
     assert loaded["big"].data_ptr() % hp.HUGE_PAGE == 0 and loaded["alias"] is loaded["big"]
-    assert torch.equal(loaded["big"], tensors["big"]) and torch.equal(loaded["small"], tensors["small"])
+    assert torch.equal(loaded["big"], big) and loaded["small"] is small
