@@ -31,11 +31,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--port", type=int_at_least(0, "port", 65535), default=8000,
                         help="TCP port (default 8000; 0: one the system picks, printed when ready)")
     parser.add_argument("--max-batch", type=int_at_least(1, "max_batch", 256), default=8,
-                        help="most requests decoded together in one batch (default 8)")
+                        help="most rows (a request's choices are a row each) decoded at once, over all running "
+                        "batches (default 8)")
     parser.add_argument("--max-queue", type=int_at_least(0, "max_queue"), default=64,
-                        help="most requests waiting for a batch; past it a request gets 429 (default 64)")
+                        help="most requests (choices) waiting beyond a full batch; past it a request gets 429 with "
+                        "Retry-After (default 64; 0: accepted only while the running batch has room)")
+    parser.add_argument("--max-tokens-default", type=int_at_least(1, "max_tokens_default"), default=None,
+                        metavar="N", help="max_tokens of a request that names none, at most the room its prompt "
+                        "leaves (default: all that room, the model's context minus the prompt)")
     parser.add_argument("--api-key-file", metavar="FILE", default=None,
-                        help="a file holding the API key every request must send as 'Authorization: Bearer KEY'")
+                        help="a file holding the API key every /v1 request must send as 'Authorization: Bearer KEY' "
+                        "(/health and /metrics stay open unless --auth-health)")
+    parser.add_argument("--auth-health", action="store_true",
+                        help="with --api-key-file, /health and /metrics need the key too (default: open, for "
+                        "probes and Prometheus scrapes)")
     parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
                         help="with --backend inductor, compile every batch shape the server will run before it says "
                         "it is ready, so no request waits for a compile (default on; --no-warm-up: compile on "
@@ -76,7 +85,8 @@ def run(args) -> int:
         seconds = warm_up(program, tokenizer, args.max_batch)
         sys.stderr.write(f"saguaro serve: warm-up done in {seconds:.0f} s\n")
     server, _ = make_server(program, tokenizer, name, args.host, args.port, args.max_batch, args.max_queue, api_key,
-                            announce=print_ready(name))
+                            announce=print_ready(name), default_max_tokens=args.max_tokens_default,
+                            auth_health=args.auth_health)
     try:
         server.run()
     except KeyboardInterrupt:  # Ctrl-C: uvicorn drained the requests in flight, then raised the signal again

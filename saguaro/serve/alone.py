@@ -3,7 +3,9 @@ randomness from one generator per call, so only alone are such a request's SSD t
 ``program.generate`` alone with its seed. :func:`plan_alone` plans it as ``generate`` does (``program.plan``);
 planned SSD, :func:`run_alone` runs it alone with that plan through ``program.stream``, between two rounds of
 the running batches (once their rows end, where a batch runs SSD's rounds on the draft lane). A request whose
-client leaves stops being read at the next round, and the generation ends at that round boundary.
+client leaves stops being read at the next round, and the generation ends at that round boundary. With
+``ignore_eos`` both are called with ``eos_token_id=None``. Its ``done`` is sent once the generation has ended,
+with the request's figures taken from the generation's own counters (:mod:`saguaro.serve.figures`).
 """
 
 from __future__ import annotations
@@ -28,11 +30,17 @@ def plan_alone(scheduler, job):
     s = job.sampling
     try:
         ids = torch.tensor([s.prompt_ids], dtype=torch.long)  # [1, T]
-        return scheduler.program.plan(ids, max_new_tokens=s.max_tokens, temperature=s.temperature, seed=s.seed)
+        return scheduler.program.plan(ids, max_new_tokens=s.max_tokens, temperature=s.temperature, seed=s.seed,
+                                      **eos_option(s))
     except Exception as exc:  # noqa: BLE001 - one failed request must not stop the server
         log.exception("planning a request run alone failed")
         job.fail(exc)
         return None
+
+
+def eos_option(sampling) -> dict:
+    """``generate``'s ``eos_token_id`` for ``sampling``: None with ``ignore_eos``, else the program's default."""
+    return {"eos_token_id": None} if sampling.ignore_eos else {}
 
 
 def run_alone(scheduler, job, plan=None) -> None:
@@ -43,7 +51,7 @@ def run_alone(scheduler, job, plan=None) -> None:
         ids = torch.tensor([s.prompt_ids], dtype=torch.long)  # [1, T]
         metrics.batch_started()
         with program.stream(ids, max_new_tokens=s.max_tokens, temperature=s.temperature, seed=s.seed,
-                            plan=plan) as stream:
+                            plan=plan, **eos_option(s)) as stream:
             last = time.perf_counter()
             for chunk in stream:
                 now = time.perf_counter()
@@ -56,9 +64,11 @@ def run_alone(scheduler, job, plan=None) -> None:
                     job.done = True
                     metrics.row_left(job.leave)
                     break  # leaving the block stops the generation at its next round boundary
-                job.take(chunk.new_tokens[0], chunk.finished[0], now, metrics, scheduler.eos)
+                job.take(chunk.new_tokens[0], chunk.finished[0], now, metrics, scheduler.eos, announce=False)
         if stream.output is not None:
             metrics.batch_done(stream.output.stats, stream.output.counters)
+            job.figures.generation(stream.output.stats.get("ran_as", program.config.mode), stream.output.counters)
+        job.finish()
         scheduler.check_lane(1)
     except Exception as exc:  # noqa: BLE001 - one failed request must not stop the server
         log.exception("a request run alone failed")

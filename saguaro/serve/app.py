@@ -1,5 +1,6 @@
-"""The ASGI app (starlette): the OpenAI-compatible routes, the bearer-key check, the body size limit, and
-the scheduler's start and drain with the app's lifespan."""
+"""The ASGI app (starlette): the OpenAI-compatible routes, the bearer-key check, the body size limit, every
+error in OpenAI's shape (:mod:`saguaro.serve.errors`), and the scheduler's start and drain with the app's
+lifespan."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from saguaro.serve.errors import ServerErrors, error_response, http_error_handlers
 from saguaro.serve.metrics import Metrics
-from saguaro.serve.requests import MAX_BODY_BYTES, Limits, RequestError, chat_request, completion_request, parse_json
-from saguaro.serve.responses import Answer
-from saguaro.serve.scheduler import Job, Scheduler
+from saguaro.serve.requests import (MAX_BODY_BYTES, Limits, RequestError, UnknownFields, chat_request,
+                                    completion_request, parse_json)
+from saguaro.serve.responses import Reply
+from saguaro.serve.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+OPEN_PATHS = ("/health", "/metrics")  # open without the key unless --auth-health (probes, Prometheus scrapes)
 
 
 async def read_body(request) -> bytes:
@@ -38,15 +42,21 @@ async def read_body(request) -> bytes:
 
 
 class Service:
-    """What the routes share: the program's scheduler, its tokenizer, its name and the metrics."""
+    """What the routes share: the program's scheduler, its tokenizer, its name, the metrics, the request limits
+    (``default_max_tokens``: None, the room the prompt leaves) and the key (``auth_health``: also on
+    :data:`OPEN_PATHS`)."""
 
     def __init__(self, program, tokenizer, model: str, max_batch: int, max_queue: int, api_key: str | None = None,
-                 default_max_tokens: int = 256):
-        self.tokenizer, self.model, self.api_key = tokenizer, model, api_key
+                 default_max_tokens: int | None = None, auth_health: bool = False):
+        self.tokenizer, self.model, self.api_key, self.auth_health = tokenizer, model, api_key, auth_health
         self.metrics = Metrics()
         self.scheduler = Scheduler(program, self.metrics, max_batch, max_queue)
         self.limits = Limits(program.max_length, program.target.spec.vocab_size, default_max_tokens)
+        self.unknown = UnknownFields()
         self.started = time.time()
+
+    def needs_key(self, path: str) -> bool:
+        return self.api_key is not None and (self.auth_health or path not in OPEN_PATHS)
 
     def authorized(self, headers) -> bool:
         if self.api_key is None:
@@ -56,66 +66,63 @@ class Service:
 
     def error(self, exc: RequestError) -> JSONResponse:
         self.metrics.count_request(exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error_response(exc)
 
     async def generate(self, request, chat: bool):
+        arrived = time.monotonic()
         try:
             body = parse_json(await read_body(request))
             parse = chat_request if chat else completion_request
-            sampling = parse(body, self.tokenizer, self.limits)
+            asked = parse(body, self.tokenizer, self.limits, self.unknown)
         except RequestError as exc:
             return self.error(exc)
-        loop = asyncio.get_running_loop()
-        answer = None
-
-        def deliver(event):
-            loop.call_soon_threadsafe(answer.queue.put_nowait, event)
-
-        job = Job(sampling, deliver)
-        answer = Answer(job, self.tokenizer, self.model, chat)
+        reply = Reply(asked, self.tokenizer, self.model, chat, asyncio.get_running_loop(), arrived)
         try:
-            self.scheduler.submit(job)
+            self.scheduler.submit(*reply.jobs)
         except RequestError as exc:
             return self.error(exc)
-        if sampling.stream:
-            return StreamingResponse(self._streamed(answer), media_type="text/event-stream",
+        if asked.stream:
+            return StreamingResponse(self._streamed(reply), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._whole(request, answer)
+        return await self._whole(request, reply)
 
-    async def _whole(self, request, answer: Answer):
-        task = asyncio.ensure_future(answer.whole())
+    async def _whole(self, request, reply: Reply):
+        task = asyncio.ensure_future(reply.whole())
         try:
-            while True:  # a client that leaves while its answer is made frees its row
+            while True:  # a client that leaves while its answer is made frees its rows
                 done, _ = await asyncio.wait({task}, timeout=0.5)
                 if done:
                     break
                 if await request.is_disconnected():
-                    answer.job.leave = "client disconnected"
+                    reply.leave("client disconnected")
                     self.metrics.count_request("cancelled")
                     task.cancel()
                     return PlainTextResponse("", status_code=499)
             body = task.result()
         except RequestError as exc:
             return self.error(exc)
-        self._finished(answer)
+        self._finished(reply)
         return JSONResponse(body)
 
-    async def _streamed(self, answer: Answer):
+    async def _streamed(self, reply: Reply):
         complete = False
         try:
-            async for line in answer.sse():
+            async for line in reply.sse():
                 yield line
             complete = True
         finally:
-            if complete:
-                self._finished(answer)
-            else:  # the client went away (the response task was cancelled): free the row at the next round
-                answer.job.leave = answer.job.leave or "client disconnected"
+            if not complete:  # the client went away (the response task was cancelled): free the rows
+                reply.leave("client disconnected")
                 self.metrics.count_request("cancelled")
+            elif reply.error is not None:  # ended with an error chunk (a failure, the timeout)
+                self.metrics.count_request(reply.error.status)
+            else:
+                self._finished(reply)
 
-    def _finished(self, answer: Answer) -> None:
+    def _finished(self, reply: Reply) -> None:
         self.metrics.count_request(200)
-        self.metrics.tokens(len(answer.job.sampling.prompt_ids), len(answer.tokens))
+        usage = reply.usage()
+        self.metrics.tokens(usage["prompt_tokens"], usage["completion_tokens"])
 
 
 def build_app(service: Service) -> Starlette:
@@ -149,18 +156,22 @@ def build_app(service: Service) -> Starlette:
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                             Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)],
-                     lifespan=lifespan, middleware=[Middleware(KeyCheck, service=service)])
+                     lifespan=lifespan, exception_handlers=http_error_handlers(service.metrics),
+                     middleware=[Middleware(ServerErrors, metrics=service.metrics),
+                                 Middleware(KeyCheck, service=service)])
 
 
 class KeyCheck:
-    """ASGI middleware: with an API key, every HTTP request carries ``Authorization: Bearer KEY`` (compared
-    in constant time) or gets 401. Plain ASGI, so streamed responses and disconnects pass through untouched."""
+    """ASGI middleware: with an API key, every HTTP request (but to :data:`OPEN_PATHS`, unless ``auth_health``)
+    carries ``Authorization: Bearer KEY`` (compared in constant time) or gets 401. Plain ASGI, so streamed
+    responses and disconnects pass through untouched."""
 
     def __init__(self, app, service: Service):
         self.app, self.service = app, service
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and not self.service.authorized(Headers(scope=scope)):
+        if scope["type"] == "http" and self.service.needs_key(scope.get("path", "")) and \
+                not self.service.authorized(Headers(scope=scope)):
             response = self.service.error(RequestError(
                 "missing or wrong API key: send the header Authorization: Bearer KEY", None, 401,
                 "authentication_error"))

@@ -15,6 +15,11 @@ running batches. Either waits while a batch runs SSD's rounds on the draft lane 
 SD), until that batch's rows end, and no request behind it joins meanwhile. One SSD batch holds the draft
 lane at a time (the first temperature to start a batch); a batch of another temperature that starts while it
 runs decodes with SD (``BatchSession.run``), exactly.
+
+A session is keyed by ``(run, temperature, ignore_eos)`` (``run`` None: the program's mode; else the plan's, for
+seeded rows of mode ``ssd``): rows that ignore EOS batch together, over the program without its EOS
+(:class:`~saguaro.serve.scheduler.WithoutEos`). Each round, each row's figures (rounds, tokens decided, SSD cache
+lookups and hits) go to its job (:mod:`saguaro.serve.figures`) before its tokens do.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import time
 
 from saguaro.runtime.batching import BatchSession
 from saguaro.serve.alone import plan_alone, run_alone, runs_alone
+from saguaro.serve.figures import HIT
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +39,7 @@ class Continuous:
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
-        self.sessions: dict[object, BatchSession] = {}  # temperature (or (run, temperature): seeded, planned SD)
+        self.sessions: dict[tuple, BatchSession] = {}  # (run or None, temperature, ignore_eos) -> its session
         self.jobs: dict[tuple, object] = {}  # (session key, row id) -> the Job decoding in that row
 
     def serve(self) -> None:
@@ -94,16 +100,18 @@ class Continuous:
         if plan.run == "ssd":
             run_alone(self.scheduler, job, plan)
         else:
-            self._join(job, (plan.run, job.sampling.temperature), plan.run)
+            self._join(job, plan.run)
 
-    def _join(self, job, key=None, mode: str | None = None) -> None:
-        """``job`` joins the session ``key`` (default: its temperature's), made in ``mode`` if none runs."""
+    def _join(self, job, mode: str | None = None) -> None:
+        """``job`` joins the session of its kind (``mode`` None: the program's; its temperature; ``ignore_eos``),
+        made over the program it decodes with (:meth:`Scheduler.program_for`) if none runs."""
         scheduler, sampling = self.scheduler, job.sampling
-        key = sampling.temperature if key is None else key
+        key = (mode, sampling.temperature, sampling.ignore_eos)
         session = self.sessions.get(key)
         try:
             if session is None:
-                session = self.sessions[key] = BatchSession(scheduler.program, sampling.temperature, mode)
+                session = self.sessions[key] = BatchSession(scheduler.program_for(sampling), sampling.temperature,
+                                                            mode)
             if not session.size:
                 scheduler.metrics.batch_started()  # a batch starts when its first row joins
             first = session.join(sampling.prompt_ids, sampling.max_tokens, seed=sampling.seed)
@@ -111,6 +119,7 @@ class Continuous:
             log.exception("a request's prefill failed")
             job.fail(exc)
             return
+        job.figures.ran_as.add(session.run)
         # the session cuts each row at its max_tokens as the job does: a job done here is a row that never joined
         if not job.take(first.new_tokens, first.finished, time.perf_counter(), scheduler.metrics, scheduler.eos):
             self.jobs[(key, first.row)] = job
@@ -134,9 +143,36 @@ class Continuous:
         if session.mode == "ssd":
             metrics.cache(session.counters)
             scheduler.check_lane(len(results))
-        for got in results:
+        decided = session.counters.accepted_lengths
+        decided = decided if len(decided) == len(results) else [None] * len(results)  # [rows], in results' order
+        lookups = row_lookups(session, results)
+        for i, got in enumerate(results):
             job = self.jobs.get((key, got.row))
             if job is None or job.done:
                 continue
+            job.figures.round(session.run, decided[i], lookups[i] if lookups is not None else None)
             if job.take(got.new_tokens, got.finished, now, metrics, scheduler.eos):  # and the row ends with it
                 del self.jobs[(key, got.row)]
+        with scheduler.cond:  # the rows that ended make room at once (admission counts running rows)
+            scheduler.running = len(self.jobs)
+
+
+def row_lookups(session: BatchSession, results: list) -> list | None:
+    """Each row's ``(looked up, hit)`` in the speculation cache in this SSD round, in ``results``' order, or None
+    where that cannot be told row by row. A row still active on the device after the round was looked up (as
+    ``ssd_round`` counts: also a row the host has just cut at its budget, whose device row runs to the capacity);
+    it hit where its next speculation came from the cache. The sums must be the round's counted lookups and
+    hits."""
+    counters = session.counters
+    if session.run != "ssd":
+        return None
+    if not counters.lookups:  # every row ended in this round: none was looked up
+        return [(False, False)] * len(results)
+    speculation = session.ssd.speculation if session.ssd is not None else None
+    looked = list(session.state.seqs.host_active) if session.state is not None else []  # [rows], after the round
+    if speculation is None or not len(speculation.source) == len(looked) == len(results):
+        return None
+    hit = [on and code == HIT for on, code in zip(looked, speculation.source)]
+    if sum(looked) != counters.lookups or sum(hit) != counters.hits:
+        return None
+    return list(zip(looked, hit))

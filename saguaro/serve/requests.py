@@ -1,32 +1,55 @@
-"""The request bodies of ``/v1/completions`` and ``/v1/chat/completions``, checked: each bad field gives a
-:class:`RequestError` (an HTTP 4xx) naming the field and what is allowed."""
+"""The request bodies of ``/v1/completions`` and ``/v1/chat/completions``, checked into a :class:`Request`: one
+:class:`Sampling` per choice (``n`` per prompt). Lenient as vLLM, SGLang, llama-server and TGI are: a field
+no route knows is ignored and logged once per name (:class:`UnknownFields`); a known field the server cannot
+honour at the value given is a 400 naming it (:class:`RequestError`, ``param`` = the field), as is every bad
+value of a field it reads, with what is allowed."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, replace
+
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20  # a body over 1 MiB is refused (413) before it is parsed
-MAX_STOP = 4  # as OpenAI: up to four stop strings
-# Parameters the server does not implement, with the value that means "off": any other value is a 400.
-UNSUPPORTED_DEFAULTS = {
-    "top_p": (1, 1.0), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
-    "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "suffix": ("",), "tools": ([],),
-    "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "parallel_tool_calls": (True, False),
-    "functions": ([],), "function_call": ("none", "auto"), "min_p": (0, 0.0), "top_k": (0, -1),
-    "repetition_penalty": (1, 1.0),
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM and llama-server take more)
+MAX_N = 128  # choices per prompt, as OpenAI
+MAX_UNKNOWN_LOGGED = 256  # distinct unknown field names remembered (and logged) per server
+SEED_LIMIT = 2**63  # seeds are 0..2**63-1
+
+SUPPORTED, IGNORED = "supported", "ignored"
+# Every request field the server knows, and what it does with it: the one place a field's treatment is set.
+#   SUPPORTED  read and honoured by the parsers below (``ROUTE`` says where a field belongs to one route);
+#   IGNORED    accepted and changes nothing (not logged);
+#   a tuple    known, not implemented: refused (400 naming it) at any value but these defaults (or null).
+# Supporting a refused field: mark it SUPPORTED here and read it in :func:`sampling_fields`.
+FIELDS: dict = {
+    "model": SUPPORTED, "max_tokens": SUPPORTED, "max_completion_tokens": SUPPORTED, "temperature": SUPPORTED,
+    "seed": SUPPORTED, "stop": SUPPORTED, "n": SUPPORTED, "stream": SUPPORTED, "stream_options": SUPPORTED,
+    "ignore_eos": SUPPORTED, "timeout": SUPPORTED, "prompt": SUPPORTED, "echo": SUPPORTED, "messages": SUPPORTED,
+    "user": IGNORED, "metadata": IGNORED, "store": IGNORED, "service_tier": IGNORED,
+    "top_p": (1, 1.0), "top_k": (0, -1), "min_p": (0, 0.0), "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},), "logprobs": (False, 0),
+    "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},),
+    "best_of": (1,), "suffix": ("",), "parallel_tool_calls": (True, False), "functions": ([],),
+    "function_call": ("none", "auto"),
 }
-IGNORED = {"user", "metadata", "store", "service_tier", "stream_options"}  # accepted, no effect on the tokens
+ROUTE = {"prompt": "completions", "echo": "completions", "messages": "chat"}  # elsewhere: unknown fields
 
 
 class RequestError(Exception):
-    """A request the server refuses: ``status`` (400, 401, 404, 413, 429, ...), ``message``, and the
-    ``param`` at fault (OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``)."""
+    """A request the server refuses: ``status`` (400, 401, 404, 408, 413, 429, ...), ``message``, the ``param`` at
+    fault (OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``) and any ``headers`` the
+    answer carries (429: ``Retry-After``)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error",
+                 headers: dict | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.kind = message, param, status, kind
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
@@ -34,7 +57,7 @@ class RequestError(Exception):
 
 @dataclass
 class Sampling:
-    """What one request asks the program for, and how its answer is shaped."""
+    """What one choice asks the program for (one job of the scheduler), and how its answer is shaped."""
 
     prompt_ids: list
     max_tokens: int
@@ -45,6 +68,40 @@ class Sampling:
     stream: bool = False
     include_usage: bool = False
     prompt_text: str = ""
+    ignore_eos: bool = False  # decode past the end-of-sequence token, to max_tokens
+
+
+@dataclass
+class Request:
+    """A checked request: ``choices`` in OpenAI's index order (completions: prompt ``i``'s ``j``-th sample is
+    ``i * n + j``; chat: ``0..n-1``), ``prompt_tokens`` (each prompt counted once), ``timeout`` (seconds from
+    arrival, or None), and the shape of its answer (``stream``, ``include_usage``)."""
+
+    choices: list
+    prompt_tokens: int
+    timeout: float | None = None
+    stream: bool = False
+    include_usage: bool = False
+
+
+class UnknownFields:
+    """The request fields a route does not know: ignored, each name logged once (WARNING) per server; after
+    :data:`MAX_UNKNOWN_LOGGED` names no more are remembered (a client cannot grow it without bound)."""
+
+    def __init__(self):
+        self.logged: set = set()
+        self.lock = threading.Lock()
+
+    def seen(self, name: str, route: str) -> None:
+        with self.lock:
+            if name in self.logged or len(self.logged) > MAX_UNKNOWN_LOGGED:
+                return
+            self.logged.add(name)
+            full = len(self.logged) > MAX_UNKNOWN_LOGGED
+        log.warning("request field %r is not one /v1/%s knows: it is ignored (logged once per field name)",
+                    name[:80], "chat/completions" if route == "chat" else "completions")
+        if full:
+            log.warning("more than %d unknown request field names seen: no more are logged", MAX_UNKNOWN_LOGGED)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -78,44 +135,43 @@ def _bool(body, name):
     return value
 
 
-def check_unsupported(body: dict, known: set) -> None:
+def check_fields(body: dict, route: str, unknown: UnknownFields | None = None) -> None:
+    """Refuse a known, unimplemented field at a value other than its default (400 naming it); hand each field
+    ``route`` (``"completions"`` or ``"chat"``) does not know to ``unknown`` (ignored, logged once)."""
     for name, value in body.items():
-        if name in known or name in IGNORED or value is None:
+        policy = FIELDS.get(name)
+        if policy is None or ROUTE.get(name, route) != route:
+            if unknown is not None:
+                unknown.seen(name, route)
             continue
-        if name in UNSUPPORTED_DEFAULTS:
-            if value not in UNSUPPORTED_DEFAULTS[name]:
-                raise RequestError(f"{name}={value!r} is not supported by this server; leave it out (or at its "
-                                   f"default, {UNSUPPORTED_DEFAULTS[name][0]!r})", name)
-            continue
-        raise RequestError(f"{name!r} is not a parameter this server supports; supported: {', '.join(sorted(known))}",
-                           name)
-
-
-COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "seed", "stop", "n", "stream"}
+        if isinstance(policy, tuple) and value is not None and value not in policy:
+            raise RequestError(f"{name}={value!r} is not supported by this server; leave it out (or at its "
+                               f"default, {policy[0]!r})", name)
 
 
 @dataclass(frozen=True)
 class Limits:
-    """What the program allows: ``max_length`` (prompt + new tokens), ``vocab_size``, and the ``max_tokens``
-    a request that names none gets (at most what is left after its prompt)."""
+    """What the program allows: ``max_length`` (prompt + new tokens), ``vocab_size``, and the ``max_tokens`` a
+    request that names none gets: ``default_max_tokens`` (``--max-tokens-default``), at most the room its prompt
+    leaves; None: all that room."""
 
     max_length: int
     vocab_size: int
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None
 
 
 def sampling_fields(body: dict, prompt_ids: list, limits: Limits) -> Sampling:
-    """The fields every endpoint shares, checked against the program's limits."""
+    """The fields every endpoint shares, for one prompt, checked against the program's limits."""
     max_length, default_max_tokens = limits.max_length, limits.default_max_tokens
     if not prompt_ids:
         raise RequestError("the prompt is empty: give at least one token of text", "prompt")
-    _int(body, "n", 1, 1, 1)
     room = max_length - len(prompt_ids)
     if room < 1:
         raise RequestError(f"the prompt is {len(prompt_ids)} tokens; this model takes at most {max_length - 1} "
                            "(prompt + max_tokens <= " f"{max_length})", "prompt")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, name, min(default_max_tokens, room), 1)
+    default = room if default_max_tokens is None else min(default_max_tokens, room)
+    max_tokens = _int(body, name, default, 1)
     if len(prompt_ids) + max_tokens > max_length:
         raise RequestError(f"{name}={max_tokens} with a prompt of {len(prompt_ids)} tokens exceeds the model's "
                            f"{max_length} tokens: {name} must be at most {room}", name)
@@ -125,7 +181,7 @@ def sampling_fields(body: dict, prompt_ids: list, limits: Limits) -> Sampling:
             or not 0 <= temperature <= 2:
         raise RequestError(f"temperature={temperature!r} is not allowed: it must be a number 0..2", "temperature")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT):
         raise RequestError(f"seed={seed!r} is not allowed: it must be an integer 0..2**63-1", "seed")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
@@ -136,48 +192,104 @@ def sampling_fields(body: dict, prompt_ids: list, limits: Limits) -> Sampling:
     if not isinstance(options, dict):
         raise RequestError(f"stream_options={options!r} is not allowed: give an object", "stream_options")
     return Sampling(prompt_ids, max_tokens, float(temperature), seed, stop, stream=_bool(body, "stream"),
-                    include_usage=bool(options.get("include_usage")))
+                    include_usage=bool(options.get("include_usage")), ignore_eos=_bool(body, "ignore_eos"))
 
 
-def completion_request(body: dict, tokenizer, limits: Limits) -> Sampling:
-    """``/v1/completions``: ``prompt`` is a string, a list of token ids, or a list holding one of them."""
-    check_unsupported(body, COMMON | {"prompt", "echo"})
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise RequestError("this server has no tokenizer: give the prompt as a list of token ids", "prompt")
-        ids, text = tokenizer(prompt).input_ids, prompt
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids, text = list(prompt), None
-    else:
-        raise RequestError(f"prompt of type {type(prompt).__name__} is not allowed: give a string or a list of token "
-                           "ids (one prompt: n=1, no batches)", "prompt")
-    if any(not 0 <= t < limits.vocab_size for t in ids):
-        raise RequestError(f"prompt holds token ids outside the vocabulary [0, {limits.vocab_size})", "prompt")
-    sampling = sampling_fields(body, ids, limits)
-    sampling.echo = _bool(body, "echo")
-    sampling.prompt_text = text if text is not None else (tokenizer.decode(ids) if tokenizer is not None else "")
-    return sampling
+def _timeout(body: dict) -> float | None:
+    value = body.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise RequestError(f"timeout={value!r} is not allowed: it must be a number of seconds > 0", "timeout")
+    return float(value)
 
 
-def chat_request(body: dict, tokenizer, limits: Limits) -> Sampling:
+def request_of(body: dict, prompts: list) -> Request:
+    """The :class:`Request` of ``prompts`` (one :class:`Sampling` each): ``n`` choices per prompt; with a ``seed``,
+    the ``j``-th choice of each prompt samples with ``seed + j`` (mod 2**63), so choice 0 is the request's own."""
+    n = _int(body, "n", 1, 1, MAX_N)
+    choices = [s if j == 0 or s.seed is None else replace(s, seed=(s.seed + j) % SEED_LIMIT)
+               for s in prompts for j in range(n)]
+    first = prompts[0]
+    return Request(choices, sum(len(s.prompt_ids) for s in prompts), _timeout(body), first.stream,
+                   first.include_usage)
+
+
+def _prompt_list(prompt) -> list:
+    """``prompt`` as a list of prompts, each a string or a list of token ids; raises for any other shape."""
+    def ids(value) -> bool:
+        return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    if isinstance(prompt, str) or (ids(prompt) and prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or all(ids(p) for p in prompt)):
+        return list(prompt)
+    if prompt == []:
+        raise RequestError("the prompt is empty: give at least one token of text", "prompt")
+    raise RequestError(f"prompt of type {type(prompt).__name__} is not allowed: give a string or a list of token ids, "
+                       "or a non-empty list of prompts (all strings or all token-id lists)", "prompt")
+
+
+def completion_request(body: dict, tokenizer, limits: Limits, unknown: UnknownFields | None = None) -> Request:
+    """``/v1/completions``: ``prompt`` is a string, a list of token ids, or a list of either (a batch of prompts)."""
+    check_fields(body, "completions", unknown)
+    prompts = []
+    for prompt in _prompt_list(body.get("prompt")):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise RequestError("this server has no tokenizer: give the prompt as a list of token ids", "prompt")
+            ids, text = list(tokenizer(prompt).input_ids), prompt
+        else:
+            ids, text = list(prompt), None
+        if any(not 0 <= t < limits.vocab_size for t in ids):
+            raise RequestError(f"prompt holds token ids outside the vocabulary [0, {limits.vocab_size})", "prompt")
+        sampling = sampling_fields(body, ids, limits)
+        sampling.echo = _bool(body, "echo")
+        sampling.prompt_text = text if text is not None else (tokenizer.decode(ids) if tokenizer is not None else "")
+        prompts.append(sampling)
+    return request_of(body, prompts)
+
+
+def message_for_template(i: int, message) -> dict:
+    """``messages[i]`` as the chat template takes it: ``content`` a string (a list of text parts joined with
+    newlines, as vLLM joins them; null, where an assistant message carries ``tool_calls``, the empty string);
+    every other key (``name``, ``tool_calls``, ``tool_call_id``, ...) passed on as given."""
+    if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
+        raise RequestError(f"messages[{i}] is not allowed: each message is an object with a string role and a "
+                           "content (a string or a list of text parts)", f"messages[{i}]")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"messages[{i}].content[{j}] is not allowed: only text parts "
+                                   f"({{\"type\": \"text\", \"text\": \"...\"}}) are served; got "
+                                   f"{'type ' + repr(kind) if kind is not None else repr(part)[:80]}",
+                                   f"messages[{i}].content")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif content is None and message.get("tool_calls"):
+        content = ""
+    elif not isinstance(content, str):
+        raise RequestError(f"messages[{i}].content={content!r} is not allowed: give a string or a list of text "
+                           "parts (null only in an assistant message with tool_calls)", f"messages[{i}].content")
+    return {**message, "content": content}
+
+
+def chat_request(body: dict, tokenizer, limits: Limits, unknown: UnknownFields | None = None) -> Request:
     """``/v1/chat/completions``: ``messages`` through the tokenizer's chat template."""
-    check_unsupported(body, COMMON | {"messages"})
+    check_fields(body, "chat", unknown)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template, so /v1/chat/completions cannot format "
                            "messages; use /v1/completions with a prompt", "messages")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise RequestError(f"messages[{i}] is not allowed: each message is an object with a string role and a "
-                               "string content", f"messages[{i}]")
+    messages = [message_for_template(i, m) for i, m in enumerate(messages)]
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     except Exception as exc:  # noqa: BLE001 - a template error is the request's fault (e.g. an unknown role)
         raise RequestError(f"the chat template could not format these messages: {exc}", "messages") from None
     ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return sampling_fields(body, ids, limits)
+    return request_of(body, [sampling_fields(body, ids, limits)])

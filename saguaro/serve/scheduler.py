@@ -14,6 +14,11 @@ SSD it runs alone; planned SD it joins a batch of seeded rows running SD's round
 
 Either way each request gets what the same request gets alone through ``program.generate``: greedy token
 for token, a seeded sampled request the same tokens (the tests check both against ``generate`` alone).
+
+Admission: at most ``max_batch + max_queue`` jobs are accepted and unfinished at once (``max_queue=0``: none
+waits beyond a full batch); a request's jobs (its choices) are accepted together or refused together (429 with
+``Retry-After``). A job that asks to ignore EOS (``ignore_eos``) decodes in a batch of its own kind, over
+:class:`WithoutEos` (the program with no end-of-sequence token: ``generate(eos_token_id=None)``'s tokens).
 """
 
 from __future__ import annotations
@@ -23,15 +28,18 @@ import threading
 import time
 from collections import deque
 
+from saguaro.serve.figures import Figures
 from saguaro.serve.requests import RequestError, Sampling
 
 log = logging.getLogger(__name__)
+RETRY_AFTER_S = 1  # what a 429 asks the client to wait (Retry-After, seconds)
 
 
 class Job:
-    """One request in the scheduler. ``deliver(event)`` is called on the scheduler's thread with
-    ``("tokens", [ids])``, ``("done", finish_reason)`` or ``("error", message)``; the reader sets
-    ``leave`` (a reason) to free the row at the next round."""
+    """One choice of a request in the scheduler. ``deliver(event)`` is called on the scheduler's thread with
+    ``("tokens", [ids])``, ``("done", finish_reason)`` or ``("error", message)``; the reader sets ``leave`` (a
+    reason: client gone, stop string, timeout) to free the row at the next round. ``figures``: its rounds'
+    speculation figures (:mod:`saguaro.serve.figures`), complete when ``done`` is sent."""
 
     def __init__(self, sampling: Sampling, deliver):
         self.sampling, self.deliver = sampling, deliver
@@ -40,6 +48,8 @@ class Job:
         self.arrived = time.perf_counter()
         self.first_token_s: float | None = None
         self.done = False
+        self.figures = Figures(None)  # its mode set when submitted
+        self._reason: str | None = None
 
     def send(self, event) -> None:
         try:
@@ -47,9 +57,10 @@ class Job:
         except RuntimeError:  # the event loop has closed (the server is gone): nobody is reading
             self.leave = self.leave or "server closed"
 
-    def take(self, new: list, finished: bool, now: float, metrics, eos: set) -> bool:
-        """Hand out the row's ``new`` tokens (cut at ``max_tokens``); send ``done`` when the row ``finished``
-        or the budget is reached. Returns whether the job is done."""
+    def take(self, new: list, finished: bool, now: float, metrics, eos: set, announce: bool = True) -> bool:
+        """Hand out the row's ``new`` tokens (cut at ``max_tokens``); once the row ``finished`` or the budget is
+        reached the job is done, and ``done`` is sent (``announce=False``: later, by :meth:`finish`). Returns
+        whether the job is done. ``eos``: the program's end-of-sequence ids (none count with ``ignore_eos``)."""
         new = new[:self.sampling.max_tokens - len(self.tokens)]
         if new:
             if self.first_token_s is None:
@@ -59,11 +70,23 @@ class Job:
             self.send(("tokens", new))
         if len(self.tokens) >= self.sampling.max_tokens or finished:
             self.done = True
-            self.send(("done", "stop" if self.tokens and self.tokens[-1] in eos else "length"))
+            stopped = not self.sampling.ignore_eos and self.tokens and self.tokens[-1] in eos
+            self._reason = "stop" if stopped else "length"
+            if announce:
+                self.finish()
         return self.done
 
+    def finish(self) -> None:
+        """Send ``done`` (after :meth:`take` with ``announce=False`` made the job done)."""
+        if self._reason is not None:
+            self.send(("done", self._reason))
+            self._reason = None
+
     def fail(self, exc: Exception) -> None:
-        if not self.done:
+        """Send ``error`` (once); a job whose tokens all went out with its ``done`` held back gets that instead."""
+        if self._reason is not None:
+            self.finish()
+        elif not self.done:
             self.done = True
             self.send(("error", f"generation failed: {exc}"))
 
@@ -74,14 +97,29 @@ def eos_set(eos_token_id) -> set:
     return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
 
 
+class WithoutEos:
+    """``program`` seen with no end-of-sequence token: a ``BatchSession`` over it decodes its rows to their budget,
+    as ``program.generate(..., eos_token_id=None)`` does (``BatchSession.join`` takes the program's own EOS ids).
+    Everything else (stages, lock, draft lane, calibration) is the program's own."""
+
+    eos_token_id = None
+
+    def __init__(self, program):
+        self.program = program
+
+    def __getattr__(self, name):
+        return getattr(self.program, name)
+
+
 class Scheduler:
-    """Queue at most ``max_queue`` waiting requests (:meth:`submit` refuses more with 429) and decode at most
-    ``max_batch`` rows at once on one thread; :meth:`stop` finishes what was accepted, then ends."""
+    """Decode at most ``max_batch`` rows at once on one thread, and hold at most ``max_queue`` more jobs waiting
+    for a row (:meth:`submit` refuses past that with 429); :meth:`stop` finishes what was accepted, then ends."""
 
     def __init__(self, program, metrics, max_batch: int = 8, max_queue: int = 64):
         self.program, self.metrics = program, metrics
         self.max_batch, self.max_queue = max_batch, max_queue
         self.eos = eos_set(program.eos_token_id)
+        self.without_eos = WithoutEos(program)
         self.waiting: deque = deque()
         self.running = 0  # rows decoding now
         self.closing = False
@@ -92,15 +130,30 @@ class Scheduler:
     def start(self) -> None:
         self.thread.start()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Accept ``jobs`` (one request's choices) together, or raise :class:`RequestError`: 503 while closing,
+        400 (``n``) for more than can ever run (``max_batch + max_queue``), 429 with ``Retry-After`` where the
+        jobs running and waiting would pass ``max_batch + max_queue``."""
+        most = self.max_batch + self.max_queue
+        if len(jobs) > most:
+            raise RequestError(f"the request asks for {len(jobs)} choices (n times its prompts); this server runs at "
+                               f"most {most} at once (--max-batch {self.max_batch} + --max-queue {self.max_queue})",
+                               "n")
         with self.cond:
             if self.closing:
                 raise RequestError("the server is shutting down and takes no new requests", None, 503, "unavailable")
-            if len(self.waiting) >= self.max_queue:
-                raise RequestError(f"the queue is full ({self.max_queue} requests waiting, --max-queue); retry later",
-                                   None, 429, "rate_limit_exceeded")
-            self.waiting.append(job)
+            if self.running + len(self.waiting) + len(jobs) > most:
+                raise RequestError(f"the server is full ({self.running} running, --max-batch {self.max_batch}; "
+                                   f"{len(self.waiting)} waiting, --max-queue {self.max_queue}); retry later", None,
+                                   429, "rate_limit_exceeded", {"Retry-After": str(RETRY_AFTER_S)})
+            for job in jobs:
+                job.figures.mode = self.program.config.mode
+            self.waiting.extend(jobs)
             self.cond.notify_all()
+
+    def program_for(self, sampling: Sampling):
+        """The program a job's rows decode over: the program, or :class:`WithoutEos` of it (``ignore_eos``)."""
+        return self.without_eos if sampling.ignore_eos else self.program
 
     @property
     def lane_failures(self) -> int:

@@ -69,12 +69,15 @@ class ReadyServer(uvicorn.Server):
 
 
 def make_server(program, tokenizer, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
-                max_queue: int = 64, api_key: str | None = None, announce=None, log_level: str = "warning"):
-    """``(ReadyServer, Service)``: a server not yet started (``server.run()`` serves until SIGTERM)."""
+                max_queue: int = 64, api_key: str | None = None, announce=None, log_level: str = "warning",
+                default_max_tokens: int | None = None, auth_health: bool = False):
+    """``(ReadyServer, Service)``: a server not yet started (``server.run()`` serves until SIGTERM).
+    ``default_max_tokens``: a request's ``max_tokens`` when it names none (None: the room its prompt leaves);
+    ``auth_health``: ``/health`` and ``/metrics`` need the key too (else they are open)."""
     if tokenizer is None:
         raise ConfigError("saguaro serve needs a tokenizer (beside the target, or in the exported program)")
     check_address(host, api_key)
-    service = Service(program, tokenizer, model, max_batch, max_queue, api_key)
+    service = Service(program, tokenizer, model, max_batch, max_queue, api_key, default_max_tokens, auth_health)
     config = uvicorn.Config(build_app(service), host=host, port=port, log_level=log_level, access_log=False,
                             lifespan="on", timeout_graceful_shutdown=None)
     return ReadyServer(config, announce), service

@@ -28,12 +28,13 @@ def record(served, monkeypatch, names: dict) -> tuple[list, dict]:
     appended to a list in the order the scheduler's thread makes them. Returns (events, {name: job})."""
     scheduler, events, jobs = served.service.scheduler, [], {}
 
-    def submit(job, real=scheduler.submit):
-        name = names[job.sampling.max_tokens]
-        jobs[name] = job
-        deliver = job.deliver
-        job.deliver = lambda event: (events.append((name, event[0])), deliver(event))
-        return real(job)
+    def submit(*submitted, real=scheduler.submit):
+        for job in submitted:
+            name = names[job.sampling.max_tokens]
+            jobs[name] = job
+            job.deliver = lambda event, name=name, deliver=job.deliver: (events.append((name, event[0])),
+                                                                          deliver(event))
+        return real(*submitted)
 
     def row_left(why, real=scheduler.metrics.row_left):
         events.extend((name, "left") for name, job in jobs.items() if job.leave == why and job.done)

@@ -40,11 +40,16 @@ BAD = [  # (body, status, words the message must hold)
     (json.dumps({**GOOD, "temperature": -1}).encode(), 400, ["temperature=-1", "0..2"]),
     (json.dumps({**GOOD, "seed": "s"}).encode(), 400, ["seed='s'", "integer"]),
     (json.dumps({**GOOD, "stop": 3}).encode(), 400, ["stop=3", "string"]),
-    (json.dumps({**GOOD, "n": 2}).encode(), 400, ["n=2", "1..1"]),
+    (json.dumps({**GOOD, "stop": [str(i) for i in range(17)]}).encode(), 400, ["stop=", "at most 16"]),
+    (json.dumps({**GOOD, "n": 0}).encode(), 400, ["n=0", "1..128"]),
+    (json.dumps({**GOOD, "n": 13}).encode(), 400, ["13 choices", "at most 12"]),  # past --max-batch + --max-queue
+    (json.dumps({**GOOD, "prompt": ["abc", [5, 6]]}).encode(), 400, ["prompt of type list", "all strings"]),
+    (json.dumps({**GOOD, "timeout": 0}).encode(), 400, ["timeout=0", "seconds > 0"]),
+    (json.dumps({**GOOD, "ignore_eos": "yes"}).encode(), 400, ["ignore_eos='yes'", "true or false"]),
     (json.dumps({**GOOD, "stream": "yes"}).encode(), 400, ["stream='yes'", "true or false"]),
     (json.dumps({**GOOD, "top_p": 0.5}).encode(), 400, ["top_p=0.5", "not supported"]),
     (json.dumps({**GOOD, "logprobs": 2}).encode(), 400, ["logprobs=2", "not supported"]),
-    (json.dumps({**GOOD, "frobnicate": 1}).encode(), 400, ["'frobnicate'", "supported:"]),
+    (json.dumps({**GOOD, "tools": [{"type": "function"}]}).encode(), 400, ["tools=", "not supported"]),
     (json.dumps({**GOOD, "prompt": "a" * (1 << 20)}).encode(), 413, ["at most 1048576"]),
 ]
 
@@ -53,17 +58,25 @@ BAD = [  # (body, status, words the message must hold)
 def test_each_bad_request_gets_its_4xx_and_then_a_good_one_is_served(served, body, status, words):
     answer = httpx.post(served.url + "/completions", content=body, headers={"content-type": "application/json"})
     assert answer.status_code == status, answer.text
-    message = answer.json()["error"]["message"]
-    assert all(w in message for w in words), message
+    error = answer.json()["error"]
+    assert all(w in error["message"] for w in words), error["message"]
+    assert error["code"] == status and set(error) == {"message", "type", "param", "code"}
     good = httpx.post(served.url + "/completions", json=GOOD, timeout=120)
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_bad_chat_requests(served):
-    for body, words in (({"messages": "hi"}, ["messages must be a non-empty list"]),
-                        ({"messages": [{"role": "user"}]}, ["messages[0]", "string content"])):
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    for body, words, param in (
+            ({"messages": "hi"}, ["messages must be a non-empty list"], "messages"),
+            ({"messages": [{"role": "user"}]}, ["messages[0].content=None", "string or a list of text parts"],
+             "messages[0].content"),
+            ({"messages": [{"content": "hi"}]}, ["messages[0]", "string role"], "messages[0]"),
+            ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": [image]}]},
+             ["messages[1].content[0]", "only text parts", "'image_url'"], "messages[1].content")):
         answer = httpx.post(served.url + "/chat/completions", json=body)
-        assert answer.status_code == 400 and all(w in answer.json()["error"]["message"] for w in words)
+        assert answer.status_code == 400 and all(w in answer.json()["error"]["message"] for w in words), answer.text
+        assert answer.json()["error"]["param"] == param
 
 
 def test_chat_without_a_template_says_so():
@@ -77,14 +90,20 @@ def test_chat_without_a_template_says_so():
         running.stop()
 
 
-def test_past_max_queue_a_request_gets_429():
+def test_past_max_batch_and_max_queue_a_request_gets_429_with_retry_after():
     _, _, program = tiny_program("llama", mode="sd")
     scheduler = Scheduler(program, metrics=None, max_batch=1, max_queue=2)  # not started: nothing leaves the queue
-    for _ in range(2):
+    for _ in range(3):  # one for the batch's row, two waiting
         scheduler.submit(Job(Sampling([5, 6], 3), deliver=lambda event: None))
     with pytest.raises(RequestError) as refused:
         scheduler.submit(Job(Sampling([5, 6], 3), deliver=lambda event: None))
-    assert refused.value.status == 429 and "--max-queue" in refused.value.message
+    assert refused.value.status == 429 and "--max-queue 2" in refused.value.message
+    assert refused.value.headers == {"Retry-After": "1"} and scheduler.queue_depth == 3
+    fresh = Scheduler(program, metrics=None, max_batch=2, max_queue=1)
+    with pytest.raises(RequestError) as refused:  # a request's choices are accepted together or not at all
+        fresh.submit(*[Job(Sampling([5, 6], 3), deliver=lambda event: None) for _ in range(2)])
+        fresh.submit(*[Job(Sampling([5, 6], 3), deliver=lambda event: None) for _ in range(2)])
+    assert refused.value.status == 429 and fresh.queue_depth == 2
 
 
 def test_a_draft_lane_that_dies_during_a_request_still_gives_the_exact_answer(monkeypatch):
@@ -122,7 +141,8 @@ def test_a_wrong_or_missing_key_gets_401():
         with pytest.raises(openai.AuthenticationError, match="wrong API key"):
             openai.OpenAI(base_url=running.url, api_key="wrong", max_retries=0).completions.create(
                 model="tiny", prompt="abc", max_tokens=2)
-        assert httpx.get(running.url.removesuffix("/v1") + "/health").status_code == 401
+        assert httpx.get(running.url + "/models").status_code == 401
+        assert httpx.get(running.url.removesuffix("/v1") + "/health").status_code == 200  # open without --auth-health
         out = openai.OpenAI(base_url=running.url, api_key="s3cret", max_retries=0).completions.create(
             model="tiny", prompt="abc", max_tokens=2, temperature=0)
         assert out.usage.completion_tokens >= 1

@@ -51,6 +51,21 @@ def test_eight_concurrent_greedy_requests_in_mode_ssd_each_equal_their_solo_outp
         assert answers[i]["usage"]["completion_tokens"] == len(tokens), i
 
 
+def test_usage_carries_the_ssd_figures_of_the_request_alone(served):
+    metrics = served.service.metrics
+    before = (metrics.accepted_sum, metrics.accepted_rounds, metrics.cache_hits, metrics.cache_lookups)
+    out = httpx.post(served.url + "/completions", json={"prompt": PROMPT, "max_tokens": 30, "temperature": 0},
+                     timeout=300).json()
+    figures = out["usage"]["saguaro"]
+    accepted_sum, rounds, hits, lookups = (after - b for after, b in zip(
+        (metrics.accepted_sum, metrics.accepted_rounds, metrics.cache_hits, metrics.cache_lookups), before))
+    # alone in its batch, the request's rounds are the batch's: the server's counters of them say the same
+    assert (figures["mode"], figures["ran_as"], figures["rounds"]) == ("ssd", "ssd", rounds) and rounds > 1
+    decided = round(figures["mean_accepted_length"] * rounds)  # tokens its rounds decided: an integer
+    assert abs(figures["mean_accepted_length"] * rounds - decided) < 1e-9 and abs(accepted_sum - decided) < 1e-6
+    assert lookups > 0 and figures["cache_hit_rate"] == hits / lookups
+
+
 def test_a_seeded_sampled_request_among_greedy_ones_runs_alone_with_its_solo_tokens(served):
     bodies = [{"prompt": PROMPT + str(i), "max_tokens": 12, "temperature": 0} for i in range(3)]
     bodies.append({"prompt": PROMPT, "max_tokens": 10, "temperature": 0.8, "seed": 4})
