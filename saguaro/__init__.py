@@ -13,10 +13,11 @@ from saguaro.load import load  # noqa: E402
 from saguaro import default_pair as _default_pair_module  # noqa: E402
 
 from saguaro.inspection.inspector import inspect  # noqa: E402
+from saguaro.tensor_math.logits_processing import ControlError, SamplingControls  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "load", "default_pair", "inspect", "ArtifactError", "SaguaroError", "CaptureError",
+__all__ = ["compile", "load", "default_pair", "inspect", "SamplingControls", "ControlError", "ArtifactError", "SaguaroError", "CaptureError",
            "ConfigError", "__version__"]
 
 

@@ -104,6 +104,9 @@ TARGET_VERIFY = Variants(
     Stage("target", "verify", "sampled", "causal", "verification.verify_sampled", _SAMPLED_VERIFY_INPUTS,
           ("accepted", "next_token")),
 )
+# the verify's logits themselves, every position's ([B, K+1, V]): what a generation with sampling controls
+# processes and verifies on the host side (runtime/decode/controlled.py); built only when such a call runs
+TARGET_VERIFY_LOGITS = Stage("target", "verify", "logits", "causal", "sampling.all_logits", outputs=("logits",))
 # SD's and SSD's greedy verify and commit in one call: verification, x_1..x_a, r' appended to the sequences
 # (tokens written in place, the new lengths and finished returned), the outcome packed for the round's one read
 # and the next round's draft and verify inputs
@@ -133,7 +136,8 @@ DRAFT_TREE = Variants(
 )
 
 STAGES: tuple[Stage, ...] = (
-    TARGET_PREFILL, TARGET_STEP, TARGET_ROUND, *TARGET_VERIFY, TARGET_VERIFY_ROUND, DRAFT_PREFILL, *DRAFT_STEP,
+    TARGET_PREFILL, TARGET_STEP, TARGET_ROUND, *TARGET_VERIFY, TARGET_VERIFY_LOGITS, TARGET_VERIFY_ROUND,
+    DRAFT_PREFILL, *DRAFT_STEP,
     DRAFT_CHAIN, DRAFT_GLUE, *DRAFT_TREE)
 BY_QUALIFIED_NAME = {stage.qualified: stage for stage in STAGES}
 # The families of few query rows (a step's 1 or 2, verify and glue K+1, a tree's MQ), whose linears the

@@ -15,13 +15,13 @@ import torch
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import SaguaroError
 from saguaro.core.schedule import critical_path, expected_overlap, round_schedule
-from saguaro.core.stages import ROUND_STAGES, stages_for
+from saguaro.core.stages import ROUND_STAGES, TARGET_VERIFY_LOGITS, stages_for
 from saguaro.runtime.calibration import Calibration
 from saguaro.runtime.generation_plan import GenerationPlan, plan_call, plan_stats
 from saguaro.runtime.decode import DECODERS
 from saguaro.runtime.decode.prefill import prefill
 from saguaro.runtime.draft.server import GenerateSpec
-from saguaro.runtime.base.inputs import validate_call
+from saguaro.runtime.base.inputs import checked_controls, validate_call
 from saguaro.runtime.lanes.owner import LaneOwner
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.sequences import SequenceBatch
@@ -165,7 +165,8 @@ class Program:
 
     def generate(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id="default",
                  seed: int | None = None, attention_mask=None, mode: str | None = None,
-                 trace=None, streamer=None, on_round=None, plan: GenerationPlan | None = None) -> GenerateOutput:
+                 trace=None, streamer=None, on_round=None, plan: GenerationPlan | None = None,
+                 controls=None) -> GenerateOutput:
         """Decode ``max_new_tokens`` after ``input_ids [B, T]`` (left-padded, ``attention_mask``) in
         ``mode`` (default: the configured one). ``trace``: a path to write a Chrome trace-event JSON
         timeline of this call to (Perfetto, chrome://tracing), or True to keep it only in ``out.trace``
@@ -173,11 +174,14 @@ class Program:
         ``seed=None`` draws the seed from torch's global generator, advancing it as a sampling call of
         ``transformers`` does, without reseeding it. ``streamer``: a ``transformers`` streamer fed each
         round's tokens (batch 1); ``on_round``: called with each round's ``RoundTokens`` (see
-        :mod:`saguaro.runtime.streaming`); ``plan``: what :meth:`plan` made for this very call (None: planned here)."""
+        :mod:`saguaro.runtime.streaming`); ``plan``: what :meth:`plan` made for this very call (None: planned here);
+        ``controls``: a :class:`~saguaro.tensor_math.logits_processing.SamplingControls` (``top_k``, ``top_p``,
+        ``min_p``, penalties, ``logit_bias``) every token is decided under, exactly in every mode (None: the
+        temperature alone)."""
         check_not_reading(self._lock)  # from inside a program.stream loop of this Program: it holds the lock
         with streaming(streamer, on_round, input_ids) as emitter, self._lock:
             return self._generate(input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode,
-                                  trace, emitter, plan)
+                                  trace, emitter, plan, controls)
 
     def plan(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id="default",
              seed: int | None = None, attention_mask=None, mode: str | None = None) -> GenerationPlan:
@@ -200,10 +204,13 @@ class Program:
 
     @torch.inference_mode()
     def _generate(self, input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode, trace,
-                  on_round=None, plan=None):
+                  on_round=None, plan=None, controls=None):
         mode, input_ids, attention_mask, eos_ids = validate_call(self, input_ids, max_new_tokens, temperature,
                                                                  eos_token_id, seed, attention_mask, mode)
         B, T = input_ids.shape
+        controls = checked_controls(controls, self.target.spec.vocab_size)
+        if controls is not None and mode != "ar" and self.target.provides(TARGET_VERIFY_LOGITS):
+            self.target.stage(TARGET_VERIFY_LOGITS)  # built here, before a lane runs beside the rounds
         padded_ids, padded_mask = self.shapes.pad_prompt(input_ids, attention_mask, self.pad_token_id)
         generator, base = None, None
         if temperature > 0:  # one generator per lane (the draft lane's is seeded base + 1)
@@ -220,7 +227,7 @@ class Program:
         with GenerationTrace(trace, runners, plan.lane if plan.run == "ssd" else None) as tracing:
             start = time.perf_counter()
             state = self._decode(plan, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator,
-                                 tracing.recorder, first_round_tells(runners, on_round))
+                                 tracing.recorder, first_round_tells(runners, on_round), controls=controls)
             wall = since(start) - state.counters.stream_s  # the time a streaming reader held the rounds: not ours
         sequences = state.seqs.result()[:, padded_ids.shape[1] - T:]  # without the bucket's padding columns
         new_tokens = sum(state.seqs.host_lengths) - B * state.seqs.prompt_len  # the host view: no read
@@ -241,7 +248,7 @@ class Program:
                             float(temperature), None if base is None else base + 1)
 
     def _decode(self, plan: GenerationPlan, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature,
-                generator, recorder, on_round=None) -> DecodeState:
+                generator, recorder, on_round=None, *, controls=None) -> DecodeState:
         B = padded_ids.shape[0]
         # the target's store never holds a tree, nor does the draft's of SD rounds: an SSD generation run as SD
         # has SD's shapes, its draft steps attending over SD's slots only, not over SSD's tree scratch too
@@ -252,7 +259,7 @@ class Program:
             seqs=seqs, target_store=self.target.new_store(B, capacity),
             draft_store=self.draft.new_store(B, capacity) if plan.run == "sd" else None,
             temperature=float(temperature), generator=generator, k=self.config.k, recorder=recorder,
-            on_round=on_round)
+            on_round=on_round, controls=controls)
         if plan.calibrated is not None:  # SSD's ideal round: the verify alone (also for SSD run as SD)
             state.counters.verify_alone_s = plan.calibrated[0]
         ssd = plan.run == "ssd"

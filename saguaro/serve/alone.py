@@ -19,9 +19,11 @@ log = logging.getLogger(__name__)
 
 
 def runs_alone(program, sampling) -> bool:
-    """Whether ``sampling`` (a request's) is planned alone (:func:`plan_alone`) before it runs, rather than joining
-    its temperature's batch session of ``program``: seeded and sampled, in mode ``ssd``."""
-    return program.config.mode == "ssd" and sampling.temperature > 0 and sampling.seed is not None
+    """Whether ``sampling`` (a request's) runs alone rather than joining its temperature's batch session of
+    ``program``: with sampling controls (a batch session decides by the temperature alone), or seeded and
+    sampled in mode ``ssd`` (planned first, :func:`plan_alone`)."""
+    return sampling.controls is not None or \
+        (program.config.mode == "ssd" and sampling.temperature > 0 and sampling.seed is not None)
 
 
 def plan_alone(scheduler, job):
@@ -51,7 +53,7 @@ def run_alone(scheduler, job, plan=None) -> None:
         ids = torch.tensor([s.prompt_ids], dtype=torch.long)  # [1, T]
         metrics.batch_started()
         with program.stream(ids, max_new_tokens=s.max_tokens, temperature=s.temperature, seed=s.seed,
-                            plan=plan, **eos_option(s)) as stream:
+                            plan=plan, controls=s.controls, **eos_option(s)) as stream:
             last = time.perf_counter()
             for chunk in stream:
                 now = time.perf_counter()

@@ -68,7 +68,7 @@ class Continuous:
         ``ssd``) the seeded sampled ones, planned before they run. While a batch runs SSD's rounds on the lane, a
         seeded request waits for its rows to end, and no request behind it is taken meanwhile."""
         scheduler = self.scheduler
-        if scheduler.program.config.mode != "ssd":
+        if scheduler.program.config.mode != "ssd" and not any(job.sampling.controls is not None for job in scheduler.waiting):
             return scheduler.take_waiting(most), []
         scheduler.take_waiting(0)  # drops the requests whose client left
         lane_busy = any(session.size and session.run == "ssd" for session in self.sessions.values())
@@ -94,6 +94,9 @@ class Continuous:
     def _seeded(self, job) -> None:
         """A seeded sampled request of mode ``ssd``: planned as ``generate`` alone plans it; SD (or AR) joins the
         seeded batch of that run, SSD runs alone with the plan."""
+        if job.sampling.controls is not None:  # sampling controls: generate alone, as generate plans it
+            run_alone(self.scheduler, job)
+            return
         plan = plan_alone(self.scheduler, job)
         if plan is None:
             return  # the planning failed: the job has its error

@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ FIELDS: dict = {
     "seed": SUPPORTED, "stop": SUPPORTED, "n": SUPPORTED, "stream": SUPPORTED, "stream_options": SUPPORTED,
     "ignore_eos": SUPPORTED, "timeout": SUPPORTED, "prompt": SUPPORTED, "echo": SUPPORTED, "messages": SUPPORTED,
     "user": IGNORED, "metadata": IGNORED, "store": IGNORED, "service_tier": IGNORED,
-    "top_p": (1, 1.0), "top_k": (0, -1), "min_p": (0, 0.0), "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},), "logprobs": (False, 0),
+    "top_p": SUPPORTED, "top_k": SUPPORTED, "min_p": SUPPORTED, "presence_penalty": SUPPORTED,
+    "frequency_penalty": SUPPORTED, "repetition_penalty": SUPPORTED, "logit_bias": SUPPORTED, "logprobs": (False, 0),
     "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},),
     "best_of": (1,), "suffix": ("",), "parallel_tool_calls": (True, False), "functions": ([],),
     "function_call": ("none", "auto"),
@@ -69,6 +69,7 @@ class Sampling:
     include_usage: bool = False
     prompt_text: str = ""
     ignore_eos: bool = False  # decode past the end-of-sequence token, to max_tokens
+    controls: object = None  # a saguaro.SamplingControls, or None: the temperature alone (runs alone: alone.py)
 
 
 @dataclass
@@ -192,7 +193,26 @@ def sampling_fields(body: dict, prompt_ids: list, limits: Limits) -> Sampling:
     if not isinstance(options, dict):
         raise RequestError(f"stream_options={options!r} is not allowed: give an object", "stream_options")
     return Sampling(prompt_ids, max_tokens, float(temperature), seed, stop, stream=_bool(body, "stream"),
-                    include_usage=bool(options.get("include_usage")), ignore_eos=_bool(body, "ignore_eos"))
+                    include_usage=bool(options.get("include_usage")), ignore_eos=_bool(body, "ignore_eos"),
+                    controls=sampling_controls(body, limits.vocab_size))
+
+
+def sampling_controls(body: dict, vocab_size: int):
+    """The request's ``top_k``, ``top_p``, ``min_p``, penalties and ``logit_bias`` as checked
+    :class:`saguaro.SamplingControls`, or None where they are absent or at their defaults; a value out of range
+    is a 400 naming its field."""
+    from saguaro import ControlError, SamplingControls
+
+    given = {f.name: body[f.name] for f in fields(SamplingControls) if body.get(f.name) is not None}
+    try:
+        controls = SamplingControls.of(**given)
+        controls.check(vocab_size)
+    except ControlError as exc:
+        raise RequestError(str(exc), exc.field) from None
+    except TypeError as exc:  # a value of the wrong type where a number is compared
+        raise RequestError(f"logit_bias={given.get('logit_bias')!r} is not allowed ({exc}): give an object of token "
+                           "id to number", "logit_bias") from None
+    return controls if controls.active else None
 
 
 def _timeout(body: dict) -> float | None:

@@ -15,6 +15,12 @@ def last_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1]
 
 
+def all_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``target.verify_logits``: every position's logits ``[B, K+1, V]`` leave the graph (sampling controls
+    process them outside it)."""
+    return logits
+
+
 def step_greedy(logits: torch.Tensor) -> torch.Tensor:
     """``draft.step`` at temperature 0: the next token ``[B]``."""
     return logits[:, -1].argmax(dim=-1)

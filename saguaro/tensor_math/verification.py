@@ -65,8 +65,13 @@ def verify_greedy(
     draft_tokens: torch.Tensor,  # [B, K]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification: ``accepted [B]`` in ``0..K`` and ``next_token [B]`` (recovery or bonus)."""
+    return verify_choice(target_logits.argmax(dim=-1), draft_tokens)
+
+
+def verify_choice(choice: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification against the target's ``choice [B, K+1]`` at each position (the argmax, or the argmax
+    of processed logits): ``accepted [B]`` and ``next_token [B]``."""
     K = draft_tokens.shape[1]
-    choice = target_logits.argmax(dim=-1)  # [B, K+1]
     matches = (choice[:, :K] == draft_tokens).long()  # [B, K]
     accepted = matches.cumprod(dim=1).sum(dim=1)  # [B]
     return accepted, choice.gather(1, accepted[:, None]).squeeze(1)
@@ -81,8 +86,20 @@ def verify_sampled(
     resample_u: torch.Tensor,  # [B] uniform of the residual (or bonus) draw
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled verification with explicit uniforms, so it can live inside a graph."""
-    K = draft_tokens.shape[1]
     p = torch.softmax(target_logits.float() * inv_temperature, dim=-1)  # [B, K+1, V]
+    return verify_probabilities(p, draft_tokens, draft_probs, accept_u, resample_u)
+
+
+def verify_probabilities(
+    p: torch.Tensor,  # [B, K+1, V]: the target's distribution at each position (processed or not)
+    draft_tokens: torch.Tensor,  # [B, K]
+    draft_probs: torch.Tensor,  # [B, K, V]
+    accept_u: torch.Tensor,  # [B, K]
+    resample_u: torch.Tensor,  # [B]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify_sampled`'s rule over the target's distributions ``p`` themselves: ``accepted [B]`` and
+    ``next_token [B]``."""
+    K = draft_tokens.shape[1]
     q = draft_probs.float()
     p_x = p[:, :K].gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
     q_x = q.gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]

@@ -233,10 +233,11 @@ def test_sd_shapes_are_warmed_once_before_the_first_generation_run_as_sd(monkeyp
     decodes, rounds = [], []
     real = Program._decode
 
-    def counting(self, plan, *args):
+    def counting(self, plan, *args, **options):
         decodes.append(plan.run)
         on_round = args[-1]
-        return real(self, plan, *args[:-1], lambda seqs: (rounds.append(plan.run), on_round and on_round(seqs)))
+        return real(self, plan, *args[:-1], lambda seqs: (rounds.append(plan.run), on_round and on_round(seqs)),
+                    **options)
 
     monkeypatch.setattr(Program, "_decode", counting)
     ids, mask = prompts(1, 8, seed=3)

@@ -116,8 +116,8 @@ def test_unknown_fields_are_ignored_and_logged_once_per_name(served, caplog):
     for name in ("'frobnicate_once'", "'chat_template_kwargs'"):
         assert sum(name in m for m in logged) == 1, logged
     assert not any("'user'" in m or "'metadata'" in m for m in logged)  # known: accepted, no effect, not logged
-    refused = httpx.post(served.url + "/completions", json=body | {"top_k": 5}, timeout=120)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_k"
+    refused = httpx.post(served.url + "/completions", json=body | {"logprobs": 2}, timeout=120)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"  # known, not implemented
 
 
 def test_sixteen_stop_strings_are_honoured(served):
@@ -186,3 +186,27 @@ def test_ignore_eos_decodes_past_the_end_of_sequence_token():
             assert text == tokenizer.decode(free, skip_special_tokens=True) and finish == "length"
     finally:
         running.stop()
+
+
+def test_sampling_controls_are_honoured_as_generate_honours_them(served):
+    """top_p, top_k, min_p, the penalties and logit_bias through the openai SDK (``extra_body`` for the fields
+    OpenAI lacks): each answer is ``program.generate``'s with the same controls, greedy and seeded."""
+    ids = served.tokenizer(PROMPT).input_ids
+    banned = solo(served.program, ids, 4)[1]  # the greedy text's second token, biased away below
+    controls = dict(top_p=0.9, frequency_penalty=1.0, presence_penalty=0.5, logit_bias={banned: -100})
+    extra = dict(top_k=8, min_p=0.05, repetition_penalty=1.3)
+    for temperature, seed in ((0.0, None), (0.8, 11)):
+        out = client(served).completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=temperature,
+                                                seed=seed, extra_body=extra, **controls)
+        want = served.program.generate(torch.tensor([ids]), max_new_tokens=10, temperature=temperature, seed=seed,
+                                       controls=controls | extra)
+        tokens = want.sequences[0, len(ids):].tolist()
+        eos = served.program.eos_token_id
+        eos = {eos} if isinstance(eos, int) else set(eos or ())
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+        assert out.choices[0].text == served.tokenizer.decode(tokens[:cut], skip_special_tokens=True)
+        assert banned not in tokens
+    plain = client(served).completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0)
+    greedy = client(served).completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0,
+                                               logit_bias={banned: -100})
+    assert greedy.choices[0].text != plain.choices[0].text  # the bias moved the greedy text

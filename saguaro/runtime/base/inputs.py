@@ -75,3 +75,25 @@ def validate_call(program, input_ids, max_new_tokens, temperature, eos_token_id,
             f"prompt length {T} + max_new_tokens {max_new_tokens} = {T + max_new_tokens} exceeds the maximum "
             f"of {program.max_length} tokens (KV capacity / the models' max_position_embeddings)")
     return mode, input_ids, attention_mask, eos_ids
+
+
+def checked_controls(controls, vocab_size: int):
+    """``generate``'s ``controls``: None, a :class:`~saguaro.tensor_math.logits_processing.SamplingControls`, or
+    a mapping of its fields (``{"top_p": 0.9, "logit_bias": {42: -100}}``); returned as checked controls, or None
+    where they change nothing. A ``ValueError`` names a field outside its range or a token id outside the
+    vocabulary; a ``TypeError`` an unknown field."""
+    from saguaro.tensor_math.logits_processing import SamplingControls
+
+    if controls is None:
+        return None
+    if isinstance(controls, dict):
+        allowed = ("top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "logit_bias")
+        unknown = sorted(set(controls) - set(allowed))
+        if unknown:
+            raise TypeError(f"controls {unknown} are not sampling controls; allowed: {', '.join(allowed)}")
+        controls = SamplingControls.of(**controls)
+    if not isinstance(controls, SamplingControls):
+        raise TypeError(f"controls={controls!r} is not allowed: give a SamplingControls, a dict of its fields, or None")
+    controls.check(vocab_size)
+    return controls if controls.active else None

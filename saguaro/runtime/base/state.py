@@ -24,6 +24,7 @@ class DecodeState:
     k: int
     recorder: object = None  # a runtime.trace.TraceRecorder when this generate is traced
     on_round: object = None  # called with ``seqs`` once a round's tokens are committed (streaming)
+    controls: object = None  # a tensor_math.logits_processing.SamplingControls, or None (runtime/decode/controlled.py)
     counters: Counters = field(init=False)
     # the tokens the next draft call feeds each row: 2 (the pending token and the one before it, whose draft
     # KV is missing when the last round accepted all k draft tokens) unless the last round's outcome showed

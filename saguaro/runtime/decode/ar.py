@@ -20,6 +20,7 @@ from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import since
 from saguaro.runtime.base.timing import LateRead, Stopwatch
+from saguaro.runtime.decode.controlled import decide, in_effect
 from saguaro.tensor_math.verification import sample_tokens
 
 Launch = Callable[[], torch.Tensor]  # queues one round; returns the rows still active after it [] (device)
@@ -30,7 +31,7 @@ def decode_ar(target: ModelRunner, draft: ModelRunner | None, state: DecodeState
     tokens, already in ``state``, are not needed: the signature is every decoder's). Greedy rounds run in
     one stage call each where the target offers AR's round stage (:func:`round_in_graph`), other rounds
     by the step (:func:`round_by_step`); :func:`run_rounds` runs either."""
-    if state.temperature == 0 and target.provides(TARGET_ROUND):
+    if state.temperature == 0 and target.provides(TARGET_ROUND) and in_effect(state) is None:
         run_rounds(state, round_in_graph(target, state))
     else:
         run_rounds(state, round_by_step(target, state))
@@ -39,13 +40,14 @@ def decode_ar(target: ModelRunner, draft: ModelRunner | None, state: DecodeState
 def round_by_step(target: ModelRunner, state: DecodeState) -> Launch:
     """A round by ``target.step``: the step, a token drawn from its logits (the argmax at temperature 0)
     and appended by ``SequenceBatch.append_one``."""
-    seqs = state.seqs
+    seqs, controls = state.seqs, in_effect(state)
 
     def launch() -> torch.Tensor:
         index = seqs.tail_index(1)  # [B, 1]: the pending token
         (logits,) = target.run(TARGET_STEP, state.target_store, seqs.gather(index), seqs.positions(index),
                                index)  # [B, V]
-        token, _ = sample_tokens(logits, state.temperature, state.generator)
+        token = decide(logits, state, controls) if controls is not None else \
+            sample_tokens(logits, state.temperature, state.generator)[0]
         seqs.append_one(token)
         return seqs.active.sum()  # []
     return launch

@@ -10,6 +10,7 @@ from saguaro.core.stages import DRAFT_PREFILL, TARGET_PREFILL
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import since
+from saguaro.runtime.decode.controlled import decide, in_effect
 from saguaro.tensor_math.verification import sample_tokens
 
 
@@ -25,7 +26,9 @@ def prefill(target: ModelRunner, draft: ModelRunner | None, state: DecodeState) 
     if state.draft_store is not None:
         draft.run(DRAFT_PREFILL, state.draft_store, ids, pos, index)
     state.counters.prefill_s += since(started)
-    first, _ = sample_tokens(logits, state.temperature, state.generator)
+    controls = in_effect(state)
+    first = decide(logits, state, controls) if controls is not None else \
+        sample_tokens(logits, state.temperature, state.generator)[0]
     seqs.append_one(first)
     seqs.read()  # the host view the rounds start from (a row may finish on its first token)
     state.round_committed()

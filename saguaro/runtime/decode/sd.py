@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.core.stages import TARGET_VERIFY, TARGET_VERIFY_ROUND
+from saguaro.runtime.decode.controlled import in_effect, verify_controlled
 from saguaro.runtime.decode.sd_graph import graphed_sd_round
 from saguaro.runtime.draft.decode import draft_decode
 from saguaro.runtime.base.model_runner import ModelRunner
@@ -100,7 +101,16 @@ def queue_verify_round(target: ModelRunner, state: DecodeState, draft_tokens: to
 def verify_and_commit(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor,
                       draft_probs: torch.Tensor | None) -> Outcome:
     """Verify a speculation and commit its outcome: :func:`verify_round` where the target offers the greedy
-    round stage, else :func:`verify` then :func:`commit`. One device→host read."""
+    round stage, else :func:`verify` then :func:`commit` (with sampling controls in effect, the verify of
+    :mod:`~saguaro.runtime.decode.controlled`). One device→host read."""
+    controls = in_effect(state)
+    if controls is not None:
+        ids, positions, index = verify_inputs(state, draft_tokens)
+        watch = Stopwatch(ids.device)
+        accepted, next_token = verify_controlled(target, state, ids, positions, index, draft_tokens, draft_probs,
+                                                 controls)
+        state.counters.time_verify(watch.stop())
+        return commit(state, draft_tokens, accepted, next_token)
     if state.temperature == 0 and target.provides(TARGET_VERIFY_ROUND):
         return verify_round(target, state, draft_tokens)
     accepted, next_token = verify(target, state, draft_tokens, draft_probs)
@@ -160,7 +170,7 @@ def decode_sd(target: ModelRunner, draft: ModelRunner, state: DecodeState, plan,
 def sd_rounds(target: ModelRunner, draft: ModelRunner, state: DecodeState) -> None:
     """Alternate drafting and verification until every row finishes (under CUDA graphs, greedy: both in one
     replay, :mod:`~saguaro.runtime.decode.sd_graph`, its time counted as the verify's)."""
-    replay = graphed_sd_round(target, draft, state, draft_speculation, verify)
+    replay = graphed_sd_round(target, draft, state, draft_speculation, verify) if in_effect(state) is None else None
     while not state.seqs.all_finished():
         with traced(state.recorder, "host", "round", {"round": state.counters.rounds + 1}):
             started = time.perf_counter()
