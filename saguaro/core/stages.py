@@ -8,7 +8,8 @@ elsewhere code reads ``stage.name`` / ``stage.qualified``.
 
 Shapes for batch ``B``: ``prefill [B, T]``, ``verify [B, K+1]``, ``step [B, 1]`` (``[B, n]`` for
 the first draft call of a round), ``round [B, 1]``, ``chain [B, 1]``, ``verify_round [B, K+1]``,
-``glue [B, K+1]``, ``tree [B, MQ]`` (one call per depth).
+``glue [B, K+1]``, ``tree [B, MQ]`` (one call per depth), ``score [B, T]`` (a whole sequence, every position's
+logits: ``Program.score``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Stage:
     ``model``: whose captured graph it is derived from, and so the lane it runs on in SSD.
     ``family``: what it does (``prefill``, ``step``, ``round``: AR's step and its round, ``verify``,
     ``verify_round``: the verify and its round's commit, ``chain``: the draft's greedy step and its next
-    query, ``glue``, ``tree``).
+    query, ``glue``, ``tree``, ``score``: a whole sequence's logits, for its log-probabilities).
     ``variant``: ``"greedy"`` / ``"sampled"`` for the stages whose epilogue depends on the
     temperature, ``None`` for the others. ``mask``: ``"causal"`` or ``"tree"`` (the
     ``specialize_attention`` pass). ``epilogue``: the :mod:`saguaro.tensor_math` function of the
@@ -115,6 +116,9 @@ TARGET_VERIFY_ROUND = Stage("target", "verify_round", "greedy", "causal", "verif
                             # [4, B], [B] x 2, [B, 2] x 3, [B, K+1] x 2
                             ("outcome", "lengths", "finished", "draft_ids", "draft_index", "draft_positions",
                              "verify_index", "verify_positions"))
+# a whole sequence's logits at every position ([B, T, V]): what Program.score turns into the target's
+# log-probabilities (serve's logprobs); T rows, so not a few-row family; built on its first use only
+TARGET_SCORE = Stage("target", "score", None, "causal", "sampling.all_logits", outputs=("logits",))
 DRAFT_PREFILL = Stage("draft", "prefill", None, "causal", "sampling.last_logits", outputs=_LOGITS)
 DRAFT_STEP = Variants(
     Stage("draft", "step", "greedy", "causal", "sampling.step_greedy", outputs=("tokens",)),  # [B]
@@ -137,13 +141,13 @@ DRAFT_TREE = Variants(
 
 STAGES: tuple[Stage, ...] = (
     TARGET_PREFILL, TARGET_STEP, TARGET_ROUND, *TARGET_VERIFY, TARGET_VERIFY_LOGITS, TARGET_VERIFY_ROUND,
-    DRAFT_PREFILL, *DRAFT_STEP,
+    TARGET_SCORE, DRAFT_PREFILL, *DRAFT_STEP,
     DRAFT_CHAIN, DRAFT_GLUE, *DRAFT_TREE)
 BY_QUALIFIED_NAME = {stage.qualified: stage for stage in STAGES}
 # The families of few query rows (a step's 1 or 2, verify and glue K+1, a tree's MQ), whose linears the
 # pack_linears pass (linear_as_reduction on request) rewrites on CPU (AR's round is a step with its epilogue); a
 # prefill's T rows are never reductions' work (each row would read every weight), the packed kernel's or a GEMM's
-# (core/linear_choice.py).
+# (core/linear_choice.py); a score's T rows a GEMM's.
 FEW_ROW_FAMILIES = ("step", "round", "chain", "verify", "verify_round", "glue", "tree")
 # Of those, the families of several rows per sequence (verify and glue K+1, a tree's MQ), whose GEMMs
 # linears="template" hands to Inductor's C++ GEMM template (register blocking over the rows).

@@ -41,7 +41,7 @@ from collections import OrderedDict
 import torch
 
 from saguaro.core.errors import ConfigError
-from saguaro.core.stages import TARGET_PREFILL, Stage
+from saguaro.core.stages import TARGET_PREFILL, TARGET_SCORE, Stage
 from saguaro.lower.compile_helper import mark_dynamic
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,8 @@ def resolve_cuda_graphs(requested, device) -> bool:
 
 def captures_stage(stage: Stage) -> bool:
     """Whether ``stage`` has fixed shapes worth a graph: all but prefill, whose prompt length varies
-    per request and which runs once per generation."""
-    return stage.family != TARGET_PREFILL.family
+    per request and which runs once per generation, and the score, whose sequence length varies per call."""
+    return stage.family not in (TARGET_PREFILL.family, TARGET_SCORE.family)
 
 
 class _Entry:

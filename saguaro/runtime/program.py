@@ -15,7 +15,7 @@ import torch
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import SaguaroError
 from saguaro.core.schedule import critical_path, expected_overlap, round_schedule
-from saguaro.core.stages import ROUND_STAGES, TARGET_VERIFY_LOGITS, stages_for
+from saguaro.core.stages import ROUND_STAGES, TARGET_SCORE, TARGET_VERIFY_LOGITS, stages_for
 from saguaro.runtime.calibration import Calibration
 from saguaro.runtime.generation_plan import GenerationPlan, plan_call, plan_stats
 from saguaro.runtime.decode import DECODERS
@@ -28,6 +28,7 @@ from saguaro.runtime.base.sequences import SequenceBatch
 from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import Counters, since, summarize
 from saguaro.runtime.base.trace import GenerationTrace
+from saguaro.runtime.scoring import ScoreOutput, score
 from saguaro.runtime.streaming import TokenStream, check_not_reading, first_round_tells, streaming
 
 log = logging.getLogger(__name__)
@@ -195,6 +196,21 @@ class Program:
             padded_ids, padded_mask = self.shapes.pad_prompt(ids, mask, self.pad_token_id)
             call = (padded_ids, padded_mask, max_new_tokens, eos_ids, temperature)
             return replace(plan_call(self, mode, call, seed), made_for=_call_key(mode, call, seed))
+
+    def score(self, input_ids, attention_mask=None, top: int = 0) -> ScoreOutput:
+        """The target's log-probabilities of the tokens of ``input_ids [B, T]`` (left-padded, ``attention_mask``),
+        each given the tokens before it (float32 log-softmax of its raw logits: no temperature, no sampling
+        control), and at each position the ``top`` most likely tokens: :func:`saguaro.runtime.scoring.score`
+        (its contract and errors; a ``ConfigError`` where the program cannot score: a loaded artifact). Served
+        one call at a time with ``generate`` (the Program's lock)."""
+        check_not_reading(self._lock)
+        with self._lock, torch.inference_mode():
+            return score(self, input_ids, attention_mask, top)
+
+    @property
+    def can_score(self) -> bool:
+        """Whether :meth:`score` can run: the target's builder offers its stage (a loaded artifact does not)."""
+        return self.target.provides(TARGET_SCORE)
 
     def stream(self, input_ids, **options) -> TokenStream:
         """:meth:`generate` (the same arguments) as an iterator of each round's decided tokens

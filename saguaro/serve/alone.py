@@ -5,7 +5,9 @@ planned SSD, :func:`run_alone` runs it alone with that plan through ``program.st
 the running batches (once their rows end, where a batch runs SSD's rounds on the draft lane). A request whose
 client leaves stops being read at the next round, and the generation ends at that round boundary. With
 ``ignore_eos`` both are called with ``eos_token_id=None``. Its ``done`` is sent once the generation has ended,
-with the request's figures taken from the generation's own counters (:mod:`saguaro.serve.figures`).
+with the request's figures taken from the generation's own counters (:mod:`saguaro.serve.figures`). A request that
+asks for logprobs gets its tokens once the generation has ended (``program.score`` cannot run while the stream holds
+the program), scored then, in the rounds' chunks.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def run_alone(scheduler, job, plan=None) -> None:
     try:
         ids = torch.tensor([s.prompt_ids], dtype=torch.long)  # [1, T]
         metrics.batch_started()
+        held = []  # logprobs asked: the rounds' tokens, handed out once the stream has ended (it holds the program)
         with program.stream(ids, max_new_tokens=s.max_tokens, temperature=s.temperature, seed=s.seed,
                             plan=plan, controls=s.controls, **eos_option(s)) as stream:
             last = time.perf_counter()
@@ -66,7 +69,14 @@ def run_alone(scheduler, job, plan=None) -> None:
                     job.done = True
                     metrics.row_left(job.leave)
                     break  # leaving the block stops the generation at its next round boundary
+                if s.logprobs is not None:
+                    held.append((chunk.new_tokens[0], chunk.finished[0]))
+                    continue
                 job.take(chunk.new_tokens[0], chunk.finished[0], now, metrics, scheduler.eos, announce=False)
+        for new, finished in held:  # scored now (Job.take), outside the stream's hold on the program
+            if job.done or job.leave:
+                break
+            job.take(new, finished, time.perf_counter(), metrics, scheduler.eos, announce=False)
         if stream.output is not None:
             metrics.batch_done(stream.output.stats, stream.output.counters)
             job.figures.generation(stream.output.stats.get("ran_as", program.config.mode), stream.output.counters)

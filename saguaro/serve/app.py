@@ -51,7 +51,8 @@ class Service:
         self.tokenizer, self.model, self.api_key, self.auth_health = tokenizer, model, api_key, auth_health
         self.metrics = Metrics()
         self.scheduler = Scheduler(program, self.metrics, max_batch, max_queue)
-        self.limits = Limits(program.max_length, program.target.spec.vocab_size, default_max_tokens)
+        self.limits = Limits(program.max_length, program.target.spec.vocab_size, default_max_tokens,
+                             scores=bool(getattr(program, "can_score", False)))
         self.unknown = UnknownFields()
         self.started = time.time()
 

@@ -19,7 +19,9 @@ runs decodes with SD (``BatchSession.run``), exactly.
 A session is keyed by ``(run, temperature, ignore_eos)`` (``run`` None: the program's mode; else the plan's, for
 seeded rows of mode ``ssd``): rows that ignore EOS batch together, over the program without its EOS
 (:class:`~saguaro.serve.scheduler.WithoutEos`). Each round, each row's figures (rounds, tokens decided, SSD cache
-lookups and hits) go to its job (:mod:`saguaro.serve.figures`) before its tokens do.
+lookups and hits) go to its job (:mod:`saguaro.serve.figures`) before its tokens do, and its logprobs where asked
+(scored by ``Job.take`` here, between rounds). A request with ``max_tokens`` 0 (``echo``) joins nothing: its
+prompt is scored and it is done.
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ class Continuous:
     def _seeded(self, job) -> None:
         """A seeded sampled request of mode ``ssd``: planned as ``generate`` alone plans it; SD (or AR) joins the
         seeded batch of that run, SSD runs alone with the plan."""
+        if job.sampling.max_tokens == 0:
+            self._prompt_only(job)
+            return
         if job.sampling.controls is not None:  # sampling controls: generate alone, as generate plans it
             run_alone(self.scheduler, job)
             return
@@ -109,6 +114,9 @@ class Continuous:
         """``job`` joins the session of its kind (``mode`` None: the program's; its temperature; ``ignore_eos``),
         made over the program it decodes with (:meth:`Scheduler.program_for`) if none runs."""
         scheduler, sampling = self.scheduler, job.sampling
+        if sampling.max_tokens == 0:
+            self._prompt_only(job)
+            return
         key = (mode, sampling.temperature, sampling.ignore_eos)
         session = self.sessions.get(key)
         try:
@@ -126,6 +134,11 @@ class Continuous:
         # the session cuts each row at its max_tokens as the job does: a job done here is a row that never joined
         if not job.take(first.new_tokens, first.finished, time.perf_counter(), scheduler.metrics, scheduler.eos):
             self.jobs[(key, first.row)] = job
+
+    def _prompt_only(self, job) -> None:
+        """``max_tokens`` 0 (``echo``: the prompt scored, as a loglikelihood asks): nothing decodes; the prompt's
+        logprobs (where asked) and ``done`` go out now."""
+        job.take([], True, time.perf_counter(), self.scheduler.metrics, self.scheduler.eos)
 
     def _round(self, key, session: BatchSession) -> None:
         scheduler, metrics = self.scheduler, self.scheduler.metrics

@@ -12,6 +12,8 @@ import math
 import threading
 from dataclasses import dataclass, field, fields, replace
 
+from saguaro.serve.logprobs import MAX_LOGPROBS
+
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20  # a body over 1 MiB is refused (413) before it is parsed
@@ -25,19 +27,20 @@ SUPPORTED, IGNORED = "supported", "ignored"
 #   SUPPORTED  read and honoured by the parsers below (``ROUTE`` says where a field belongs to one route);
 #   IGNORED    accepted and changes nothing (not logged);
 #   a tuple    known, not implemented: refused (400 naming it) at any value but these defaults (or null).
-# Supporting a refused field: mark it SUPPORTED here and read it in :func:`sampling_fields`.
+# Supporting a refused field: mark it SUPPORTED here and read it in :func:`sampling_fields` (as logprobs are).
 FIELDS: dict = {
     "model": SUPPORTED, "max_tokens": SUPPORTED, "max_completion_tokens": SUPPORTED, "temperature": SUPPORTED,
     "seed": SUPPORTED, "stop": SUPPORTED, "n": SUPPORTED, "stream": SUPPORTED, "stream_options": SUPPORTED,
     "ignore_eos": SUPPORTED, "timeout": SUPPORTED, "prompt": SUPPORTED, "echo": SUPPORTED, "messages": SUPPORTED,
     "user": IGNORED, "metadata": IGNORED, "store": IGNORED, "service_tier": IGNORED,
     "top_p": SUPPORTED, "top_k": SUPPORTED, "min_p": SUPPORTED, "presence_penalty": SUPPORTED,
-    "frequency_penalty": SUPPORTED, "repetition_penalty": SUPPORTED, "logit_bias": SUPPORTED, "logprobs": (False, 0),
-    "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},),
+    "frequency_penalty": SUPPORTED, "repetition_penalty": SUPPORTED, "logit_bias": SUPPORTED, "logprobs": SUPPORTED,
+    "top_logprobs": SUPPORTED, "tools": ([],), "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},),
     "best_of": (1,), "suffix": ("",), "parallel_tool_calls": (True, False), "functions": ([],),
     "function_call": ("none", "auto"),
 }
-ROUTE = {"prompt": "completions", "echo": "completions", "messages": "chat"}  # elsewhere: unknown fields
+ROUTE = {"prompt": "completions", "echo": "completions", "messages": "chat",
+         "top_logprobs": "chat"}  # elsewhere: unknown fields
 
 
 class RequestError(Exception):
@@ -70,6 +73,7 @@ class Sampling:
     prompt_text: str = ""
     ignore_eos: bool = False  # decode past the end-of-sequence token, to max_tokens
     controls: object = None  # a saguaro.SamplingControls, or None: the temperature alone (runs alone: alone.py)
+    logprobs: int | None = None  # the target's logprobs with this many alternatives per token (None: not asked)
 
 
 @dataclass
@@ -152,17 +156,20 @@ def check_fields(body: dict, route: str, unknown: UnknownFields | None = None) -
 
 @dataclass(frozen=True)
 class Limits:
-    """What the program allows: ``max_length`` (prompt + new tokens), ``vocab_size``, and the ``max_tokens`` a
+    """What the program allows: ``max_length`` (prompt + new tokens), ``vocab_size``, the ``max_tokens`` a
     request that names none gets: ``default_max_tokens`` (``--max-tokens-default``), at most the room its prompt
-    leaves; None: all that room."""
+    leaves; None: all that room; and whether it ``scores`` tokens (logprobs; a loaded artifact does not)."""
 
     max_length: int
     vocab_size: int
     default_max_tokens: int | None = None
+    scores: bool = True  # the program can score tokens (logprobs): Program.can_score
 
 
-def sampling_fields(body: dict, prompt_ids: list, limits: Limits) -> Sampling:
-    """The fields every endpoint shares, for one prompt, checked against the program's limits."""
+def sampling_fields(body: dict, prompt_ids: list, limits: Limits, echo: bool = False, chat: bool = False) -> Sampling:
+    """The fields every endpoint shares, for one prompt, checked against the program's limits; ``echo``: the
+    completion's (``max_tokens`` may then be 0: the prompt scored, nothing generated); ``chat``: the route's
+    (its logprobs fields: :func:`logprobs_field`)."""
     max_length, default_max_tokens = limits.max_length, limits.default_max_tokens
     if not prompt_ids:
         raise RequestError("the prompt is empty: give at least one token of text", "prompt")
@@ -172,7 +179,10 @@ def sampling_fields(body: dict, prompt_ids: list, limits: Limits) -> Sampling:
                            "(prompt + max_tokens <= " f"{max_length})", "prompt")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     default = room if default_max_tokens is None else min(default_max_tokens, room)
-    max_tokens = _int(body, name, default, 1)
+    if type(body.get(name)) is int and body[name] == 0 and not echo:
+        raise RequestError(f"{name}=0 is not allowed: it must be an integer >= 1 (0 only on /v1/completions with "
+                           "echo: true, which scores the prompt and generates nothing)", name)
+    max_tokens = _int(body, name, default, 0 if echo else 1)
     if len(prompt_ids) + max_tokens > max_length:
         raise RequestError(f"{name}={max_tokens} with a prompt of {len(prompt_ids)} tokens exceeds the model's "
                            f"{max_length} tokens: {name} must be at most {room}", name)
@@ -192,9 +202,32 @@ def sampling_fields(body: dict, prompt_ids: list, limits: Limits) -> Sampling:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise RequestError(f"stream_options={options!r} is not allowed: give an object", "stream_options")
-    return Sampling(prompt_ids, max_tokens, float(temperature), seed, stop, stream=_bool(body, "stream"),
+    return Sampling(prompt_ids, max_tokens, float(temperature), seed, stop, echo=echo, stream=_bool(body, "stream"),
                     include_usage=bool(options.get("include_usage")), ignore_eos=_bool(body, "ignore_eos"),
-                    controls=sampling_controls(body, limits.vocab_size))
+                    controls=sampling_controls(body, limits.vocab_size), logprobs=logprobs_field(body, chat, limits))
+
+
+def logprobs_field(body: dict, chat: bool, limits: Limits) -> int | None:
+    """The alternatives per token a request's logprobs ask for, or None where it asks for none. Chat: ``logprobs``
+    true or false, ``top_logprobs`` 0..20 (only with ``logprobs`` true, as vLLM; default 0); completions:
+    ``logprobs`` 0..20 (OpenAI's legacy field; false or null: none). A 400 names the field at fault, and
+    ``logprobs`` where the program cannot score (a loaded artifact)."""
+    if chat:
+        asked = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+        if body.get("top_logprobs") is not None and not asked:
+            raise RequestError(f"top_logprobs={body['top_logprobs']!r} is not allowed without logprobs: true; set "
+                               "logprobs to true (or leave top_logprobs out)", "top_logprobs")
+        top = top if asked else None
+    elif body.get("logprobs") is False:  # what a chat-minded client sends for none: none
+        top = None
+    else:
+        top = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not limits.scores:
+        raise RequestError("logprobs are not served by this server: its program cannot score tokens (a program "
+                           "loaded from an artifact holds no scoring stage); serve a compiled program "
+                           "(--target/--draft) for logprobs", "logprobs")
+    return top
 
 
 def sampling_controls(body: dict, vocab_size: int):
@@ -263,8 +296,7 @@ def completion_request(body: dict, tokenizer, limits: Limits, unknown: UnknownFi
             ids, text = list(prompt), None
         if any(not 0 <= t < limits.vocab_size for t in ids):
             raise RequestError(f"prompt holds token ids outside the vocabulary [0, {limits.vocab_size})", "prompt")
-        sampling = sampling_fields(body, ids, limits)
-        sampling.echo = _bool(body, "echo")
+        sampling = sampling_fields(body, ids, limits, echo=_bool(body, "echo"))
         sampling.prompt_text = text if text is not None else (tokenizer.decode(ids) if tokenizer is not None else "")
         prompts.append(sampling)
     return request_of(body, prompts)
@@ -312,4 +344,4 @@ def chat_request(body: dict, tokenizer, limits: Limits, unknown: UnknownFields |
     except Exception as exc:  # noqa: BLE001 - a template error is the request's fault (e.g. an unknown role)
         raise RequestError(f"the chat template could not format these messages: {exc}", "messages") from None
     ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return request_of(body, [sampling_fields(body, ids, limits)])
+    return request_of(body, [sampling_fields(body, ids, limits, chat=True)])

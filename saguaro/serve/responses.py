@@ -3,7 +3,10 @@ job is handed; stop strings cut it, ``echo`` puts the prompt first), gathered by
 JSON body, choices in index order) or as server-sent-event chunks, the choices' chunks interleaved as their
 tokens come, each carrying its ``index``, ending with ``data: [DONE]``. ``usage`` counts each prompt's tokens
 once and every choice's completion tokens, and carries the request's speculation figures
-(``usage["saguaro"]``, :mod:`saguaro.serve.figures`).
+(``usage["saguaro"]``, :mod:`saguaro.serve.figures`). A choice that asks for logprobs carries them, OpenAI's chat or
+legacy completions shape (:mod:`saguaro.serve.logprobs`), whole or a chunk's tokens' in each chunk (a chunk goes
+out for new logprobs even where its text is held back); with ``echo`` a streamed completion's prompt text goes out
+with the prompt's logprobs, in the first chunk after them.
 
 A request's ``timeout`` counts from its arrival: past it, its jobs leave (their rows are freed at the next
 round) and :meth:`Reply.events` raises a 408 :class:`RequestError`: a whole answer is a 408, a stream ends with
@@ -17,13 +20,15 @@ import time
 import uuid
 
 from saguaro.serve.figures import combined
+from saguaro.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from saguaro.serve.requests import Request, RequestError, Sampling
 from saguaro.serve.scheduler import Job
 
 
 class Answer:
-    """One choice: its :class:`~saguaro.serve.scheduler.Job` (whose events ``deliver(index, event)`` hands on)
-    and the text made of its tokens so far."""
+    """One choice: its :class:`~saguaro.serve.scheduler.Job` (whose events ``deliver(index, event)`` hands on),
+    the text made of its tokens so far, and (logprobs asked) their :class:`~saguaro.serve.logprobs.TokenLogprob`
+    s, one per token of ``tokens``, and the prompt's (``echo``)."""
 
     def __init__(self, sampling: Sampling, index: int, tokenizer, deliver):
         self.index, self.tokenizer = index, tokenizer
@@ -32,6 +37,12 @@ class Answer:
         self.text = ""
         self.sent = 0  # characters of text already handed out
         self.finish_reason: str | None = None
+        self.logprobs: list = []  # of tokens[i], for each i that has its logprobs yet
+        self.prompt_logprobs: list | None = None
+        self._pending: list = []  # logprobs that came before their tokens
+        self.logprobs_sent = 0  # of logprobs, already in a chunk
+        self.prompt_sent = False  # prompt_logprobs in a chunk
+        self.offset = 0  # a streamed completion's text_offset so far
 
     @property
     def sampling(self) -> Sampling:
@@ -54,6 +65,14 @@ class Answer:
         else:
             self.text = text
 
+    def _settle(self) -> None:
+        """Pair the logprobs that came with the tokens they score (those of tokens cut at a stop string dropped)."""
+        room = len(self.tokens) - len(self.logprobs)
+        if room > 0:
+            self.logprobs += self._pending[:room]
+            del self._pending[:room]
+        del self.logprobs[len(self.tokens):]
+
     def on(self, kind: str, value) -> str:
         """One event of the job; the text that may go out now ('' for none: while unfinished, the characters that
         could begin a stop string and an incomplete character are held back). Raises ``RequestError`` (500) on
@@ -62,10 +81,17 @@ class Answer:
             return ""
         if kind == "error":
             raise RequestError(value, None, 500, "server_error")
+        if kind == "logprobs":  # a Scored: before its tokens (a streamed choice), or after them all
+            if value.prompt is not None:
+                self.prompt_logprobs = value.prompt
+            self._pending += value.tokens
+            self._settle()
+            return ""
         if kind == "done":
             self.finish_reason = value
         else:
             self._take(value)
+            self._settle()
         if self.finish_reason is not None:
             end = len(self.text)
         else:
@@ -89,6 +115,7 @@ class Reply:
         arrived = time.monotonic() if arrived is None else arrived
         self.deadline = arrived + request.timeout if request.timeout is not None else None
         self.error: RequestError | None = None
+        self.token_texts = TokenTexts(tokenizer)
 
     @property
     def jobs(self) -> list:
@@ -142,11 +169,41 @@ class Reply:
             self.leave("timeout" if exc.status == 408 else "request failed")
             raise
 
-    def _choice(self, answer: Answer, text: str | None, finish, whole: bool) -> dict:
+    def _choice(self, answer: Answer, text: str | None, finish, whole: bool, logprobs: dict | None = None) -> dict:
         if self.chat:
             body = {"message": {"role": "assistant", "content": text}} if whole else {"delta": {"content": text}}
-            return {"index": answer.index, **body, "logprobs": None, "finish_reason": finish}
-        return {"index": answer.index, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": answer.index, **body, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": answer.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def _whole_logprobs(self, answer: Answer) -> dict | None:
+        """A whole answer's logprobs (None: not asked): its tokens', after the prompt's with ``echo``."""
+        if answer.sampling.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(answer.logprobs, self.token_texts)
+        prompt = (answer.prompt_logprobs or []) if answer.sampling.echo else []
+        return completion_logprobs(prompt + answer.logprobs, self.token_texts)[0]
+
+    def _chunk_logprobs(self, answer: Answer) -> tuple[str, dict | None]:
+        """What a streamed chunk of ``answer`` carries now: the text that goes before its own (a completion's echoed
+        prompt, with the prompt's logprobs) and the logprobs not sent yet (None: not asked, or none new)."""
+        if answer.sampling.logprobs is None:
+            return "", None
+        prefix, entries = "", answer.logprobs[answer.logprobs_sent:]
+        answer.logprobs_sent = len(answer.logprobs)
+        if answer.prompt_logprobs is not None and not answer.prompt_sent:
+            answer.prompt_sent = True
+            prefix, entries = answer.sampling.prompt_text, answer.prompt_logprobs + entries
+        if not entries:
+            return prefix, None
+        if self.chat:
+            return prefix, chat_logprobs(entries, self.token_texts)
+        logprobs, answer.offset = completion_logprobs(entries, self.token_texts, answer.offset)
+        return prefix, logprobs
+
+    def _echoes_first(self, answer: Answer) -> bool:
+        """Whether a streamed completion's echoed prompt goes out first, alone (without logprobs: else with them)."""
+        return not self.chat and answer.sampling.echo and answer.sampling.logprobs is None
 
     def _object(self, choices: list, whole: bool) -> dict:
         kind = ("chat.completion" if whole else "chat.completion.chunk") if self.chat else "text_completion"
@@ -157,7 +214,7 @@ class Reply:
         async for _ in self.events():
             pass
         choices = [self._choice(a, (a.sampling.prompt_text if a.sampling.echo else "") + a.text, a.finish_reason,
-                                True) for a in self.answers]
+                                True, self._whole_logprobs(a)) for a in self.answers]
         return {**self._object(choices, True), "usage": self.usage()}
 
     async def sse(self):
@@ -169,12 +226,13 @@ class Reply:
             if self.chat:
                 yield line(self._object([{"index": a.index, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}], False))
-            elif a.sampling.echo:
+            elif self._echoes_first(a):
                 yield line(self._object([self._choice(a, a.sampling.prompt_text, None, False)], False))
         try:
             async for answer, text, ended in self.events():
-                if text:
-                    yield line(self._object([self._choice(answer, text, None, False)], False))
+                prefix, logprobs = self._chunk_logprobs(answer)
+                if text or prefix or logprobs is not None:
+                    yield line(self._object([self._choice(answer, prefix + text, None, False, logprobs)], False))
                 if ended:
                     last = self._object([self._choice(answer, None if self.chat else "", answer.finish_reason,
                                                       False)], False)

@@ -19,6 +19,10 @@ Admission: at most ``max_batch + max_queue`` jobs are accepted and unfinished at
 waits beyond a full batch); a request's jobs (its choices) are accepted together or refused together (429 with
 ``Retry-After``). A job that asks to ignore EOS (``ignore_eos``) decodes in a batch of its own kind, over
 :class:`WithoutEos` (the program with no end-of-sequence token: ``generate(eos_token_id=None)``'s tokens).
+
+Logprobs: a job that asks for them has its tokens scored on this thread, between rounds (``Program.score``, the
+target's own distribution: :mod:`saguaro.serve.logprobs`); one with ``max_tokens`` 0 (``echo``) decodes nothing,
+its prompt scored and ``done`` sent when it is taken.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import time
 from collections import deque
 
 from saguaro.serve.figures import Figures
+from saguaro.serve.logprobs import Scored, token_logprobs
 from saguaro.serve.requests import RequestError, Sampling
 
 log = logging.getLogger(__name__)
@@ -37,9 +42,12 @@ RETRY_AFTER_S = 1  # what a 429 asks the client to wait (Retry-After, seconds)
 
 class Job:
     """One choice of a request in the scheduler. ``deliver(event)`` is called on the scheduler's thread with
-    ``("tokens", [ids])``, ``("done", finish_reason)`` or ``("error", message)``; the reader sets ``leave`` (a
+    ``("tokens", [ids])``, ``("done", finish_reason)`` or ``("error", message)``, and where the choice asks for
+    logprobs (``sampling.logprobs``) ``("logprobs", Scored)`` (:mod:`saguaro.serve.logprobs`: before the tokens it
+    scores, or, for a whole answer without stop strings, once before ``done``); the reader sets ``leave`` (a
     reason: client gone, stop string, timeout) to free the row at the next round. ``figures``: its rounds'
-    speculation figures (:mod:`saguaro.serve.figures`), complete when ``done`` is sent."""
+    speculation figures (:mod:`saguaro.serve.figures`), complete when ``done`` is sent. ``scorer``: what scores
+    its tokens, ``(ids, start, top) -> [TokenLogprob]`` (:meth:`Scheduler.submit` sets it)."""
 
     def __init__(self, sampling: Sampling, deliver):
         self.sampling, self.deliver = sampling, deliver
@@ -49,7 +57,16 @@ class Job:
         self.first_token_s: float | None = None
         self.done = False
         self.figures = Figures(None)  # its mode set when submitted
+        self.scorer = None
         self._reason: str | None = None
+        self._scored = 0  # tokens whose logprobs went out
+        self._prompt_scored = False
+
+    @property
+    def scores_each_round(self) -> bool:
+        """Whether its logprobs go out with each hand-out of tokens (streamed, or with stop strings: its reader may
+        end it at any round) rather than once when it is done."""
+        return self.sampling.stream or bool(self.sampling.stop)
 
     def send(self, event) -> None:
         try:
@@ -58,23 +75,49 @@ class Job:
             self.leave = self.leave or "server closed"
 
     def take(self, new: list, finished: bool, now: float, metrics, eos: set, announce: bool = True) -> bool:
-        """Hand out the row's ``new`` tokens (cut at ``max_tokens``); once the row ``finished`` or the budget is
-        reached the job is done, and ``done`` is sent (``announce=False``: later, by :meth:`finish`). Returns
-        whether the job is done. ``eos``: the program's end-of-sequence ids (none count with ``ignore_eos``)."""
+        """Hand out the row's ``new`` tokens (cut at ``max_tokens``), their logprobs first where asked (scored here:
+        the caller is the scheduler's thread, outside the program's lock); once the row ``finished`` or the budget
+        is reached the job is done, and ``done`` is sent (``announce=False``: later, by :meth:`finish`). Returns
+        whether the job is done; False also where scoring failed (the job fails, and leaves: its row is freed at
+        the next round). ``eos``: the program's end-of-sequence ids (none count with ``ignore_eos``)."""
         new = new[:self.sampling.max_tokens - len(self.tokens)]
         if new:
             if self.first_token_s is None:
                 self.first_token_s = now - self.arrived
                 metrics.first_token(self.first_token_s)
             self.tokens += new
+        s = self.sampling
+        ends = len(self.tokens) >= s.max_tokens or finished
+        unscored = len(self.tokens) > self._scored or (s.echo and not self._prompt_scored)
+        if s.logprobs is not None and unscored and (ends or self.scores_each_round):
+            try:
+                self.send(("logprobs", self._score()))
+            except Exception as exc:  # noqa: BLE001 - one failed request must not stop the server
+                log.exception("scoring a request's tokens for its logprobs failed")
+                self.fail(exc)
+                self.leave = self.leave or "logprobs failed"
+                return False
+        if new:
             self.send(("tokens", new))
-        if len(self.tokens) >= self.sampling.max_tokens or finished:
+        if ends:
             self.done = True
-            stopped = not self.sampling.ignore_eos and self.tokens and self.tokens[-1] in eos
+            stopped = not s.ignore_eos and self.tokens and self.tokens[-1] in eos
             self._reason = "stop" if stopped else "length"
             if announce:
                 self.finish()
         return self.done
+
+    def _score(self) -> Scored:
+        """The logprobs of the tokens not yet scored (and, the first time with ``echo``, of the prompt)."""
+        if self.scorer is None:
+            raise RuntimeError("this job has no scorer: submit it to a Scheduler to have its logprobs")
+        s = self.sampling
+        echo = s.echo and not self._prompt_scored
+        start = 0 if echo else len(s.prompt_ids) + self._scored
+        entries = self.scorer(s.prompt_ids + self.tokens, start, s.logprobs)
+        prompt, tokens = (entries[:len(s.prompt_ids)], entries[len(s.prompt_ids):]) if echo else (None, entries)
+        self._prompt_scored, self._scored = self._prompt_scored or echo, len(self.tokens)
+        return Scored(tokens, prompt)
 
     def finish(self) -> None:
         """Send ``done`` (after :meth:`take` with ``announce=False`` made the job done)."""
@@ -148,8 +191,14 @@ class Scheduler:
                                    429, "rate_limit_exceeded", {"Retry-After": str(RETRY_AFTER_S)})
             for job in jobs:
                 job.figures.mode = self.program.config.mode
+                job.scorer = self.score
             self.waiting.extend(jobs)
             self.cond.notify_all()
+
+    def score(self, ids: list, start: int, top: int) -> list:
+        """On the scheduler's thread: the :class:`~saguaro.serve.logprobs.TokenLogprob` of positions ``start..`` of
+        ``ids`` with ``top`` alternatives each, from the program's target (``Program.score``)."""
+        return token_logprobs(self.program, ids, start, top)
 
     def program_for(self, sampling: Sampling):
         """The program a job's rows decode over: the program, or :class:`WithoutEos` of it (``ignore_eos``)."""

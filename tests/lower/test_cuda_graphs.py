@@ -9,7 +9,7 @@ import torch
 
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError
-from saguaro.core.stages import STAGES, TARGET_PREFILL
+from saguaro.core.stages import STAGES, TARGET_PREFILL, TARGET_SCORE
 from saguaro.lower import cuda_graphs
 from saguaro.lower.cuda_graphs import GraphedStage, captures_stage, resolve_cuda_graphs
 from saguaro.lower.lowering import CompiledStage, lower_graph
@@ -47,10 +47,10 @@ def test_true_off_cuda_is_a_config_error_naming_the_device():
         resolve_cuda_graphs("yes", "cuda")
 
 
-def test_every_stage_but_prefill_is_captured():
+def test_every_stage_but_prefill_and_score_is_captured():
     captured = {s for s in STAGES if captures_stage(s)}
-    assert captured == {s for s in STAGES if s.family != TARGET_PREFILL.family}
-    assert len(captured) == len(STAGES) - 2  # the target's and the draft's prefill
+    assert captured == {s for s in STAGES if s.family not in (TARGET_PREFILL.family, TARGET_SCORE.family)}
+    assert len(captured) == len(STAGES) - 3  # the target's and the draft's prefill, the target's score
 
 
 def _graph_module():

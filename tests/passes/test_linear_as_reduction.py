@@ -9,7 +9,7 @@ import torch
 import saguaro
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError
-from saguaro.core.stages import STAGES, TARGET_PREFILL, TARGET_STEP, TARGET_VERIFY
+from saguaro.core.stages import STAGES, TARGET_PREFILL, TARGET_SCORE, TARGET_STEP, TARGET_VERIFY
 from saguaro.core.stages import FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES
 from saguaro.lower.lowering import linear_implementation
 from saguaro.passes.base.graph_pass import LINEARS_AS_REDUCTIONS, record_of
@@ -60,7 +60,9 @@ def test_a_linear_of_unknown_rank_is_left_as_it_was(caplog):
 
 def test_the_few_row_stages_of_inductor_on_cpu_get_the_packed_kernel_by_default_and_this_pass_on_request():
     few = [s for s in STAGES if s.family in FEW_ROW_FAMILIES]
-    assert {s.family for s in STAGES} - set(FEW_ROW_FAMILIES) == {"prefill"} and few
+    assert {s.family for s in STAGES} - set(FEW_ROW_FAMILIES) == {"prefill", "score"} and few
+    for requested in ("auto", "packed", "template", "reduction"):  # a score's T rows: BLAS, whatever was asked
+        assert linear_implementation("inductor", requested, "cpu", TARGET_SCORE.family) == "gemm"
     assert {s.family for s in few} - set(MULTI_ROW_FAMILIES)  # one-row stages are among them
     for stage in few:  # one row (step, round, chain) and several (verify, glue, tree) alike: pack_linears
         assert linear_implementation("inductor", "auto", "cpu", stage.family) == "packed"

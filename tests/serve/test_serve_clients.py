@@ -116,8 +116,8 @@ def test_unknown_fields_are_ignored_and_logged_once_per_name(served, caplog):
     for name in ("'frobnicate_once'", "'chat_template_kwargs'"):
         assert sum(name in m for m in logged) == 1, logged
     assert not any("'user'" in m or "'metadata'" in m for m in logged)  # known: accepted, no effect, not logged
-    refused = httpx.post(served.url + "/completions", json=body | {"logprobs": 2}, timeout=120)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"  # known, not implemented
+    refused = httpx.post(served.url + "/completions", json=body | {"best_of": 2}, timeout=120)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "best_of"  # known, not implemented
 
 
 def test_sixteen_stop_strings_are_honoured(served):

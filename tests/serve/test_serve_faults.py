@@ -55,7 +55,8 @@ BAD = [  # (body, status, words the message must hold)
     (json.dumps({**GOOD, "logit_bias": {"500": 1}}).encode(), 400, ["logit_bias token id 500", "0..127"]),
     (json.dumps({**GOOD, "logit_bias": {"5": 200}}).encode(), 400, ["logit_bias[5]=200", "-100..100"]),
     (json.dumps({**GOOD, "logit_bias": [1]}).encode(), 400, ["logit_bias=[1]", "object"]),
-    (json.dumps({**GOOD, "logprobs": 2}).encode(), 400, ["logprobs=2", "not supported"]),
+    (json.dumps({**GOOD, "logprobs": 21}).encode(), 400, ["logprobs=21", "integer 0..20"]),
+    (json.dumps({**GOOD, "best_of": 2}).encode(), 400, ["best_of=2", "not supported"]),
     (json.dumps({**GOOD, "tools": [{"type": "function"}]}).encode(), 400, ["tools=", "not supported"]),
     (json.dumps({**GOOD, "prompt": "a" * (1 << 20)}).encode(), 413, ["at most 1048576"]),
 ]

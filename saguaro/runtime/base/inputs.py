@@ -10,8 +10,10 @@ from saguaro.core.config import MODES
 from saguaro.core.errors import ConfigError
 
 
-def check_generate_args(input_ids, attention_mask, max_new_tokens, temperature, seed, eos_token_id, device):
-    """Return ``(input_ids, attention_mask, eos_ids)`` on ``device``, or raise ``ValueError``."""
+def checked_prompt(input_ids, attention_mask, device):
+    """``(input_ids [B, T] long, attention_mask [B, T] long)`` on ``device`` (a ``[T]`` prompt made ``[1, T]``;
+    no mask: all ones), or a ``ValueError``: not a non-empty integer tensor of rank 1 or 2, a mask of another
+    shape, an all-padding row, right padding. Token ids are not checked against a vocabulary here."""
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(f"input_ids must be a LongTensor [B, T], got {type(input_ids).__name__}")
     if input_ids.dim() == 1:
@@ -35,6 +37,12 @@ def check_generate_args(input_ids, attention_mask, max_new_tokens, temperature, 
     if bool((attention_mask[:, 1:] < attention_mask[:, :-1]).any()):
         raise ValueError("attention_mask must describe left padding (0s then 1s in each row); right padding "
                          "is not allowed")
+    return input_ids.to(device=device, dtype=torch.long), attention_mask
+
+
+def check_generate_args(input_ids, attention_mask, max_new_tokens, temperature, seed, eos_token_id, device):
+    """Return ``(input_ids, attention_mask, eos_ids)`` on ``device``, or raise ``ValueError``."""
+    input_ids, attention_mask = checked_prompt(input_ids, attention_mask, device)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} is not allowed: it must be an int >= 1")
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
@@ -47,7 +55,7 @@ def check_generate_args(input_ids, attention_mask, max_new_tokens, temperature, 
         eos_ids = [eos_token_id]
     else:
         eos_ids = [int(e) for e in eos_token_id]
-    return input_ids.to(device=device, dtype=torch.long), attention_mask, eos_ids
+    return input_ids, attention_mask, eos_ids
 
 
 def validate_call(program, input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode):
