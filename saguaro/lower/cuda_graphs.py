@@ -46,8 +46,8 @@ from saguaro.lower.compile_helper import mark_dynamic
 
 log = logging.getLogger(__name__)
 
-# What cuda_graphs="auto" means on CUDA: on. The probe on one H200 (../shared/gpu/2026-12-04/) found every stage
-# bound by its launches (host time 0.89-0.99 of GPU time); a graph whose first replay differs is dropped.
+# What cuda_graphs="auto" means on CUDA: on. The probe on one H200 found every stage bound by its launches
+# (docs/measurements/2026-12-04-gpu-probe-first-run.md); a graph whose first replay differs is dropped.
 CUDA_GRAPHS_AUTO = True
 CUDA_GRAPHS_CHOICES = ("auto", True, False)
 MAX_GRAPHS = 16  # signatures per stage that keep a captured graph
