@@ -105,13 +105,13 @@ def real_size_table(shape: str, pair, k: int, repeats: int, prompts: int = 1, ma
           "noise,\nits speeds are real; the weights far exceed any cache), a one-layer draft ...", flush=True)
     target, draft, tokenizer = pair
     gigabytes = sum(t.numel() * t.element_size() for t in target.parameters()) / 1e9
-    linears = "packed" if packed_linear.available() else "auto"  # auto: eager's BLAS where the kernel cannot build
-    program = compile_for(target, draft, k=k, backend="eager", linears=linears)
+    packed = packed_linear.available()  # else eager's BLAS: the kernel could not be built here
+    program = compile_for(target, draft, k=k, backend="eager", linears="packed" if packed else "auto")
     ids = bench_prompts(tokenizer, prompts, target.config.vocab_size, seed=0)
     rows = run_rows(target, draft, ids, ["ar", "sd", "ssd"], k, max_new_tokens, temperature=0.0, batch=1, seed=0,
                     program=program, repeats=repeats)
     print(f"Greedy decoding, {shape} ({gigabytes:.1f} GB of weights), {prompts} prompt x {max_new_tokens} tokens, "
-          f"k={k}, eager stages over the packed kernel; tokens/s as above:")
+          f"k={k}, eager stages over {'the packed kernel' if packed else 'BLAS'}; tokens/s as above:")
     print(format_table(rows))
 
 

@@ -121,8 +121,8 @@ def model_files(manifest: dict, model: str) -> set:
 
 def placed(tensors: dict) -> dict:
     """``tensors`` with each CPU tensor of 2 MiB or more on huge pages where the platform allows
-    (:func:`~saguaro.tensor_math.huge_pages.on_huge_pages`: the panels a decode step streams read 1.2x faster);
-    names bound to one tensor (aliases) stay bound to one copy."""
+    (:func:`~saguaro.tensor_math.huge_pages.on_huge_pages`, where a decode step streams its panels faster); names
+    bound to one tensor (aliases) stay bound to one copy."""
     copies: dict = {}  # id of a loaded tensor -> its copy
     for t in tensors.values():
         if id(t) not in copies:

@@ -30,10 +30,16 @@ def sample_tokens(
     if temperature == 0.0:
         return logits.argmax(dim=-1), None
     probs = probabilities(logits, temperature)  # [B, V]
-    if isinstance(generator, (list, tuple)):  # one generator per row: each row draws as it would alone
+    return draw(probs, generator), probs
+
+
+def draw(probs: torch.Tensor, generator) -> torch.Tensor:
+    """A token ``[B]`` from each row of ``probs [B, V]`` by ``torch.multinomial``; from a list of generators, row
+    ``b`` draws from ``generator[b]`` as it would in a batch of its own."""
+    if isinstance(generator, (list, tuple)):
         drawn = [torch.multinomial(probs[b:b + 1], 1, generator=g) for b, g in enumerate(generator)]
-        return torch.cat(drawn).squeeze(-1), probs
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs
+        return torch.cat(drawn).squeeze(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def uniforms(shape: tuple, generator, device) -> torch.Tensor:

@@ -90,13 +90,11 @@ def checked_controls(controls, vocab_size: int):
     a mapping of its fields (``{"top_p": 0.9, "logit_bias": {42: -100}}``); returned as checked controls, or None
     where they change nothing. A ``ValueError`` names a field outside its range or a token id outside the
     vocabulary; a ``TypeError`` an unknown field."""
-    from saguaro.tensor_math.logits_processing import SamplingControls
+    from saguaro.tensor_math.logits_processing import FIELDS as allowed, SamplingControls
 
     if controls is None:
         return None
     if isinstance(controls, dict):
-        allowed = ("top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "logit_bias")
         unknown = sorted(set(controls) - set(allowed))
         if unknown:
             raise TypeError(f"controls {unknown} are not sampling controls; allowed: {', '.join(allowed)}")

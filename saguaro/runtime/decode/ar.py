@@ -21,7 +21,6 @@ from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import since
 from saguaro.runtime.base.timing import LateRead, Stopwatch
 from saguaro.runtime.decode.controlled import decide, in_effect
-from saguaro.tensor_math.verification import sample_tokens
 
 Launch = Callable[[], torch.Tensor]  # queues one round; returns the rows still active after it [] (device)
 
@@ -40,14 +39,13 @@ def decode_ar(target: ModelRunner, draft: ModelRunner | None, state: DecodeState
 def round_by_step(target: ModelRunner, state: DecodeState) -> Launch:
     """A round by ``target.step``: the step, a token drawn from its logits (the argmax at temperature 0)
     and appended by ``SequenceBatch.append_one``."""
-    seqs, controls = state.seqs, in_effect(state)
+    seqs = state.seqs
 
     def launch() -> torch.Tensor:
         index = seqs.tail_index(1)  # [B, 1]: the pending token
         (logits,) = target.run(TARGET_STEP, state.target_store, seqs.gather(index), seqs.positions(index),
                                index)  # [B, V]
-        token = decide(logits, state, controls) if controls is not None else \
-            sample_tokens(logits, state.temperature, state.generator)[0]
+        token = decide(logits, state)
         seqs.append_one(token)
         return seqs.active.sum()  # []
     return launch

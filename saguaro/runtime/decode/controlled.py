@@ -50,16 +50,17 @@ def histories(state: DecodeState, vocab_size: int) -> tuple[torch.Tensor | None,
     return seen, output
 
 
-def decide(logits: torch.Tensor, state: DecodeState, controls: lp.SamplingControls) -> torch.Tensor:
-    """The next token ``[B]`` of each row from the last position's ``logits [B, V]`` under ``controls``."""
+def decide(logits: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    """The next token ``[B]`` of each row from the last position's ``logits [B, V]``: under ``state``'s controls
+    where they are :func:`in_effect`, else as ``verification.sample_tokens`` decides (the same generator calls)."""
+    controls = in_effect(state)
+    if controls is None:
+        return verification.sample_tokens(logits, state.temperature, state.generator)[0]
     seen, output = histories(state, logits.shape[-1])
     if state.temperature == 0:
         return lp.processed_choice(logits, controls, seen, output)
     probs = lp.processed_probabilities(logits, state.temperature, controls, seen, output)  # [B, V]
-    generator = state.generator
-    if isinstance(generator, (list, tuple)):  # one generator per row, as verification.sample_tokens draws
-        return torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=g) for b, g in enumerate(generator)])[:, 0]
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return verification.draw(probs, state.generator)
 
 
 def verify_controlled(target: ModelRunner, state: DecodeState, ids: torch.Tensor, positions: torch.Tensor,

@@ -10,8 +10,7 @@ from saguaro.core.stages import DRAFT_PREFILL, TARGET_PREFILL
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import since
-from saguaro.runtime.decode.controlled import decide, in_effect
-from saguaro.tensor_math.verification import sample_tokens
+from saguaro.runtime.decode.controlled import decide
 
 
 def prefill(target: ModelRunner, draft: ModelRunner | None, state: DecodeState) -> torch.Tensor:
@@ -26,9 +25,7 @@ def prefill(target: ModelRunner, draft: ModelRunner | None, state: DecodeState) 
     if state.draft_store is not None:
         draft.run(DRAFT_PREFILL, state.draft_store, ids, pos, index)
     state.counters.prefill_s += since(started)
-    controls = in_effect(state)
-    first = decide(logits, state, controls) if controls is not None else \
-        sample_tokens(logits, state.temperature, state.generator)[0]
+    first = decide(logits, state)
     seqs.append_one(first)
     seqs.read()  # the host view the rounds start from (a row may finish on its first token)
     state.round_committed()

@@ -43,12 +43,17 @@ def draft_speculation(draft: ModelRunner, state: DecodeState) -> tuple[torch.Ten
 
 def verify(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor,
            draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One target call over ``[r, x_1..x_k]`` with verification fused in: ``(accepted [B], next [B])``."""
+    """One target call over ``[r, x_1..x_k]`` with verification fused in: ``(accepted [B], next [B])``; with
+    sampling controls in effect, the logits' call and the verification of :mod:`~saguaro.runtime.decode.controlled`."""
     seqs, k = state.seqs, state.k
     ids, positions, index = verify_inputs(state, draft_tokens)
     stage = TARGET_VERIFY.at(state.temperature)
     watch = Stopwatch(ids.device)  # device time: on CUDA, events on the caller's stream
-    if state.temperature == 0.0:
+    controls = in_effect(state)
+    if controls is not None:
+        accepted, next_token = verify_controlled(target, state, ids, positions, index, draft_tokens, draft_probs,
+                                                 controls)
+    elif state.temperature == 0.0:
         accepted, next_token = target.run(stage, state.target_store, ids, positions, index, draft_tokens)
     else:
         accept_u, resample_u = verification.verification_uniforms(seqs.batch, k, state.generator, ids.device)
@@ -101,17 +106,9 @@ def queue_verify_round(target: ModelRunner, state: DecodeState, draft_tokens: to
 def verify_and_commit(target: ModelRunner, state: DecodeState, draft_tokens: torch.Tensor,
                       draft_probs: torch.Tensor | None) -> Outcome:
     """Verify a speculation and commit its outcome: :func:`verify_round` where the target offers the greedy
-    round stage, else :func:`verify` then :func:`commit` (with sampling controls in effect, the verify of
-    :mod:`~saguaro.runtime.decode.controlled`). One device→host read."""
-    controls = in_effect(state)
-    if controls is not None:
-        ids, positions, index = verify_inputs(state, draft_tokens)
-        watch = Stopwatch(ids.device)
-        accepted, next_token = verify_controlled(target, state, ids, positions, index, draft_tokens, draft_probs,
-                                                 controls)
-        state.counters.time_verify(watch.stop())
-        return commit(state, draft_tokens, accepted, next_token)
-    if state.temperature == 0 and target.provides(TARGET_VERIFY_ROUND):
+    round stage (and no sampling control in effect), else :func:`verify` then :func:`commit`. One device→host
+    read."""
+    if state.temperature == 0 and target.provides(TARGET_VERIFY_ROUND) and in_effect(state) is None:
         return verify_round(target, state, draft_tokens)
     accepted, next_token = verify(target, state, draft_tokens, draft_probs)
     return commit(state, draft_tokens, accepted, next_token)
