@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-deps test-compat bench venv clean
+.PHONY: demo test lint test-deps test-compat bench venv clean
 
 # uv installs the packages (measured: 7 s for torch and the rest against pip's 39 s, the same versions);
 # it reads no pip configuration, so tools/pip_sources.py hands it the sources pip is configured with (where
@@ -73,6 +73,11 @@ test-compat: $(COMPAT_STAMP) test-deps
 	$(COMPAT_VENV)/bin/python -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
 	$(COMPAT_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup -m "not isolated"
 	$(COMPAT_VENV)/bin/python -m pytest -q -m isolated
+
+# ruff (pinned in pyproject.toml's dev extra; its settings are there too): the format and the lint rules.
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
 	$(VENV)/bin/saguaro bench

@@ -4,9 +4,11 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: benchmarks and saguaro from a checkout
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # the repository: benchmarks and saguaro from a checkout
 
-from benchmarks.gpu_probe.cli import main  # noqa: E402 - after the path is set
+from benchmarks.gpu_probe.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -30,53 +30,84 @@ TRAIN_COMMAND = "python examples/train_default_pair.py"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prompt", default="def fibonacci(n):", help="text to complete")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per completion (default 64)")
     parser.add_argument("--k", type=int, default=5, help="speculation length (default 5)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts timed per mode (default 4)")
-    parser.add_argument("--repeats", type=int_at_least(1, "repeats"), default=3,
-                        help="timed passes per mode, the modes' passes alternating; the table shows their median and "
-                             "spread (default 3)")
-    parser.add_argument("--backend", choices=["inductor", "eager"], default="inductor",
-                        help="lowering backend (default inductor; eager starts at once but runs slower)")
-    parser.add_argument("--real-size", choices=[*SHAPES, "off"], default="tinyllama-1.1b",
-                        help="the shape of the second table's pair, seeded random weights in bfloat16, or off "
-                             "(default tinyllama-1.1b)")
+    parser.add_argument(
+        "--repeats",
+        type=int_at_least(1, "repeats"),
+        default=3,
+        help="timed passes per mode, the modes' passes alternating; the table shows their median and "
+        "spread (default 3)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["inductor", "eager"],
+        default="inductor",
+        help="lowering backend (default inductor; eager starts at once but runs slower)",
+    )
+    parser.add_argument(
+        "--real-size",
+        choices=[*SHAPES, "off"],
+        default="tinyllama-1.1b",
+        help="the shape of the second table's pair, seeded random weights in bfloat16, or off "
+        "(default tinyllama-1.1b)",
+    )
     args = parser.parse_args(argv)
 
     try:
         target, draft, tokenizer = saguaro.default_pair()
     except saguaro.SaguaroError as exc:
         print(f"demo: {exc}", file=sys.stderr)
-        print(f"demo: the default pair is not built; build it with `{TRAIN_COMMAND}`, then run `make demo` again.",
-              file=sys.stderr)
+        print(
+            f"demo: the default pair is not built; build it with `{TRAIN_COMMAND}`, then run `make demo` again.",
+            file=sys.stderr,
+        )
         return 1
 
     background = args.backend == "inductor"
     if background:
-        print(f"Compiling the default pair (k={args.k}) with Inductor in the background: the first completion runs "
-              "the stages eager\nwhile they compile (a cold compile of every stage takes minutes on a CPU; later "
-              "runs reuse Inductor's cache) ...", flush=True)
+        print(
+            f"Compiling the default pair (k={args.k}) with Inductor in the background: the first completion runs "
+            "the stages eager\nwhile they compile (a cold compile of every stage takes minutes on a CPU; later "
+            "runs reuse Inductor's cache) ...",
+            flush=True,
+        )
     else:
         print(f"Preparing the default pair (k={args.k}), eager ...", flush=True)
-    program = compile_for(target, draft, k=args.k, backend=args.backend,
-                          compile="background" if background else "blocking")
+    program = compile_for(
+        target, draft, k=args.k, backend=args.backend, compile="background" if background else "blocking"
+    )
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids  # [1, T]
     modes = ["ar", "sd", "ssd"]
 
     # greedy decoding is lossless: every mode prints this same text, the target's own greedy completion,
     # printed here as each round decides it
     print(f"\n--- Saguaro ({modes[-1]}) completes {args.prompt!r} ---", flush=True)
-    out = program.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0.0, mode=modes[-1],
-                           streamer=TextStreamer(tokenizer, skip_special_tokens=True))
+    out = program.generate(
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=0.0,
+        mode=modes[-1],
+        streamer=TextStreamer(tokenizer, skip_special_tokens=True),
+    )
     s = out.stats
-    print(f"--- {s['new_tokens']} tokens in {s['rounds']} rounds, mean accepted length "
-          f"{s['mean_accepted_len']:.2f}, {run_label(s)} ---\n", flush=True)
+    print(
+        f"--- {s['new_tokens']} tokens in {s['rounds']} rounds, mean accepted length "
+        f"{s['mean_accepted_len']:.2f}, {run_label(s)} ---\n",
+        flush=True,
+    )
     # the second table's pair is built while the stages compile (its random weights take seconds to draw)
     building = ThreadPoolExecutor(1).submit(seeded_pair, args.real_size) if args.real_size != "off" else None
     if background:  # the table times compiled stages only: from now on a new shape compiles before it runs
-        print("Compiling the stage shapes the table needs (the table times compiled stages only) ...", flush=True)
+        print(
+            "Compiling the stage shapes the table needs (the table times compiled stages only) ...",
+            flush=True,
+        )
         # queued in the background first, so that the compile thread and its helper take them side by side:
         # AR's step (two tokens, run eager), then SSD's lane stages (the completion's shape again, the queue
         # empty: SSD warms its lane up, which runs the glue and tree stages and waits for their compiles)
@@ -87,31 +118,64 @@ def main(argv=None) -> int:
 
     real_pair = building.result() if building is not None else None  # built before any timed pass
     prompts = bench_prompts(tokenizer, args.prompts, target.config.vocab_size, seed=0)
-    rows = run_rows(target, draft, prompts, modes, args.k, args.max_new_tokens, temperature=0.0, batch=1, seed=0,
-                    program=program, repeats=args.repeats)
-    print(f"Greedy decoding, {args.prompts} prompts x {args.max_new_tokens} tokens, k={args.k}; tokens/s is the "
-          f"median of {args.repeats} timed passes per mode, the modes' passes alternating:")
+    rows = run_rows(
+        target,
+        draft,
+        prompts,
+        modes,
+        args.k,
+        args.max_new_tokens,
+        temperature=0.0,
+        batch=1,
+        seed=0,
+        program=program,
+        repeats=args.repeats,
+    )
+    print(
+        f"Greedy decoding, {args.prompts} prompts x {args.max_new_tokens} tokens, k={args.k}; tokens/s is the "
+        f"median of {args.repeats} timed passes per mode, the modes' passes alternating:"
+    )
     print(format_table(rows))
     if real_pair is not None:
         real_size_table(args.real_size, real_pair, args.k, args.repeats)
-    print("\nSpeeds are ratios within this run on this machine. For the full benchmark (adds transformers'"
-          "\nassisted generation), run `make bench` or `saguaro bench --json bench.json`.")
+    print(
+        "\nSpeeds are ratios within this run on this machine. For the full benchmark (adds transformers'"
+        "\nassisted generation), run `make bench` or `saguaro bench --json bench.json`."
+    )
     return 0
 
 
-def real_size_table(shape: str, pair, k: int, repeats: int, prompts: int = 1, max_new_tokens: int = 40) -> None:
+def real_size_table(
+    shape: str, pair, k: int, repeats: int, prompts: int = 1, max_new_tokens: int = 40
+) -> None:
     """Print AR, SD and SSD over ``pair``, :func:`~saguaro.bench.real_size.seeded_pair`'s of ``shape``, eager."""
-    print(f"\nA pair of a size people run: the {shape} shape with seeded random weights in bfloat16 (its text is "
-          "noise,\nits speeds are real; the weights far exceed any cache), a one-layer draft ...", flush=True)
+    print(
+        f"\nA pair of a size people run: the {shape} shape with seeded random weights in bfloat16 (its text is "
+        "noise,\nits speeds are real; the weights far exceed any cache), a one-layer draft ...",
+        flush=True,
+    )
     target, draft, tokenizer = pair
     gigabytes = sum(t.numel() * t.element_size() for t in target.parameters()) / 1e9
     packed = packed_linear.available()  # else eager's BLAS: the kernel could not be built here
     program = compile_for(target, draft, k=k, backend="eager", linears="packed" if packed else "auto")
     ids = bench_prompts(tokenizer, prompts, target.config.vocab_size, seed=0)
-    rows = run_rows(target, draft, ids, ["ar", "sd", "ssd"], k, max_new_tokens, temperature=0.0, batch=1, seed=0,
-                    program=program, repeats=repeats)
-    print(f"Greedy decoding, {shape} ({gigabytes:.1f} GB of weights), {prompts} prompt x {max_new_tokens} tokens, "
-          f"k={k}, eager stages over {'the packed kernel' if packed else 'BLAS'}; tokens/s as above:")
+    rows = run_rows(
+        target,
+        draft,
+        ids,
+        ["ar", "sd", "ssd"],
+        k,
+        max_new_tokens,
+        temperature=0.0,
+        batch=1,
+        seed=0,
+        program=program,
+        repeats=repeats,
+    )
+    print(
+        f"Greedy decoding, {shape} ({gigabytes:.1f} GB of weights), {prompts} prompt x {max_new_tokens} tokens, "
+        f"k={k}, eager stages over {'the packed kernel' if packed else 'BLAS'}; tokens/s as above:"
+    )
     print(format_table(rows))
 
 

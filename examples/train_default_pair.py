@@ -40,7 +40,9 @@ log = logging.getLogger("train_default_pair")
 def _load_helpers():
     """Load ``saguaro/default_pair.py`` alone: the script needs only its corpus/eval helpers and
     must not depend on the rest of the package importing (compiler stack, optional backends)."""
-    spec = importlib.util.spec_from_file_location("_saguaro_default_pair", REPO / "saguaro" / "default_pair.py")
+    spec = importlib.util.spec_from_file_location(
+        "_saguaro_default_pair", REPO / "saguaro" / "default_pair.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -52,29 +54,51 @@ dp = _load_helpers()
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("run")
-    g.add_argument("--out", default=str(REPO / "saguaro" / "assets" / "default"),
-                   help="folder receiving target/, draft/, MODEL_CARD.md and heldout_eval.json")
-    g.add_argument("--workdir", default=str(REPO / "runs" / "default_pair"),
-                   help="folder for checkpoints, the tokenizer and fp32 finals (git-ignored runs/)")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from the checkpoints and finished phases found in --workdir")
+    g.add_argument(
+        "--out",
+        default=str(REPO / "saguaro" / "assets" / "default"),
+        help="folder receiving target/, draft/, MODEL_CARD.md and heldout_eval.json",
+    )
+    g.add_argument(
+        "--workdir",
+        default=str(REPO / "runs" / "default_pair"),
+        help="folder for checkpoints, the tokenizer and fp32 finals (git-ignored runs/)",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoints and finished phases found in --workdir",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of every random choice")
     g.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    g.add_argument("--max-steps", type=int, default=None,
-                   help="cap on the steps of each training phase (quick runs; overrides --*-steps)")
+    g.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="cap on the steps of each training phase (quick runs; overrides --*-steps)",
+    )
     g.add_argument("--log-every", type=int, default=50, help="steps between progress lines")
     g.add_argument("--eval-every", type=int, default=400, help="steps between held-out evaluations")
     g.add_argument("--ckpt-every", type=int, default=500, help="steps between checkpoints")
-    g.add_argument("--autocast", choices=["bf16", "none"], default="bf16",
-                   help="CPU autocast for target training and teacher forwards (bf16 uses AMX/AVX512)")
+    g.add_argument(
+        "--autocast",
+        choices=["bf16", "none"],
+        default="bf16",
+        help="CPU autocast for target training and teacher forwards (bf16 uses AMX/AVX512)",
+    )
 
     g = p.add_argument_group("corpus and tokenizer")
     g.add_argument("--stdlib", default=None, help="corpus root (default: this interpreter's stdlib)")
     g.add_argument("--max-file-bytes", type=int, default=dp.MAX_FILE_BYTES, help="skip larger files")
-    g.add_argument("--heldout-percent", type=int, default=dp.HELDOUT_PERCENT,
-                   help="held out iff int(sha1(relpath),16) %% 100 < this")
-    g.add_argument("--max-files", type=int, default=0,
-                   help="use only this many training files (0: all; quick runs)")
+    g.add_argument(
+        "--heldout-percent",
+        type=int,
+        default=dp.HELDOUT_PERCENT,
+        help="held out iff int(sha1(relpath),16) %% 100 < this",
+    )
+    g.add_argument(
+        "--max-files", type=int, default=0, help="use only this many training files (0: all; quick runs)"
+    )
     g.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
     g.add_argument("--seq-len", type=int, default=256, help="training context length")
 
@@ -95,11 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-steps", type=int, default=1400, help="draft optimizer steps")
     g.add_argument("--draft-batch", type=int, default=16, help="draft sequences per step")
     g.add_argument("--draft-lr", type=float, default=3e-3, help="draft peak learning rate")
-    g.add_argument("--kd-alpha", type=float, default=1.0,
-                   help="draft loss = alpha*KL(target||draft) + (1-alpha)*CE; 0 trains on data only")
+    g.add_argument(
+        "--kd-alpha",
+        type=float,
+        default=1.0,
+        help="draft loss = alpha*KL(target||draft) + (1-alpha)*CE; 0 trains on data only",
+    )
     g.add_argument("--kd-temperature", type=float, default=1.0, help="distillation temperature")
-    g.add_argument("--max-flops-ratio", type=float, default=1 / 8,
-                   help="assert draft FLOPs/token <= this times the target's")
+    g.add_argument(
+        "--max-flops-ratio",
+        type=float,
+        default=1 / 8,
+        help="assert draft FLOPs/token <= this times the target's",
+    )
 
     g = p.add_argument_group("optimizer (both phases)")
     g.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
@@ -156,8 +188,10 @@ def build_tokenizer(texts, vocab_size, model_max_length):
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[eos, pad],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=[eos, pad],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tk.train_from_iterator(texts, trainer=trainer)
     # tokenizer(text) starts with eos, as every training file does: "start of a file".
@@ -165,8 +199,12 @@ def build_tokenizer(texts, vocab_size, model_max_length):
         single=f"{eos} $A", pair=f"{eos} $A {eos} $B", special_tokens=[(eos, tk.token_to_id(eos))]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tk, bos_token=eos, eos_token=eos, pad_token=pad,
-        model_max_length=model_max_length, clean_up_tokenization_spaces=False,
+        tokenizer_object=tk,
+        bos_token=eos,
+        eos_token=eos,
+        pad_token=pad,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
     )
 
 
@@ -178,10 +216,18 @@ def load_corpus(args):
     if args.max_files:
         # a spread-out subset: the first files in sha1 order, not the first folder alphabetically
         import hashlib
+
         train = sorted(sorted(train, key=lambda f: hashlib.sha1(f.encode()).hexdigest())[: args.max_files])
     texts = [t for t in (dp.read_source(root, f) for f in train) if t is not None]
-    log.info("corpus %s: %d files (%d train, %d held out), %d train texts, %.1f MB",
-             root, len(files), len(train), len(heldout), len(texts), sum(map(len, texts)) / 1e6)
+    log.info(
+        "corpus %s: %d files (%d train, %d held out), %d train texts, %.1f MB",
+        root,
+        len(files),
+        len(train),
+        len(heldout),
+        len(texts),
+        sum(map(len, texts)) / 1e6,
+    )
     return root, train, heldout, texts
 
 
@@ -207,11 +253,19 @@ def make_model(vocab, layers, hidden, heads, intermediate, seq_len, tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        max_position_embeddings=seq_len, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, attn_implementation="sdpa",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=seq_len,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation="sdpa",
     )
     return LlamaForCausalLM(cfg)
 
@@ -223,14 +277,16 @@ def lr_at(step, total, peak, warmup, min_ratio):
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-def train_phase(name, model, stream, eval_chunks, args, steps, batch, lr, seed, teacher=None,
-                autocast=False):
+def train_phase(name, model, stream, eval_chunks, args, steps, batch, lr, seed, teacher=None, autocast=False):
     """Train ``model`` for ``steps``; resumable from ``workdir/{name}.ckpt``. Returns the model."""
     ckpt_path = Path(args.workdir) / f"{name}.ckpt"
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
     gen = torch.Generator().manual_seed(seed)
     step = 0
     if args.resume and ckpt_path.is_file():
@@ -243,8 +299,9 @@ def train_phase(name, model, stream, eval_chunks, args, steps, batch, lr, seed, 
 
     def save():
         tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                    "step": step}, tmp)
+        torch.save(
+            {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": step}, tmp
+        )
         os.replace(tmp, ckpt_path)
 
     def evaluate():
@@ -268,8 +325,10 @@ def train_phase(name, model, stream, eval_chunks, args, steps, batch, lr, seed, 
         logits = logits.float().reshape(-1, logits.shape[-1])
         ce = F.cross_entropy(logits, y.reshape(-1))
         if teacher is not None and args.kd_alpha > 0:
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16,
-                                                 enabled=args.autocast == "bf16"):
+            with (
+                torch.no_grad(),
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"),
+            ):
                 t_logits = teacher(input_ids=x).logits  # [B, L, V]
             t = args.kd_temperature
             t_logp = F.log_softmax(t_logits.float().reshape(-1, logits.shape[-1]) / t, dim=-1)
@@ -289,9 +348,18 @@ def train_phase(name, model, stream, eval_chunks, args, steps, batch, lr, seed, 
             elapsed = time.time() - t0
             rate = (step - step0) * tokens_per_step / elapsed
             eta = (steps - step) * tokens_per_step / rate
-            log.info("%s step %d/%d loss %.4f (ce %.4f) lr %.2e | %.0f tok/s | elapsed %.0fs | ETA %.0fs",
-                     name, step, steps, loss_sum / loss_n, ce.item(), opt.param_groups[0]["lr"],
-                     rate, elapsed, eta)
+            log.info(
+                "%s step %d/%d loss %.4f (ce %.4f) lr %.2e | %.0f tok/s | elapsed %.0fs | ETA %.0fs",
+                name,
+                step,
+                steps,
+                loss_sum / loss_n,
+                ce.item(),
+                opt.param_groups[0]["lr"],
+                rate,
+                elapsed,
+                eta,
+            )
             loss_sum, loss_n = 0.0, 0
         if step % args.ckpt_every == 0 or step == steps:
             save()
@@ -328,8 +396,13 @@ def speculative_acceptance(target, draft, prompts, new_tokens, k):
     """
     from transformers import GenerationConfig
 
-    gc = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                          eos_token_id=None, pad_token_id=target.config.pad_token_id)
+    gc = GenerationConfig(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=target.config.pad_token_id,
+    )
     seqs = target.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), generation_config=gc)
     plen = prompts.shape[1]
     pred = draft(input_ids=seqs[:, :-1]).logits.argmax(-1)  # [P, T-1]; pred[:, j] guesses seqs[:, j+1]
@@ -346,8 +419,12 @@ def speculative_acceptance(target, draft, prompts, new_tokens, k):
             hist[a] += 1
             p += a + 1
     flat = [m for row in match for m in row]
-    return {"mean_accepted_len": emitted / rounds, "rounds": rounds,
-            "token_agreement": sum(flat) / len(flat), "accepted_hist": hist}
+    return {
+        "mean_accepted_len": emitted / rounds,
+        "rounds": rounds,
+        "token_agreement": sum(flat) / len(flat),
+        "accepted_hist": hist,
+    }
 
 
 def acceptance_prompts(heldout_stream, n, length, seed):
@@ -362,7 +439,7 @@ def complete(model, tokenizer, prompt, new_tokens):
     (a space is normally fused to the next word), so the trailing spaces are dropped and the first
     token is restricted to tokens starting with them ("token healing"); the output is unchanged."""
     stripped = prompt.rstrip(" ")
-    tail = prompt[len(stripped):]
+    tail = prompt[len(stripped) :]
     ids = tokenizer(stripped, return_tensors="pt")["input_ids"]
     allowed = None
     if tail:
@@ -486,8 +563,9 @@ All numbers are for the exported float16 weights loaded in float32.
 
 def main(argv=None):
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
+    )
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -506,28 +584,58 @@ def main(argv=None):
         tokenizer.save_pretrained(tok_dir)
         log.info("tokenizer: trained, vocab %d", len(tokenizer))
     stream = encode_stream(tokenizer, texts)
-    log.info("train stream: %d tokens (%.2f bytes/token)", stream.numel(), sum(map(len, texts)) / stream.numel())
-    eval_chunks = dp.heldout_chunks(tokenizer, args.eval_chunks, args.eval_len, root,
-                                    args.heldout_percent, args.max_file_bytes)
+    log.info(
+        "train stream: %d tokens (%.2f bytes/token)", stream.numel(), sum(map(len, texts)) / stream.numel()
+    )
+    eval_chunks = dp.heldout_chunks(
+        tokenizer, args.eval_chunks, args.eval_len, root, args.heldout_percent, args.max_file_bytes
+    )
     heldout_texts = [t for t in (dp.read_source(root, f) for f in heldout_files) if t is not None]
     heldout_stream = encode_stream(tokenizer, heldout_texts)
 
     cap = (lambda n: n) if args.max_steps is None else (lambda n: min(n, args.max_steps))
     vocab = len(tokenizer)
-    target = make_model(vocab, args.target_layers, args.target_hidden, args.target_heads,
-                        args.target_intermediate, args.seq_len, tokenizer)
-    draft = make_model(vocab, args.draft_layers, args.draft_hidden, args.draft_heads,
-                       args.draft_intermediate, args.seq_len, tokenizer)
+    target = make_model(
+        vocab,
+        args.target_layers,
+        args.target_hidden,
+        args.target_heads,
+        args.target_intermediate,
+        args.seq_len,
+        tokenizer,
+    )
+    draft = make_model(
+        vocab,
+        args.draft_layers,
+        args.draft_hidden,
+        args.draft_heads,
+        args.draft_intermediate,
+        args.seq_len,
+        tokenizer,
+    )
     ft, fd = dp.flops_per_token(target), dp.flops_per_token(draft)
     n_t, n_d = sum(p.numel() for p in target.parameters()), sum(p.numel() for p in draft.parameters())
-    log.info("target: %d params, %.2f MFLOPs/token; draft: %d params, %.2f MFLOPs/token; ratio %.4f",
-             n_t, ft / 1e6, n_d, fd / 1e6, fd / ft)
+    log.info(
+        "target: %d params, %.2f MFLOPs/token; draft: %d params, %.2f MFLOPs/token; ratio %.4f",
+        n_t,
+        ft / 1e6,
+        n_d,
+        fd / 1e6,
+        fd / ft,
+    )
     assert fd <= args.max_flops_ratio * ft, f"draft FLOPs ratio {fd / ft:.4f} > {args.max_flops_ratio}"
 
     times = {}
     for name, model, steps, batch, lr, teacher, ac in (
-        ("target", target, cap(args.target_steps), args.target_batch, args.target_lr, None,
-         args.autocast == "bf16"),
+        (
+            "target",
+            target,
+            cap(args.target_steps),
+            args.target_batch,
+            args.target_lr,
+            None,
+            args.autocast == "bf16",
+        ),
         ("draft", draft, cap(args.draft_steps), args.draft_batch, args.draft_lr, "target", False),
     ):
         final = work / f"{name}_final"
@@ -536,9 +644,19 @@ def main(argv=None):
             log.info("%s: loaded finished phase from %s", name, final)
             continue
         t0 = time.time()
-        train_phase(name, model, stream, eval_chunks, args, steps, batch, lr,
-                    seed=args.seed + (1 if name == "target" else 2),
-                    teacher=target if teacher else None, autocast=ac)
+        train_phase(
+            name,
+            model,
+            stream,
+            eval_chunks,
+            args,
+            steps,
+            batch,
+            lr,
+            seed=args.seed + (1 if name == "target" else 2),
+            teacher=target if teacher else None,
+            autocast=ac,
+        )
         times[name] = time.time() - t0
         model.save_pretrained(final)
         (final / "train_time_s.txt").write_text(f"{times[name]:.0f}\n")
@@ -547,8 +665,11 @@ def main(argv=None):
             times[name] = float((work / f"{name}_final" / "train_time_s.txt").read_text())
 
     # Export in float16, then evaluate exactly what was exported, loaded in float32.
-    gen_cfg = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                               pad_token_id=tokenizer.pad_token_id)
+    gen_cfg = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     for name, model in (("target", target), ("draft", draft)):
         model.generation_config = gen_cfg
         model.to(torch.float16).save_pretrained(out / name)
@@ -563,35 +684,62 @@ def main(argv=None):
     prompts = acceptance_prompts(heldout_stream, args.accept_prompts, args.accept_prompt_len, args.seed)
     new = min(args.accept_new_tokens, args.seq_len - args.accept_prompt_len)
     acc = speculative_acceptance(target, draft, prompts, new, args.k)
-    samples = {p: complete(target, tokenizer, p, args.sample_new_tokens)
-               for p in ("def ", "class ", "import ", "    def __init__(self")}
+    samples = {
+        p: complete(target, tokenizer, p, args.sample_new_tokens)
+        for p in ("def ", "class ", "import ", "    def __init__(self")
+    }
     log.info("held-out ppl: target %.3f, draft %.3f; teacher-forced agreement %.4f", ppl_t, ppl_d, agree)
-    log.info("greedy SD k=%d: mean accepted length %.3f, token agreement %.4f, histogram %s",
-             args.k, acc["mean_accepted_len"], acc["token_agreement"], acc["accepted_hist"])
+    log.info(
+        "greedy SD k=%d: mean accepted length %.3f, token agreement %.4f, histogram %s",
+        args.k,
+        acc["mean_accepted_len"],
+        acc["token_agreement"],
+        acc["accepted_hist"],
+    )
     for p, s in samples.items():
         log.info("sample %r -> %r", p, s)
 
     size = sum(f.stat().st_size for d in ("target", "draft") for f in (out / d).rglob("*") if f.is_file())
     heldout_eval = {
         "python_version": platform.python_version(),
-        "heldout_percent": args.heldout_percent, "max_file_bytes": args.max_file_bytes,
-        "n_chunks": args.eval_chunks, "seq_len": args.eval_len,
+        "heldout_percent": args.heldout_percent,
+        "max_file_bytes": args.max_file_bytes,
+        "n_chunks": args.eval_chunks,
+        "seq_len": args.eval_len,
         "slice_sha1": dp.slice_digest(eval_chunks),
-        "target_ppl": ppl_t, "draft_ppl": ppl_d,
-        "target_flops_per_token": ft, "draft_flops_per_token": fd, "flops_ratio": fd / ft,
+        "target_ppl": ppl_t,
+        "draft_ppl": ppl_d,
+        "target_flops_per_token": ft,
+        "draft_flops_per_token": fd,
+        "flops_ratio": fd / ft,
     }
     (out / dp.HELDOUT_EVAL_FILE).write_text(json.dumps(heldout_eval, indent=2) + "\n")
-    results = dict(heldout_eval, target_params=n_t, draft_params=n_d, teacher_forced_agreement=agree,
-                   acceptance=acc, accept_new_tokens=new,
-                   steps={"target": cap(args.target_steps), "draft": cap(args.draft_steps)}, samples=samples, train_time_s=times,
-                   eval_time_s=time.time() - t_eval, total_time_s=time.time() - t_start,
-                   train_tokens=stream.numel(), train_files=len(train_files),
-                   heldout_files=len(heldout_files), asset_bytes=size,
-                   command=canonical_command(args), args=vars(args), vocab_size=len(tokenizer),
-                   eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                   hardware=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-                   torch_version=torch.__version__, transformers_version=transformers.__version__,
-                   tokenizers_version=tokenizers.__version__)
+    results = dict(
+        heldout_eval,
+        target_params=n_t,
+        draft_params=n_d,
+        teacher_forced_agreement=agree,
+        acceptance=acc,
+        accept_new_tokens=new,
+        steps={"target": cap(args.target_steps), "draft": cap(args.draft_steps)},
+        samples=samples,
+        train_time_s=times,
+        eval_time_s=time.time() - t_eval,
+        total_time_s=time.time() - t_start,
+        train_tokens=stream.numel(),
+        train_files=len(train_files),
+        heldout_files=len(heldout_files),
+        asset_bytes=size,
+        command=canonical_command(args),
+        args=vars(args),
+        vocab_size=len(tokenizer),
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        hardware=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        tokenizers_version=tokenizers.__version__,
+    )
     write_model_card(out, results)
     (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     log.info("wrote %s (%.1f MB) and %s", out, size / 1e6, work / "results.json")

@@ -1,24 +1,36 @@
-"""Saguaro: speculative speculative decoding as a compiler over Hugging Face causal LMs."""
+"""Saguaro: speculative speculative decoding as a compiler over Hugging Face causal LMs.
+Lives here: the public API (compile, load, default_pair, inspect, sampling controls, errors) and the modules
+that wire it (compile, load, default_pair, models_io). These may import every library folder but inspection,
+bench and serve (this __init__ imports inspect); nothing but the CLI imports the CLI."""
 
+# ``saguaro.compile``, ``saguaro.load`` and ``saguaro.default_pair`` name functions, not their submodules,
+# like ``torch.compile``: importing a function rebinds the package attribute, and ``default_pair`` is
+# defined below, after its submodule was imported (a later import of the submodule rebinds nothing).
+from saguaro import default_pair as _default_pair_module
+from saguaro.compile import compile
 from saguaro.core.errors import ArtifactError, CaptureError, ConfigError, SaguaroError
-
-# ``saguaro/compile.py`` is the entry module; importing its function here rebinds the package
-# attribute ``saguaro.compile`` from the submodule to the function, like ``torch.compile``.
-from saguaro.compile import compile  # noqa: E402,A001
-# likewise ``saguaro.load`` names the function of ``saguaro/load.py``
-from saguaro.load import load  # noqa: E402
-
-# Likewise the submodule ``saguaro.default_pair`` is imported first, so that the function below, not
-# the module, is what ``saguaro.default_pair`` names (a later import of the submodule rebinds nothing).
-from saguaro import default_pair as _default_pair_module  # noqa: E402
-
-from saguaro.inspection.inspector import inspect  # noqa: E402
-from saguaro.tensor_math.logits_processing import ControlError, SamplingControls  # noqa: E402
+from saguaro.inspection.inspector import inspect
+from saguaro.load import load
+from saguaro.tensor_math.grammar import Grammar, GrammarError
+from saguaro.tensor_math.logits_processing import ControlError, SamplingControls
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "load", "default_pair", "inspect", "SamplingControls", "ControlError", "ArtifactError", "SaguaroError", "CaptureError",
-           "ConfigError", "__version__"]
+__all__ = [
+    "compile",
+    "load",
+    "default_pair",
+    "inspect",
+    "SamplingControls",
+    "ControlError",
+    "Grammar",
+    "GrammarError",
+    "ArtifactError",
+    "SaguaroError",
+    "CaptureError",
+    "ConfigError",
+    "__version__",
+]
 
 
 def default_pair(dtype=None):

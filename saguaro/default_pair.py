@@ -1,13 +1,8 @@
 """The default model pair shipped with Saguaro, and the held-out evaluation that describes it.
 
-The pair (a small Llama *target* and a much smaller Llama *draft* sharing one byte-level BPE
-tokenizer) is trained by ``examples/train_default_pair.py`` on the Python standard library's own
-source and saved under ``saguaro/assets/default/{target,draft}``. This module loads it and holds
-the helpers both the training script and the tests use to rebuild the corpus split and the fixed
-held-out slice, so the model card's numbers can be recomputed by anyone with the same Python.
-
-This module imports nothing from the rest of ``saguaro`` at import time, so the training script can
-load it on its own.
+Loads ``saguaro/assets/default/{target,draft}`` (trained by ``examples/train_default_pair.py`` on the
+standard library's source) and rebuilds the corpus split and held-out slice its model card is measured on.
+Imports nothing else of ``saguaro`` at import time, so the training script can load it alone.
 """
 
 from __future__ import annotations
@@ -39,19 +34,14 @@ def stdlib_root() -> Path:
 
 
 def is_heldout(relpath: str, percent: int = HELDOUT_PERCENT) -> bool:
-    """Held-out rule: ``int(sha1(relpath).hexdigest(), 16) % 100 < percent``.
-
-    ``relpath`` is the POSIX path of the file relative to the stdlib folder, e.g. ``json/decoder.py``.
-    """
+    """Whether ``relpath`` (POSIX, under the stdlib folder: ``json/decoder.py``) is held out: its sha1
+    modulo 100 is below ``percent``."""
     return int(hashlib.sha1(relpath.encode("utf-8")).hexdigest(), 16) % 100 < percent
 
 
 def corpus_files(root: Path | None = None, max_file_bytes: int = MAX_FILE_BYTES) -> list[str]:
-    """Sorted relative POSIX paths of the ``*.py`` files of the corpus.
-
-    Every ``*.py`` under ``root`` (default: the stdlib) except those under ``site-packages`` or
-    ``__pycache__``, and except files larger than ``max_file_bytes`` (generated tables and the like).
-    """
+    """Sorted relative POSIX paths of the corpus: every ``*.py`` under ``root`` (default: the stdlib) but
+    those under :data:`SKIP_DIR_NAMES` or larger than ``max_file_bytes``."""
     root = stdlib_root() if root is None else Path(root)
     out = []
     for path in root.rglob("*.py"):
@@ -94,11 +84,8 @@ def heldout_chunks(
     heldout_percent: int = HELDOUT_PERCENT,
     max_file_bytes: int = MAX_FILE_BYTES,
 ) -> torch.Tensor:
-    """The fixed held-out slice: ``[n_chunks, seq_len]`` token ids.
-
-    Held-out files (see :func:`is_heldout`) in sorted path order, each as :func:`document_ids`,
-    are concatenated; the first ``n_chunks * seq_len`` tokens are cut into non-overlapping chunks.
-    """
+    """The fixed held-out slice ``[n_chunks, seq_len]``: the held-out files' :func:`document_ids`, in path
+    order, cut into chunks. ``ValueError`` when they hold too few tokens."""
     root = stdlib_root() if root is None else Path(root)
     need = n_chunks * seq_len
     ids: list[int] = []
@@ -127,13 +114,11 @@ def heldout_snippets(
     heldout_percent: int = HELDOUT_PERCENT,
     max_file_bytes: int = MAX_FILE_BYTES,
 ) -> list[HeldoutSnippet]:
-    """``count`` prompts of held-out source (text the default pair never trained on), deterministic.
+    """``count`` deterministic prompts of held-out source, the pair never trained on.
 
-    The candidates are the top-level ``def`` / ``class`` lines of the held-out files (:func:`is_heldout`)
-    in sorted path order; prompt ``i`` is candidate ``i * n // count`` (spread over the files), from that
-    line for at most ``max_lines`` whole lines and ``max_chars`` characters (its first line always),
-    ending with a newline, never with a space (a byte-level BPE fuses a space to the next word).
-    Raises ``ValueError`` when there is no candidate (no stdlib sources under ``root``).
+    Prompt ``i`` starts at candidate ``i * n // count`` of the ``n`` top-level ``def`` / ``class`` lines of
+    the held-out files, for at most ``max_lines`` whole lines and ``max_chars`` characters (its first line
+    always), ending with a newline. ``ValueError`` when there is no candidate (no stdlib under ``root``).
     """
     if count < 1:
         raise ValueError(f"count={count} is not allowed: ask for at least one snippet")
@@ -141,14 +126,18 @@ def heldout_snippets(
     candidates: list[tuple[str, int, list[str]]] = []
     for rel, text in heldout_sources(root, heldout_percent, max_file_bytes):
         lines = [line.rstrip() + "\n" for line in text.splitlines()]
-        candidates.extend((rel, i, lines) for i, line in enumerate(lines) if line.startswith(("def ", "class ")))
+        candidates.extend(
+            (rel, i, lines) for i, line in enumerate(lines) if line.startswith(("def ", "class "))
+        )
     if not candidates:
-        raise ValueError(f"no held-out file under {root} has a top-level def or class (are the stdlib sources there?)")
+        raise ValueError(
+            f"no held-out file under {root} has a top-level def or class (are the stdlib sources there?)"
+        )
     snippets = []
     for i in range(count):
         rel, start, lines = candidates[i * len(candidates) // count]
         taken = [lines[start]]
-        for line in lines[start + 1: start + max_lines]:
+        for line in lines[start + 1 : start + max_lines]:
             if sum(map(len, taken)) + len(line) > max_chars:
                 break
             taken.append(line)
@@ -163,10 +152,7 @@ def slice_digest(chunks: torch.Tensor) -> str:
 
 @torch.no_grad()
 def perplexity(model, chunks: torch.Tensor, batch_size: int = 8) -> float:
-    """``exp`` of the mean next-token NLL over every chunk position after the first.
-
-    Each chunk is scored on its own (no carried context), in float32 log-softmax.
-    """
+    """``exp`` of the mean next-token NLL after each chunk's first position, each chunk alone, in float32."""
     total, count = 0.0, 0
     for start in range(0, chunks.shape[0], batch_size):
         batch = chunks[start : start + batch_size]  # [b, L]
@@ -180,11 +166,8 @@ def perplexity(model, chunks: torch.Tensor, batch_size: int = 8) -> float:
 
 
 def flops_per_token(model) -> int:
-    """Forward FLOPs per token, ignoring attention scores: ``2 * (non-embedding params + V * d)``.
-
-    The input embedding is a lookup (free); the LM head is a ``d x V`` matmul whether or not it is
-    tied to the embedding.
-    """
+    """Forward FLOPs per token, attention scores left out: ``2 * (non-embedding params + V * d)`` (the
+    embedding is a lookup; the head a ``d x V`` matmul, tied or not)."""
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     skip = {id(embed), id(head)}
@@ -194,14 +177,12 @@ def flops_per_token(model) -> int:
 
 
 def load_default_pair(dtype: torch.dtype | None = None):
-    """Return ``(target, draft, tokenizer)`` from ``saguaro/assets/default``, in eval mode.
-
-    ``dtype`` defaults to ``torch.float32`` (the weights are stored in float16 to keep the package
-    small; CPU matmuls are fastest and exact enough in float32).
-    """
+    """``(target, draft, tokenizer)`` from :data:`ASSETS_DIR`, in eval mode, in ``dtype`` (None: float32;
+    stored as float16). ``SaguaroError`` when the pair is not built."""
     from saguaro.core.errors import SaguaroError
 
-    target_dir, draft_dir = ASSETS_DIR / "target", ASSETS_DIR / "draft"
+    target_dir = ASSETS_DIR / "target"
+    draft_dir = ASSETS_DIR / "draft"
     missing = [str(d) for d in (target_dir, draft_dir) if not (d / "config.json").is_file()]
     if missing:
         raise SaguaroError(

@@ -1,5 +1,4 @@
-"""Loading a target/draft pair for the CLI and the benchmark (folders, or the default pair), and the check that
-two models make a pair."""
+"""Loading a target/draft pair for the CLI and the benchmark: two folders, or the default pair."""
 
 from __future__ import annotations
 
@@ -16,8 +15,13 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_pair(target_dir: str | None, draft_dir: str | None, need_draft: bool = True, dtype=torch.float32,
-              device: str | None = None):
+def load_pair(
+    target_dir: str | None,
+    draft_dir: str | None,
+    need_draft: bool = True,
+    dtype=torch.float32,
+    device: str | None = None,
+):
     """Return ``(target, draft, tokenizer_or_None)``, in eval mode, in ``dtype``, on ``device``.
 
     With no folders, the default pair (``saguaro.default_pair()``). ``draft`` is ``None`` when
@@ -30,11 +34,15 @@ def load_pair(target_dir: str | None, draft_dir: str | None, need_draft: bool = 
         target, draft, tokenizer = load_default_pair(dtype=dtype)
         return _to(target, device), _to(draft, device), tokenizer
     if target_dir is None:
-        raise ValueError(f"--draft {draft_dir!r} was given without --target: give both --target DIR and "
-                         "--draft DIR, or neither to use the default pair")
+        raise ValueError(
+            f"--draft {draft_dir!r} was given without --target: give both --target DIR and "
+            "--draft DIR, or neither to use the default pair"
+        )
     if need_draft and draft_dir is None:
-        raise ValueError(f"--target {target_dir!r} was given without --draft: give both --target DIR and "
-                         "--draft DIR, or neither to use the default pair")
+        raise ValueError(
+            f"--target {target_dir!r} was given without --draft: give both --target DIR and "
+            "--draft DIR, or neither to use the default pair"
+        )
     from transformers import AutoModelForCausalLM
 
     models = []
@@ -43,8 +51,10 @@ def load_pair(target_dir: str | None, draft_dir: str | None, need_draft: bool = 
             models.append(None)
             continue
         if not Path(folder).exists():
-            raise ValueError(f"--{role} {folder!r} does not exist: give a folder holding a saved Hugging Face "
-                             "model (written by save_pretrained)")
+            raise ValueError(
+                f"--{role} {folder!r} does not exist: give a folder holding a saved Hugging Face "
+                "model (written by save_pretrained)"
+            )
         if not Path(folder).is_dir():
             raise ValueError(f"--{role} {folder!r} is not a folder holding a saved Hugging Face model")
         try:
@@ -61,7 +71,9 @@ def check_device(device: str | None) -> torch.device | None:
     try:
         parsed = torch.device(device)
     except (RuntimeError, ValueError) as exc:
-        raise ValueError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1): {exc}") from None
+        raise ValueError(
+            f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1): {exc}"
+        ) from None
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device!r} is not available: this torch build sees no CUDA device")
     return parsed
@@ -82,18 +94,3 @@ def load_tokenizer(folder: str):
     except Exception as exc:  # a model without a usable tokenizer still benchmarks on token ids
         log.warning("no usable tokenizer in %s (%s); using token ids", folder, exc)
         return None
-
-
-def check_pair(target_spec, draft_spec, another_device: bool = False) -> None:
-    """Target and draft must share the vocabulary and the dtype, and the device unless ``draft_device``
-    placed the draft (``another_device``)."""
-    if target_spec.vocab_size != draft_spec.vocab_size:
-        raise ValueError(
-            f"vocabulary mismatch: target {target_spec.model_class} has {target_spec.vocab_size} tokens, draft "
-            f"{draft_spec.model_class} has {draft_spec.vocab_size}; target and draft must share one vocabulary")
-    if target_spec.device != draft_spec.device and not another_device:
-        raise ValueError(f"draft is on device {draft_spec.device} but the target is on {target_spec.device}; "
-                         "put both on the same device, or (CUDA) name the draft's with draft_device=")
-    if target_spec.dtype != draft_spec.dtype:
-        raise ValueError(f"draft dtype {draft_spec.dtype} differs from the target's {target_spec.dtype}; "
-                         "load both in the same dtype")

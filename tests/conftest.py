@@ -9,7 +9,12 @@ import pytest
 
 # torch, saguaro and the tiny models (about 9 s of imports) are imported where tests run, not here: with
 # pytest-xdist the controlling process loads this file too, before it starts the workers, and runs no test
-ARCH_NAMES = ("llama", "mistral", "qwen2", "qwen3")  # tests.models.ARCHITECTURES, sorted (checked by arch_pair)
+ARCH_NAMES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+)  # tests.models.ARCHITECTURES, sorted (checked by arch_pair)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -46,7 +51,9 @@ def pytest_configure(config):
     worker that builds it. pytest-xdist 3.8 groups by rewriting ``Item._nodeid``, which pytest 9.2
     ignores (its node ids come from ``Item._id``): the grouping would be lost without a word."""
     if not hasattr(config, "workerinput") and "SAGUARO_CACHE_DIR" not in os.environ:
-        config._saguaro_cache_dir = os.environ["SAGUARO_CACHE_DIR"] = tempfile.mkdtemp(prefix="saguaro-tests-")
+        config._saguaro_cache_dir = os.environ["SAGUARO_CACHE_DIR"] = tempfile.mkdtemp(
+            prefix="saguaro-tests-"
+        )
     # torch's cache of fake-tensor dispatches (a memo: the same graphs either way) costs more than it saves
     # on the suite's one- and two-layer models: a tiny Llama's torch.export measured 1.45 s without it
     # against 2.3 s with it (interleaved; equal at 8 layers, the cache 8 % faster at 32). Set here, before xdist
@@ -62,7 +69,8 @@ def pytest_configure(config):
     if version >= (9, 1):
         raise pytest.UsageError(
             f"pytest {pytest.__version__} loses pytest-xdist's --dist loadgroup grouping (tests of one "
-            "xdist_group run on several workers); install the pytest that pyproject.toml pins (<9.1)")
+            "xdist_group run on several workers); install the pytest that pyproject.toml pins (<9.1)"
+        )
 
 
 def pytest_unconfigure(config):
@@ -77,7 +85,7 @@ def pytest_unconfigure(config):
         del os.environ["SAGUARO_CACHE_DIR"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_pair(arch: str, k: int = 4, backend: str = "eager"):
     """``(target, draft, program)`` for one architecture; captured once per test session."""
     import saguaro
@@ -85,7 +93,11 @@ def tiny_pair(arch: str, k: int = 4, backend: str = "eager"):
 
     target = tiny_target(arch)
     draft = truncated_draft(target)
-    return target, draft, saguaro.compile(target, draft, k=k, mode="sd", backend=backend, sd_when_faster=False)
+    return (
+        target,
+        draft,
+        saguaro.compile(target, draft, k=k, mode="sd", backend=backend, sd_when_faster=False),
+    )
 
 
 def tiny_program(arch: str, k: int = 4, **runtime):
@@ -100,7 +112,9 @@ def tiny_program(arch: str, k: int = 4, **runtime):
 def arch_pair(request):
     from tests.models import ARCHITECTURES
 
-    assert ARCH_NAMES == tuple(sorted(ARCHITECTURES)), "conftest.ARCH_NAMES must list tests.models.ARCHITECTURES"
+    assert ARCH_NAMES == tuple(sorted(ARCHITECTURES)), (
+        "conftest.ARCH_NAMES must list tests.models.ARCHITECTURES"
+    )
     return tiny_pair(request.param)
 
 

@@ -6,7 +6,13 @@ import copy
 
 import torch
 from transformers import (
-    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
     Qwen3ForCausalLM,
 )
 
@@ -20,12 +26,22 @@ ARCHITECTURES = {
 PAD, BOS, EOS = 0, 1, 2
 
 
-def tiny_config(arch: str, vocab_size: int = 128, layers: int = 2, hidden: int = 64, max_positions: int = 256):
+def tiny_config(
+    arch: str, vocab_size: int = 128, layers: int = 2, hidden: int = 64, max_positions: int = 256
+):
     config_cls, _ = ARCHITECTURES[arch]
     kwargs = dict(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-        pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        tie_word_embeddings=False,
     )
     if arch == "qwen3":
         kwargs["head_dim"] = hidden // 4
@@ -43,7 +59,9 @@ def tiny_target(arch: str, seed: int = 0, logit_scale: float = 1.0, **config_kwa
     return model
 
 
-def truncated_draft(target: torch.nn.Module, layers: int = 1, noise: float = 0.0, seed: int = 1) -> torch.nn.Module:
+def truncated_draft(
+    target: torch.nn.Module, layers: int = 1, noise: float = 0.0, seed: int = 1
+) -> torch.nn.Module:
     """A draft sharing the target's embeddings and first ``layers`` layers, so it agrees often."""
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = layers
@@ -75,8 +93,14 @@ def prompts(batch: int, length: int, vocab_size: int = 128, seed: int = 0, pad_r
 def reference_greedy(model, ids, mask, max_new_tokens, eos_token_id=None):
     """The target's own ``generate(do_sample=False)``: the oracle of every greedy test."""
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                              eos_token_id=eos_token_id, pad_token_id=PAD)
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=PAD,
+        )
 
 
 # Families that mix attention layer kinds and add softcapping, sinks or their own scaling. Each tiny
@@ -84,8 +108,17 @@ def reference_greedy(model, ids, mask, max_new_tokens, eos_token_id=None):
 # attention sharpened (``attn_scale`` on q_proj and k_proj) so softcap, window and sinks change the tokens.
 WINDOW = 4
 _FAMILY_COMMON = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    max_position_embeddings=256, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    tie_word_embeddings=False,
     sliding_window=WINDOW,
 )
 _SLIDING, _FULL = "sliding_attention", "full_attention"
@@ -93,28 +126,70 @@ _SLIDING, _FULL = "sliding_attention", "full_attention"
 
 def _families():
     from transformers import (
-        Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM,
-        Llama4ForCausalLM, Llama4TextConfig,
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        GptOssConfig,
+        GptOssForCausalLM,
+        Llama4ForCausalLM,
+        Llama4TextConfig,
     )
 
     return {
         # alternating sliding / full, attention-logit and final-logit softcapping, query_pre_attn_scalar != head_dim
-        "gemma2": (Gemma2Config, Gemma2ForCausalLM, dict(
-            num_hidden_layers=2, layer_types=[_SLIDING, _FULL], query_pre_attn_scalar=24,
-            attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
+        "gemma2": (
+            Gemma2Config,
+            Gemma2ForCausalLM,
+            dict(
+                num_hidden_layers=2,
+                layer_types=[_SLIDING, _FULL],
+                query_pre_attn_scalar=24,
+                attn_logit_softcapping=1.0,
+                final_logit_softcapping=2.0,
+            ),
+        ),
         # sliding layers around a full one (the draft's first two layers mix kinds too), per-kind RoPE
-        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
-            num_hidden_layers=3, layer_types=[_SLIDING, _FULL, _SLIDING], query_pre_attn_scalar=24)),
+        "gemma3": (
+            Gemma3TextConfig,
+            Gemma3ForCausalLM,
+            dict(num_hidden_layers=3, layer_types=[_SLIDING, _FULL, _SLIDING], query_pre_attn_scalar=24),
+        ),
         # alternating sliding / full, learned per-head sinks, a few experts, YaRN RoPE
-        "gpt_oss": (GptOssConfig, GptOssForCausalLM, dict(
-            num_hidden_layers=2, layer_types=[_SLIDING, _FULL], num_local_experts=4, num_experts_per_tok=2,
-            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
-                                 truncate=False, original_max_position_embeddings=64))),
+        "gpt_oss": (
+            GptOssConfig,
+            GptOssForCausalLM,
+            dict(
+                num_hidden_layers=2,
+                layer_types=[_SLIDING, _FULL],
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                rope_parameters=dict(
+                    rope_type="yarn",
+                    rope_theta=10000.0,
+                    factor=4.0,
+                    beta_fast=32.0,
+                    beta_slow=1.0,
+                    truncate=False,
+                    original_max_position_embeddings=64,
+                ),
+            ),
+        ),
         # chunked attention (chunks of WINDOW positions) then a full NoPE layer, mixture of experts
-        "llama4": (Llama4TextConfig, Llama4ForCausalLM, dict(
-            num_hidden_layers=2, layer_types=["chunked_attention", _FULL], attention_chunk_size=WINDOW,
-            no_rope_layers=[1, 0], use_qk_norm=False, intermediate_size_mlp=128, num_local_experts=2,
-            num_experts_per_tok=1)),
+        "llama4": (
+            Llama4TextConfig,
+            Llama4ForCausalLM,
+            dict(
+                num_hidden_layers=2,
+                layer_types=["chunked_attention", _FULL],
+                attention_chunk_size=WINDOW,
+                no_rope_layers=[1, 0],
+                use_qk_norm=False,
+                intermediate_size_mlp=128,
+                num_local_experts=2,
+                num_experts_per_tok=1,
+            ),
+        ),
     }
 
 
@@ -126,8 +201,9 @@ def tiny_family_config(family: str, **overrides):
     return config_cls(**{**_FAMILY_COMMON, **kwargs, **overrides})
 
 
-def tiny_family_target(family: str, seed: int = 0, logit_scale: float = 1.0, attn_scale: float = 4.0,
-                       **overrides) -> torch.nn.Module:
+def tiny_family_target(
+    family: str, seed: int = 0, logit_scale: float = 1.0, attn_scale: float = 4.0, **overrides
+) -> torch.nn.Module:
     """A random target of ``family`` (see :data:`FAMILIES`); ``attn_scale`` sharpens its attention and
     GPT-OSS's sinks are drawn large enough to take a visible share of the softmax. A softcapped family
     attends with transformers' eager attention, the one that applies the softcap (some releases default

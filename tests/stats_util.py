@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def chi_square_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor, min_expected: float = 5.0) -> float:
+def chi_square_pvalue(
+    observed: torch.Tensor, expected_probs: torch.Tensor, min_expected: float = 5.0
+) -> float:
     """P-value of ``observed`` counts against ``expected_probs`` (same shape, flattened).
 
     Cells whose expected count is below ``min_expected`` are pooled into one cell, the usual rule.

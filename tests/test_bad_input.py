@@ -27,13 +27,20 @@ def test_k_outside_range(pair, k):
         saguaro.compile(target, draft, k=k, backend="eager")
 
 
-@pytest.mark.parametrize("option, value, allowed", [
-    ("mode", "beam", "ar, sd, ssd"), ("backend", "tvm", "eager, inductor"), ("fallback", "x", "auto, neural, fast"),
-    ("saguaro_c", 0.0, r"\(0, 1\]"), ("fan_out", [1, 2], "k\\+1"),
-    ("attention", "flash", "auto, op, inline, flex"),
-    ("lane_timeout_s", 0, "> 0 seconds"), ("lane_start_timeout_s", -1.0, "> 0 seconds"),
-    ("lane_start_timeout_s", "10", "> 0 seconds"),
-])
+@pytest.mark.parametrize(
+    "option, value, allowed",
+    [
+        ("mode", "beam", "ar, sd, ssd"),
+        ("backend", "tvm", "eager, inductor"),
+        ("fallback", "x", "auto, neural, fast"),
+        ("saguaro_c", 0.0, r"\(0, 1\]"),
+        ("fan_out", [1, 2], "k\\+1"),
+        ("attention", "flash", "auto, op, inline, flex"),
+        ("lane_timeout_s", 0, "> 0 seconds"),
+        ("lane_start_timeout_s", -1.0, "> 0 seconds"),
+        ("lane_start_timeout_s", "10", "> 0 seconds"),
+    ],
+)
 def test_other_config_values(pair, option, value, allowed):
     target, draft, _ = pair
     with pytest.raises(ValueError, match=f"{option}=.*{allowed}"):
@@ -89,7 +96,9 @@ def test_invalid_max_new_tokens(pair, value):
 def test_draft_with_another_dtype(pair):
     target, _, _ = pair
     draft = truncated_draft(target).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="draft dtype torch.bfloat16 differs from the target's torch.float32"):
+    with pytest.raises(
+        ValueError, match="draft dtype torch.bfloat16 differs from the target's torch.float32"
+    ):
         saguaro.compile(target, draft, backend="eager")
 
 

@@ -26,8 +26,10 @@ from tests.tiny_tokenizer import tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def f(x):"
-STATS_LINE = re.compile(r"^\[(ar|sd|ssd)(?:, ran as SD: no tree pays here)?\] (\d+) tokens in [\d.]+s: [\d.]+ "
-                        r"tokens/s, mean accepted length [\d.]+, \d+ rounds(, cache hit rate [\d.]+)?$")
+STATS_LINE = re.compile(
+    r"^\[(ar|sd|ssd)(?:, ran as SD: no tree pays here)?\] (\d+) tokens in [\d.]+s: [\d.]+ "
+    r"tokens/s, mean accepted length [\d.]+, \d+ rounds(, cache hit rate [\d.]+)?$"
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,9 @@ def rounds_at_each_write(monkeypatch) -> list:
         real_round(self)
 
     monkeypatch.setattr(DecodeState, "round_committed", counted)
-    monkeypatch.setattr(sys.stdout, "write", lambda text: writes.append((text, rounds[0])) or real_write(text))
+    monkeypatch.setattr(
+        sys.stdout, "write", lambda text: writes.append((text, rounds[0])) or real_write(text)
+    )
     return writes, rounds
 
 
@@ -71,8 +75,26 @@ def rounds_at_each_write(monkeypatch) -> list:
 def test_generate_prints_the_targets_greedy_completion_and_stats(saved_pair, mode, capsys, monkeypatch):
     target_dir, draft_dir = saved_pair
     writes, rounds = rounds_at_each_write(monkeypatch)
-    rc, out, err = run_cli(["generate", "--prompt", PROMPT, "--target", target_dir, "--draft", draft_dir,
-                            "--mode", mode, "--k", "3", "--max-new-tokens", "12", "--backend", "eager"], capsys)
+    rc, out, err = run_cli(
+        [
+            "generate",
+            "--prompt",
+            PROMPT,
+            "--target",
+            target_dir,
+            "--draft",
+            draft_dir,
+            "--mode",
+            mode,
+            "--k",
+            "3",
+            "--max-new-tokens",
+            "12",
+            "--backend",
+            "eager",
+        ],
+        capsys,
+    )
     assert rc == 0, err
     # streamed: the completion is written round by round, its first text before the last round ran
     text_writes = [r for text, r in writes[1:-1] if text.strip()]  # after the prompt, before the stats line
@@ -88,7 +110,7 @@ def test_generate_prints_the_targets_greedy_completion_and_stats(saved_pair, mod
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     expected = reference_greedy(target, ids, torch.ones_like(ids), 12, eos_token_id=EOS)
-    completion = tok.decode(expected[0, ids.shape[1]:], skip_special_tokens=True)
+    completion = tok.decode(expected[0, ids.shape[1] :], skip_special_tokens=True)
     assert "\n".join(lines[:-1]) == PROMPT + completion
     assert 1 <= int(stats.group(2)) <= 12
 
@@ -102,6 +124,7 @@ class Compiled(Exception):
 def test_plan_always_ssd_turns_sd_when_faster_off(saved_pair, command, plan, capsys, monkeypatch):
     """``--plan always-ssd`` (documented in --help) compiles with ``sd_when_faster=False``; ``auto``, the
     default, with True. (What a generation the planner ran as SD prints: tests/runtime/test_planner.py.)"""
+
     def stand_in(*args, **options):
         raise Compiled(options.get("sd_when_faster"))
 
@@ -111,10 +134,17 @@ def test_plan_always_ssd_turns_sd_when_faster_off(saved_pair, command, plan, cap
     monkeypatch.setattr(importlib.import_module("saguaro.compile"), "compile", stand_in)
     monkeypatch.setattr(importlib.import_module("saguaro.bench.run"), "run_bench", bench_stand_in)
     target_dir, draft_dir = saved_pair
-    argv = {"generate": ["generate", "--prompt", PROMPT], "report": ["report", "out.html"], "bench": ["bench"]}[command]
+    argv = {
+        "generate": ["generate", "--prompt", PROMPT],
+        "report": ["report", "out.html"],
+        "bench": ["bench"],
+    }[command]
     with pytest.raises(Compiled) as compiled:
-        main(argv + ["--target", target_dir, "--draft", draft_dir, "--backend", "eager"]
-             + (["--plan", plan] if plan else []))
+        main(
+            argv
+            + ["--target", target_dir, "--draft", draft_dir, "--backend", "eager"]
+            + (["--plan", plan] if plan else [])
+        )
     assert compiled.value.args == (plan != "always-ssd",)
     assert "always-ssd" in run_cli([command, "--help"], capsys)[1]
 
@@ -124,6 +154,7 @@ def test_plan_always_ssd_turns_sd_when_faster_off(saved_pair, command, plan, cap
 def test_linears_reaches_compile(saved_pair, command, linears, capsys, monkeypatch):
     """``--linears`` (documented in --help) is the ``linears`` the program compiles with; ``auto`` by default.
     A bench row's worker compiles with its ``BenchParams.linears`` (``saguaro.bench.rows.compile_for``)."""
+
     def stand_in(*args, **options):
         raise Compiled(options.get("linears"))
 
@@ -135,12 +166,17 @@ def test_linears_reaches_compile(saved_pair, command, linears, capsys, monkeypat
     target_dir, draft_dir = saved_pair
     argv = {"generate": ["generate", "--prompt", PROMPT], "bench": ["bench"]}[command]
     with pytest.raises(Compiled) as compiled:
-        main(argv + ["--target", target_dir, "--draft", draft_dir, "--backend", "eager"]
-             + (["--linears", linears] if linears else []))
+        main(
+            argv
+            + ["--target", target_dir, "--draft", draft_dir, "--backend", "eager"]
+            + (["--linears", linears] if linears else [])
+        )
     assert compiled.value.args == (linears or "auto",)
     assert "template" in run_cli([command, "--help"], capsys)[1]
     with pytest.raises(Compiled) as compiled:  # the worker's side: compile_for passes it on
-        importlib.import_module("saguaro.bench.rows").compile_for(None, None, 3, "eager", linears=linears or "auto")
+        importlib.import_module("saguaro.bench.rows").compile_for(
+            None, None, 3, "eager", linears=linears or "auto"
+        )
     assert compiled.value.args == (linears or "auto",)
 
 
@@ -157,9 +193,31 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
     target_dir, draft_dir = saved_pair
     path = tmp_path / "out" / "bench.json"
     traces = tmp_path / "traces"
-    rc, out, err = run_cli(["bench", "--target", target_dir, "--draft", draft_dir, "--json", str(path),
-                            "--prompts", "2", "--max-new-tokens", "8", "--k", "3", "--backend", "eager",
-                            "--same-process", "--trace", str(traces), "--repeats", "2"], capsys)
+    rc, out, err = run_cli(
+        [
+            "bench",
+            "--target",
+            target_dir,
+            "--draft",
+            draft_dir,
+            "--json",
+            str(path),
+            "--prompts",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--k",
+            "3",
+            "--backend",
+            "eager",
+            "--same-process",
+            "--trace",
+            str(traces),
+            "--repeats",
+            "2",
+        ],
+        capsys,
+    )
     assert rc == 0, err
     # --trace: one timeline per Saguaro row; ssd-uniform runs SSD's rounds whatever the timings (the
     # planner's row may measure SD faster and run it), so its timeline holds the draft lane's glue
@@ -175,7 +233,9 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
     assert {"ar", "sd", "ssd", "ssd-uniform", "ssd-process", "hf-assisted", "hf"} <= set(table_modes)
     assert f"wrote {path}" in out
     report = json.loads(path.read_text())
-    assert report["config"]["k"] == 3 and report["config"]["prompts"] == 2 and report["config"]["repeats"] == 2
+    assert (
+        report["config"]["k"] == 3 and report["config"]["prompts"] == 2 and report["config"]["repeats"] == 2
+    )
     assert report["config"]["order"] == table_modes * 2
     check_timed_passes(report["rows"], 2, out)  # alternating passes, median, spread, the spread column
     assert report["prompts"]["source"] == "fixed"  # a user's pair: not the default pair's held-out files
@@ -188,7 +248,9 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
         assert {"tokens_per_s", "mean_accepted_len", "speedup_vs_ar", "new_tokens", "wall_s"} <= set(row)
         assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0, row
         assert math.isfinite(row["speedup_vs_ar"]) and row["speedup_vs_ar"] > 0, row
-        assert row["new_tokens"] == 2 * 2 * 8, row  # eos is ignored: every pass of every row makes the same tokens
+        assert row["new_tokens"] == 2 * 2 * 8, (
+            row
+        )  # eos is ignored: every pass of every row makes the same tokens
         if mode in ("ar", "sd", "ssd", "ssd-uniform", "ssd-process"):
             assert 1.0 <= row["mean_accepted_len"] <= 3 + 1, row
             # a round decides at most k+1 tokens of each prompt (batch 1): fewer rounds means lost counts
@@ -196,7 +258,9 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
             assert 0 < row["round_ms_p50"] <= row["round_ms_p99"], row
             if mode.startswith("ssd"):
                 hits, misses = sum(row["hits_by_position"].values()), sum(row["fallbacks"].values())
-                if row["planned_sd_fraction"] == 0:  # only SSD rounds ran: every round but a call's last looks up
+                if (
+                    row["planned_sd_fraction"] == 0
+                ):  # only SSD rounds ran: every round but a call's last looks up
                     assert hits + misses >= row["rounds"] - 2 * 2, row
                 assert (hits > 0) == (row["cache_hit_rate"] > 0), row
                 assert row["verify_ms_per_round"] > 0, row
@@ -204,7 +268,9 @@ def test_bench_prints_rows_and_writes_json(saved_pair, capsys, tmp_path):
         else:
             assert row["mean_accepted_len"] is None  # transformers does not report it
     assert rows["ar"]["speedup_vs_ar"] == 1.0 and rows["ar"]["mean_accepted_len"] == 1.0
-    assert rows["sd"]["speedup_vs_sd"] == 1.0 and all(math.isfinite(row["speedup_vs_sd"]) for row in rows.values())
+    assert rows["sd"]["speedup_vs_sd"] == 1.0 and all(
+        math.isfinite(row["speedup_vs_sd"]) for row in rows.values()
+    )
     assert all(re.fullmatch(r"[0-9.]+x", cell) for cell in table_column(out, "vs SD", len(rows)))
 
 
@@ -213,31 +279,53 @@ def test_bench_rows_without_a_draft(saved_pair, capsys, tmp_path):
     """Each row in its own process: the processes live together, warm, and take turns at timed passes."""
     target_dir, _ = saved_pair
     path = tmp_path / "bench.json"
-    rc, out, err = run_cli(["bench", "--target", target_dir, "--modes", "ar,hf", "--prompts", "1",
-                            "--max-new-tokens", "4", "--backend", "eager", "--repeats", "2", "--json", str(path)],
-                           capsys)
+    rc, out, err = run_cli(
+        [
+            "bench",
+            "--target",
+            target_dir,
+            "--modes",
+            "ar,hf",
+            "--prompts",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--backend",
+            "eager",
+            "--repeats",
+            "2",
+            "--json",
+            str(path),
+        ],
+        capsys,
+    )
     assert rc == 0, err
     assert table_rows(out) == ["ar", "hf"]
     report = json.loads(path.read_text())
     assert report["config"]["order"] == ["ar", "hf", "ar", "hf"]
-    check_timed_passes(report["rows"], 2, out)  # pass times from both processes: ar, hf, ar, hf, none overlapping
+    check_timed_passes(
+        report["rows"], 2, out
+    )  # pass times from both processes: ar, hf, ar, hf, none overlapping
     assert table_column(out, "vs SD", 2) == ["-", "-"]  # no SD row
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["bench", "--modes", "foo"], "'foo'"),
-    (["bench", "--modes", "ar,beam"], "'beam'"),
-    (["generate", "--prompt", "x", "--k", "0"], "k=0"),
-    (["bench", "--k", "17"], "k=17"),
-    (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens=0"),
-    (["bench", "--temperature", "-1"], "temperature=-1"),
-    (["bench", "--temperature", "nan"], "temperature=nan"),
-    (["bench", "--prompts", "0"], "prompts=0"),
-    (["bench", "--batch", "two"], "'two'"),
-    (["generate", "--prompt", "x", "--mode", "beam"], "'beam'"),
-    (["bench", "--dtype", "int8"], "'int8'"),
-    (["generate", "--prompt", "x", "--device", "warp-drive"], "'warp-drive'"),
-])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["bench", "--modes", "foo"], "'foo'"),
+        (["bench", "--modes", "ar,beam"], "'beam'"),
+        (["generate", "--prompt", "x", "--k", "0"], "k=0"),
+        (["bench", "--k", "17"], "k=17"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens=0"),
+        (["bench", "--temperature", "-1"], "temperature=-1"),
+        (["bench", "--temperature", "nan"], "temperature=nan"),
+        (["bench", "--prompts", "0"], "prompts=0"),
+        (["bench", "--batch", "two"], "'two'"),
+        (["generate", "--prompt", "x", "--mode", "beam"], "'beam'"),
+        (["bench", "--dtype", "int8"], "'int8'"),
+        (["generate", "--prompt", "x", "--device", "warp-drive"], "'warp-drive'"),
+    ],
+)
 def test_bad_values_exit_2_naming_the_value(argv, named, capsys):
     rc, _, err = run_cli(argv, capsys)
     assert rc == 2
@@ -252,20 +340,52 @@ def test_bad_model_folders_exit_2_naming_them(saved_pair, capsys, tmp_path):
     a_file = tmp_path / "weights.bin"
     a_file.write_text("")
     cases = [
-        (["generate", "--prompt", "x", "--target", missing, "--draft", draft_dir], [missing, "does not exist"]),
+        (
+            ["generate", "--prompt", "x", "--target", missing, "--draft", draft_dir],
+            [missing, "does not exist"],
+        ),
         (["bench", "--target", target_dir, "--draft", missing], [missing, "--draft"]),
         (["generate", "--prompt", "x", "--target", target_dir], [target_dir, "without --draft"]),
         (["bench", "--draft", draft_dir], [draft_dir, "without --target"]),
         (["bench", "--target", str(a_file), "--draft", draft_dir], [str(a_file), "not a folder"]),
         (["bench", "--target", str(empty), "--draft", draft_dir], [str(empty), "could not load the target"]),
         (["generate", "--prompt", "", "--target", target_dir, "--draft", draft_dir], ["--prompt is empty"]),
-        (["generate", "--prompt", "x", "--target", draft_dir, "--draft", draft_dir], ["no tokenizer", draft_dir]),
-        (["bench", "--target", target_dir, "--draft", draft_dir, "--batch", "2", "--modes", "sd,hf-assisted"],
-         ["hf-assisted", "--batch 2"]),
+        (
+            ["generate", "--prompt", "x", "--target", draft_dir, "--draft", draft_dir],
+            ["no tokenizer", draft_dir],
+        ),
+        (
+            [
+                "bench",
+                "--target",
+                target_dir,
+                "--draft",
+                draft_dir,
+                "--batch",
+                "2",
+                "--modes",
+                "sd,hf-assisted",
+            ],
+            ["hf-assisted", "--batch 2"],
+        ),
     ]
     if not torch.cuda.is_available():
-        cases.append((["generate", "--prompt", "x", "--target", target_dir, "--draft", draft_dir, "--device", "cuda"],
-                      ["--device 'cuda'", "no CUDA"]))
+        cases.append(
+            (
+                [
+                    "generate",
+                    "--prompt",
+                    "x",
+                    "--target",
+                    target_dir,
+                    "--draft",
+                    draft_dir,
+                    "--device",
+                    "cuda",
+                ],
+                ["--device 'cuda'", "no CUDA"],
+            )
+        )
     for argv, named in cases:
         rc, _, err = run_cli(argv, capsys)
         assert rc == 2, (argv, err)
@@ -296,9 +416,26 @@ def test_console_script_end_to_end(saved_pair):
         pytest.skip(f"console script not installed beside {sys.executable}")
     target_dir, _ = saved_pair
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([str(script), "generate", "--prompt", PROMPT, "--target", target_dir, "--mode", "ar",
-                           "--max-new-tokens", "6", "--backend", "eager"], capture_output=True, text=True, env=env,
-                          timeout=240)
+    proc = subprocess.run(
+        [
+            str(script),
+            "generate",
+            "--prompt",
+            PROMPT,
+            "--target",
+            target_dir,
+            "--mode",
+            "ar",
+            "--max-new-tokens",
+            "6",
+            "--backend",
+            "eager",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(PROMPT)

@@ -10,7 +10,9 @@ import pytest
 
 from saguaro.cli.registry import Subcommand, load
 
-cli_main = importlib.import_module("saguaro.cli.main")  # the module: ``saguaro.cli.main`` is also the function
+cli_main = importlib.import_module(
+    "saguaro.cli.main"
+)  # the module: ``saguaro.cli.main`` is also the function
 
 CLI = Path(cli_main.__file__).parent
 
@@ -49,8 +51,9 @@ def test_every_module_that_declares_a_subcommand_is_listed():
     declaring = set()
     for path in CLI.glob("*.py"):
         for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "COMMAND"
-                                                    for t in node.targets):
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "COMMAND" for t in node.targets
+            ):
                 declaring.add(path.stem)
     assert declaring == set(cli_main.SUBCOMMAND_MODULES)
 
@@ -83,10 +86,18 @@ def test_bench_generate_and_serve_take_the_weight_options():
 
     parser = cli_main.build_parser()
     for command in (["bench"], ["generate", "--prompt", "x"], ["serve"]):
-        args = parser.parse_args([*command, "--weights", "int4", "--draft-weights", "as-loaded",
-                                  "--weight-group-size", "32"])
-        assert weight_options(args) == {"weights": "int4", "draft_weights": "as-loaded", "weight_group_size": 32}
-        assert weight_options(parser.parse_args(command)) == {"weights": "as-loaded", "draft_weights": None,
-                                                              "weight_group_size": None}
+        args = parser.parse_args(
+            [*command, "--weights", "int4", "--draft-weights", "as-loaded", "--weight-group-size", "32"]
+        )
+        assert weight_options(args) == {
+            "weights": "int4",
+            "draft_weights": "as-loaded",
+            "weight_group_size": 32,
+        }
+        assert weight_options(parser.parse_args(command)) == {
+            "weights": "as-loaded",
+            "draft_weights": None,
+            "weight_group_size": None,
+        }
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--weights", "int3"])

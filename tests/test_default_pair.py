@@ -64,8 +64,11 @@ def test_heldout_perplexity_matches_model_card(pair):
     target, draft, tokenizer = pair
     ev = dp.load_heldout_eval()
     chunks = dp.heldout_chunks(
-        tokenizer, ev["n_chunks"], ev["seq_len"],
-        heldout_percent=ev["heldout_percent"], max_file_bytes=ev["max_file_bytes"],
+        tokenizer,
+        ev["n_chunks"],
+        ev["seq_len"],
+        heldout_percent=ev["heldout_percent"],
+        max_file_bytes=ev["max_file_bytes"],
     )
     if dp.slice_digest(chunks) != ev["slice_sha1"]:
         pytest.skip(
@@ -82,7 +85,9 @@ def test_heldout_perplexity_matches_model_card(pair):
 def test_greedy_generation_reads_like_python(pair):
     target, _, tokenizer = pair
     ids = tokenizer("import os\n\n\ndef main(", return_tensors="pt")["input_ids"]
-    out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    out = target.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False
+    )
     text = tokenizer.decode(out[0], skip_special_tokens=True)
     assert text.startswith("import os\n\n\ndef main(") and len(text) > len("import os\n\n\ndef main(")
 
@@ -109,13 +114,18 @@ def test_heldout_snippets_come_from_heldout_files_only(tmp_path):
     (tmp_path / "decimal.py").write_text("import sys\n\nclass Decimal:\n" + body + "def other():\n    pass")
     (tmp_path / "email" / "encoders.py").write_text("'''doc'''\ndef encode(msg):\n" + body)
     snippets = dp.heldout_snippets(3, root=tmp_path, max_lines=5, max_chars=50)
-    assert [(s.path, s.line) for s in snippets] == [("decimal.py", 3), ("decimal.py", 34), ("email/encoders.py", 2)]
+    assert [(s.path, s.line) for s in snippets] == [
+        ("decimal.py", 3),
+        ("decimal.py", 34),
+        ("email/encoders.py", 2),
+    ]
     lines = [f"    x{i} = {i}\n" for i in range(30)]  # 11 characters each, trailing spaces dropped
     assert snippets[0].text == "class Decimal:\n" + "".join(lines[:3])  # 48 characters: a 4th line makes 59
     assert snippets[1].text == "def other():\n    pass\n"  # the file's last line, given its newline
     assert snippets[2].text == "def encode(msg):\n" + "".join(lines[:3])  # 50 characters
     assert dp.heldout_snippets(1, root=tmp_path, max_lines=3, max_chars=1000)[0].text == (
-        "class Decimal:\n" + "".join(lines[:2]))  # three lines
+        "class Decimal:\n" + "".join(lines[:2])
+    )  # three lines
     assert dp.heldout_snippets(3, root=tmp_path, max_lines=5, max_chars=50) == snippets
     with pytest.raises(ValueError, match="no held-out file under"):
         dp.heldout_snippets(2, root=tmp_path / "email" / "none")

@@ -14,19 +14,29 @@ def load():
 
 
 def test_pip_configuration_becomes_uv_options():
-    listing = "\n".join([
-        ":env:.find-links='/opt/wheels'",
-        ":env:.default-timeout='180'",  # not a source: left out
-        "global.cert='/etc/ssl/certs/ca-certificates.crt'",
-        "global.constraint='/etc/pip/constraints.txt'",
-        "global.extra-index-url='file:///opt/pypi/simple file:///opt/more/simple'",
-        "global.find-links='/opt/wheels'",  # the same folder again: once
-        "user.index-url='https://mirror.example/simple'",
-    ])
+    listing = "\n".join(
+        [
+            ":env:.find-links='/opt/wheels'",
+            ":env:.default-timeout='180'",  # not a source: left out
+            "global.cert='/etc/ssl/certs/ca-certificates.crt'",
+            "global.constraint='/etc/pip/constraints.txt'",
+            "global.extra-index-url='file:///opt/pypi/simple file:///opt/more/simple'",
+            "global.find-links='/opt/wheels'",  # the same folder again: once
+            "user.index-url='https://mirror.example/simple'",
+        ]
+    )
     assert load().uv_options(listing) == [
-        "--find-links", "/opt/wheels", "--constraint", "/etc/pip/constraints.txt",
-        "--extra-index-url", "file:///opt/pypi/simple", "--extra-index-url", "file:///opt/more/simple",
-        "--index-url", "https://mirror.example/simple"]
+        "--find-links",
+        "/opt/wheels",
+        "--constraint",
+        "/etc/pip/constraints.txt",
+        "--extra-index-url",
+        "file:///opt/pypi/simple",
+        "--extra-index-url",
+        "file:///opt/more/simple",
+        "--index-url",
+        "https://mirror.example/simple",
+    ]
 
 
 def test_no_configuration_gives_no_options():

@@ -18,8 +18,16 @@ from saguaro.inspection.report import write_report
 from tests.conftest import tiny_pair
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def browser():
@@ -31,8 +39,9 @@ def browser():
 
 def run_browser(exe, tmp_path, *args) -> str:
     profile = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}"
-    done = subprocess.run([exe, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [exe, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -43,9 +52,9 @@ def ink(png_path) -> float:
     data, chunks, i = png_path.read_bytes(), [], 8
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     while i < len(data):
-        n, kind = struct.unpack(">I4s", data[i:i + 8])
+        n, kind = struct.unpack(">I4s", data[i : i + 8])
         if kind == b"IDAT":
-            chunks.append(data[i + 8:i + 8 + n])
+            chunks.append(data[i + 8 : i + 8 + n])
         i += 12 + n
     raw = zlib.decompress(b"".join(chunks))
     return 1 - collections.Counter(raw).most_common(1)[0][1] / len(raw)
@@ -54,7 +63,16 @@ def ink(png_path) -> float:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     target, draft, _ = tiny_pair("llama")
-    program = saguaro.compile(target, draft, k=4, mode="ssd", lane="thread", fan_out="geometric", backend="eager", sd_when_faster=False)
+    program = saguaro.compile(
+        target,
+        draft,
+        k=4,
+        mode="ssd",
+        lane="thread",
+        fan_out="geometric",
+        backend="eager",
+        sd_when_faster=False,
+    )
     path = tmp_path_factory.mktemp("report") / "report.html"
     try:
         write_report(program, path, input_ids=torch.arange(3, 12)[None], max_new_tokens=32)

@@ -58,8 +58,13 @@ except KeyboardInterrupt:
 
 
 def interrupted(how: str) -> tuple[int, str, str]:
-    child = subprocess.Popen([sys.executable, "-c", CHILD, how], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, how],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdout.readline().strip() == "waiting"
     child.send_signal(signal.SIGINT)
     out, err = child.communicate(timeout=90)  # the store's own timeout, 120 s, is longer
@@ -70,7 +75,7 @@ def test_a_native_wait_is_ended_with_every_threads_stack():
     code, out, err = interrupted("native")
     assert "child: stopped (forced: a native wait did not return within 1 s)" in out, (out, err)
     assert "the native wait returned" not in out and code == 0
-    assert "still stopping 1 s after Ctrl-C" in err and 'in wait_forever' in err, err
+    assert "still stopping 1 s after Ctrl-C" in err and "in wait_forever" in err, err
 
 
 def test_an_interruptible_wait_stops_the_ordinary_way():
@@ -85,6 +90,7 @@ def test_outside_the_main_thread_it_does_nothing_and_inside_it_restores_the_wake
     def body():
         with StopWatchdog("x") as dog:
             seen.append(dog._pipe)
+
     thread = threading.Thread(target=body)
     thread.start()
     thread.join()

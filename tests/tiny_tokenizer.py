@@ -24,5 +24,6 @@ def tiny_tokenizer(vocab_size: int = 128):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )

@@ -9,8 +9,12 @@ import shlex
 import subprocess
 import sys
 
-OPTIONS = {"find-links": "--find-links", "index-url": "--index-url", "extra-index-url": "--extra-index-url",
-           "constraint": "--constraint"}
+OPTIONS = {
+    "find-links": "--find-links",
+    "index-url": "--index-url",
+    "extra-index-url": "--extra-index-url",
+    "constraint": "--constraint",
+}
 
 
 def uv_options(listing: str) -> list[str]:
@@ -28,8 +32,9 @@ def uv_options(listing: str) -> list[str]:
 
 
 def main() -> None:
-    listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                             check=False).stdout
+    listing = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False
+    ).stdout
     print(shlex.join(uv_options(listing)))
 
 

@@ -64,21 +64,36 @@ while True:
 def run_unguarded(folder: Path) -> dict:
     (folder / "script.py").write_text(UNGUARDED)
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, "script.py"], cwd=folder, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = subprocess.run(
+        [sys.executable, "script.py"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     print(textwrap.indent(out.stdout.strip(), "  "))
     ran = (folder / "marker.txt").read_text().count("top level ran")
     wall = time.perf_counter() - started
     print(f"  top level ran {ran} time(s); script wall {wall:.1f}s, exit code {out.returncode}")
-    return {"calls": out.stdout.strip().splitlines(), "top_level_runs": ran, "wall_s": round(wall, 2),
-            "exit_code": out.returncode}
+    return {
+        "calls": out.stdout.strip().splitlines(),
+        "top_level_runs": ran,
+        "wall_s": round(wall, 2),
+        "exit_code": out.returncode,
+    }
 
 
 def run_interrupted(folder: Path) -> dict:
     (folder / "interrupted.py").write_text(INTERRUPTED)
-    proc = subprocess.Popen([sys.executable, "interrupted.py"], cwd=folder, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, "interrupted.py"],
+        cwd=folder,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     result = {"control_back_ms": [], "next_calls": []}
     for delay in (2.0, 0.5, 0.5, 0.5):  # the first lands in the lane's start-up (seconds long)
         while proc.stdout.readline().strip() != "go":
@@ -108,7 +123,9 @@ def run_interrupted(folder: Path) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", metavar="PATH", help="write what was measured as JSON")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -49,26 +49,47 @@ DECODED_LINE = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp build folder (holding bin/llama-completion)")
-    p.add_argument("--target-gguf", metavar="FILE", help="the target as GGUF (float32 for an exact comparison)")
+    p.add_argument(
+        "--target-gguf", metavar="FILE", help="the target as GGUF (float32 for an exact comparison)"
+    )
     p.add_argument("--draft-gguf", metavar="FILE", help="the draft as GGUF")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     p.add_argument("--prompts", type=int, default=4, help="saguaro bench's first N prompts (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
     p.add_argument("--k", type=int, default=5, help="speculation length of both (default 5)")
     p.add_argument("--repeats", type=int, default=3, help="passes per row (default 3)")
-    p.add_argument("--saguaro-modes", default="ar,sd", help="Saguaro rows to run, '' for none (default ar,sd)")
-    p.add_argument("--linears", default="auto", help="SaguaroConfig.linears of the Saguaro rows (default auto)")
-    p.add_argument("--narrow-weights", default="on", choices=["on", "off", "both"],
-                   help="SaguaroConfig.narrow_weights of the Saguaro rows: on (the default), off, or both: each "
-                        "Saguaro row twice, the second labelled 'f32 weights' (every weight as loaded)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights dtype of the Saguaro rows (default float32; give GGUF files of the matching "
-                        "precision, e.g. f16 ones beside bfloat16)")
-    p.add_argument("--target", metavar="DIR", help="the Saguaro rows' target folder (the GGUF files' source; "
-                   "default: the default pair)")
+    p.add_argument(
+        "--saguaro-modes", default="ar,sd", help="Saguaro rows to run, '' for none (default ar,sd)"
+    )
+    p.add_argument(
+        "--linears", default="auto", help="SaguaroConfig.linears of the Saguaro rows (default auto)"
+    )
+    p.add_argument(
+        "--narrow-weights",
+        default="on",
+        choices=["on", "off", "both"],
+        help="SaguaroConfig.narrow_weights of the Saguaro rows: on (the default), off, or both: each "
+        "Saguaro row twice, the second labelled 'f32 weights' (every weight as loaded)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights dtype of the Saguaro rows (default float32; give GGUF files of the matching "
+        "precision, e.g. f16 ones beside bfloat16)",
+    )
+    p.add_argument(
+        "--target",
+        metavar="DIR",
+        help="the Saguaro rows' target folder (the GGUF files' source; default: the default pair)",
+    )
     p.add_argument("--draft", metavar="DIR", help="the Saguaro rows' draft folder")
-    p.add_argument("--weights", default="as-loaded", choices=["as-loaded", "int8", "int4"],
-                   help="SaguaroConfig.weights of the Saguaro rows (give q8_0 / q4_0 GGUF files beside int8 / int4)")
+    p.add_argument(
+        "--weights",
+        default="as-loaded",
+        choices=["as-loaded", "int8", "int4"],
+        help="SaguaroConfig.weights of the Saguaro rows (give q8_0 / q4_0 GGUF files beside int8 / int4)",
+    )
     p.add_argument("--completion-args", default="", help="more arguments for llama-completion")
     p.add_argument("--speculative-args", default="", help="more arguments for llama-speculative")
     p.add_argument("--json", metavar="PATH", help="write the table here as JSON")
@@ -112,8 +133,13 @@ def llama_cpp_pass(binary: str, args: list, prompt_files: list, parse) -> float:
     tokens = seconds = 0.0
     for prompt in prompt_files:
         for attempt in range(1, ATTEMPTS + 1):
-            done = subprocess.run([binary, *args, "-f", prompt], capture_output=True, text=True, timeout=600,
-                                  stdin=subprocess.DEVNULL)
+            done = subprocess.run(
+                [binary, *args, "-f", prompt],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                stdin=subprocess.DEVNULL,
+            )
             if done.returncode != 0:
                 raise RuntimeError(f"{Path(binary).name} exited {done.returncode}: {done.stderr[-800:]}")
             try:
@@ -122,8 +148,11 @@ def llama_cpp_pass(binary: str, args: list, prompt_files: list, parse) -> float:
             except ValueError as exc:
                 if attempt == ATTEMPTS:
                     raise
-                print(f"llama_cpp.py: {Path(binary).name} on {Path(prompt).name} gave no report "
-                      f"({str(exc)[:60]}...); running it again", flush=True)
+                print(
+                    f"llama_cpp.py: {Path(binary).name} on {Path(prompt).name} gave no report "
+                    f"({str(exc)[:60]}...); running it again",
+                    flush=True,
+                )
         tokens, seconds = tokens + n, seconds + s
     return tokens / seconds
 
@@ -137,13 +166,39 @@ def draft_max_flag(speculative: str) -> str:
 
 def llama_cpp_runs(binaries: dict, args, threads: int) -> dict:
     """``{row label: (binary, arguments, report parser)}`` of the two llama.cpp rows."""
-    common = ["-n", str(args.max_new_tokens), "-t", str(threads), "--temp", "0", "--top-k", "1", "--ignore-eos"]
+    common = [
+        "-n",
+        str(args.max_new_tokens),
+        "-t",
+        str(threads),
+        "--temp",
+        "0",
+        "--top-k",
+        "1",
+        "--ignore-eos",
+    ]
     return {
-        "llama.cpp ar": (binaries[COMPLETION], ["-m", args.target_gguf, *common,
-                                                *shlex.split(args.completion_args)], eval_speed),
-        "llama.cpp sd": (binaries[SPECULATIVE], ["-m", args.target_gguf, "-md", args.draft_gguf, "-td", str(threads),
-                                                 draft_max_flag(binaries[SPECULATIVE]), str(args.k), *common,
-                                                 *shlex.split(args.speculative_args)], decoded_speed),
+        "llama.cpp ar": (
+            binaries[COMPLETION],
+            ["-m", args.target_gguf, *common, *shlex.split(args.completion_args)],
+            eval_speed,
+        ),
+        "llama.cpp sd": (
+            binaries[SPECULATIVE],
+            [
+                "-m",
+                args.target_gguf,
+                "-md",
+                args.draft_gguf,
+                "-td",
+                str(threads),
+                draft_max_flag(binaries[SPECULATIVE]),
+                str(args.k),
+                *common,
+                *shlex.split(args.speculative_args),
+            ],
+            decoded_speed,
+        ),
     }
 
 
@@ -158,10 +213,20 @@ def start_saguaro_rows(args, threads: int) -> dict:
     rows = {}
     try:
         for narrow_weights in narrow:
-            params = BenchParams(target=args.target, draft=args.draft, modes=modes, prompts=args.prompts, k=args.k,
-                                 max_new_tokens=args.max_new_tokens, threads=threads, repeats=args.repeats,
-                                 linears=args.linears, dtype=args.dtype, narrow_weights=narrow_weights,
-                                 weights=args.weights)
+            params = BenchParams(
+                target=args.target,
+                draft=args.draft,
+                modes=modes,
+                prompts=args.prompts,
+                k=args.k,
+                max_new_tokens=args.max_new_tokens,
+                threads=threads,
+                repeats=args.repeats,
+                linears=args.linears,
+                dtype=args.dtype,
+                narrow_weights=narrow_weights,
+                weights=args.weights,
+            )
             suffix = "" if narrow_weights or args.narrow_weights == "off" else " f32 weights"
             for mode in modes:
                 rows[f"saguaro {mode}{suffix}"] = start_row(params, mode, "inductor")
@@ -191,8 +256,15 @@ def interleaved_rows(binaries: dict, args, threads: int, prompt_files: list) -> 
     finally:
         for started in saguaro.values():
             started.close()
-    return [row(label, threads, speeds) | ({"with_prefill_tokens_per_s": statistics.median(with_prefill[label])}
-                                           if label in with_prefill else {}) for label, speeds in passes.items()]
+    return [
+        row(label, threads, speeds)
+        | (
+            {"with_prefill_tokens_per_s": statistics.median(with_prefill[label])}
+            if label in with_prefill
+            else {}
+        )
+        for label, speeds in passes.items()
+    ]
 
 
 def row(label: str, threads: int, speeds: list) -> dict:
@@ -201,16 +273,24 @@ def row(label: str, threads: int, speeds: list) -> dict:
     return dict(row=label, threads=threads, tokens_per_s=median, passes=speeds, spread_pct=spread)
 
 
-def write_prompts(count: int, max_new_tokens: int, workdir: Path, target_dir: str | None = None,
-                  draft_dir: str | None = None) -> list:
+def write_prompts(
+    count: int,
+    max_new_tokens: int,
+    workdir: Path,
+    target_dir: str | None = None,
+    draft_dir: str | None = None,
+) -> list:
     """``saguaro bench``'s first ``count`` prompts (for the pair in ``target_dir`` / ``draft_dir``, default the
     default pair) as text files."""
     from saguaro.bench.worker import BenchParams, run_prompts
     from saguaro.models_io import load_pair
 
     target, _, tokenizer = load_pair(target_dir, draft_dir, need_draft=False, device="cpu")
-    prompts = run_prompts(BenchParams(target=target_dir, draft=draft_dir, prompts=count,
-                                      max_new_tokens=max_new_tokens), tokenizer, target)
+    prompts = run_prompts(
+        BenchParams(target=target_dir, draft=draft_dir, prompts=count, max_new_tokens=max_new_tokens),
+        tokenizer,
+        target,
+    )
     files = []
     for i, ids in enumerate(prompts.ids):
         path = workdir / f"prompt_{i}.txt"

@@ -35,38 +35,91 @@ class PartTerminated(BaseException):
 def parse_args(argv=None):
     from . import __doc__ as doc
 
-    p = argparse.ArgumentParser(prog="gpu_probe", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", default="all", type=str.upper,
-                   help="a part A-E, several (A,C), or all of them in sequence (default all)")
+    p = argparse.ArgumentParser(
+        prog="gpu_probe", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--part",
+        default="all",
+        type=str.upper,
+        help="a part A-E, several (A,C), or all of them in sequence (default all)",
+    )
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
-    p.add_argument("--scale", choices=["auto", "8b", "tiny"], default="auto",
-                   help="speed pair: 8b (Llama-3.1-8B's shape, 32 layers, bf16; the default on CUDA) or tiny (CPU)")
-    p.add_argument("--out", metavar="DIR", default=os.environ.get("OUT") or "bench_results",
-                   help="where gpu_probe.json and the traces go (default $OUT, else bench_results)")
-    p.add_argument("--budget-s", type=float, default=None, help="seconds per part (default 380 at 8b, 120 tiny)")
-    p.add_argument("--grace-s", type=float, default=GRACE_S, help=f"after SIGTERM, seconds before SIGKILL ({GRACE_S:.0f})")
-    p.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto",
-                   help="one child process per part (default: yes on CUDA, no on CPU)")
-    p.add_argument("--cache-dir", metavar="DIR", default=None,
-                   help="Inductor's cache (default .probe_cache/inductor in the repository, git-ignored, so "
-                        "later parts reuse the compiles of earlier ones)")
-    p.add_argument("--target-layers", type=int, default=None, help="target's layers (default 32 at 8b, 4 tiny)")
+    p.add_argument(
+        "--scale",
+        choices=["auto", "8b", "tiny"],
+        default="auto",
+        help="speed pair: 8b (Llama-3.1-8B's shape, 32 layers, bf16; the default on CUDA) or tiny (CPU)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default=os.environ.get("OUT") or "bench_results",
+        help="where gpu_probe.json and the traces go (default $OUT, else bench_results)",
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="seconds per part (default 380 at 8b, 120 tiny)"
+    )
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=GRACE_S,
+        help=f"after SIGTERM, seconds before SIGKILL ({GRACE_S:.0f})",
+    )
+    p.add_argument(
+        "--isolate",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="one child process per part (default: yes on CUDA, no on CPU)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        default=None,
+        help="Inductor's cache (default .probe_cache/inductor in the repository, git-ignored, so "
+        "later parts reuse the compiles of earlier ones)",
+    )
+    p.add_argument(
+        "--target-layers", type=int, default=None, help="target's layers (default 32 at 8b, 4 tiny)"
+    )
     p.add_argument("--k", type=int, default=None, help="speculation length (default 5; 3 tiny)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; 16 tiny)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens (default 128; 24 tiny)")
-    p.add_argument("--acceptance", type=float, default=0.75, help="greedy agreement the draft is tuned to (0.75)")
-    p.add_argument("--backend", choices=["auto", "eager", "inductor"], default="auto",
-                   help="speed parts' backend (default: inductor on CUDA, eager on CPU)")
-    p.add_argument("--cuda-graphs", choices=list(GRAPHS), default="default",
-                   help="parts C and E: the build's default cuda_graphs (what a user gets), on or off; "
-                        "parts A and B measure both")
-    p.add_argument("--exactness", default="auto", help=f"part D's sub-phases, in order, of {', '.join(SUBPHASES)} "
-                                                       "(default: inductor_cuda_graphs,eager on CUDA; eager on CPU)")
-    p.add_argument("--pairs", default="llama", help="tiny pairs for eager exactness: llama,qwen2 (default llama)")
-    p.add_argument("--compiled-pairs", default="llama", help="tiny pairs for compiled exactness (default llama)")
+    p.add_argument(
+        "--acceptance", type=float, default=0.75, help="greedy agreement the draft is tuned to (0.75)"
+    )
+    p.add_argument(
+        "--backend",
+        choices=["auto", "eager", "inductor"],
+        default="auto",
+        help="speed parts' backend (default: inductor on CUDA, eager on CPU)",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        choices=list(GRAPHS),
+        default="default",
+        help="parts C and E: the build's default cuda_graphs (what a user gets), on or off; "
+        "parts A and B measure both",
+    )
+    p.add_argument(
+        "--exactness",
+        default="auto",
+        help=f"part D's sub-phases, in order, of {', '.join(SUBPHASES)} "
+        "(default: inductor_cuda_graphs,eager on CUDA; eager on CPU)",
+    )
+    p.add_argument(
+        "--pairs", default="llama", help="tiny pairs for eager exactness: llama,qwen2 (default llama)"
+    )
+    p.add_argument(
+        "--compiled-pairs", default="llama", help="tiny pairs for compiled exactness (default llama)"
+    )
     p.add_argument("--commit", default=None, help="the commit to record, where the copy has no .git")
-    p.add_argument("--fail-part", default=None, type=str.upper, help=argparse.SUPPRESS)  # testing: raise at its start
-    p.add_argument("--test-hang", action="store_true", help=argparse.SUPPRESS)  # testing: stall after the head
+    p.add_argument(
+        "--fail-part", default=None, type=str.upper, help=argparse.SUPPRESS
+    )  # testing: raise at its start
+    p.add_argument(
+        "--test-hang", action="store_true", help=argparse.SUPPRESS
+    )  # testing: stall after the head
     p.add_argument("--unit", default=None, help=argparse.SUPPRESS)  # a child process runs this part only
     p.add_argument("--unit-deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -88,7 +141,12 @@ def parse_args(argv=None):
     if args.exactness == "auto":
         args.exactness = "eager" if cpu else "inductor_cuda_graphs,eager"
     args.parts = list(PARTS) if args.part == "ALL" else args.part.split(",")
-    for name, allowed in (("parts", PARTS), ("exactness", SUBPHASES), ("pairs", ("llama", "qwen2")), ("compiled_pairs", ("llama", "qwen2"))):
+    for name, allowed in (
+        ("parts", PARTS),
+        ("exactness", SUBPHASES),
+        ("pairs", ("llama", "qwen2")),
+        ("compiled_pairs", ("llama", "qwen2")),
+    ):
         value = getattr(args, name)
         bad = [x for x in (value if isinstance(value, list) else value.split(",")) if x not in allowed]
         if bad:
@@ -115,11 +173,19 @@ def run_part(name: str, args, report: Report, deadline: float) -> None:
 
     keys, started, ctx = ("parts", name), time.time(), {}
     log(f"part {name}: start ({deadline - started:.0f}s)")
-    report.update(keys, {"title": parts.TITLES[name], "status": "running", "budget_s": round(deadline - started),
-                         "pid": os.getpid()})
+    report.update(
+        keys,
+        {
+            "title": parts.TITLES[name],
+            "status": "running",
+            "budget_s": round(deadline - started),
+            "pid": os.getpid(),
+        },
+    )
 
     def record(data: dict) -> None:
         report.update(keys, {**data, "status": "running"})
+
     try:
         if args.fail_part == name:
             raise RuntimeError(f"part {name} broken on purpose (--fail-part {name})")
@@ -127,12 +193,23 @@ def run_part(name: str, args, report: Report, deadline: float) -> None:
         status = data.pop("status", "ok")
         report.update(keys, {**data, "status": status, "seconds": round(time.time() - started, 2)})
     except PartTerminated:
-        mark_terminated(report, name, "terminated: SIGTERM at its time share; what it measured before is kept")
+        mark_terminated(
+            report, name, "terminated: SIGTERM at its time share; what it measured before is kept"
+        )
         status = "terminated"
-    except Exception as exc:  # noqa: BLE001 - recorded; the probe goes on to the next part
-        report.update(keys, {"status": "error", "seconds": round(time.time() - started, 2),
-                             "error": {"type": type(exc).__name__, "message": str(exc)[:2000],
-                                       "traceback": traceback.format_exc()[-8000:]}})
+    except Exception as exc:
+        report.update(
+            keys,
+            {
+                "status": "error",
+                "seconds": round(time.time() - started, 2),
+                "error": {
+                    "type": type(exc).__name__,
+                    "message": str(exc)[:2000],
+                    "traceback": traceback.format_exc()[-8000:],
+                },
+            },
+        )
         status = "error"
     else:
         parts.close(ctx)
@@ -144,20 +221,38 @@ def mark_terminated(report: Report, name: str, why: str) -> None:
     part = report.load().get("parts", {}).get(name, {})
     changes = {"status": why}
     if part.get("rows"):
-        changes["rows"] = [dict(r, status=why) if r.get("status") in ("running", "pending") else r for r in part["rows"]]
+        changes["rows"] = [
+            dict(r, status=why) if r.get("status") in ("running", "pending") else r for r in part["rows"]
+        ]
     if part.get("subphases"):
-        changes["subphases"] = {s: dict(d, status=why) if d.get("status") in ("running", "pending") else d
-                                for s, d in part["subphases"].items()}
+        changes["subphases"] = {
+            s: dict(d, status=why) if d.get("status") in ("running", "pending") else d
+            for s, d in part["subphases"].items()
+        }
     report.update(("parts", name), changes)
 
 
 def run_child(name: str, args, report: Report, budget: float, cmd: list | None = None) -> None:
     """Part ``name`` in a child process group: SIGTERM when ``budget`` is spent, SIGKILL ``--grace-s`` later.
     ``cmd``: another child command (tests)."""
-    cmd = cmd or [sys.executable, "-m", "benchmarks.gpu_probe", *args.argv, "--unit", name,  # run from REPO:
-                  "--out", str(Path(args.out).resolve()),  # the parent's folders, wherever it was started
-                  "--cache-dir", os.environ["TORCHINDUCTOR_CACHE_DIR"], "--unit-deadline", str(time.time() + budget)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    cmd = cmd or [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu_probe",
+        *args.argv,
+        "--unit",
+        name,  # run from REPO:
+        "--out",
+        str(Path(args.out).resolve()),  # the parent's folders, wherever it was started
+        "--cache-dir",
+        os.environ["TORCHINDUCTOR_CACHE_DIR"],
+        "--unit-deadline",
+        str(time.time() + budget),
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, process_group=0)
     why = None
     try:
@@ -206,17 +301,28 @@ def main(argv=None) -> int:
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device} is not allowed here: CUDA is not available "
-                         "(use --device cpu for a CPU run at --scale tiny)")
+        raise SystemExit(
+            f"--device {args.device} is not allowed here: CUDA is not available "
+            "(use --device cpu for a CPU run at --scale tiny)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).mkdir(parents=True, exist_ok=True)
     started = time.time()
     report.path.unlink(missing_ok=True)
     wanted = args.parts
-    report.update(("probe",), {"argv": args.argv, "scale": args.scale, "device": args.device, "parts": wanted,
-                               "budget_s_per_part": args.budget_s, "isolate": args.isolate,
-                               "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"],
-                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))})
+    report.update(
+        ("probe",),
+        {
+            "argv": args.argv,
+            "scale": args.scale,
+            "device": args.device,
+            "parts": wanted,
+            "budget_s_per_part": args.budget_s,
+            "isolate": args.isolate,
+            "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"],
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        },
+    )
     for name in wanted:
         report.update(("parts", name), {"status": "pending"})
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run_child's finally

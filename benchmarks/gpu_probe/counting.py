@@ -22,9 +22,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero")
-LAUNCH = re.compile(r"\b(?:triton_\w+|\w+_kernel\w*)\.run\(|^\s*(?:cpp_fused_\w+|kernel_cpp_\w+)\(|"
-                    r"\bextern_kernels\.\w+\(|\btorch\.ops\.\w+\.\w+(?:\.\w+)?\(|^\s*(?:buf\w+\s*=\s*)?aten\.\w+\.\w+\(",
-                    re.MULTILINE)
+LAUNCH = re.compile(
+    r"\b(?:triton_\w+|\w+_kernel\w*)\.run\(|^\s*(?:cpp_fused_\w+|kernel_cpp_\w+)\(|"
+    r"\bextern_kernels\.\w+\(|\btorch\.ops\.\w+\.\w+(?:\.\w+)?\(|^\s*(?:buf\w+\s*=\s*)?aten\.\w+\.\w+\(",
+    re.MULTILINE,
+)
 MAX_ROUNDS_LISTED = 40
 
 
@@ -38,7 +40,9 @@ class SyncCounter:
         self.round = 0  # reads before the first round ends belong to round 0 (prefill and round 1)
         self.reads: list = []
         self.patches: list = []
-        self.late_reads = 0  # LateRead.take's reads (tests/runtime/read_counter.py tells them apart the same way)
+        self.late_reads = (
+            0  # LateRead.take's reads (tests/runtime/read_counter.py tells them apart the same way)
+        )
         self._lock = threading.Lock()
 
     def __enter__(self):
@@ -57,6 +61,7 @@ class SyncCounter:
         def end_round(self_, *args, **kwargs):
             counter.round += 1
             return real_end(self_, *args, **kwargs)
+
         self._patch(Counters, "end_round", end_round)
         return self
 
@@ -77,7 +82,9 @@ class SyncCounter:
             frame = frame.f_back  # torch's own Python code on the way: the read belongs to its Saguaro caller
         if frame is None or frame.f_code.co_filename.endswith("fan_out.py"):  # host statistics, CPU tensors
             return
-        if frame.f_code is LateRead.take.__code__:  # a round-late read of a copy its event has passed: no sync
+        if (
+            frame.f_code is LateRead.take.__code__
+        ):  # a round-late read of a copy its event has passed: no sync
             self.late_reads += 1
             return
         where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
@@ -88,6 +95,7 @@ class SyncCounter:
         def counted(*args, **kwargs):
             self._record(name)
             return original(*args, **kwargs)
+
         return counted
 
     def _masked(self, name, original):
@@ -98,6 +106,7 @@ class SyncCounter:
             if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
                 self._record(f"{name} with a boolean mask")
             return original(tensor, index, *value)
+
         return indexed
 
     def summary(self, rounds: int) -> dict:
@@ -106,10 +115,17 @@ class SyncCounter:
         per_round = [counts.get(r, 0) for r in range(rounds)]
         later = sorted(per_round[1:]) or per_round
         places = collections.Counter((what, where) for _, what, where in self.reads)
-        return {"host_syncs_per_round": int(later[len(later) // 2]) if later else 0,
-                "host_syncs": {"max_per_round": max(later, default=0), "first_round": per_round[0] if per_round else 0,
-                               "total": len(self.reads), "late_reads": self.late_reads, "rounds": rounds,
-                               "where": [f"{n} x {what} at {where}" for (what, where), n in places.most_common(8)]}}
+        return {
+            "host_syncs_per_round": int(later[len(later) // 2]) if later else 0,
+            "host_syncs": {
+                "max_per_round": max(later, default=0),
+                "first_round": per_round[0] if per_round else 0,
+                "total": len(self.reads),
+                "late_reads": self.late_reads,
+                "rounds": rounds,
+                "where": [f"{n} x {what} at {where}" for (what, where), n in places.most_common(8)],
+            },
+        }
 
 
 def launches_in_code(code: str) -> int:
@@ -120,7 +136,12 @@ def launches_in_code(code: str) -> int:
         if stripped.startswith("def call("):
             inside, indent = True, len(line) - len(stripped)
             continue
-        if inside and stripped and len(line) - len(stripped) <= indent and stripped.startswith(("def ", "class ")):
+        if (
+            inside
+            and stripped
+            and len(line) - len(stripped) <= indent
+            and stripped.startswith(("def ", "class "))
+        ):
             break
         if inside:
             lines.append(line)
@@ -140,7 +161,8 @@ def launches_in_graph(gm) -> int:
             continue
         target = node.target
         if isinstance(target, torch._ops.OpOverload) and any(
-                a.alias_info is not None and not a.alias_info.is_write for a in target._schema.returns):
+            a.alias_info is not None and not a.alias_info.is_write for a in target._schema.returns
+        ):
             continue  # a view: no kernel
         count += 1
     return count
@@ -161,7 +183,11 @@ def stage_launches(fn) -> tuple[int | None, str, bool]:
                 total += launches_in_code(path.read_text())
             else:
                 total, read = total + len(f.get("kernels", [])), False
-        return total, "inductor output code" if read else "distinct kernel names (output code file not found)", graphed
+        return (
+            total,
+            "inductor output code" if read else "distinct kernel names (output code file not found)",
+            graphed,
+        )
     gm = fn if isinstance(fn, torch.fx.GraphModule) else getattr(fn, "gm", None) or getattr(fn, "fn", None)
     if isinstance(gm, torch.fx.GraphModule):
         return launches_in_graph(gm), "aten operators of the stage graph (eager)", graphed
@@ -193,6 +219,7 @@ def fan_outs():
     def recorded(self, *args, **kwargs):
         seen.append(list(getattr(self, "fan_out", None) or []))
         return original(self, *args, **kwargs)
+
     SpeculationServer._build = recorded
     try:
         yield seen
@@ -202,5 +229,8 @@ def fan_outs():
 
 def fan_out_summary(seen: list) -> dict:
     budgets = collections.Counter(sum(f) for f in seen)
-    return {"fan_out_per_round": seen[:MAX_ROUNDS_LISTED], "fan_out_rounds": len(seen),
-            "branches_per_round_counts": {str(b): n for b, n in sorted(budgets.items())}}
+    return {
+        "fan_out_per_round": seen[:MAX_ROUNDS_LISTED],
+        "fan_out_rounds": len(seen),
+        "branches_per_round_counts": {str(b): n for b, n in sorted(budgets.items())},
+    }

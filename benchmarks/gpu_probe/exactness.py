@@ -17,9 +17,12 @@ import traceback
 
 K, NEW, PROMPT_LEN, VOCAB, PAD = 3, 16, 9, 128, 0
 BATCHES = {1: {}, 3: {1: 4, 2: 1}}  # batch -> {row: left-padding}
-CONFIGS = {"inductor_cuda_graphs": {"backend": "inductor", "cuda_graphs": True},
-           "inductor_cuda_graphs_flex": {"backend": "inductor", "attention": "flex", "cuda_graphs": True},
-           "inductor": {"backend": "inductor"}, "eager": {"backend": "eager"}}
+CONFIGS = {
+    "inductor_cuda_graphs": {"backend": "inductor", "cuda_graphs": True},
+    "inductor_cuda_graphs_flex": {"backend": "inductor", "attention": "flex", "cuda_graphs": True},
+    "inductor": {"backend": "inductor"},
+    "eager": {"backend": "eager"},
+}
 CUDA_ONLY = ("inductor_cuda_graphs", "inductor_cuda_graphs_flex")
 SLACK_S = 5.0  # a check is not started with less than this left
 
@@ -29,10 +32,23 @@ def tiny_pair(arch: str, device, seed: int = 0):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
-    config = config_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                        pad_token_id=PAD, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[arch]
+    config = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     target = model_cls(config).eval()
     from .models import truncated
@@ -76,12 +92,17 @@ def run(sub: str, args, record, deadline: float) -> dict:
     for arch in pairs:
         target, draft = tiny_pair(arch, device)
         started = time.perf_counter()
-        base = saguaro.compile(target, draft, k=K, mode="sd", fan_out="geometric", lane="thread",
-                               sd_when_faster=False, **options)
+        base = saguaro.compile(
+            target, draft, k=K, mode="sd", fan_out="geometric", lane="thread", sd_when_faster=False, **options
+        )
         result.setdefault("capture_s", {})[arch] = round(time.perf_counter() - started, 2)
-        programs = {"ar": base.variant(mode="ar"), "sd": base, "ssd_thread": base.variant(mode="ssd"),
-                    "ssd_process": base.variant(mode="ssd", lane="process"),
-                    "ssd_fan_out_0": base.variant(mode="ssd", fan_out=0, fallback="neural")}
+        programs = {
+            "ar": base.variant(mode="ar"),
+            "sd": base,
+            "ssd_thread": base.variant(mode="ssd"),
+            "ssd_process": base.variant(mode="ssd", lane="process"),
+            "ssd_fan_out_0": base.variant(mode="ssd", fan_out=0, fallback="neural"),
+        }
         try:
             for label, batch, fn in plan(programs):
                 name = f"{arch}/b{batch}/{label}"
@@ -91,16 +112,20 @@ def run(sub: str, args, record, deadline: float) -> dict:
                 started = time.perf_counter()
                 try:
                     check = fn(target, batch, device)
-                except Exception as exc:  # noqa: BLE001 - a failed generation is a false check, recorded
-                    check = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:500]}",
-                             "traceback": traceback.format_exc()[-3000:]}
+                except Exception as exc:
+                    check = {
+                        "ok": False,
+                        "error": f"{type(exc).__name__}: {str(exc)[:500]}",
+                        "traceback": traceback.format_exc()[-3000:],
+                    }
                 checks.append({"name": name, **check, "s": round(time.perf_counter() - started, 2)})
                 record({"checks": checks, "skipped": skipped})
         finally:
             base.close()
     false = sum(1 for c in checks if not c["ok"])
     notes = ([f"{false} of {len(checks)} checks false"] if false else []) + (
-        [f"{len(skipped)} checks skipped (time budget)"] if skipped else [])
+        [f"{len(skipped)} checks skipped (time budget)"] if skipped else []
+    )
     if notes:
         result["status"] = ("false: " if false else "partial: ") + "; ".join(notes)
     return result
@@ -128,8 +153,17 @@ def reference(target, ids, mask, batch):
     key = (id(target), batch)
     if key not in _REFERENCES:
         with torch.no_grad():
-            _REFERENCES[key] = (target, target.generate(ids, attention_mask=mask, max_new_tokens=NEW,
-                                                        do_sample=False, eos_token_id=None, pad_token_id=PAD))
+            _REFERENCES[key] = (
+                target,
+                target.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=NEW,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=PAD,
+                ),
+            )
     return _REFERENCES[key][1]
 
 
@@ -140,17 +174,28 @@ def _greedy(program):
         ids, mask = prompts(batch, device, seed=batch)
         expected = reference(target, ids, mask, batch)
         out = program.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None)
-        equal = out.sequences.shape == expected.shape and bool(torch.equal(out.sequences.cpu(), expected.cpu()))
+        equal = out.sequences.shape == expected.shape and bool(
+            torch.equal(out.sequences.cpu(), expected.cpu())
+        )
         stats = out.stats
-        found = {"equal": equal, "ran_as_asked": ran_as_asked(program, stats), "ran": stats.get("mode"),
-                 "lane": stats.get("lane"), "rounds": stats.get("rounds"),
-                 "mean_accepted_len": _round(stats.get("mean_accepted_len"))}
+        found = {
+            "equal": equal,
+            "ran_as_asked": ran_as_asked(program, stats),
+            "ran": stats.get("mode"),
+            "lane": stats.get("lane"),
+            "rounds": stats.get("rounds"),
+            "mean_accepted_len": _round(stats.get("mean_accepted_len")),
+        }
         if "cache_hit_rate" in stats:
-            found |= {"cache_hit_rate": _round(stats["cache_hit_rate"]), "lane_failures": stats.get("lane_failures"),
-                      "planned_sd": stats.get("planned_sd")}
+            found |= {
+                "cache_hit_rate": _round(stats["cache_hit_rate"]),
+                "lane_failures": stats.get("lane_failures"),
+                "planned_sd": stats.get("planned_sd"),
+            }
         if not equal:
             found["first_mismatch"] = first_mismatch(target, expected, out.sequences, mask)
         return {"ok": equal and found["ran_as_asked"], **found}
+
     return check
 
 
@@ -169,6 +214,7 @@ def ran_as_asked(program, stats: dict) -> bool:
 def _sampled(program, reference=None):
     """Valid: shape, prompt kept, tokens in the vocabulary, repeatable for a seed (or, with a
     ``reference`` program, the same tokens as it gives for the seed)."""
+
     def check(target, batch, device):
         import torch
 
@@ -177,14 +223,23 @@ def _sampled(program, reference=None):
         out = program.generate(ids, **kwargs)
         again = (reference or program).generate(ids, **kwargs)
         seqs = out.sequences
-        facts = {"shape": tuple(seqs.shape) == (batch, PROMPT_LEN + NEW),
-                 "prompt_kept": bool(torch.equal(seqs[:, :PROMPT_LEN].cpu(), ids.cpu())),
-                 "in_vocabulary": bool(((seqs >= 0) & (seqs < VOCAB)).all()),
-                 "same_tokens_for_seed" if reference is None else "same_as_thread_lane":
-                     bool(torch.equal(seqs.cpu(), again.sequences.cpu()))}
+        facts = {
+            "shape": tuple(seqs.shape) == (batch, PROMPT_LEN + NEW),
+            "prompt_kept": bool(torch.equal(seqs[:, :PROMPT_LEN].cpu(), ids.cpu())),
+            "in_vocabulary": bool(((seqs >= 0) & (seqs < VOCAB)).all()),
+            "same_tokens_for_seed" if reference is None else "same_as_thread_lane": bool(
+                torch.equal(seqs.cpu(), again.sequences.cpu())
+            ),
+        }
         facts["ran_as_asked"] = ran_as_asked(program, out.stats)
-        return {"ok": all(facts.values()), **facts, "ran": out.stats.get("mode"), "lane": out.stats.get("lane"),
-                "lane_failures": out.stats.get("lane_failures")}
+        return {
+            "ok": all(facts.values()),
+            **facts,
+            "ran": out.stats.get("mode"),
+            "lane": out.stats.get("lane"),
+            "lane_failures": out.stats.get("lane_failures"),
+        }
+
     return check
 
 
@@ -196,13 +251,25 @@ def first_mismatch(target, expected, got, mask) -> dict:
     if differ is None or len(differ) == 0:
         return {"shape": [list(expected.shape), list(got.shape)]}
     row, pos = (int(x) for x in differ[0])
-    full_mask = torch.cat([mask, torch.ones_like(expected[:, mask.shape[1]:])], dim=1)[row:row + 1, :pos]
+    full_mask = torch.cat([mask, torch.ones_like(expected[:, mask.shape[1] :])], dim=1)[row : row + 1, :pos]
     with torch.no_grad():
-        logits = target(expected[row:row + 1, :pos], attention_mask=full_mask,
-                        position_ids=(full_mask.cumsum(-1) - 1).clamp_min(0)).logits[0, -1].float()
+        logits = (
+            target(
+                expected[row : row + 1, :pos],
+                attention_mask=full_mask,
+                position_ids=(full_mask.cumsum(-1) - 1).clamp_min(0),
+            )
+            .logits[0, -1]
+            .float()
+        )
     top = logits.topk(2).values
-    return {"row": row, "position": pos, "expected": int(expected[row, pos]), "got": int(got[row, pos]),
-            "top2_margin": round(float(top[0] - top[1]), 6)}
+    return {
+        "row": row,
+        "position": pos,
+        "expected": int(expected[row, pos]),
+        "got": int(got[row, pos]),
+        "top2_margin": round(float(top[0] - top[1]), 6),
+    }
 
 
 def _round(x, digits=3):

@@ -33,10 +33,15 @@ def environment(args) -> dict:
     from saguaro.core.config import SaguaroConfig
 
     info = {
-        "python": sys.version.split()[0], "platform": platform.platform(), "cpu_count": os.cpu_count(),
-        "torch": torch.__version__, "torch_cuda": torch.version.cuda, "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "commit": args.commit or git_revision(), "cuda_available": torch.cuda.is_available(),
+        "commit": args.commit or git_revision(),
+        "cuda_available": torch.cuda.is_available(),
         "saguaro_config_fields": [f.name for f in dataclasses.fields(SaguaroConfig)],
         "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
     }
@@ -48,10 +53,19 @@ def environment(args) -> dict:
         info["triton"] = None
     if torch.cuda.is_available() and args.device.startswith("cuda"):
         props = torch.cuda.get_device_properties(torch.device(args.device))
-        info["gpu"] = {"name": props.name, "compute_capability": f"{props.major}.{props.minor}",
-                       "memory_gib": round(props.total_memory / 2**30, 1), "multiprocessors": props.multi_processor_count}
-        info["nvidia_smi"] = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,"
-                                   "clocks.max.sm,power.limit", "--format=csv,noheader"])
+        info["gpu"] = {
+            "name": props.name,
+            "compute_capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "multiprocessors": props.multi_processor_count,
+        }
+        info["nvidia_smi"] = _run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit",
+                "--format=csv,noheader",
+            ]
+        )
     return info
 
 
@@ -78,6 +92,7 @@ def timer(device):
     import torch
 
     if device.type == "cuda":
+
         def timed(fn) -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -85,12 +100,14 @@ def timer(device):
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1000
+
         return timed
 
     def host(fn) -> float:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
+
     return host
 
 
@@ -108,12 +125,16 @@ def bandwidth(device) -> dict:
     size = 2 * 2**30 if device.type == "cuda" else 64 * 2**20
     src = torch.empty(size // 4, dtype=torch.float32, device=device).uniform_()  # not zeros
     dst = torch.empty_like(src)
-    seconds = median_s(lambda: dst.copy_(src), device, repeats=10 if device.type == "cuda" else 5)
+    seconds = median_s(lambda: dst.copy_(src), device, repeats=10 if device.type == "cuda" else 5)  # noqa: F821 (del below)
     moved = 2 * size
     del src, dst
-    return {"bytes_per_s": moved / seconds, "gb_per_s": round(moved / seconds / 1e9, 2), "buffer_bytes": size,
-            "how": f"{'device-to-device' if device.type == 'cuda' else 'host memory'} copy of {size / 2**20:.0f} MiB, "
-                   "read + write over the median of the timed copies"}
+    return {
+        "bytes_per_s": moved / seconds,
+        "gb_per_s": round(moved / seconds / 1e9, 2),
+        "buffer_bytes": size,
+        "how": f"{'device-to-device' if device.type == 'cuda' else 'host memory'} copy of {size / 2**20:.0f} MiB, "
+        "read + write over the median of the timed copies",
+    }
 
 
 def micro(args, shape: dict, rows: int, deadline: float) -> dict:
@@ -126,22 +147,29 @@ def micro(args, shape: dict, rows: int, deadline: float) -> dict:
     out = {"rows": [], "m_rows": rows, "dtype": str(dtype).removeprefix("torch.")}
     h, inter = shape["hidden_size"], shape["intermediate_size"]
     kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
-    for name, (k_in, n_out) in {"q_proj": (h, h), "k_proj": (h, kv), "gate_proj": (h, inter), "down_proj": (inter, h),
-                                "lm_head": (h, shape["vocab_size"])}.items():
+    for name, (k_in, n_out) in {
+        "q_proj": (h, h),
+        "k_proj": (h, kv),
+        "gate_proj": (h, inter),
+        "down_proj": (inter, h),
+        "lm_head": (h, shape["vocab_size"]),
+    }.items():
         if cuda:  # both compiled variants share one function's code: dynamo's recompile limit counts them all
             torch._dynamo.reset()
         x = torch.randn(rows, k_in, device=device, dtype=dtype)
-        w = torch.randn(n_out, k_in, device=device, dtype=dtype) / k_in ** 0.5
+        w = torch.randn(n_out, k_in, device=device, dtype=dtype) / k_in**0.5
         for variant, fn in linear_variants(cuda):
             row = {"what": f"linear {name} [{rows}x{k_in}] @ [{k_in}x{n_out}]", "variant": variant}
             out["rows"].append(row)
             if fn is None:
-                row["status"] = "skipped: CUDA only (Inductor's compile of it takes tens of seconds on a small CPU)"
+                row["status"] = (
+                    "skipped: CUDA only (Inductor's compile of it takes tens of seconds on a small CPU)"
+                )
                 continue
             if time.time() > deadline:
                 row["status"] = "skipped: time budget"
                 continue
-            row |= _time(lambda f=fn: f(x, w), device)
+            row |= _time(lambda f=fn: f(x, w), device)  # noqa: B023 (timed now)
     out["rows"] += attention_rows(shape, device, dtype, cuda, deadline)
     return out
 
@@ -157,10 +185,13 @@ def linear_variants(cuda: bool) -> list:
     if cuda:
         compiled = torch.compile(reduction, dynamic=False)
 
-        def compiled_tuned(x, w, fn=torch.compile(reduction, dynamic=False, options={"coordinate_descent_tuning": True})):
-            return fn(x, w)
-    return [("cublas F.linear" if cuda else "aten F.linear", F.linear), ("inductor reduction", compiled),
-            ("inductor reduction + coordinate_descent_tuning", compiled_tuned)]
+        compiled_tuned = torch.compile(reduction, dynamic=False, options={"coordinate_descent_tuning": True})
+
+    return [
+        ("cublas F.linear" if cuda else "aten F.linear", F.linear),
+        ("inductor reduction", compiled),
+        ("inductor reduction + coordinate_descent_tuning", compiled_tuned),
+    ]
 
 
 def _time(fn, device) -> dict:
@@ -168,9 +199,12 @@ def _time(fn, device) -> dict:
         first = time.perf_counter()
         fn()
         first_s = time.perf_counter() - first
-        return {"status": "ok", "us": round(1e6 * median_s(fn, device, repeats=50 if device.type == "cuda" else 5), 2),
-                "first_call_s": round(first_s, 2)}
-    except Exception as exc:  # noqa: BLE001 - one variant's failure is a row's finding
+        return {
+            "status": "ok",
+            "us": round(1e6 * median_s(fn, device, repeats=50 if device.type == "cuda" else 5), 2),
+            "first_call_s": round(first_s, 2),
+        }
+    except Exception as exc:
         return {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}"}
 
 
@@ -193,11 +227,15 @@ def attention_rows(shape: dict, device, dtype, cuda: bool, deadline: float, cont
     if cuda:
         torch._dynamo.reset()
     sdpa = F.scaled_dot_product_attention
-    variants = {"sdpa dense mask over the capacity": lambda: sdpa(q, k, v, attn_mask=dense, enable_gqa=True),
-                "sdpa over the valid slots": lambda: sdpa(q, k[:, :, :context], v[:, :, :context], enable_gqa=True),
-                "flex block mask": None}
+    variants = {
+        "sdpa dense mask over the capacity": lambda: sdpa(q, k, v, attn_mask=dense, enable_gqa=True),
+        "sdpa over the valid slots": lambda: sdpa(q, k[:, :, :context], v[:, :, :context], enable_gqa=True),
+        "flex block mask": None,
+    }
     if cuda:  # off CUDA flex is unfused (the whole score matrix) and compiles for seconds: not a finding
-        block = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < context, 1, None, 1, capacity, device=str(device))
+        block = create_block_mask(
+            lambda b, h, q_idx, kv_idx: kv_idx < context, 1, None, 1, capacity, device=str(device)
+        )
         flex = torch.compile(flex_attention, dynamic=False)
         variants["flex block mask"] = lambda: flex(q, k, v, block_mask=block, enable_gqa=True)
     rows = []
@@ -205,6 +243,9 @@ def attention_rows(shape: dict, device, dtype, cuda: bool, deadline: float, cont
         row = {"what": what, "variant": variant}
         if fn is None:
             row["status"] = "skipped: CUDA only (unfused elsewhere)"
-        rows.append(row | ({"status": "skipped: time budget"} if time.time() > deadline else _time(fn, device))
-                    if fn is not None else row)
+        rows.append(
+            row | ({"status": "skipped: time budget"} if time.time() > deadline else _time(fn, device))
+            if fn is not None
+            else row
+        )
     return rows

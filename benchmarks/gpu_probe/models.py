@@ -16,11 +16,28 @@ from __future__ import annotations
 import copy
 
 SHAPES = {
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-               vocab_size=128256, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
-               rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
-                 vocab_size=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rms_norm_eps=1e-5,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    ),
 }
 LAYERS = {"8b": 32, "tiny": 4}
 MAX_DRAFT_RATIO = 0.12  # the draft step's bytes over the target step's, at most
@@ -45,8 +62,15 @@ def pair_bytes(scale: str, target_layers: int, dtype_bytes: int, context: int, r
     shape = SHAPES[scale]
     target = step_bytes(shape, target_layers, dtype_bytes, context, rows)
     draft = step_bytes(shape, 1, dtype_bytes, context, rows)
-    return {"target": target["total"], "draft": draft["total"], "c_bytes": round(draft["total"] / target["total"], 4),
-            "target_detail": target, "draft_detail": draft, "context": context, "rows": rows}
+    return {
+        "target": target["total"],
+        "draft": draft["total"],
+        "c_bytes": round(draft["total"] / target["total"], 4),
+        "target_detail": target,
+        "draft_detail": draft,
+        "context": context,
+        "rows": rows,
+    }
 
 
 def round_bytes(mode: str, k: int, pair: dict) -> int:
@@ -83,8 +107,12 @@ def build_pair(args, device, dtype):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**SHAPES[args.scale], num_hidden_layers=args.target_layers, pad_token_id=0,
-                         max_position_embeddings=args.prompt_len + args.max_new_tokens + 256)
+    config = LlamaConfig(
+        **SHAPES[args.scale],
+        num_hidden_layers=args.target_layers,
+        pad_token_id=0,
+        max_position_embeddings=args.prompt_len + args.max_new_tokens + 256,
+    )
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -94,14 +122,18 @@ def build_pair(args, device, dtype):
     finally:
         torch.set_default_dtype(default)
     draft = truncated(target, 1)
-    writes = [w for layer in target.model.layers[1:]  # what the later layers add to the residual stream
-              for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)]
+    writes = [
+        w
+        for layer in target.model.layers[1:]  # what the later layers add to the residual stream
+        for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)
+    ]
     originals = [w.detach().clone() for w in writes]
 
     def knob(s: float) -> None:
         with torch.no_grad():
             for w, original in zip(writes, originals):
                 w.copy_(original * s)
+
     return target, draft, knob
 
 
@@ -139,8 +171,13 @@ def tune(target, draft, knob, goal: float, vocab: int, device) -> dict:
             break
     best_s, best = min(history, key=lambda h: abs(h[1] - goal))
     knob(best_s)
-    return {"goal": goal, "rest_scale": best_s, "agreement": round(best, 4), "contexts": list(contexts.shape),
-            "history": [(round(s, 5), round(a, 4)) for s, a in history]}
+    return {
+        "goal": goal,
+        "rest_scale": best_s,
+        "agreement": round(best, 4),
+        "contexts": list(contexts.shape),
+        "history": [(round(s, 5), round(a, 4)) for s, a in history],
+    }
 
 
 def acceptance(counters, k: int) -> float | None:
@@ -168,13 +205,21 @@ def make_pair(args, ctx: dict) -> dict:
     tuning = tune(target, draft, knob, args.acceptance, target.config.vocab_size, device)
     context = args.prompt_len + args.max_new_tokens // 2  # the mean context of the decode rounds
     size = torch.tensor([], dtype=dtype).element_size()
-    info = {"scale": args.scale, "target_layers": args.target_layers, "draft_layers": 1,
-            "dtype": str(dtype).removeprefix("torch."),
-            "widths": {k: v for k, v in SHAPES[args.scale].items() if k.endswith("size") or "heads" in k},
-            "params": {name: sum(p.numel() for p in m.parameters()) for name, m in (("target", target), ("draft", draft))},
-            "tuning": tuning}
+    info = {
+        "scale": args.scale,
+        "target_layers": args.target_layers,
+        "draft_layers": 1,
+        "dtype": str(dtype).removeprefix("torch."),
+        "widths": {k: v for k, v in SHAPES[args.scale].items() if k.endswith("size") or "heads" in k},
+        "params": {
+            name: sum(p.numel() for p in m.parameters()) for name, m in (("target", target), ("draft", draft))
+        },
+        "tuning": tuning,
+    }
     bytes_1 = pair_bytes(args.scale, args.target_layers, size, context, 1)
-    info |= {"bytes_per_token": {"target": bytes_1["target"], "draft": bytes_1["draft"], "context": context},
-             "c_bytes": bytes_1["c_bytes"]}
+    info |= {
+        "bytes_per_token": {"target": bytes_1["target"], "draft": bytes_1["draft"], "context": context},
+        "c_bytes": bytes_1["c_bytes"],
+    }
     ctx["pair"] = {"target": target, "draft": draft, "info": info, "dtype_bytes": size, "context": context}
     return ctx["pair"]

@@ -32,7 +32,9 @@ class Timeline:
         from saguaro.runtime.draft.server import SpeculationServer
 
         ssd = importlib.import_module("saguaro.runtime.decode.ssd")
-        self._patch(ssd, "verify_and_commit", lambda a: "verify")  # the verify with its commit (the round stage)
+        self._patch(
+            ssd, "verify_and_commit", lambda a: "verify"
+        )  # the verify with its commit (the round stage)
         self._patch(SpeculationServer, "build", lambda a: "build")
         self._patch(ModelRunner, "run", lambda a: a[1].qualified)
         if self.cuda:
@@ -57,6 +59,7 @@ class Timeline:
 
         def timed(*args, **kwargs):
             return timeline.timed(name_of(args), original, *args, **kwargs)
+
         self.patches.append((owner, attr, original))
         setattr(owner, attr, timed)
 
@@ -75,15 +78,23 @@ class Timeline:
             if self.cuda:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
-            self.calls.append({"name": name, "lane": "caller" if threading.get_ident() == self.main else "lane",
-                               "host": (1000 * (t0 - self.t0), 1000 * (t1 - self.t0)), "events": (start, end)})
+            self.calls.append(
+                {
+                    "name": name,
+                    "lane": "caller" if threading.get_ident() == self.main else "lane",
+                    "host": (1000 * (t0 - self.t0), 1000 * (t1 - self.t0)),
+                    "events": (start, end),
+                }
+            )
 
     def intervals(self) -> list:
         """Each call with ``host`` and (CUDA) ``gpu`` intervals in ms from the start."""
         for call in self.calls:
             start, end = call.pop("events")
             try:
-                call["gpu"] = (self.origin.elapsed_time(start), self.origin.elapsed_time(end)) if start else None
+                call["gpu"] = (
+                    (self.origin.elapsed_time(start), self.origin.elapsed_time(end)) if start else None
+                )
             except RuntimeError:  # an event of another device (draft_device): no common clock
                 call["gpu"] = None
         return self.calls
@@ -120,8 +131,11 @@ def summary(calls: list, cuda: bool) -> dict:
             over, span = _overlap(v[clock], b[clock]), b[clock][1] - b[clock][0]
             totals[clock][0] += over
             totals[clock][1] += span
-            entry |= {f"verify_{clock}_ms": round(v[clock][1] - v[clock][0], 4),
-                      f"build_{clock}_ms": round(span, 4), f"hidden_{clock}": round(over / span, 3) if span else None}
+            entry |= {
+                f"verify_{clock}_ms": round(v[clock][1] - v[clock][0], 4),
+                f"build_{clock}_ms": round(span, 4),
+                f"hidden_{clock}": round(over / span, 3) if span else None,
+            }
         per_round.append(entry)
     stages = {}
     for c in calls:
@@ -133,12 +147,20 @@ def summary(calls: list, cuda: bool) -> dict:
     for s in stages.values():
         n = s.pop("calls")
         launch, gpu = s.pop("launch_ms") / n, s.pop("gpu_ms") / n
-        s |= {"calls": n, "launch_ms_mean": round(launch, 4), "gpu_ms_mean": round(gpu, 4) if cuda else None,
-              "launch_over_gpu": round(launch / gpu, 3) if cuda and gpu > 0 else None}
+        s |= {
+            "calls": n,
+            "launch_ms_mean": round(launch, 4),
+            "gpu_ms_mean": round(gpu, 4) if cuda else None,
+            "launch_over_gpu": round(launch / gpu, 3) if cuda and gpu > 0 else None,
+        }
     share = {clock: round(o / b, 3) if b else None for clock, (o, b) in totals.items()}
-    return {"rounds": len(pairs), "hidden_fraction_host": share["host"],
-            "hidden_fraction_gpu": share["gpu"] if cuda else None, "per_round": per_round[:MAX_ROUNDS_LISTED],
-            "stages": dict(sorted(stages.items()))}
+    return {
+        "rounds": len(pairs),
+        "hidden_fraction_host": share["host"],
+        "hidden_fraction_gpu": share["gpu"] if cuda else None,
+        "per_round": per_round[:MAX_ROUNDS_LISTED],
+        "stages": dict(sorted(stages.items())),
+    }
 
 
 def measure(ssd, ids, args) -> dict:
@@ -149,9 +171,16 @@ def measure(ssd, ids, args) -> dict:
     stats = out.stats
     result = summary(timeline.intervals(), cuda) | {
         "clocks": "CUDA events and host perf_counter" if cuda else "host perf_counter only",
-        "tokens_per_s": round(stats["tokens_per_s"], 1), "overlap_efficiency": stats.get("overlap_efficiency"),
-        "cache_hit_rate": stats.get("cache_hit_rate"), "ran": stats.get("mode"), "plan": stats.get("plan"),
-        "lane_failures": stats.get("lane_failures"), "generation_rounds": stats.get("rounds")}
+        "tokens_per_s": round(stats["tokens_per_s"], 1),
+        "overlap_efficiency": stats.get("overlap_efficiency"),
+        "cache_hit_rate": stats.get("cache_hit_rate"),
+        "ran": stats.get("mode"),
+        "plan": stats.get("plan"),
+        "lane_failures": stats.get("lane_failures"),
+        "generation_rounds": stats.get("rounds"),
+    }
     if not cuda:
-        result["cuda_events"] = "CUDA-only: not measured on cpu (no GPU time, launch time is all the host sees)"
+        result["cuda_events"] = (
+            "CUDA-only: not measured on cpu (no GPU time, launch time is all the host sees)"
+        )
     return result

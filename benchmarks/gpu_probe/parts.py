@@ -12,9 +12,13 @@ from pathlib import Path
 
 from . import hardware, models, rows, trace
 
-TITLES = {"A": "environment, copy bandwidth, micro-benchmarks, AR at batch 1 with CUDA graphs off and on",
-          "B": "SD at batch 1 with CUDA graphs on and off (then AR, time permitting)", "C": "SSD and its overlap at batch 1",
-          "D": "exactness (greedy first, then sampled validity)", "E": "batch 8: AR, SD, SSD"}
+TITLES = {
+    "A": "environment, copy bandwidth, micro-benchmarks, AR at batch 1 with CUDA graphs off and on",
+    "B": "SD at batch 1 with CUDA graphs on and off (then AR, time permitting)",
+    "C": "SSD and its overlap at batch 1",
+    "D": "exactness (greedy first, then sampled validity)",
+    "E": "batch 8: AR, SD, SSD",
+}
 SLACK_S = 10.0  # a row is not started with less than this left
 MICRO_S = 60.0  # the most part A's micro-benchmarks may take
 DEFAULT = None  # the build's own cuda_graphs default (what a user gets)
@@ -46,8 +50,15 @@ def program(args, ctx: dict, graphs, **changes):
         pair = models.make_pair(args, ctx)
         options = ({} if graphs is DEFAULT else {"cuda_graphs": graphs}) | shaping
         started = time.perf_counter()
-        programs[key] = saguaro.compile(pair["target"], pair["draft"], k=args.k, mode="ssd", backend=args.backend,
-                                        lane="thread", **options)
+        programs[key] = saguaro.compile(
+            pair["target"],
+            pair["draft"],
+            k=args.k,
+            mode="ssd",
+            backend=args.backend,
+            lane="thread",
+            **options,
+        )
         ctx.setdefault("capture_s", {})[key] = round(time.perf_counter() - started, 2)
     return programs[key].variant(**changes)
 
@@ -70,24 +81,34 @@ def speed_rows(name, args, ctx, result, record, deadline, plan, hang=None) -> di
         record(result)
         try:
             prog = program(args, ctx, graphs, **changes)
-            ids = models.prompt(batch, pair["target"].config.vocab_size, args.prompt_len, pair["target"].device)
+            ids = models.prompt(
+                batch, pair["target"].config.vocab_size, args.prompt_len, pair["target"].device
+            )
             entry.update(rows.measure(prog, ids, args, label, part))
         except ConfigError as exc:  # cuda_graphs=True off CUDA
             entry["status"] = f"skipped: {exc}"
-        except Exception as exc:  # noqa: BLE001 - one row's failure is recorded; the others run
+        except Exception as exc:
             entry.update(rows.error_entry(label, exc))
         record(result)
         if entry["status"] == "ok" and "trace" not in result:
             try:
-                result["trace"] = {"row": label} | trace.profile_rounds(prog, ids, args.max_new_tokens, Path(args.out), name)
-            except Exception as exc:  # noqa: BLE001 - the rows go on without it
-                result["trace"] = {"row": label, "file": None, "status": f"error: {type(exc).__name__}: {str(exc)[:500]}"}
+                result["trace"] = {"row": label} | trace.profile_rounds(
+                    prog, ids, args.max_new_tokens, Path(args.out), name
+                )
+            except Exception as exc:
+                result["trace"] = {
+                    "row": label,
+                    "file": None,
+                    "status": f"error: {type(exc).__name__}: {str(exc)[:500]}",
+                }
             record(result)
         if hang is not None and entry["status"] == "ok":  # testing: stall once a row has measured
             hang()
             hang = None
     result["capture_s"] = ctx.get("capture_s")
-    if any(r["status"] != "ok" and not r["status"].startswith("skipped: cuda_graphs") for r in result["rows"]):
+    if any(
+        r["status"] != "ok" and not r["status"].startswith("skipped: cuda_graphs") for r in result["rows"]
+    ):
         result["status"] = "partial: some rows skipped or failed (see rows)"
     return result
 
@@ -97,29 +118,62 @@ def part_a(args, ctx, record, deadline, hang) -> dict:
     instead of SDPA, ``attention="reduce"``: on the H200 cuDNN's kernel took 12 us a layer), then the micro-benchmarks with the time left (at most
     ``MICRO_S``; on a warm machine the AR compiles come from the cache and leave them time)."""
     result = _start(args, ctx, record)
-    result = speed_rows("A", args, ctx, result, record, deadline,
-                        [("ar_graphs_off", False, 1, {"mode": "ar"}), ("ar_graphs_on", True, 1, {"mode": "ar"}),
-                         ("ar_graphs_on_attention_reduce", True, 1, {"mode": "ar", "attention": "reduce"})], hang)
-    result["micro"] = hardware.micro(args, models.SHAPES[args.scale], args.k + 1,
-                                     min(deadline - SLACK_S, time.time() + MICRO_S))
+    result = speed_rows(
+        "A",
+        args,
+        ctx,
+        result,
+        record,
+        deadline,
+        [
+            ("ar_graphs_off", False, 1, {"mode": "ar"}),
+            ("ar_graphs_on", True, 1, {"mode": "ar"}),
+            ("ar_graphs_on_attention_reduce", True, 1, {"mode": "ar", "attention": "reduce"}),
+        ],
+        hang,
+    )
+    result["micro"] = hardware.micro(
+        args, models.SHAPES[args.scale], args.k + 1, min(deadline - SLACK_S, time.time() + MICRO_S)
+    )
     return result
 
 
 def part_b(args, ctx, record, deadline, hang) -> dict:
     """SD with graphs on first (what a user gets), then off; AR last, when time is left, for SD/AR in one run."""
     result = _start(args, ctx, record)
-    return speed_rows("B", args, ctx, result, record, deadline,
-                      [("sd_graphs_on", True, 1, {"mode": "sd"}), ("sd_graphs_off", False, 1, {"mode": "sd"}),
-                       ("ar_graphs_on", True, 1, {"mode": "ar"})], hang)
+    return speed_rows(
+        "B",
+        args,
+        ctx,
+        result,
+        record,
+        deadline,
+        [
+            ("sd_graphs_on", True, 1, {"mode": "sd"}),
+            ("sd_graphs_off", False, 1, {"mode": "sd"}),
+            ("ar_graphs_on", True, 1, {"mode": "ar"}),
+        ],
+        hang,
+    )
 
 
 def part_c(args, ctx, record, deadline, hang) -> dict:
     from . import overlap
 
     result = _start(args, ctx, record)
-    result = speed_rows("C", args, ctx, result, record, deadline,
-                        [("ssd", args.cuda_graphs, 1, {"mode": "ssd", "sd_when_faster": False}),
-                         ("ssd_planner", args.cuda_graphs, 1, {"mode": "ssd"})], hang)
+    result = speed_rows(
+        "C",
+        args,
+        ctx,
+        result,
+        record,
+        deadline,
+        [
+            ("ssd", args.cuda_graphs, 1, {"mode": "ssd", "sd_when_faster": False}),
+            ("ssd_planner", args.cuda_graphs, 1, {"mode": "ssd"}),
+        ],
+        hang,
+    )
     if result["rows"][0]["status"] != "ok":
         result["overlap"] = {"status": "skipped: the ssd row did not run"}
     elif time.time() > deadline - SLACK_S:
@@ -130,7 +184,7 @@ def part_c(args, ctx, record, deadline, hang) -> dict:
         ids = models.prompt(1, pair["target"].config.vocab_size, args.prompt_len, pair["target"].device)
         try:
             result["overlap"] = {"status": "ok"} | overlap.measure(ssd, ids, args)
-        except Exception as exc:  # noqa: BLE001 - recorded
+        except Exception as exc:
             result["overlap"] = {"status": f"error: {type(exc).__name__}: {str(exc)[:500]}"}
     return result
 
@@ -151,7 +205,9 @@ def part_d(args, ctx, record, deadline, hang) -> dict:
             node["status"] = "skipped: cuda_graphs needs CUDA"
             continue
         # each later sub-phase keeps a minute
-        own = deadline - 60.0 * sum(1 for s in subs[i + 1:] if s not in exactness.CUDA_ONLY or args.device != "cpu")
+        own = deadline - 60.0 * sum(
+            1 for s in subs[i + 1 :] if s not in exactness.CUDA_ONLY or args.device != "cpu"
+        )
         if time.time() > own - SLACK_S:
             node["status"] = "skipped: time budget"
             continue
@@ -161,12 +217,13 @@ def part_d(args, ctx, record, deadline, hang) -> dict:
         def sub_record(data, node=node):
             node.update(data)
             record(result)
+
         try:
             node.update(exactness.run(sub, args, sub_record, own))
             node.setdefault("status", "ok")
             if node["status"] == "running":
                 node["status"] = "ok"
-        except Exception as exc:  # noqa: BLE001 - recorded: exactness is then not all true
+        except Exception as exc:
             node.update({"status": f"error: {type(exc).__name__}: {str(exc)[:500]}"})
         node["seconds"] = round(time.time() - started, 2)
         record(result)
@@ -181,10 +238,21 @@ def part_d(args, ctx, record, deadline, hang) -> dict:
 def part_e(args, ctx, record, deadline, hang) -> dict:
     result = _start(args, ctx, record)
     graphs = args.cuda_graphs
-    return speed_rows("E", args, ctx, result, record, deadline,
-                      [("ar", graphs, 8, {"mode": "ar"}), ("sd", graphs, 8, {"mode": "sd"}),
-                       ("ssd_planner", graphs, 8, {"mode": "ssd"}),
-                       ("ssd", graphs, 8, {"mode": "ssd", "sd_when_faster": False})], hang)
+    return speed_rows(
+        "E",
+        args,
+        ctx,
+        result,
+        record,
+        deadline,
+        [
+            ("ar", graphs, 8, {"mode": "ar"}),
+            ("sd", graphs, 8, {"mode": "sd"}),
+            ("ssd_planner", graphs, 8, {"mode": "ssd"}),
+            ("ssd", graphs, 8, {"mode": "ssd", "sd_when_faster": False}),
+        ],
+        hang,
+    )
 
 
 PARTS = {"A": part_a, "B": part_b, "C": part_c, "D": part_d, "E": part_e}

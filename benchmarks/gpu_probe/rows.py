@@ -23,7 +23,17 @@ REPEATS = {"cuda": 3, "cpu": 1}  # timed generations per row after the first
 
 
 def config_info(program) -> dict:
-    names = ("mode", "backend", "attention", "linears", "cuda_graphs", "lane", "k", "sd_when_faster", "fan_out")
+    names = (
+        "mode",
+        "backend",
+        "attention",
+        "linears",
+        "cuda_graphs",
+        "lane",
+        "k",
+        "sd_when_faster",
+        "fan_out",
+    )
     return {n: getattr(program.config, n) for n in names if hasattr(program.config, n)}
 
 
@@ -35,8 +45,10 @@ def measure(program, ids, args, label: str, part: dict) -> dict:
     started = time.perf_counter()
     program.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=None)
     first_s = time.perf_counter() - started
-    runs = [program.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=None)
-            for _ in range(REPEATS.get(ids.device.type, 1))]
+    runs = [
+        program.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=None)
+        for _ in range(REPEATS.get(ids.device.type, 1))
+    ]
     out = sorted(runs, key=lambda o: o.stats["tokens_per_s"])[len(runs) // 2]
     stats = out.stats
     rounds = max(stats.get("rounds", 0), 1)
@@ -47,31 +59,56 @@ def measure(program, ids, args, label: str, part: dict) -> dict:
     pair = part["pair"]
     bytes_b = pair_bytes(args.scale, args.target_layers, pair["dtype_bytes"], pair["context"], batch)
     per_round = round_bytes(ran, program.config.k, bytes_b)
-    tokens_per_round = max(stats.get("new_tokens", 0) - batch, 1) / rounds  # the prefill gives each row its first
+    tokens_per_round = (
+        max(stats.get("new_tokens", 0) - batch, 1) / rounds
+    )  # the prefill gives each row its first
     bandwidth = (part.get("bandwidth") or {}).get("bytes_per_s")
     entry = {
-        "row": label, "mode": program.config.mode, "ran": ran, "batch": batch, "status": "ok",
-        "config": config_info(program), "first_call_s": round(first_s, 2),
-        "tokens_per_s": round(stats["tokens_per_s"], 2), "tokens_per_s_all": [round(o.stats["tokens_per_s"], 2) for o in runs],
-        "decode_tokens_per_s": round(stats.get("decode_tokens_per_s", 0.0), 2), "ms_per_round": round(ms_per_round, 4),
-        "rounds": stats.get("rounds"), "mean_accepted_len": round(stats.get("mean_accepted_len", 0.0), 3),
-        "round_ms_p50": stats.get("round_ms_p50"), "per_round_ms": stats.get("per_round_ms"),
-        "bytes_per_round": per_round, "bytes_per_token": round(per_round / tokens_per_round),
-        "roofline_share": _sig(per_round / (ms_per_round / 1000) / bandwidth) if bandwidth and ms_per_round > 0 else None,
+        "row": label,
+        "mode": program.config.mode,
+        "ran": ran,
+        "batch": batch,
+        "status": "ok",
+        "config": config_info(program),
+        "first_call_s": round(first_s, 2),
+        "tokens_per_s": round(stats["tokens_per_s"], 2),
+        "tokens_per_s_all": [round(o.stats["tokens_per_s"], 2) for o in runs],
+        "decode_tokens_per_s": round(stats.get("decode_tokens_per_s", 0.0), 2),
+        "ms_per_round": round(ms_per_round, 4),
+        "rounds": stats.get("rounds"),
+        "mean_accepted_len": round(stats.get("mean_accepted_len", 0.0), 3),
+        "round_ms_p50": stats.get("round_ms_p50"),
+        "per_round_ms": stats.get("per_round_ms"),
+        "bytes_per_round": per_round,
+        "bytes_per_token": round(per_round / tokens_per_round),
+        "roofline_share": _sig(per_round / (ms_per_round / 1000) / bandwidth)
+        if bandwidth and ms_per_round > 0
+        else None,
     }
     if ran != "ar":
         entry["acceptance"] = acceptance(out.counters, program.config.k)
     if ran == "sd" and stats.get("draft_s") and stats.get("verify_s"):
         step = stats["draft_s"] / (rounds * program.config.k)
         entry["c_measured"] = _sig(step / (stats["verify_s"] / rounds))
-        entry["stage_ms"] = {"draft_step": round(1000 * step, 4), "verify": round(1000 * stats["verify_s"] / rounds, 4)}
+        entry["stage_ms"] = {
+            "draft_step": round(1000 * step, 4),
+            "verify": round(1000 * stats["verify_s"] / rounds, 4),
+        }
     if "cache_hit_rate" in stats:
-        entry |= {"cache_hit_rate": round(stats["cache_hit_rate"], 4), "hits_by_position": stats.get("hits_by_position"),
-                  "fallbacks": stats.get("fallbacks"), "planned_sd": stats.get("planned_sd"), "plan": stats.get("plan"),
-                  "overlap_efficiency": round(stats.get("overlap_efficiency", 0.0), 4), "lane": stats.get("lane"),
-                  "lane_failures": stats.get("lane_failures"),
-                  "draft_wait_ms_per_round": round(1000 * stats.get("draft_wait_s", 0.0) / rounds, 4)}
-    graphs = {k: v for k, v in stats.items() if "graph" in k}  # what the build says of its CUDA graphs, if anything
+        entry |= {
+            "cache_hit_rate": round(stats["cache_hit_rate"], 4),
+            "hits_by_position": stats.get("hits_by_position"),
+            "fallbacks": stats.get("fallbacks"),
+            "planned_sd": stats.get("planned_sd"),
+            "plan": stats.get("plan"),
+            "overlap_efficiency": round(stats.get("overlap_efficiency", 0.0), 4),
+            "lane": stats.get("lane"),
+            "lane_failures": stats.get("lane_failures"),
+            "draft_wait_ms_per_round": round(1000 * stats.get("draft_wait_s", 0.0) / rounds, 4),
+        }
+    graphs = {
+        k: v for k, v in stats.items() if "graph" in k
+    }  # what the build says of its CUDA graphs, if anything
     if graphs:
         entry["graph_stats"] = graphs
     entry |= counting.program_launches(program)

@@ -20,7 +20,11 @@ TOP = 15
 
 
 def _device_us(event, self_time: bool) -> float:
-    names = ("self_device_time_total", "self_cuda_time_total") if self_time else ("device_time_total", "cuda_time_total")
+    names = (
+        ("self_device_time_total", "self_cuda_time_total")
+        if self_time
+        else ("device_time_total", "cuda_time_total")
+    )
     for name in names:
         value = getattr(event, name, None)
         if value is not None:
@@ -31,8 +35,15 @@ def _device_us(event, self_time: bool) -> float:
 def key_averages(prof, rounds: int, cuda: bool) -> dict:
     """The top entries by self device time (CUDA) or self CPU time, and totals per round."""
     averages = prof.key_averages()
-    entries = [{"name": e.key[:120], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1000, 4),
-                "self_device_ms": round(_device_us(e, True) / 1000, 4)} for e in averages]
+    entries = [
+        {
+            "name": e.key[:120],
+            "calls": e.count,
+            "self_cpu_ms": round(e.self_cpu_time_total / 1000, 4),
+            "self_device_ms": round(_device_us(e, True) / 1000, 4),
+        }
+        for e in averages
+    ]
     key = "self_device_ms" if cuda else "self_cpu_ms"
     entries.sort(key=lambda e: e[key], reverse=True)
     kernels = 0
@@ -43,10 +54,15 @@ def key_averages(prof, rounds: int, cuda: bool) -> dict:
     cpu_ms = sum(e.self_cpu_time_total for e in averages) / 1000
     device_ms = sum(_device_us(e, True) for e in averages) / 1000
     per = max(rounds, 1)
-    return {"sorted_by": key, "top": entries[:TOP], "cpu_ms_total": round(cpu_ms, 3),
-            "device_ms_total": round(device_ms, 3) if cuda else None,
-            "cpu_ms_per_round": round(cpu_ms / per, 3), "device_ms_per_round": round(device_ms / per, 3) if cuda else None,
-            "device_kernels_per_round": round(kernels / per, 1) if cuda else None}
+    return {
+        "sorted_by": key,
+        "top": entries[:TOP],
+        "cpu_ms_total": round(cpu_ms, 3),
+        "device_ms_total": round(device_ms, 3) if cuda else None,
+        "cpu_ms_per_round": round(cpu_ms / per, 3),
+        "device_ms_per_round": round(device_ms / per, 3) if cuda else None,
+        "device_kernels_per_round": round(kernels / per, 1) if cuda else None,
+    }
 
 
 def profile_rounds(program, ids, max_new_tokens: int, out: Path, part: str) -> dict:
@@ -61,8 +77,11 @@ def profile_rounds(program, ids, max_new_tokens: int, out: Path, part: str) -> d
     path.unlink(missing_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     steps = {"n": 0}
-    prof = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=ACTIVE, repeat=1),
-                   on_trace_ready=lambda p: p.export_chrome_trace(str(path)))
+    prof = profile(
+        activities=activities,
+        schedule=schedule(wait=1, warmup=1, active=ACTIVE, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+    )
     real_end = Counters.end_round
 
     def stepped(self, *args, **kwargs):
@@ -71,6 +90,7 @@ def profile_rounds(program, ids, max_new_tokens: int, out: Path, part: str) -> d
         finally:
             steps["n"] += 1
             prof.step()
+
     Counters.end_round = stepped
     try:
         with prof:
@@ -82,7 +102,10 @@ def profile_rounds(program, ids, max_new_tokens: int, out: Path, part: str) -> d
     recorded = min(max(steps["n"] - 2, 0), ACTIVE)
     result = {"rounds": recorded, "generation_rounds": steps["n"]}
     if not path.exists():
-        return result | {"file": None, "note": "no trace written: the generation ran fewer rounds than the schedule needs"}
+        return result | {
+            "file": None,
+            "note": "no trace written: the generation ran fewer rounds than the schedule needs",
+        }
     result["key_averages"] = key_averages(prof, recorded, cuda)
     return result | {"file": _fit(path)}
 

@@ -40,8 +40,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="ar", help="comma-separated, of ar and sd (default ar)")
     args = checked(parser, argv)
     program, modes, prompts, expected = modes_program(parser, args)
-    rates, exact = alternate(program, FORMS, lambda form: use_round(program, form == "round"), modes, args,
-                             prompts, expected)
+    rates, exact = alternate(
+        program, FORMS, lambda form: use_round(program, form == "round"), modes, args, prompts, expected
+    )
     use_round(program, True)
     program.close()
     report(FORMS, modes, rates, exact, args)

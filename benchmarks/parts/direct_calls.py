@@ -41,20 +41,29 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    import saguaro
     from alternating import alternate, report
     from linear_as_reduction import pair_and_prompts
+
+    import saguaro
 
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     target, draft, prompts, expected = pair_and_prompts(args.prompts, args.new)
-    program = saguaro.compile(target, draft, k=args.k, mode="sd", backend="inductor", compile="blocking",
-                              linears=args.linears)
+    program = saguaro.compile(
+        target, draft, k=args.k, mode="sd", backend="inductor", compile="blocking", linears=args.linears
+    )
     modes = ("ar", "sd")
     # the stages are built by the warm-up's first passes (learning their direct calls): switch what exists
-    rates, exact = alternate(program, FORMS, lambda form: use_direct_calls(compiled_stages(program), form == "direct"),
-                             modes, args, prompts, expected)
+    rates, exact = alternate(
+        program,
+        FORMS,
+        lambda form: use_direct_calls(compiled_stages(program), form == "direct"),
+        modes,
+        args,
+        prompts,
+        expected,
+    )
     use_direct_calls(compiled_stages(program), True)
     program.close()
     report(FORMS, modes, rates, exact, args)

@@ -33,16 +33,20 @@ def use_feed(form: str) -> None:
 
 
 def main(argv=None) -> int:
-    import saguaro
     from alternating import ab_parser, alternate, checked, report  # this folder's harness
     from linear_as_reduction import pair_and_prompts
 
+    import saguaro
     from saguaro.core.stages import DRAFT_CHAIN
     from saguaro.runtime.draft import decode
 
     parser = ab_parser(__doc__)
-    parser.add_argument("--after-prefill", dest="with_prefill", action="store_false",
-                        help="rates after the prefill (the decode alone); by default whole generations")
+    parser.add_argument(
+        "--after-prefill",
+        dest="with_prefill",
+        action="store_false",
+        help="rates after the prefill (the decode alone); by default whole generations",
+    )
     parser.set_defaults(with_prefill=True)
     args = checked(parser, argv)
     if args.threads:
@@ -50,7 +54,9 @@ def main(argv=None) -> int:
     target, draft, prompts, expected = pair_and_prompts(args.prompts, args.new)
     program = saguaro.compile(target, draft, mode="sd", backend="inductor", compile="blocking")
     if not decode.feeds_together(program.draft, DRAFT_CHAIN):
-        raise SystemExit("the draft's chained step does not take its fed tokens together here: nothing to compare")
+        raise SystemExit(
+            "the draft's chained step does not take its fed tokens together here: nothing to compare"
+        )
     rates, exact = alternate(program, FORMS, use_feed, ("ar", "sd"), args, prompts, expected)
     use_feed("together")
     program.close()

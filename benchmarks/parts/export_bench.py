@@ -50,9 +50,10 @@ def loaded_side(path: str, mode: str, max_new_tokens: int, count: int) -> dict:
 
     torch.set_num_threads(1)
     started = time.perf_counter()
-    import saguaro
     from torch._dynamo.utils import counters
     from transformers import AutoTokenizer
+
+    import saguaro
 
     imported = time.perf_counter() - started
     started = time.perf_counter()
@@ -60,8 +61,13 @@ def loaded_side(path: str, mode: str, max_new_tokens: int, count: int) -> dict:
     load_s = time.perf_counter() - started
     prompts = prompts_for(AutoTokenizer.from_pretrained(program.tokenizer_path), count)
     first, tps = timed_generations(program, prompts, mode, max_new_tokens)
-    return {"import_s": imported, "load_s": load_s, "first_generation_s": first, "tokens_per_s": tps,
-            "dynamo_counters": {k: dict(v) for k, v in counters.items() if v}}
+    return {
+        "import_s": imported,
+        "load_s": load_s,
+        "first_generation_s": first,
+        "tokens_per_s": tps,
+        "dynamo_counters": {k: dict(v) for k, v in counters.items() if v},
+    }
 
 
 def main() -> None:
@@ -100,15 +106,37 @@ def main() -> None:
     export_s = time.perf_counter() - started
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
 
-    done = subprocess.run([sys.executable, __file__, "--loaded-side", str(out), "--modes", args.modes,
-                           "--max-new-tokens", str(args.max_new_tokens), "--prompts", str(args.prompts)],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), check=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--loaded-side",
+            str(out),
+            "--modes",
+            args.modes,
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--prompts",
+            str(args.prompts),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        check=True,
+    )
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
     report = {
-        "modes": args.modes, "mode_timed": mode, "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
-        "capture_s": capture_s, "export_s": export_s, "artifact_mib": size / 2**20,
-        "cold_compile_plus_first_generation_s": cold, "compiled_first_generation_s": first,
-        "compiled_tokens_per_s": compiled_tps, "loaded": loaded,
+        "modes": args.modes,
+        "mode_timed": mode,
+        "max_new_tokens": args.max_new_tokens,
+        "torch": torch.__version__,
+        "capture_s": capture_s,
+        "export_s": export_s,
+        "artifact_mib": size / 2**20,
+        "cold_compile_plus_first_generation_s": cold,
+        "compiled_first_generation_s": first,
+        "compiled_tokens_per_s": compiled_tps,
+        "loaded": loaded,
         "load_plus_first_generation_s": loaded["load_s"] + loaded["first_generation_s"],
     }
     report["load_first_vs_cold_compile_first"] = report["load_plus_first_generation_s"] / cold

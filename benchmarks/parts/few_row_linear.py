@@ -51,19 +51,25 @@ def make_paths(mats: list[torch.Tensor], rows: int) -> dict:
     def reduction(ws, narrow):
         def f(*xs):
             return [as_reduction(x, w.float() if narrow else w) for x, w in zip(xs, ws)]
+
         return f
 
     def kernel(ps):
         def f(*xs):
             return [torch.ops.saguaro_kernels.packed_linear(x, p, n) for x, p, n in zip(xs, ps, ns)]
+
         return f
 
     def mkl(*xs):
         return [torch.nn.functional.linear(x, w) for x, w in zip(xs, mats)]
 
-    found = {"reduction_narrow": reduction(halves, True), "reduction_f32": reduction(mats, False),
-             "packed_narrow": kernel(packed["packed_narrow"]), "packed_f32": kernel(packed["packed_f32"]),
-             "mkl": mkl}
+    found = {
+        "reduction_narrow": reduction(halves, True),
+        "reduction_f32": reduction(mats, False),
+        "packed_narrow": kernel(packed["packed_narrow"]),
+        "packed_f32": kernel(packed["packed_f32"]),
+        "mkl": mkl,
+    }
     options = {"cpp_wrapper": True, "size_asserts": False, "memory_planning": True}
     return {name: torch.compile(fn, fullgraph=True, options=options) for name, fn in found.items()}
 
@@ -81,9 +87,14 @@ def time_rows(mats, rows: int, repeats: int, calls: int) -> dict:
                 fn(*xs)
             times[name].append((time.perf_counter() - start) / calls * 1e3)
     base = times["reduction_narrow"]
-    return {"rows": rows, "packed_bit_equal": same,
-            "ms": {n: statistics.median(t) for n, t in times.items()},
-            "ratio_to_reduction_narrow": {n: statistics.median(b / a for a, b in zip(t, base)) for n, t in times.items()}}
+    return {
+        "rows": rows,
+        "packed_bit_equal": same,
+        "ms": {n: statistics.median(t) for n, t in times.items()},
+        "ratio_to_reduction_narrow": {
+            n: statistics.median(b / a for a, b in zip(t, base)) for n, t in times.items()
+        },
+    }
 
 
 def main(argv=None) -> None:
@@ -102,12 +113,22 @@ def main(argv=None) -> None:
     names = list(results[0]["ms"])
     print(f"{'M':>3} " + " ".join(f"{n:>22}" for n in names) + "  (ms a pass; x speed of reduction_narrow)")
     for r in results:
-        print(f"{r['rows']:>3} " + " ".join(f"{r['ms'][n]:>12.3f} ({r['ratio_to_reduction_narrow'][n]:>5.2f}x)"
-                                            for n in names) + ("" if r["packed_bit_equal"] else "  NOT EQUAL"))
+        print(
+            f"{r['rows']:>3} "
+            + " ".join(f"{r['ms'][n]:>12.3f} ({r['ratio_to_reduction_narrow'][n]:>5.2f}x)" for n in names)
+            + ("" if r["packed_bit_equal"] else "  NOT EQUAL")
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": torch.get_num_threads(), "weights": "draft" if args.draft else "target",
-                       "results": results}, f, indent=1)
+            json.dump(
+                {
+                    "threads": torch.get_num_threads(),
+                    "weights": "draft" if args.draft else "target",
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

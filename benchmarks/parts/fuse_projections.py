@@ -30,9 +30,10 @@ class Switch:
 
 
 def main(argv=None) -> int:
-    import saguaro
     from alternating import ab_parser, alternate, checked, report  # this folder's harness
     from linear_as_reduction import pair_and_prompts
+
+    import saguaro
 
     p = ab_parser(__doc__)
     p.add_argument("--k", type=int, default=5, help="SD's speculation length (default 5)")
@@ -40,13 +41,16 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target, draft, prompts, expected = pair_and_prompts(args.prompts, args.new)
-    programs = {form: saguaro.compile(target, draft, k=args.k, mode="sd", backend="inductor", compile="blocking")
-                for form in FORMS}
+    programs = {
+        form: saguaro.compile(target, draft, k=args.k, mode="sd", backend="inductor", compile="blocking")
+        for form in FORMS
+    }
     for runner in (programs["joined"].target, programs["joined"].draft):
         runner.build.fuse_projections = True  # off on a CPU by default; before its first stage is built
     switch = Switch(programs)
-    rates, exact = alternate(switch, FORMS, lambda form: setattr(switch, "form", form), ("ar", "sd"), args,
-                             prompts, expected)
+    rates, exact = alternate(
+        switch, FORMS, lambda form: setattr(switch, "form", form), ("ar", "sd"), args, prompts, expected
+    )
     for program in programs.values():
         program.close()
     report(FORMS, ("ar", "sd"), rates, exact, args)

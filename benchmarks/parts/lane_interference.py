@@ -59,8 +59,9 @@ def recorded_calls(threads: int) -> dict:
         program.generate(prompt, max_new_tokens=64, mode="sd", eos_token_id=None)
         budget = program.config.budget  # the whole budget every round: the planner's largest tree
         per = [budget // (K + 1) + (1 if j < budget % (K + 1) else 0) for j in range(K + 1)]
-        program.reconfigure(fan_out=per, sd_when_faster=False).generate(prompt, max_new_tokens=64, mode="ssd",
-                                                                        eos_token_id=None)
+        program.reconfigure(fan_out=per, sd_when_faster=False).generate(
+            prompt, max_new_tokens=64, mode="ssd", eos_token_id=None
+        )
     finally:
         recorder.restore()
     return recorder.calls
@@ -86,14 +87,17 @@ def call_of(calls: dict, key: str):
 def build_of(calls: dict):
     """The draft lane's per-round work: the glue, then each tree depth (the last depth's call stands for
     every depth: they differ only in the slots they write)."""
-    widest = max((key for key in calls if key.startswith("draft.tree_greedy@MQ=")),
-                 key=lambda key: int(key.split("=")[1]))
+    widest = max(
+        (key for key in calls if key.startswith("draft.tree_greedy@MQ=")),
+        key=lambda key: int(key.split("=")[1]),
+    )
     glue, tree = call_of(calls, "draft.glue"), call_of(calls, widest)
 
     def build():
         glue()
         for _ in range(K):
             tree()
+
     return build
 
 
@@ -115,8 +119,12 @@ def background(kind: str) -> None:
 
 def beside(kind: str, fn, calls: int) -> float:
     """``fn``'s ms per call on this process while the background ``kind`` loops in another process."""
-    proc = subprocess.Popen([sys.executable, __file__, "--background", kind], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--background", kind],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         if proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the {kind} background process did not start")
@@ -133,7 +141,9 @@ def main(argv=None) -> int:
         return 0
     default_threads = torch.get_num_threads()
     calls = recorded_calls(default_threads)
-    verify_key = "target.verify_round_greedy" if "target.verify_round_greedy" in calls else "target.verify_greedy"
+    verify_key = (
+        "target.verify_round_greedy" if "target.verify_round_greedy" in calls else "target.verify_greedy"
+    )
     verify, step, build = call_of(calls, verify_key), call_of(calls, "draft.step_greedy"), build_of(calls)
     ms = {}
     with torch.inference_mode():
@@ -146,17 +156,29 @@ def main(argv=None) -> int:
         ms["verify, 1 thread, beside a spinning process"] = beside("spin", verify, args.calls)
         ms["verify, 1 thread, beside the draft build"] = beside("build", verify, args.calls)
         torch.set_num_threads(default_threads)
-    sd_round = ms["verify, default threads"] + K * min(ms["draft step, default threads"], ms["draft step, 1 thread"])
-    ssd_round = max(ms["verify, 1 thread, beside the draft build"], ms["draft build (glue + k depths), 1 thread"])
-    derived = {"SD round (verify + k steps)": sd_round, "SSD round, at best": ssd_round,
-               "SSD / SD bound (equal tokens per round)": sd_round / ssd_round}
+    sd_round = ms["verify, default threads"] + K * min(
+        ms["draft step, default threads"], ms["draft step, 1 thread"]
+    )
+    ssd_round = max(
+        ms["verify, 1 thread, beside the draft build"], ms["draft build (glue + k depths), 1 thread"]
+    )
+    derived = {
+        "SD round (verify + k steps)": sd_round,
+        "SSD round, at best": ssd_round,
+        "SSD / SD bound (equal tokens per round)": sd_round / ssd_round,
+    }
     width = max(map(len, list(ms) + list(derived)))
     for key, value in ms.items():
         sys.stdout.write(f"{key:<{width}} {value:8.2f} ms\n")
     for key, value in derived.items():
         sys.stdout.write(f"{key:<{width}} {value:8.2f}{'' if 'bound' in key else ' ms'}\n")
-    report = {"default_threads": default_threads, "k": K, "ms": ms, "derived": derived,
-              "machine": {"cpus": os.cpu_count(), "torch": torch.__version__}}
+    report = {
+        "default_threads": default_threads,
+        "k": K,
+        "ms": ms,
+        "derived": derived,
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
+    }
     Path(args.json).write_text(json.dumps(report, indent=2))
     sys.stdout.write(f"wrote {args.json}\n")
     return 0

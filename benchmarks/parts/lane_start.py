@@ -25,7 +25,9 @@ def main(argv=None) -> int:
     from saguaro.runtime.lanes.process import ProcessLane
 
     target, draft, tokenizer = saguaro.default_pair()
-    program = saguaro.compile(target, draft, k=4, mode="ssd", lane="process", backend="eager", sd_when_faster=False)
+    program = saguaro.compile(
+        target, draft, k=4, mode="ssd", lane="process", backend="eager", sd_when_faster=False
+    )
     ids = tokenizer("def f(x):", return_tensors="pt").input_ids
     program.generate(ids, max_new_tokens=4)  # the caller's stages built, the lane started once
     program.close()

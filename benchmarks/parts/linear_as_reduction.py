@@ -41,8 +41,14 @@ def pair_and_prompts(count: int, new: int) -> tuple:
     from saguaro.bench.prompts import bench_prompts
 
     target, draft, tokenizer = saguaro.default_pair()
-    prompts = bench_prompts(tokenizer, count, target.config.vocab_size, 0, default_pair=True,
-                            max_tokens=target.config.max_position_embeddings - new)
+    prompts = bench_prompts(
+        tokenizer,
+        count,
+        target.config.vocab_size,
+        0,
+        default_pair=True,
+        max_tokens=target.config.max_position_embeddings - new,
+    )
     with torch.no_grad():
         expected = [target.generate(ids, max_new_tokens=new, do_sample=False) for ids in prompts]
     return target, draft, prompts, expected
@@ -50,7 +56,7 @@ def pair_and_prompts(count: int, new: int) -> tuple:
 
 def equal_to_expected(outputs: list, expected: list) -> bool:
     """Whether every generated sequence begins with the target's own greedy ``generate``."""
-    return all(torch.equal(got[:, :want.shape[1]], want) for got, want in zip(outputs, expected))
+    return all(torch.equal(got[:, : want.shape[1]], want) for got, want in zip(outputs, expected))
 
 
 def main(argv=None) -> int:
@@ -62,7 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=4, help="held-out prompts per pass (default 4)")
     p.add_argument("--new", type=int, default=128, help="new tokens per prompt (default 128)")
     p.add_argument("--k", type=int, default=5, help="SD's speculation length (default 5)")
-    p.add_argument("--compare", default="gemm,auto", help="the two linears settings compared, A,B (default gemm,auto)")
+    p.add_argument(
+        "--compare", default="gemm,auto", help="the two linears settings compared, A,B (default gemm,auto)"
+    )
     p.add_argument("--json", metavar="PATH", help="write the results here")
     args = p.parse_args(argv)
     settings = args.compare.split(",")
@@ -71,8 +79,10 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target, draft, prompts, expected = pair_and_prompts(args.prompts, args.new)
-    programs = {name: saguaro.compile(target, draft, k=args.k, mode="sd", backend="inductor", linears=linears)
-                for name, linears in ((name, name) for name in settings)}
+    programs = {
+        name: saguaro.compile(target, draft, k=args.k, mode="sd", backend="inductor", linears=linears)
+        for name, linears in ((name, name) for name in settings)
+    }
     rates = {(name, mode): [] for name in programs for mode in ("ar", "sd")}
     decode = {(name, mode): [] for name in programs for mode in ("ar", "sd")}
     exact = True
@@ -90,22 +100,36 @@ def main(argv=None) -> int:
     for program in programs.values():
         program.close()
     rows = []
-    print(f"threads {torch.get_num_threads()}, {args.prompts} prompts x {args.new} tokens, {args.passes} passes")
+    print(
+        f"threads {torch.get_num_threads()}, {args.prompts} prompts x {args.new} tokens, {args.passes} passes"
+    )
     first, second = settings
-    print(f"{'mode':<5}{first + ' tok/s':>16}{second + ' tok/s':>17}{'B/A':>7}{'after the prefill: A, B, B/A':>32}")
+    print(
+        f"{'mode':<5}{first + ' tok/s':>16}{second + ' tok/s':>17}{'B/A':>7}{'after the prefill: A, B, B/A':>32}"
+    )
     for mode in ("ar", "sd"):
         a, b = (statistics.median(rates[(name, mode)]) for name in programs)
         da, db = (statistics.median(decode[(name, mode)]) for name in programs)
-        rows.append({"mode": mode, first: a, second: b, "ratio": b / a,
-                     "decode": {first: da, second: db, "ratio": db / da},
-                     "runs": {name: rates[(name, mode)] for name in programs},
-                     "decode_runs": {name: decode[(name, mode)] for name in programs}})
+        rows.append(
+            {
+                "mode": mode,
+                first: a,
+                second: b,
+                "ratio": b / a,
+                "decode": {first: da, second: db, "ratio": db / da},
+                "runs": {name: rates[(name, mode)] for name in programs},
+                "decode_runs": {name: decode[(name, mode)] for name in programs},
+            }
+        )
         print(f"{mode:<5}{a:>16.1f}{b:>17.1f}{b / a:>7.2f}{da:>14.1f}{db:>9.1f}{db / da:>9.2f}")
     print("every generation equals the target's greedy generate:", exact)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": torch.get_num_threads(), "compare": settings, "exact": exact, "rows": rows}, f,
-                      indent=2)
+            json.dump(
+                {"threads": torch.get_num_threads(), "compare": settings, "exact": exact, "rows": rows},
+                f,
+                indent=2,
+            )
     return 0 if exact else 1
 
 

@@ -30,8 +30,10 @@ def prefill_forms(program) -> dict:
             continue
         builder = runner.build
         if builder.linears_of(stage) != "packed":
-            raise SystemExit(f"{stage.qualified} is not on the packed kernel here ({builder.linears_of(stage)}): "
-                             "nothing to compare")
+            raise SystemExit(
+                f"{stage.qualified} is not on the packed kernel here ({builder.linears_of(stage)}): "
+                "nothing to compare"
+            )
         forms["packed"][runner] = {stage: runner.stage(stage)}
         forms["gemm"][runner] = {stage: builder(stage, linears="gemm")}
     return forms
@@ -48,13 +50,19 @@ def main(argv=None) -> int:
 
     parser = ab_parser(__doc__)
     parser.add_argument("--modes", default="ar,sd", help="comma-separated, of ar and sd (default ar,sd)")
-    parser.add_argument("--after-prefill", dest="with_prefill", action="store_false",
-                        help="rates after the prefill (the decode alone); by default whole generations")
+    parser.add_argument(
+        "--after-prefill",
+        dest="with_prefill",
+        action="store_false",
+        help="rates after the prefill (the decode alone); by default whole generations",
+    )
     parser.set_defaults(with_prefill=True)
     args = checked(parser, argv)
     program, modes, prompts, expected = modes_program(parser, args)
     forms = prefill_forms(program)
-    rates, exact = alternate(program, FORMS, lambda form: use_prefill(forms, form), modes, args, prompts, expected)
+    rates, exact = alternate(
+        program, FORMS, lambda form: use_prefill(forms, form), modes, args, prompts, expected
+    )
     program.close()
     report(FORMS, modes, rates, exact, args)
     return 0 if exact else 1

@@ -58,9 +58,12 @@ def main(argv=None) -> None:
     target, _, tokenizer = saguaro.default_pair()
     texts = [s.text for s in heldout_snippets(args.snippets, max_lines=40, max_chars=2000)]
     rows = []
-    for label, model in (("as loaded (float16 values)", target), ("bfloat16", copy.deepcopy(target).bfloat16()),
-                         ("int8", quantized_copy(target, 8, None)), (f"int4 (group {args.group})",
-                                                                     quantized_copy(target, 4, args.group))):
+    for label, model in (
+        ("as loaded (float16 values)", target),
+        ("bfloat16", copy.deepcopy(target).bfloat16()),
+        ("int8", quantized_copy(target, 8, None)),
+        (f"int4 (group {args.group})", quantized_copy(target, 4, args.group)),
+    ):
         value, count = perplexity(model.eval(), texts, tokenizer)
         rows.append({"weights": label, "perplexity": value, "tokens": count})
     base = rows[0]["perplexity"]

@@ -28,8 +28,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout without install
-ROWS = {"ssd (remote lane)": dict(mode="ssd", lane="remote"), "sd": dict(mode="sd"),
-        "ssd (thread lane)": dict(mode="ssd", lane="thread")}
+ROWS = {
+    "ssd (remote lane)": dict(mode="ssd", lane="remote"),
+    "sd": dict(mode="sd"),
+    "ssd (thread lane)": dict(mode="ssd", lane="thread"),
+}
 BOOT = "import sys; from saguaro.cli.main import main; sys.exit(main(sys.argv[1:]))"
 
 
@@ -61,8 +64,14 @@ def worker(args) -> dict:
         options.update(draft_address=args.address, draft_secret_file=args.secret_file)
         draft = None  # the draft is the server's; this process holds the target only
     program = saguaro.compile(target, draft, **options)
-    prompts = bench_prompts(tokenizer, args.prompts, target.config.vocab_size, 0, default_pair=True,
-                            max_tokens=target.config.max_position_embeddings - args.max_new_tokens)
+    prompts = bench_prompts(
+        tokenizer,
+        args.prompts,
+        target.config.vocab_size,
+        0,
+        default_pair=True,
+        max_tokens=target.config.max_position_embeddings - args.max_new_tokens,
+    )
     program.generate(prompts[0], max_new_tokens=args.max_new_tokens)  # connect, warm up, compile
     tokens, wall, stats = 0, 0.0, []
     for _ in range(args.repeats):
@@ -73,10 +82,17 @@ def worker(args) -> dict:
             tokens += out.stats["new_tokens"]
             stats.append(out.stats)
     program.close()
-    mean = lambda key: sum(s.get(key) or 0.0 for s in stats) / len(stats)  # noqa: E731
-    return {"row": args.worker, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "mean_accepted_len": mean("mean_accepted_len"), "cache_hit_rate": mean("cache_hit_rate"),
-            "lane": stats[-1].get("lane"), "lane_failures": sum(s.get("lane_failures") or 0 for s in stats)}
+    mean = lambda key: sum(s.get(key) or 0.0 for s in stats) / len(stats)
+    return {
+        "row": args.worker,
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "mean_accepted_len": mean("mean_accepted_len"),
+        "cache_hit_rate": mean("cache_hit_rate"),
+        "lane": stats[-1].get("lane"),
+        "lane_failures": sum(s.get("lane_failures") or 0 for s in stats),
+    }
 
 
 def start_server(secret_file: str) -> tuple[subprocess.Popen, str]:
@@ -85,9 +101,24 @@ def start_server(secret_file: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-c", BOOT, "draft-server", "--listen", f"127.0.0.1:{port}",
-                               "--secret-file", secret_file, "--threads", "1"], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(REPO)))
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            BOOT,
+            "draft-server",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--secret-file",
+            secret_file,
+            "--threads",
+            "1",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     lines = [server.stdout.readline().strip(), server.stdout.readline().strip()]
     if lines[1] != "ready":
         server.kill()
@@ -113,9 +144,22 @@ def main(argv=None) -> int:
     results = []
     try:
         for row in ROWS:
-            command = [sys.executable, __file__, "--worker", row, "--address", args.address, "--backend", args.backend,
-                       "--prompts", str(args.prompts), "--repeats", str(args.repeats),
-                       "--max-new-tokens", str(args.max_new_tokens)]
+            command = [
+                sys.executable,
+                __file__,
+                "--worker",
+                row,
+                "--address",
+                args.address,
+                "--backend",
+                args.backend,
+                "--prompts",
+                str(args.prompts),
+                "--repeats",
+                str(args.repeats),
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+            ]
             if args.secret_file:
                 command += ["--secret-file", args.secret_file]
             if server is not None:
@@ -127,13 +171,20 @@ def main(argv=None) -> int:
             server.kill()
             server.wait()
     where = "loopback, one machine (both sides share its cores)" if server is not None else args.address
-    print(f"default pair, {args.backend}, greedy, batch 1, k=5, {args.max_new_tokens} new tokens; draft server: {where}")
+    print(
+        f"default pair, {args.backend}, greedy, batch 1, k=5, {args.max_new_tokens} new tokens; draft server: {where}"
+    )
     print(f"{'row':<20}{'tokens/s':>10}{'accepted':>10}{'hit rate':>10}{'failures':>10}")
     for r in results:
-        print(f"{r['row']:<20}{r['tokens_per_s']:>10.1f}{r['mean_accepted_len']:>10.2f}{r['cache_hit_rate']:>10.2f}"
-              f"{r['lane_failures']:>10}")
-    Path(args.json).write_text(json.dumps({"server": where, "backend": args.backend, "rows": results,
-                                           "cpus": os.cpu_count()}, indent=2))
+        print(
+            f"{r['row']:<20}{r['tokens_per_s']:>10.1f}{r['mean_accepted_len']:>10.2f}{r['cache_hit_rate']:>10.2f}"
+            f"{r['lane_failures']:>10}"
+        )
+    Path(args.json).write_text(
+        json.dumps(
+            {"server": where, "backend": args.backend, "rows": results, "cpus": os.cpu_count()}, indent=2
+        )
+    )
     return 0
 
 

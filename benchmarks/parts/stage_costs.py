@@ -23,7 +23,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=["eager", "inductor"], default="inductor")
     p.add_argument("--k", type=int, default=5)
-    p.add_argument("--budgets", default="0,6,12,18", help="tree branch budgets MQ to time (default 0,6,12,18)")
+    p.add_argument(
+        "--budgets", default="0,6,12,18", help="tree branch budgets MQ to time (default 0,6,12,18)"
+    )
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--json", default="stage_costs.json")
@@ -75,11 +77,18 @@ def main(argv=None) -> int:
         program.generate(prompt, max_new_tokens=64, mode="ar", eos_token_id=None)
         program.generate(prompt, max_new_tokens=64, mode="sd", eos_token_id=None)
         for budget in budgets:  # fan-out "k+1 ints" of one total: a fixed MQ per round
-            per = [budget // (args.k + 1) + (1 if j < budget % (args.k + 1) else 0) for j in range(args.k + 1)]
-            program.reconfigure(fan_out=per).generate(prompt, max_new_tokens=64, mode="ssd", eos_token_id=None)
+            per = [
+                budget // (args.k + 1) + (1 if j < budget % (args.k + 1) else 0) for j in range(args.k + 1)
+            ]
+            program.reconfigure(fan_out=per).generate(
+                prompt, max_new_tokens=64, mode="ssd", eos_token_id=None
+            )
         with torch.inference_mode():
-            costs = {key: time_ms(*call[:3], call[3], call[4], args.repeats)
-                     for key, call in sorted(recorder.calls.items()) if "prefill" not in key}
+            costs = {
+                key: time_ms(*call[:3], call[3], call[4], args.repeats)
+                for key, call in sorted(recorder.calls.items())
+                if "prefill" not in key
+            }
     finally:
         recorder.restore()
         program.close()
@@ -98,8 +107,13 @@ def main(argv=None) -> int:
     for key, ms in costs.items():
         if "@MQ=" in key:
             rows[f"ssd_build_ms@{key.split('@')[1]}"] = glue + k * ms
-    report = {"backend": args.backend, "threads": torch.get_num_threads(), "k": k, "stage_ms": costs,
-              "derived_ms": rows}
+    report = {
+        "backend": args.backend,
+        "threads": torch.get_num_threads(),
+        "k": k,
+        "stage_ms": costs,
+        "derived_ms": rows,
+    }
     width = max(map(len, list(costs) + list(rows)))
     for key, ms in list(costs.items()) + list(rows.items()):
         unit = "x" if key.endswith("_in_ar_tokens") else "ms"

@@ -29,11 +29,17 @@ DEMO_MARKER = "--- Saguaro ("  # the line before the demo's streamed completion
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--marker", default=DEMO_MARKER,
-                   help="text of the line after which the first output is 'first text' (default: the demo's "
-                        f"{DEMO_MARKER!r}; '' for the first output at all)")
-    p.add_argument("--cold", action="store_true", help="empty caches: new TMPDIR, TORCHINDUCTOR_CACHE_DIR and "
-                                                       "SAGUARO_CACHE_DIR")
+    p.add_argument(
+        "--marker",
+        default=DEMO_MARKER,
+        help="text of the line after which the first output is 'first text' (default: the demo's "
+        f"{DEMO_MARKER!r}; '' for the first output at all)",
+    )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="empty caches: new TMPDIR, TORCHINDUCTOR_CACHE_DIR and SAGUARO_CACHE_DIR",
+    )
     p.add_argument("--json", metavar="PATH", help="write the times here")
     p.add_argument("--quiet", action="store_true", help="do not echo the command's output")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command after '--' (default: the demo)")
@@ -68,7 +74,7 @@ def time_output(command: list, marker: str, env: dict, echo=None) -> dict:
             line_end = before.find("\n", at) if at >= 0 else -1
             if line_end < 0:
                 continue
-            text, before = before[line_end + 1:], None
+            text, before = before[line_end + 1 :], None
         if times["first_text_s"] is None and text.strip():
             times["first_text_s"] = now
     times["exit_code"] = proc.wait()
@@ -84,14 +90,29 @@ def main(argv=None) -> int:
             for name in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "SAGUARO_CACHE_DIR"):
                 env[name] = os.path.join(cold, name.lower())
                 os.makedirs(env[name])
-        echo = None if args.quiet else (lambda line: (sys.stdout.write(line if line.endswith("\n") else line + "\n"),
-                                                      sys.stdout.flush()))
+        echo = (
+            None
+            if args.quiet
+            else (
+                lambda line: (
+                    sys.stdout.write(line if line.endswith("\n") else line + "\n"),
+                    sys.stdout.flush(),
+                )
+            )
+        )
         times = time_output(args.command, args.marker, env, echo)
-    report = {"command": args.command, "marker": args.marker, "cold": args.cold,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), **times}
-    fmt = lambda s: "never" if s is None else f"{s:.1f} s"  # noqa: E731
-    print(f"first output {fmt(times['first_output_s'])}, first text {fmt(times['first_text_s'])}, "
-          f"end {fmt(times['end_s'])} (exit code {times['exit_code']})")
+    report = {
+        "command": args.command,
+        "marker": args.marker,
+        "cold": args.cold,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **times,
+    }
+    fmt = lambda s: "never" if s is None else f"{s:.1f} s"
+    print(
+        f"first output {fmt(times['first_output_s'])}, first text {fmt(times['first_text_s'])}, "
+        f"end {fmt(times['end_s'])} (exit code {times['exit_code']})"
+    )
     if args.json:
         path = Path(args.json)
         tmp = path.with_suffix(path.suffix + ".tmp")

@@ -62,7 +62,7 @@ def measure(mode: str, reps: int, prompts: int, max_new_tokens: int, k: int, lan
         for rep in range(reps):
             for i, p in enumerate(ids):
                 rate = {}
-                for kind in (("off", "on") if (rep + i) % 2 == 0 else ("on", "off")):  # each prompt both ways
+                for kind in ("off", "on") if (rep + i) % 2 == 0 else ("on", "off"):  # each prompt both ways
                     trace = Path(tmp) / f"{rep}-{i}.json" if kind == "on" else None
                     started = time.perf_counter()
                     out = program.generate(p, max_new_tokens=max_new_tokens, eos_token_id=None, trace=trace)
@@ -74,13 +74,23 @@ def measure(mode: str, reps: int, prompts: int, max_new_tokens: int, k: int, lan
     program.close()
     traced_calls = reps * len(ids)
     quartiles = statistics.quantiles(ratios, n=4)
-    return {"mode": mode, "lane": program.lane_kind, "reps": reps, "prompts": prompts, "pairs": len(ratios),
-            "max_new_tokens": max_new_tokens, "tokens_per_s_off": tokens["off"] / seconds["off"],
-            "tokens_per_s_on": tokens["on"] / seconds["on"], "on_over_off": statistics.median(ratios),
-            "on_over_off_q1": quartiles[0], "on_over_off_q3": quartiles[2],
-            "total_on_over_off": (tokens["on"] / seconds["on"]) / (tokens["off"] / seconds["off"]),
-            "collect_and_write_ms_per_generation": 1000 * sum(collect_s) / traced_calls,
-            "traced_generation_ms": 1000 * seconds["on"] / traced_calls, "ratios": ratios}
+    return {
+        "mode": mode,
+        "lane": program.lane_kind,
+        "reps": reps,
+        "prompts": prompts,
+        "pairs": len(ratios),
+        "max_new_tokens": max_new_tokens,
+        "tokens_per_s_off": tokens["off"] / seconds["off"],
+        "tokens_per_s_on": tokens["on"] / seconds["on"],
+        "on_over_off": statistics.median(ratios),
+        "on_over_off_q1": quartiles[0],
+        "on_over_off_q3": quartiles[2],
+        "total_on_over_off": (tokens["on"] / seconds["on"]) / (tokens["off"] / seconds["off"]),
+        "collect_and_write_ms_per_generation": 1000 * sum(collect_s) / traced_calls,
+        "traced_generation_ms": 1000 * seconds["on"] / traced_calls,
+        "ratios": ratios,
+    }
 
 
 def main() -> None:
@@ -94,12 +104,16 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     result = measure(args.mode, args.reps, args.prompts, args.max_new_tokens, args.k, args.lane)
-    print(f"{'mode':<6}{'lane':<9}{'pairs':>6}{'off tok/s':>11}{'on tok/s':>11}{'on/off median':>15}"
-          f"{'IQR':>15}{'totals':>8}{'collect+write ms':>18}{'of ms':>8}")
-    print(f"{result['mode']:<6}{result['lane']:<9}{result['pairs']:>6}{result['tokens_per_s_off']:>11.1f}"
-          f"{result['tokens_per_s_on']:>11.1f}{result['on_over_off']:>15.3f}"
-          f"{result['on_over_off_q1']:>8.3f}-{result['on_over_off_q3']:.3f}{result['total_on_over_off']:>8.3f}"
-          f"{result['collect_and_write_ms_per_generation']:>18.2f}{result['traced_generation_ms']:>8.1f}")
+    print(
+        f"{'mode':<6}{'lane':<9}{'pairs':>6}{'off tok/s':>11}{'on tok/s':>11}{'on/off median':>15}"
+        f"{'IQR':>15}{'totals':>8}{'collect+write ms':>18}{'of ms':>8}"
+    )
+    print(
+        f"{result['mode']:<6}{result['lane']:<9}{result['pairs']:>6}{result['tokens_per_s_off']:>11.1f}"
+        f"{result['tokens_per_s_on']:>11.1f}{result['on_over_off']:>15.3f}"
+        f"{result['on_over_off_q1']:>8.3f}-{result['on_over_off_q3']:.3f}{result['total_on_over_off']:>8.3f}"
+        f"{result['collect_and_write_ms_per_generation']:>18.2f}{result['traced_generation_ms']:>8.1f}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

@@ -30,8 +30,17 @@ from pathlib import Path
 import torch
 
 from saguaro.bench.real_size import (  # noqa: F401 - the names this script's users import from it
-    BYTES, SHAPES, agreement, byte_tokenizer, bytes_to_unicode, draft_of, later_projections, make_config,
-    bench_prompt_ids, random_target, tune,
+    BYTES,
+    SHAPES,
+    agreement,
+    bench_prompt_ids,
+    byte_tokenizer,
+    bytes_to_unicode,
+    draft_of,
+    later_projections,
+    make_config,
+    random_target,
+    tune,
 )
 
 log = logging.getLogger("make_pair")
@@ -39,7 +48,9 @@ log = logging.getLogger("make_pair")
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="tinyllama-1.1b", help=f"one of {', '.join(SHAPES)} (default tinyllama-1.1b)")
+    p.add_argument(
+        "--shape", default="tinyllama-1.1b", help=f"one of {', '.join(SHAPES)} (default tinyllama-1.1b)"
+    )
     p.add_argument("--target-dir", metavar="DIR", help="your own Hugging Face target; only the draft is made")
     p.add_argument("--draft-layers", type=int, default=1, help="decoder layers of the draft (default 1)")
     p.add_argument("--agreement", type=float, default=0.75, help="greedy agreement to tune to (default 0.75)")
@@ -61,8 +72,12 @@ def main(argv=None) -> None:
     if not 1 <= layers < target.config.num_hidden_layers:
         raise SystemExit(f"--draft-layers {layers} must lie in 1..{target.config.num_hidden_layers - 1}")
     draft = draft_of(target, layers)
-    log.info("target %.2fB parameters, draft %.3fB (built in %.0f s)", target.num_parameters() / 1e9,
-             draft.num_parameters() / 1e9, time.perf_counter() - started)
+    log.info(
+        "target %.2fB parameters, draft %.3fB (built in %.0f s)",
+        target.num_parameters() / 1e9,
+        draft.num_parameters() / 1e9,
+        time.perf_counter() - started,
+    )
     if args.target_dir or not args.agreement:
         scale, measured = 1.0, None
     else:
@@ -78,9 +93,17 @@ def main(argv=None) -> None:
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(args.target_dir).save_pretrained(out / "draft")
-    record = {"shape": shape, "seed": args.seed, "dtype": args.dtype, "draft_layers": layers,
-              "later_projection_scale": scale, "agreement_wanted": args.agreement, "agreement_measured": measured,
-              "target_parameters": target.num_parameters(), "draft_parameters": draft.num_parameters()}
+    record = {
+        "shape": shape,
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "draft_layers": layers,
+        "later_projection_scale": scale,
+        "agreement_wanted": args.agreement,
+        "agreement_measured": measured,
+        "target_parameters": target.num_parameters(),
+        "draft_parameters": draft.num_parameters(),
+    }
     (out / "pair.json").write_text(json.dumps(record, indent=2) + "\n")
     log.info("wrote %s (agreement %s, %.0f s)", out, measured, time.perf_counter() - started)
 

@@ -28,18 +28,33 @@ TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4
 
 def permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """``transformers``' rotate-half rows of a q/k projection as GGML's adjacent pairs."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def gguf_names(config) -> dict[str, str]:
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    parts = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-             "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    parts = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_proj.bias": "attn_q.bias",
+        "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.bias": "attn_v.bias",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
     for i in range(config["num_hidden_layers"]):
         names.update({f"model.layers.{i}.{hf}": f"blk.{i}.{gg}" for hf, gg in parts.items()})
     return names
@@ -52,7 +67,9 @@ def write(folder: Path, out: Path, outtype: str) -> None:
     config = json.loads((folder / "config.json").read_text())
     arch = ARCHES.get(config["model_type"])
     if arch is None:
-        raise SystemExit(f"{folder}: model_type {config['model_type']!r}; this writer knows {', '.join(ARCHES)}")
+        raise SystemExit(
+            f"{folder}: model_type {config['model_type']!r}; this writer knows {', '.join(ARCHES)}"
+        )
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     rope = config.get("rope_parameters") or {}
@@ -81,8 +98,9 @@ def write(folder: Path, out: Path, outtype: str) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL if i < 256 else gguf.TokenType.USER_DEFINED
-                            for i in range(len(tokens))])
+    writer.add_token_types(
+        [gguf.TokenType.NORMAL if i < 256 else gguf.TokenType.USER_DEFINED for i in range(len(tokens))]
+    )
     merges = json.loads((folder / "tokenizer.json").read_text())["model"].get("merges") or []
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges] or ["õ ö"])
     writer.add_bos_token_id(config.get("bos_token_id") or 1)

@@ -23,7 +23,7 @@ READY = re.compile(r"saguaro serve: (\S+) at (http://\S+/v1)")
 PROMPTS = [  # short, medium and long prompts of code
     "def fibonacci(n):",
     "import os\nimport sys\n\ndef main(argv):\n    ",
-    "class Stack:\n    \"\"\"A last-in first-out stack.\"\"\"\n\n    def __init__(self):\n        self.items = []\n\n"
+    'class Stack:\n    """A last-in first-out stack."""\n\n    def __init__(self):\n        self.items = []\n\n'
     "    def push(self, item):\n        ",
     "def read_config(path):\n    with open(path) as f:\n        ",
     "for i in range(10):\n    if i % 2 == 0:\n        ",
@@ -34,14 +34,26 @@ PROMPTS = [  # short, medium and long prompts of code
 def add_model_args(parser) -> None:
     parser.add_argument("--target", metavar="DIR", help="saved target folder (default: the default pair)")
     parser.add_argument("--draft", metavar="DIR", help="saved draft folder (default: the default pair)")
-    parser.add_argument("--tiny", action="store_true", help="the tests' tiny random pair (a quick check of the "
-                        "script, not a measurement)")
-    parser.add_argument("--backend", default="eager", choices=["eager", "inductor"],
-                        help="saguaro serve --backend (default eager)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the tests' tiny random pair (a quick check of the script, not a measurement)",
+    )
+    parser.add_argument(
+        "--backend",
+        default="eager",
+        choices=["eager", "inductor"],
+        help="saguaro serve --backend (default eager)",
+    )
     parser.add_argument("--k", type=int, default=5, help="speculation length (default 5)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the results here as JSON")
-    parser.add_argument("--threads", type=int, default=None, help="the server's torch threads (OMP_NUM_THREADS; "
-                        "default: torch's). On a loaded machine 1 avoids OpenMP threads waiting on each other")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="the server's torch threads (OMP_NUM_THREADS; "
+        "default: torch's). On a loaded machine 1 avoids OpenMP threads waiting on each other",
+    )
 
 
 def tiny_pair_dirs() -> tuple[str, str]:
@@ -68,10 +80,34 @@ def model_dirs(args) -> tuple:
 class ServerProcess:
     """``saguaro serve`` in a child process on 127.0.0.1, a port the system picks; ``stop()`` sends SIGTERM."""
 
-    def __init__(self, target, draft, mode: str, backend: str, k: int, max_batch: int, max_queue: int,
-                 threads: int | None = None, extra: tuple = ()):
-        argv = ["serve", "--mode", mode, "--backend", backend, "--k", str(k), "--port", "0",
-                "--max-batch", str(max_batch), "--max-queue", str(max_queue), *extra]
+    def __init__(
+        self,
+        target,
+        draft,
+        mode: str,
+        backend: str,
+        k: int,
+        max_batch: int,
+        max_queue: int,
+        threads: int | None = None,
+        extra: tuple = (),
+    ):
+        argv = [
+            "serve",
+            "--mode",
+            mode,
+            "--backend",
+            backend,
+            "--k",
+            str(k),
+            "--port",
+            "0",
+            "--max-batch",
+            str(max_batch),
+            "--max-queue",
+            str(max_queue),
+            *extra,
+        ]
         argv += ["--target", target] if target else []
         argv += ["--draft", draft] if draft and mode != "ar" else []
         code = "import sys; from saguaro.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -79,8 +115,9 @@ class ServerProcess:
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.process = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE,
-                                        stderr=self.log, text=True, env=env)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
+        )
         line = self.process.stdout.readline()
         ready = READY.search(line)
         if not ready:
@@ -114,8 +151,16 @@ def request(client: httpx.Client, url: str, body: dict, timeout: float = 600) ->
     """One completion request: ``status``, ``text``, ``tokens`` (usage), ``ttft`` and ``itl`` (streamed:
     seconds to the first text and between texts; whole: the latency as ttft), ``error`` (None, or words)."""
     started = time.perf_counter()
-    result = {"status": None, "text": "", "tokens": 0, "ttft": None, "itl": [], "error": None,
-              "stream": bool(body.get("stream")), "accepted": False}
+    result = {
+        "status": None,
+        "text": "",
+        "tokens": 0,
+        "ttft": None,
+        "itl": [],
+        "error": None,
+        "stream": bool(body.get("stream")),
+        "accepted": False,
+    }
     try:
         if not body.get("stream"):
             answer = client.post(url + "/completions", json=body, timeout=timeout)
@@ -124,7 +169,10 @@ def request(client: httpx.Client, url: str, body: dict, timeout: float = 600) ->
             if answer.status_code == 200:
                 result["accepted"] = True
                 data = answer.json()
-                result["text"], result["tokens"] = data["choices"][0]["text"], data["usage"]["completion_tokens"]
+                result["text"], result["tokens"] = (
+                    data["choices"][0]["text"],
+                    data["usage"]["completion_tokens"],
+                )
             else:
                 result["error"] = answer.text[:200]
             return result
@@ -188,9 +236,15 @@ def children(pid: int) -> list[int]:
 
 def resources(pid: int) -> dict:
     """The server's resident memory (MiB), open file descriptors, threads and child processes."""
-    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return {"rss_mib": int(status["VmRSS"].split()[0]) / 1024, "fds": len(os.listdir(f"/proc/{pid}/fd")),
-            "threads": int(status["Threads"]), "children": len(children(pid))}
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
+    return {
+        "rss_mib": int(status["VmRSS"].split()[0]) / 1024,
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "threads": int(status["Threads"]),
+        "children": len(children(pid)),
+    }
 
 
 def fmt(value, scale: float = 1.0, digits: int = 1) -> str:
@@ -200,6 +254,7 @@ def fmt(value, scale: float = 1.0, digits: int = 1) -> str:
 if __name__ == "__main__":  # shared code, not a benchmark of its own: say so and what runs it
     import argparse
 
-    argparse.ArgumentParser(description=__doc__ + "\nNot a benchmark by itself: run serve_load.py or "
-                            "serve_soak.py.").parse_args()
+    argparse.ArgumentParser(
+        description=__doc__ + "\nNot a benchmark by itself: run serve_load.py or serve_soak.py."
+    ).parse_args()
     raise SystemExit("serve_common.py is shared by serve_load.py and serve_soak.py: run one of those")

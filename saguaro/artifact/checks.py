@@ -28,16 +28,22 @@ def verify_files(root: Path, manifest: dict, names=None) -> None:
             raise ArtifactError(f"{root / MANIFEST}: lists no file {name!r} that a stage needs; {REMEDY}")
         path = root / name
         if not path.is_file():
-            raise ArtifactError(f"{path}: missing; the manifest expects it ({entry['bytes']} bytes, sha256 "
-                                f"{entry['sha256'][:16]}...); {REMEDY}")
+            raise ArtifactError(
+                f"{path}: missing; the manifest expects it ({entry['bytes']} bytes, sha256 "
+                f"{entry['sha256'][:16]}...); {REMEDY}"
+            )
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise ArtifactError(f"{path}: expected {entry['bytes']} bytes, found {size}; the file changed after "
-                                f"export; {REMEDY}")
+            raise ArtifactError(
+                f"{path}: expected {entry['bytes']} bytes, found {size}; the file changed after "
+                f"export; {REMEDY}"
+            )
         digest = sha256_of(path)
         if digest != entry["sha256"]:
-            raise ArtifactError(f"{path}: expected sha256 {entry['sha256']}, found {digest}; the file changed after "
-                                f"export; {REMEDY}")
+            raise ArtifactError(
+                f"{path}: expected sha256 {entry['sha256']}, found {digest}; the file changed after "
+                f"export; {REMEDY}"
+            )
     log.info("artifact %s: %d files match their sha256", root, len(files if names is None else names))
 
 
@@ -48,9 +54,11 @@ def resolve_device(manifest: dict, device) -> torch.device:
         return torch.device(exported)
     device = torch.device(device)
     if device.type != exported:
-        raise ArtifactError(f"device: the artifact was exported for device type {exported!r}, found a request for "
-                            f"{str(device)!r}; load it with device={exported!r}, or export it again on a "
-                            f"{device.type} machine")
+        raise ArtifactError(
+            f"device: the artifact was exported for device type {exported!r}, found a request for "
+            f"{str(device)!r}; load it with device={exported!r}, or export it again on a "
+            f"{device.type} machine"
+        )
     return device
 
 
@@ -65,5 +73,7 @@ def verify_environment(root: Path, manifest: dict, device: torch.device, native:
             continue
         expected, found = recorded.get(field), here.get(field)
         if expected != found:
-            raise ArtifactError(f"{root / MANIFEST}: field 'environment.{field}': the artifact's native code was "
-                                f"compiled for {expected!r}, found {found!r} here; {REMEDY}")
+            raise ArtifactError(
+                f"{root / MANIFEST}: field 'environment.{field}': the artifact's native code was "
+                f"compiled for {expected!r}, found {found!r} here; {REMEDY}"
+            )

@@ -30,7 +30,12 @@ from pathlib import Path
 import torch
 
 from saguaro.artifact.manifest import (
-    FORMAT, FORMAT_VERSION, NATIVE_OPTIONS, environment, file_entries, write_manifest,
+    FORMAT,
+    FORMAT_VERSION,
+    NATIVE_OPTIONS,
+    environment,
+    file_entries,
+    write_manifest,
 )
 from saguaro.artifact.record import record_stages
 from saguaro.artifact.signature import describe, dynamic_shapes, examples
@@ -47,9 +52,8 @@ BUILTIN_NAMESPACES = ("aten", "prims")  # ops with C++ kernels that AOTInductor-
 
 
 def serialize_graph(program: torch.export.ExportedProgram):
-    """torch.export's serialized form of ``program`` (graph and example inputs; the weights are not
-    kept). torch 2.13's ``serialize`` can skip pickling the state dict and constants; torch 2.11's
-    always pickles them (time spent on bytes this function's callers drop)."""
+    """torch.export's serialized form of ``program``: graph and example inputs, whose weights and constants
+    the callers drop (pickled only where ``serialize`` cannot skip them: torch before 2.13)."""
     from torch._export.serde.serialize import serialize
 
     if "serialize_state_dict" in inspect.signature(serialize).parameters:
@@ -57,8 +61,18 @@ def serialize_graph(program: torch.export.ExportedProgram):
     return serialize(program)
 
 
-def export_program(program, path, *, modes=None, sampling: bool = True, native: bool = True, max_batch: int = 64,
-                   model_configs: dict | None = None, tokenizer=None, announce=None) -> Path:
+def export_program(
+    program,
+    path,
+    *,
+    modes=None,
+    sampling: bool = True,
+    native: bool = True,
+    max_batch: int = 64,
+    model_configs: dict | None = None,
+    tokenizer=None,
+    announce=None,
+) -> Path:
     """Export ``program``'s stages for ``modes`` (default: every mode it can run), greedy and (with
     ``sampling``) sampled, to the directory ``path``. ``native=True`` compiles each stage with
     AOTInductor; ``native=False`` writes only the portable form (the loaded stages then run the exported
@@ -67,9 +81,13 @@ def export_program(program, path, *, modes=None, sampling: bool = True, native: 
     started = time.perf_counter()
     say = _announcer(announce)
     if program.target.captured.graph_module is None:
-        raise ArtifactError("this program was loaded from an artifact and holds no captured graphs; export the "
-                            "program saguaro.compile returned")
-    modes = tuple(modes) if modes is not None else (("ar", "sd", "ssd") if program.draft is not None else ("ar",))
+        raise ArtifactError(
+            "this program was loaded from an artifact and holds no captured graphs; export the "
+            "program saguaro.compile returned"
+        )
+    modes = (
+        tuple(modes) if modes is not None else (("ar", "sd", "ssd") if program.draft is not None else ("ar",))
+    )
     if program.draft is None and set(modes) - {"ar"}:
         raise ValueError(f"modes={list(modes)} need a draft model; this program has none: use modes=['ar']")
     if not isinstance(max_batch, int) or max_batch < 1:
@@ -90,8 +108,12 @@ def export_program(program, path, *, modes=None, sampling: bool = True, native: 
         for name, recorder in recorders.items():
             runner = program.runner(name)
             aliases = save_tensors(tmp / f"weights/{name}.safetensors", model_tensors(recorder.graph_module))
-            models[name] = {"spec": spec_json(runner.spec), "width": runner.width, "weights":
-                            f"weights/{name}.safetensors", "aliases": aliases}
+            models[name] = {
+                "spec": spec_json(runner.spec),
+                "width": runner.width,
+                "weights": f"weights/{name}.safetensors",
+                "aliases": aliases,
+            }
             config = (model_configs or {}).get(name)
             if config is not None:
                 config.save_pretrained(tmp / "models" / name)
@@ -101,17 +123,31 @@ def export_program(program, path, *, modes=None, sampling: bool = True, native: 
             t0 = time.perf_counter()
             recorder = recorders[stage.model]
             gm = recorder.graphs[stage]
-            described = describe(stage, recorder.inputs[stage], program.runner(stage.model).spec.num_layers, ranges)
+            described = describe(
+                stage, recorder.inputs[stage], program.runner(stage.model).spec.num_layers, ranges
+            )
             key = (stage.model, gm.code, json.dumps(described))
             if key in written:
                 entries[stage.qualified] = written[key]
-                say(f"[{i}/{len(stages)}] {stage.qualified}: same graph as {written[key]['stem']}, files shared")
+                say(
+                    f"[{i}/{len(stages)}] {stage.qualified}: same graph as {written[key]['stem']}, files shared"
+                )
                 continue
-            entry = _export_stage(tmp, stage, gm, described, ranges, native, program.target.spec.device,
-                                  set(model_tensors(recorder.graph_module)))
+            entry = _export_stage(
+                tmp,
+                stage,
+                gm,
+                described,
+                ranges,
+                native,
+                program.target.spec.device,
+                set(model_tensors(recorder.graph_module)),
+            )
             entries[stage.qualified] = written[key] = entry
-            say(f"[{i}/{len(stages)}] {stage.qualified}: exported{' and compiled' if native else ''} in "
-                f"{time.perf_counter() - t0:.1f}s")
+            say(
+                f"[{i}/{len(stages)}] {stage.qualified}: exported{' and compiled' if native else ''} in "
+                f"{time.perf_counter() - t0:.1f}s"
+            )
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "tokenizer")
         (tmp / "schedule.json").write_text(json.dumps(_schedule(program), indent=1))
@@ -119,11 +155,21 @@ def export_program(program, path, *, modes=None, sampling: bool = True, native: 
         for entry in entries.values():
             entry["files"] = sorted(n for n in files if n.startswith(f"{entry['stem']}."))
         manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "environment": environment(program.target.spec.device),
-            "native": native, "modes": list(modes), "sampling": sampling, "ranges": ranges,
-            "config": asdict(program.config), "pad_token_id": program.pad_token_id,
-            "eos_token_id": program.eos_token_id, "shapes": asdict(program.shapes), "models": models,
-            "stages": entries, "tokenizer": tokenizer is not None, "files": files,
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "environment": environment(program.target.spec.device),
+            "native": native,
+            "modes": list(modes),
+            "sampling": sampling,
+            "ranges": ranges,
+            "config": asdict(program.config),
+            "pad_token_id": program.pad_token_id,
+            "eos_token_id": program.eos_token_id,
+            "shapes": asdict(program.shapes),
+            "models": models,
+            "stages": entries,
+            "tokenizer": tokenizer is not None,
+            "files": files,
         }
         write_manifest(tmp, manifest)
         _replace(tmp, dest)
@@ -131,7 +177,9 @@ def export_program(program, path, *, modes=None, sampling: bool = True, native: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     size = sum(f["bytes"] for f in manifest["files"].values())
-    say(f"export: {len(entries)} stages, {size / 2**20:.1f} MiB to {dest} in {time.perf_counter() - started:.1f}s")
+    say(
+        f"export: {len(entries)} stages, {size / 2**20:.1f} MiB to {dest} in {time.perf_counter() - started:.1f}s"
+    )
     return dest
 
 
@@ -139,9 +187,11 @@ def _export_stage(tmp: Path, stage, gm, described, ranges, native: bool, device,
     """torch.export the stage graph, refuse Python-only custom ops, write its portable form and (native)
     its AOTInductor package; returns its manifest entry."""
     from safetensors.torch import save_file
+
     with torch.no_grad():
-        ep = torch.export.export(gm, examples(described, device), dynamic_shapes=dynamic_shapes(described, ranges),
-                                 strict=False)
+        ep = torch.export.export(
+            gm, examples(described, device), dynamic_shapes=dynamic_shapes(described, ranges), strict=False
+        )
         if any(node.target is QUANTIZED_LINEAR for node in ep.graph_module.graph.nodes):
             # quantized weights: the op's aten form (unpack the panels, dequantize, multiply), so AOTInductor
             # compiles it and a loaded program needs no Python registration
@@ -152,7 +202,8 @@ def _export_stage(tmp: Path, stage, gm, described, ranges, native: bool, device,
             raise ArtifactError(
                 f"stage {stage.qualified}: node {node.name!r} calls the Python-only custom op {node.target}; its "
                 "compiled code could not run without Python registration. Compile with attention='inline' (or "
-                "'auto') so that attention is lowered to aten ops, then export")
+                "'auto') so that attention is lowered to aten ops, then export"
+            )
     stem = f"stages/{stage.qualified}"
     serialized = serialize_graph(ep)
     (tmp / f"{stem}.ep").write_bytes(serialized.exported_program)
@@ -162,19 +213,28 @@ def _export_stage(tmp: Path, stage, gm, described, ranges, native: bool, device,
     own = {name: t for name, t in ep.constants.items() if name not in shared}
     if any(not isinstance(t, torch.Tensor) for t in own.values()):
         raise ArtifactError(f"stage {stage.qualified}: holds a script object constant; it cannot be exported")
-    entry = {"stem": stem, "inputs": described, "state_dict": sorted(ep.state_dict),
-             "parameters": sorted(ep.graph_signature.parameters), "constants":
-             sorted(ep.constants), "stage_constants": sorted(own), "package": None}
+    entry = {
+        "stem": stem,
+        "inputs": described,
+        "state_dict": sorted(ep.state_dict),
+        "parameters": sorted(ep.graph_signature.parameters),
+        "constants": sorted(ep.constants),
+        "stage_constants": sorted(own),
+        "package": None,
+    }
     if own:
         save_file({k: v.contiguous() for k, v in own.items()}, str(tmp / f"{stem}.constants.safetensors"))
     if native:
         package = tmp / f"{stem}.pt2"
         try:
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(package),
-                                                     inductor_configs=dict(NATIVE_OPTIONS))
+            torch._inductor.aoti_compile_and_package(
+                ep, package_path=str(package), inductor_configs=dict(NATIVE_OPTIONS)
+            )
         except Exception as exc:  # compiler failures carry long traces: name the stage and the first line
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ArtifactError(f"stage {stage.qualified}: AOTInductor could not compile it: {first}") from exc
+            raise ArtifactError(
+                f"stage {stage.qualified}: AOTInductor could not compile it: {first}"
+            ) from exc
         entry["package"] = f"{stem}.pt2"
     return entry
 
@@ -190,9 +250,18 @@ def _ranges(program, max_batch: int) -> dict:
 
 def _schedule(program) -> dict:
     g = round_schedule("ssd", program.config.k, sampled=False)
-    return {"nodes": [{"id": str(n), "lane": d.get("lane"), "stage": getattr(d.get("stage"), "qualified", None),
-                       "depth": d.get("depth")} for n, d in g.nodes(data=True)],
-            "edges": [[str(a), str(b)] for a, b in g.edges]}
+    return {
+        "nodes": [
+            {
+                "id": str(n),
+                "lane": d.get("lane"),
+                "stage": getattr(d.get("stage"), "qualified", None),
+                "depth": d.get("depth"),
+            }
+            for n, d in g.nodes(data=True)
+        ],
+        "edges": [[str(a), str(b)] for a, b in g.edges],
+    }
 
 
 def _replace(tmp: Path, dest: Path) -> None:
@@ -228,4 +297,5 @@ def _announcer(announce):
         log.info("%s", line)
         if announce is not None:
             announce(line)
+
     return say

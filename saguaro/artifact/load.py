@@ -21,8 +21,8 @@ from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ArtifactError
 from saguaro.core.stages import BY_QUALIFIED_NAME, Stage
 from saguaro.core.tensor_files import load_tensors
-from saguaro.runtime.draft.server import SpeculationServer
 from saguaro.runtime.base.model_runner import ModelRunner
+from saguaro.runtime.draft.server import SpeculationServer
 from saguaro.tensor_math.huge_pages import on_huge_pages
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class LoadedArtifact:
     pad_token_id: int
     eos_token_id: object
     shapes: dict
-    remote_draft: "LoadedDraft | None"
+    remote_draft: LoadedDraft | None
     tokenizer_path: Path | None
 
 
@@ -48,10 +48,20 @@ class ArtifactStages:
     from the artifact (stages with one graph share one loaded callable, and one deserialized portable
     form), or an ``ArtifactError`` naming what was exported."""
 
-    def __init__(self, root: Path, model: str, manifest: dict, tensors: dict, device: torch.device, rebuild: bool):
-        self.root, self.model, self.manifest, self.tensors = root, model, manifest, tensors
-        self.device, self.rebuild, self.native = device, rebuild, bool(manifest["native"])
-        self.kind = "native" if self.native and not rebuild else ("rebuilt" if self.native else "portable")
+    def __init__(
+        self, root: Path, model: str, manifest: dict, tensors: dict, device: torch.device, rebuild: bool
+    ):
+        self.root = root
+        self.model = model
+        self.manifest = manifest
+        self.tensors = tensors
+        self.device = device
+        self.rebuild = rebuild
+        self.native = bool(manifest["native"])
+        if not self.native:
+            self.kind = "portable"
+        else:
+            self.kind = "rebuilt" if rebuild else "native"
         self.qualified = [q for q in manifest["stages"] if q.split(".")[0] == model]
         self._by_stem: dict = {}
         self._programs: dict = {}  # stem -> its ExportedProgram, deserialized once
@@ -64,8 +74,11 @@ class ArtifactStages:
         from safetensors.torch import load_file
 
         own = dict(self.tensors)
-        own.update(placed(load_file(str(self.root / f"{entry['stem']}.constants.safetensors"),
-                                    device=str(self.device))))
+        own.update(
+            placed(
+                load_file(str(self.root / f"{entry['stem']}.constants.safetensors"), device=str(self.device))
+            )
+        )
         return own
 
     def exported_program(self, qualified: str):
@@ -78,20 +91,31 @@ class ArtifactStages:
     def load(self, qualified: str) -> LoadedStage:
         entry = self.manifest["stages"][qualified]
         if entry["stem"] not in self._by_stem:
-            self._by_stem[entry["stem"]] = stage_runner(self.root, entry, self._tensors(entry), self.device,
-                                                        self.native, self.rebuild, qualified, self.workdir,
-                                                        lambda: self.exported_program(qualified))
+            self._by_stem[entry["stem"]] = stage_runner(
+                self.root,
+                entry,
+                self._tensors(entry),
+                self.device,
+                self.native,
+                self.rebuild,
+                qualified,
+                self.workdir,
+                lambda: self.exported_program(qualified),
+            )
         run, kind = self._by_stem[entry["stem"]]
-        return LoadedStage(qualified, run, InputCheck(qualified, entry["inputs"], self.manifest["ranges"]), kind)
+        return LoadedStage(
+            qualified, run, InputCheck(qualified, entry["inputs"], self.manifest["ranges"]), kind
+        )
 
     def _check_exported(self, stage: Stage) -> None:
         if stage.qualified not in self.qualified:
             raise ArtifactError(
                 f"{self.root}: stage {stage.qualified} was not exported (modes {self.manifest['modes']}, sampling "
-                f"{self.manifest['sampling']}); export with the modes and sampling you generate with")
+                f"{self.manifest['sampling']}); export with the modes and sampling you generate with"
+            )
 
     def provides(self, stage: Stage) -> bool:
-        """Whether the artifact holds ``stage`` (one exported before AR's round stage existed runs AR by steps)."""
+        """Whether the artifact holds ``stage`` (one exported before AR's round stage runs AR by steps)."""
         return stage.qualified in self.qualified
 
     def __call__(self, stage: Stage):
@@ -102,10 +126,12 @@ class ArtifactStages:
         """The stage's graph as exported, after every pass (from its portable form, which every artifact
         holds). The passes themselves cannot be observed: the artifact holds no captured graph."""
         if observe is not None:
-            raise ValueError(f"stage {stage.qualified}: this program was loaded from {self.root}, which holds each "
-                             "stage's graph as exported after every pass but no captured graph, so the per-pass "
-                             "views (passes, pass diffs) cannot be shown; its stage graphs, schedule and stages can. "
-                             "Inspect the program saguaro.compile returns for the passes")
+            raise ValueError(
+                f"stage {stage.qualified}: this program was loaded from {self.root}, which holds each "
+                "stage's graph as exported after every pass but no captured graph, so the per-pass "
+                "views (passes, pass diffs) cannot be shown; its stage graphs, schedule and stages can. "
+                "Inspect the program saguaro.compile returns for the passes"
+            )
         self._check_exported(stage)
         return self.exported_program(stage.qualified).module()
 
@@ -120,9 +146,9 @@ def model_files(manifest: dict, model: str) -> set:
 
 
 def placed(tensors: dict) -> dict:
-    """``tensors`` with each CPU tensor of 2 MiB or more on huge pages where the platform allows
-    (:func:`~saguaro.tensor_math.huge_pages.on_huge_pages`, where a decode step streams its panels faster); names
-    bound to one tensor (aliases) stay bound to one copy."""
+    """``tensors`` with each CPU tensor of a huge page or more moved onto huge pages where the platform
+    allows (:func:`~saguaro.tensor_math.huge_pages.on_huge_pages`, see
+    docs/measurements/2026-12-06-huge-pages.md); aliases stay bound to one copy."""
     copies: dict = {}  # id of a loaded tensor -> its copy
     for t in tensors.values():
         if id(t) not in copies:
@@ -131,19 +157,31 @@ def placed(tensors: dict) -> dict:
 
 
 def load_runner(root: Path, manifest: dict, model: str, device: torch.device, rebuild: bool) -> ModelRunner:
-    """One model's runner, its weights read once. Native stages are opened now (milliseconds each) and
-    rebuilt ones compiled now; portable ones are deserialized on first use (about a second each)."""
+    """One model's runner, its weights read once. Native stages are opened and rebuilt ones compiled now;
+    portable ones, slower to open, are deserialized on first use (see
+    docs/measurements/2026-12-07-figures-from-runtime-bench-cli.md)."""
     started = time.perf_counter()
     info = manifest["models"][model]
     spec = spec_from_json(info["spec"], device)
-    stages = ArtifactStages(root, model, manifest, placed(load_tensors(root / info["weights"], info["aliases"], device)),
-                            device, rebuild)
+    stages = ArtifactStages(
+        root,
+        model,
+        manifest,
+        placed(load_tensors(root / info["weights"], info["aliases"], device)),
+        device,
+        rebuild,
+    )
     runner = ModelRunner(model, CapturedModel(graph_module=None, spec=spec), stages, info["width"])
     if stages.kind != "portable":
         for qualified in stages.qualified:
             runner.stage(BY_QUALIFIED_NAME[qualified])
-    log.info("loaded %s: %d stages (%s) in %.2fs", model, len(stages.qualified), stages.kind,
-             time.perf_counter() - started)
+    log.info(
+        "loaded %s: %d stages (%s) in %.2fs",
+        model,
+        len(stages.qualified),
+        stages.kind,
+        time.perf_counter() - started,
+    )
     return runner
 
 
@@ -159,8 +197,16 @@ def load_artifact(path, device=None, rebuild: bool = False) -> LoadedArtifact:
     runners = {name: load_runner(root, manifest, name, device, rebuild) for name in manifest["models"]}
     remote = LoadedDraft(str(root), str(device), rebuild) if "draft" in runners else None
     eos = manifest["eos_token_id"]
-    return LoadedArtifact(manifest, config, runners, int(manifest["pad_token_id"]), eos, manifest["shapes"], remote,
-                          root / "tokenizer" if manifest.get("tokenizer") else None)
+    return LoadedArtifact(
+        manifest,
+        config,
+        runners,
+        int(manifest["pad_token_id"]),
+        eos,
+        manifest["shapes"],
+        remote,
+        root / "tokenizer" if manifest.get("tokenizer") else None,
+    )
 
 
 def _config_fields(fields: dict) -> dict:
@@ -175,12 +221,18 @@ class LoadedDraft:
     and loads its stages from the artifact (nothing captured or compiled there either)."""
 
     def __init__(self, path: str, device: str, rebuild: bool):
-        self.path, self.device, self.rebuild = path, device, rebuild
+        self.path = path
+        self.device = device
+        self.rebuild = rebuild
 
     def save(self, directory: str) -> dict:
         """The description the draft process loads the draft from: the artifact itself, nothing written."""
-        return {"server": "saguaro.artifact.load:loaded_draft_server", "path": self.path, "device": self.device,
-                "rebuild": self.rebuild}
+        return {
+            "server": "saguaro.artifact.load:loaded_draft_server",
+            "path": self.path,
+            "device": self.device,
+            "rebuild": self.rebuild,
+        }
 
 
 def loaded_draft_server(description: dict, config: SaguaroConfig) -> SpeculationServer:

@@ -25,7 +25,10 @@ class LoadedStage:
     """Callable like a lowered stage: ``stage(*flat inputs) -> tuple of outputs``."""
 
     def __init__(self, qualified: str, run, check: InputCheck, kind: str):
-        self.qualified, self._run, self.check, self.kind = qualified, run, check, kind
+        self.qualified = qualified
+        self._run = run
+        self.check = check
+        self.kind = kind
 
     def __call__(self, *args):
         self.check(args)
@@ -42,8 +45,10 @@ def load_native(package: Path, tensors: dict, device: torch.device):
     names = loader.get_constant_fqns()
     missing = [n for n in names if n not in tensors]
     if missing:
-        raise ArtifactError(f"{package}: expected constants {missing[:5]} in the model's weights file, found none; "
-                            "export again")
+        raise ArtifactError(
+            f"{package}: expected constants {missing[:5]} in the model's weights file, found none; "
+            "export again"
+        )
     loader.load_constants({n: tensors[n] for n in names}, False, True, True)
     return loader.run
 
@@ -56,11 +61,14 @@ def load_portable(root: Path, entry: dict, tensors: dict):
     stem = root / entry["stem"]
     serialized = _bytes_to_dataclass(schema.ExportedProgram, (stem.parent / f"{stem.name}.ep").read_bytes())
     parameters = set(entry["parameters"])
-    state_dict = {name: torch.nn.Parameter(tensors[name], requires_grad=False) if name in parameters else tensors[name]
-                  for name in entry["state_dict"]}
+    state_dict = {
+        name: torch.nn.Parameter(tensors[name], requires_grad=False) if name in parameters else tensors[name]
+        for name in entry["state_dict"]
+    }
     constants = {name: tensors[name] for name in entry["constants"]}
-    return ExportedProgramDeserializer().deserialize(serialized, state_dict, constants,
-                                                     (stem.parent / f"{stem.name}.inputs").read_bytes())
+    return ExportedProgramDeserializer().deserialize(
+        serialized, state_dict, constants, (stem.parent / f"{stem.name}.inputs").read_bytes()
+    )
 
 
 def portable_runner(ep):
@@ -69,6 +77,7 @@ def portable_runner(ep):
 
     def run(args):
         return module(*args)
+
     return run
 
 
@@ -76,13 +85,24 @@ def rebuild_native(qualified: str, ep, tensors: dict, device: torch.device, work
     """Compile the portable form again with AOTInductor here (the ``rebuild=True`` path)."""
     started = time.perf_counter()
     package = workdir / f"{qualified}.pt2"
-    torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs=dict(NATIVE_OPTIONS))
+    torch._inductor.aoti_compile_and_package(
+        ep, package_path=str(package), inductor_configs=dict(NATIVE_OPTIONS)
+    )
     log.info("rebuilt stage %s with AOTInductor in %.1fs", qualified, time.perf_counter() - started)
     return load_native(package, tensors, device)
 
 
-def stage_runner(root: Path, entry: dict, tensors: dict, device: torch.device, native: bool, rebuild: bool,
-                 qualified: str, workdir_holder: list, exported):
+def stage_runner(
+    root: Path,
+    entry: dict,
+    tensors: dict,
+    device: torch.device,
+    native: bool,
+    rebuild: bool,
+    qualified: str,
+    workdir_holder: list,
+    exported,
+):
     """The callable of one stage entry, per the artifact kind and ``rebuild``; ``exported()`` gives the
     stage's portable form (:func:`load_portable`) when it is needed."""
     if native and not rebuild:
@@ -92,6 +112,10 @@ def stage_runner(root: Path, entry: dict, tensors: dict, device: torch.device, n
         return portable_runner(ep), "portable"
     if not workdir_holder:
         workdir_holder.append(tempfile.TemporaryDirectory(prefix="saguaro-rebuild-"))
-        warnings.warn("saguaro.load(rebuild=True): compiling every stage again from its portable form; this takes "
-                      "minutes", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            "saguaro.load(rebuild=True): compiling every stage again from its portable form; this takes "
+            "minutes",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     return rebuild_native(qualified, ep, tensors, device, Path(workdir_holder[0].name)), "rebuilt"

@@ -1,10 +1,9 @@
 """The artifact's ``manifest.json``: what was exported, on what, and the sha256 of every file.
 
-The manifest is the only file read before every other file's checksum is verified; it names the
-format version, the versions of Saguaro / torch / transformers / Python, the platform, the device
-type, the CPU instruction set (or CUDA compute capability) the native code was compiled for, per model
-its spec and weights file, per stage its files, its inputs' dynamic ranges and dtypes, and the sha256
-and size of every file of the artifact.
+The only file read before every other file's checksum is verified. It names the format version, the
+versions and platform the native code was compiled for (device type, CPU instruction set or CUDA compute
+capability), each model's spec and weights, each stage's files and input ranges, and each file's size and
+sha256.
 """
 
 from __future__ import annotations
@@ -23,8 +22,10 @@ FORMAT = "saguaro-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 NATIVE_OPTIONS = {"aot_inductor.package_constants_in_so": False}  # weights stay in weights/, loaded once
-REMEDY = ("export the program again on this machine (`program.export(path)` / `saguaro export`), or call "
-          "saguaro.load(path, rebuild=True) to rebuild its stages from their portable form (slow)")
+REMEDY = (
+    "export the program again on this machine (`program.export(path)` / `saguaro export`), or call "
+    "saguaro.load(path, rebuild=True) to rebuild its stages from their portable form (slow)"
+)
 
 
 def saguaro_version() -> str:
@@ -81,22 +82,30 @@ def read_manifest(root: Path) -> dict:
     JSON, not a Saguaro artifact, or of another format version."""
     path = root / MANIFEST
     if not root.is_dir():
-        raise ArtifactError(f"{root}: no such artifact directory; expected a folder written by program.export "
-                            "(an interrupted export leaves none)")
+        raise ArtifactError(
+            f"{root}: no such artifact directory; expected a folder written by program.export "
+            "(an interrupted export leaves none)"
+        )
     if not path.is_file():
-        raise ArtifactError(f"{path}: missing; expected the manifest of an artifact written by program.export "
-                            f"(an interrupted export writes none); {REMEDY}")
+        raise ArtifactError(
+            f"{path}: missing; expected the manifest of an artifact written by program.export "
+            f"(an interrupted export writes none); {REMEDY}"
+        )
     try:
         manifest = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path}: expected a JSON manifest, found unreadable text ({exc}); the file is "
-                            f"truncated or damaged; {REMEDY}") from None
+        raise ArtifactError(
+            f"{path}: expected a JSON manifest, found unreadable text ({exc}); the file is "
+            f"truncated or damaged; {REMEDY}"
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise ArtifactError(f"{path}: field 'format': expected {FORMAT!r}, found {found!r}; {REMEDY}")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ArtifactError(f"{path}: field 'format_version': expected {FORMAT_VERSION}, found "
-                            f"{manifest.get('format_version')!r}; {REMEDY}")
+        raise ArtifactError(
+            f"{path}: field 'format_version': expected {FORMAT_VERSION}, found "
+            f"{manifest.get('format_version')!r}; {REMEDY}"
+        )
     for field in ("environment", "files", "models", "stages", "config"):
         if field not in manifest:
             raise ArtifactError(f"{path}: field {field!r}: expected it, found none; {REMEDY}")

@@ -37,6 +37,7 @@ class Recorder(PipelineStages):
                 if stage not in self.inputs:
                     self.inputs[stage] = [a.detach().clone() for a in args]
             return gm(*args)
+
         return run
 
 
@@ -51,8 +52,14 @@ def record_stages(program: Program, modes: tuple, temperatures: tuple, attention
         recorders[name] = Recorder(runner.captured.graph_module, runner.width, attention)
         runners[name] = ModelRunner(name, runner.captured, recorders[name], runner.width)
     config = replace(program.config, lane="thread")  # in this process, where the recorders are
-    recording = Program(config, runners["target"], runners.get("draft"), program.pad_token_id,
-                        program.eos_token_id, program.shapes)
+    recording = Program(
+        config,
+        runners["target"],
+        runners.get("draft"),
+        program.pad_token_id,
+        program.eos_token_id,
+        program.shapes,
+    )
     spec = program.target.spec
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec.vocab_size, (2, 5), generator=gen).to(spec.device)  # [B, T]
@@ -62,12 +69,20 @@ def record_stages(program: Program, modes: tuple, temperatures: tuple, attention
                 wanted = set(stages_for(mode, temperature))
                 if wanted <= {s for r in recorders.values() for s in r.inputs}:
                     continue
-                recording.generate(ids, max_new_tokens=3 * (program.config.k + 1), temperature=temperature, seed=0,
-                                   mode=mode, eos_token_id=None)
+                recording.generate(
+                    ids,
+                    max_new_tokens=3 * (program.config.k + 1),
+                    temperature=temperature,
+                    seed=0,
+                    mode=mode,
+                    eos_token_id=None,
+                )
                 missing = wanted - {s for r in recorders.values() for s in r.inputs}
                 if missing:
-                    raise RuntimeError(f"a {mode} generation at temperature {temperature} did not call "
-                                       f"{sorted(s.qualified for s in missing)}")
+                    raise RuntimeError(
+                        f"a {mode} generation at temperature {temperature} did not call "
+                        f"{sorted(s.qualified for s in missing)}"
+                    )
     finally:
         recording.close()
     return recorders

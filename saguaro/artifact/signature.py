@@ -57,8 +57,10 @@ def input_layout(stage: Stage, num_layers: int) -> list[tuple[str, tuple]]:
     for name in stage.inputs:
         dims = TREE_U if name == "u" and stage in DRAFT_TREE else EXTRA_DIMS.get(name)
         if dims is None:
-            raise ArtifactError(f"stage {stage.qualified}: extra input {name!r} has no export signature; add its "
-                                "dimensions to saguaro.artifact.signature.EXTRA_DIMS")
+            raise ArtifactError(
+                f"stage {stage.qualified}: extra input {name!r} has no export signature; add its "
+                "dimensions to saguaro.artifact.signature.EXTRA_DIMS"
+            )
         layout.append((name, dims))
     return layout
 
@@ -74,24 +76,32 @@ def varying_dims(stage: Stage, input_count: int) -> dict[int, tuple[int, ...]]:
     fixed = len(QUERY_INPUTS) + len(SLOT_INPUTS) + len(stage.inputs)
     layers, odd = divmod(input_count - fixed, 2)
     if odd or layers < 0:
-        raise ArtifactError(f"stage {stage.qualified}: {input_count} inputs do not fit its layout ({fixed} "
-                            "besides two KV caches per layer)")
+        raise ArtifactError(
+            f"stage {stage.qualified}: {input_count} inputs do not fit its layout ({fixed} "
+            "besides two KV caches per layer)"
+        )
     layout = input_layout(stage, layers)
-    return {i: dims for i, (_, symbols) in enumerate(layout)
-            if (dims := tuple(d for d, symbol in enumerate(symbols) if symbol in VARYING))}
+    return {
+        i: dims
+        for i, (_, symbols) in enumerate(layout)
+        if (dims := tuple(d for d, symbol in enumerate(symbols) if symbol in VARYING))
+    }
 
 
 def describe(stage: Stage, recorded: list[torch.Tensor], num_layers: int, ranges: dict) -> list[dict]:
     """The manifest's description of each input: name, dtype and per dimension a symbol or a size."""
     layout = input_layout(stage, num_layers)
     if len(layout) != len(recorded):
-        raise ArtifactError(f"stage {stage.qualified}: expected {len(layout)} inputs, the runtime passed "
-                            f"{len(recorded)}")
+        raise ArtifactError(
+            f"stage {stage.qualified}: expected {len(layout)} inputs, the runtime passed {len(recorded)}"
+        )
     described = []
     for (name, dims), tensor in zip(layout, recorded):
         if tensor.dim() != len(dims):
-            raise ArtifactError(f"stage {stage.qualified}: input {name!r} expected {len(dims)} dimensions, found "
-                                f"shape {tuple(tensor.shape)}")
+            raise ArtifactError(
+                f"stage {stage.qualified}: input {name!r} expected {len(dims)} dimensions, found "
+                f"shape {tuple(tensor.shape)}"
+            )
         shape = [d if d is not None else int(s) for d, s in zip(dims, tensor.shape)]
         described.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": shape})
     used = {d for entry in described for d in entry["shape"] if isinstance(d, str)}
@@ -117,15 +127,26 @@ def example_sizes(described: list[dict]) -> dict:
 def examples(described: list[dict], device: torch.device) -> tuple:
     """Example inputs (zeros: traced values do not matter to the stage graphs, only shapes and dtypes)."""
     sizes = example_sizes(described)
-    return tuple(torch.zeros([sizes.get(d, d) for d in entry["shape"]], dtype=getattr(torch, entry["dtype"]),
-                             device=device) for entry in described)
+    return tuple(
+        torch.zeros(
+            [sizes.get(d, d) for d in entry["shape"]], dtype=getattr(torch, entry["dtype"]), device=device
+        )
+        for entry in described
+    )
 
 
 def dynamic_shapes(described: list[dict], ranges: dict) -> tuple:
     """torch.export's ``dynamic_shapes``: each symbol's dimensions dynamic within its range."""
     dynamic = torch.export.Dim.DYNAMIC
-    return tuple({i: dynamic(min=ranges[d][0], max=ranges[d][1]) for i, d in enumerate(entry["shape"])
-                  if isinstance(d, str)} or None for entry in described)
+    return tuple(
+        {
+            i: dynamic(min=ranges[d][0], max=ranges[d][1])
+            for i, d in enumerate(entry["shape"])
+            if isinstance(d, str)
+        }
+        or None
+        for entry in described
+    )
 
 
 class InputCheck:
@@ -136,8 +157,11 @@ class InputCheck:
     def __init__(self, qualified: str, described: list[dict], ranges: dict):
         self.qualified, self.ranges = qualified, {k: tuple(v) for k, v in ranges.items()}
         self.count = len(described)
-        self.entries = [(i, e["name"], getattr(torch, e["dtype"]), tuple(e["shape"])) for i, e in enumerate(described)
-                        if not (e["name"].startswith(("k_caches.", "v_caches.")) and not e["name"].endswith(".0"))]
+        self.entries = [
+            (i, e["name"], getattr(torch, e["dtype"]), tuple(e["shape"]))
+            for i, e in enumerate(described)
+            if not (e["name"].startswith(("k_caches.", "v_caches.")) and not e["name"].endswith(".0"))
+        ]
 
     def __call__(self, args) -> None:
         if len(args) != self.count:
@@ -146,20 +170,30 @@ class InputCheck:
         for i, name, dtype, shape in self.entries:
             tensor = args[i]
             if tensor.dtype != dtype or tensor.dim() != len(shape):
-                raise ValueError(f"stage {self.qualified}: input {name} expected {dtype} with {len(shape)} "
-                                 f"dimensions, got {tensor.dtype} of shape {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"stage {self.qualified}: input {name} expected {dtype} with {len(shape)} "
+                    f"dimensions, got {tensor.dtype} of shape {tuple(tensor.shape)}"
+                )
             if name.endswith("_caches.0") and not tensor.is_contiguous():
-                raise ValueError(f"stage {self.qualified}: input {name} must be contiguous (it is written in place)")
+                raise ValueError(
+                    f"stage {self.qualified}: input {name} must be contiguous (it is written in place)"
+                )
             for dim, size in zip(shape, tensor.shape):
                 if isinstance(dim, int):
                     if size != dim:
-                        raise ValueError(f"stage {self.qualified}: input {name} shape {tuple(tensor.shape)}: "
-                                         f"expected size {dim} where the artifact has a static dimension")
+                        raise ValueError(
+                            f"stage {self.qualified}: input {name} shape {tuple(tensor.shape)}: "
+                            f"expected size {dim} where the artifact has a static dimension"
+                        )
                     continue
                 low, high = self.ranges[dim]
                 if not low <= size <= high:
-                    raise ValueError(f"stage {self.qualified}: input {name}: dimension {dim}={size} is outside "
-                                     f"the exported range {low}..{high}; export again with a larger range")
+                    raise ValueError(
+                        f"stage {self.qualified}: input {name}: dimension {dim}={size} is outside "
+                        f"the exported range {low}..{high}; export again with a larger range"
+                    )
                 if seen.setdefault(dim, size) != size:
-                    raise ValueError(f"stage {self.qualified}: input {name}: dimension {dim}={size} differs from "
-                                     f"{seen[dim]} in an earlier input")
+                    raise ValueError(
+                        f"stage {self.qualified}: input {name}: dimension {dim}={size} differs from "
+                        f"{seen[dim]} in an earlier input"
+                    )

@@ -1,13 +1,9 @@
-"""What a benchmark row streams from memory: the weight bytes a decided token reads, the rate that makes, and
-its share of the machine's read bandwidth, measured on the spot (the roofline a few-row decode is held to).
+"""What a benchmark row streams from memory: the weight bytes a decided token reads, the rate that makes,
+and its share of the machine's read bandwidth, measured on the spot.
 
-The model of a row's bytes: each target call (AR's step, SD's and SSD's verify) reads the target's streamed
-weights once, each drafted token the draft's (``k`` draft calls a round), and a round decides
-``mean_accepted_len`` tokens, so a token reads ``(target + k * draft) / mean_accepted_len`` bytes (AR: the
-target's). A model's streamed weights are those its decode stages read, as they hold them (packed panels,
-quantized panels with their scales, narrow copies; a tensor read only by an embedding lookup is one row a
-token, not counted). SSD's glue and tree calls, which run beside the verify on the draft lane, are not counted:
-its share is a floor.
+A token reads ``(target + k * draft) / mean_accepted_len`` bytes (AR: the target's), each model's bytes those
+its decode stages read as they hold them, embedding lookups left out. SSD's glue and tree calls are not
+counted: its share is a floor.
 """
 
 from __future__ import annotations
@@ -16,8 +12,11 @@ import torch
 
 from saguaro.core.stages import TARGET_PREFILL
 
-EMBEDDING_OPS = {torch.ops.aten.embedding.default, torch.ops.aten.index_select.default,
-                 torch.ops.aten.index.Tensor}
+EMBEDDING_OPS = {
+    torch.ops.aten.embedding.default,
+    torch.ops.aten.index_select.default,
+    torch.ops.aten.index.Tensor,
+}
 MIN_WEIGHT_ELEMENTS = 4096  # smaller tensors (norms, biases) are read from cache
 
 
@@ -41,8 +40,8 @@ def stream_bytes(gm: torch.fx.GraphModule) -> int:
 
 
 def model_stream_bytes(program, model: str) -> int | None:
-    """The most bytes one decode stage (not the prefill) of ``model`` built so far streams a call; None when the
-    program has no such model or stage (a loaded artifact's stages hold no graph)."""
+    """The most bytes a decode stage of ``model`` built so far streams a call; None without such a model or
+    stage (a loaded artifact's stages hold no graph)."""
     runner = program.runner(model) if program is not None else None
     if runner is None:
         return None
@@ -51,7 +50,7 @@ def model_stream_bytes(program, model: str) -> int | None:
 
 
 def token_bytes(program, mode: str, k: int, mean_accepted_len: float | None) -> int | None:
-    """The weight bytes a decided token of a ``mode`` row reads (the module docstring's model); None unknown."""
+    """The weight bytes a decided token of a ``mode`` row reads (the module's model); None: unknown."""
     target = model_stream_bytes(program, "target")
     if target is None or not mean_accepted_len:
         return None
@@ -64,14 +63,15 @@ def token_bytes(program, mode: str, k: int, mean_accepted_len: float | None) -> 
 def add_bandwidth(row: dict, read_gbs: float | None) -> None:
     """``weight_gbs`` (``weight_bytes_per_token`` x the decode rate) and ``roofline_share`` (that over
     ``read_gbs``, the machine's measured read bandwidth) of a row that has its bytes a token."""
-    per_token, rate = row.get("weight_bytes_per_token"), row.get("decode_tokens_per_s")
+    per_token = row.get("weight_bytes_per_token")
+    rate = row.get("decode_tokens_per_s")
     row["weight_gbs"] = per_token * rate / 1e9 if per_token and rate else None
     row["roofline_share"] = row["weight_gbs"] / read_gbs if row["weight_gbs"] and read_gbs else None
 
 
 def measure_read_gbs(threads: int | None = None) -> float | None:
-    """The machine's read bandwidth in GB/s on ``threads`` intra-op threads (None: torch's), now; None where the
-    kernel library cannot be built (:func:`saguaro.tensor_math.packed_linear.read_bandwidth`)."""
+    """The machine's read bandwidth in GB/s on ``threads`` intra-op threads (None: torch's), measured now;
+    None where the kernel library cannot be built."""
     from saguaro.tensor_math.packed_linear import available, read_bandwidth
 
     if not available():

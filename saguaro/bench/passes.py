@@ -1,13 +1,7 @@
-"""A benchmark row's timed passes, the order the rows' passes run in, and what a row reports from them.
+"""A benchmark row's timed passes, the order they run in, and the row reported from them.
 
-Every row is warmed up first; then the rows' timed passes alternate, one pass of each row per round
-(``ar, sd, ssd, ar, sd, ssd, ...``), so a machine whose speed drifts over minutes slows every row alike.
-A row reports ``tokens_per_s``, the median of its passes' tokens/s, beside ``tokens_per_s_reps`` (each
-pass's) and ``spread_pct``, ``(max - min) / median * 100`` over them (None with one pass), and the same of
-the tokens after each call's prefill, ``decode_tokens_per_s`` and ``decode_tokens_per_s_reps`` (None for
-the ``transformers`` rows). The
-per-round and per-token percentiles, the accepted length and the SSD figures pool every timed call of
-every pass; ``new_tokens``, ``wall_s`` and ``rounds`` are totals over the passes.
+The rows' passes alternate, one pass of each row per round, so a machine whose speed drifts slows every row
+alike. A row's ``tokens_per_s`` is its passes' median; every field: docs/bench.md, "JSON".
 """
 
 from __future__ import annotations
@@ -69,8 +63,12 @@ class TimedPass:
 
     def brief(self) -> dict:
         """What a row's process reports of the pass it just ran."""
-        return {"tokens_per_s": self.tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s,
-                "started": self.started, "ended": self.ended}
+        return {
+            "tokens_per_s": self.tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "started": self.started,
+            "ended": self.ended,
+        }
 
 
 def spread_pct(values: list) -> float | None:
@@ -80,19 +78,23 @@ def spread_pct(values: list) -> float | None:
 
 
 def combine(mode: str, passes: list) -> dict:
-    """One row from its timed passes (see the module docstring)."""
+    """One row from its timed passes (percentiles and SSD figures pool every call of every pass)."""
     assert passes, f"row {mode} has no timed pass"
     reps = [p.tokens_per_s for p in passes]
     rounds = sum(p.rounds for p in passes)
     round_s = [s for p in passes for s in p.round_s]
     token_s = [s for p in passes for s in p.token_s]
     row = {
-        "mode": mode, "tokens_per_s": statistics.median(reps), "tokens_per_s_reps": reps,
-        "spread_pct": spread_pct(reps), "repeats": len(passes),
+        "mode": mode,
+        "tokens_per_s": statistics.median(reps),
+        "tokens_per_s_reps": reps,
+        "spread_pct": spread_pct(reps),
+        "repeats": len(passes),
         "decode_tokens_per_s": _median_or_none([p.decode_tokens_per_s for p in passes]),
         "decode_tokens_per_s_reps": [p.decode_tokens_per_s for p in passes],
         "pass_times": [[p.started, p.ended] for p in passes],
-        "new_tokens": sum(p.new_tokens for p in passes), "wall_s": sum(p.wall_s for p in passes),
+        "new_tokens": sum(p.new_tokens for p in passes),
+        "wall_s": sum(p.wall_s for p in passes),
         "mean_accepted_len": sum(p.accepted for p in passes) / rounds if rounds else None,
         "rounds": rounds if rounds else None,
         "round_ms_p50": 1000 * percentile(round_s, 50) if round_s else None,
@@ -111,8 +113,8 @@ def _median_or_none(values: list):
 
 
 def add_speedups(rows: list, ar: tuple, sd: tuple) -> None:
-    """``speedup_vs_ar`` and ``speedup_vs_sd`` of every row: ratios of the rows' median tokens/s to those of
-    the first row named in ``ar`` (``sd``); None without such a row."""
+    """Set every row's ``speedup_vs_ar`` / ``speedup_vs_sd``: its median tokens/s over the first row named in
+    ``ar`` / ``sd`` (None without one)."""
     for key, names in (("speedup_vs_ar", ar), ("speedup_vs_sd", sd)):
         base = next((r["tokens_per_s"] for r in rows if r["mode"] in names), None)
         for row in rows:
@@ -122,7 +124,7 @@ def add_speedups(rows: list, ar: tuple, sd: tuple) -> None:
 def _ssd_summary(calls: list[dict], rounds: int) -> dict:
     """SSD columns over all measured calls: hit rate, draft wait per round, overlap efficiency."""
     lookups = sum(c["rounds"] for c in calls)
-    mean = lambda key: sum(c[key] * c["rounds"] for c in calls) / lookups if lookups else 0.0  # noqa: E731
+    mean = lambda key: sum(c[key] * c["rounds"] for c in calls) / lookups if lookups else 0.0
     return {
         "cache_hit_rate": mean("cache_hit_rate"),
         # the timed generations the planner ran as plain SD on every core (sd_when_faster)
@@ -133,10 +135,16 @@ def _ssd_summary(calls: list[dict], rounds: int) -> dict:
         "fallback_ms_per_round": 1000 * sum(c["fallback_s"] for c in calls) / max(rounds, 1),
         "overlap_efficiency": mean("overlap_efficiency"),
         "verify_alone_ms": 1000 * mean("verify_alone_s"),
-        "per_round_ms": {part: sum(c["per_round_ms"][part] * c["rounds"] for c in calls) / lookups
-                         for part in calls[0]["per_round_ms"]} if lookups else {},
+        "per_round_ms": {
+            part: sum(c["per_round_ms"][part] * c["rounds"] for c in calls) / lookups
+            for part in calls[0]["per_round_ms"]
+        }
+        if lookups
+        else {},
         "fallbacks": {kind: sum(c["fallbacks"][kind] for c in calls) for kind in ("neural", "fast")},
-        "hits_by_position": {a: sum(c["hits_by_position"][a] for c in calls) for a in calls[0]["hits_by_position"]},
+        "hits_by_position": {
+            a: sum(c["hits_by_position"][a] for c in calls) for a in calls[0]["hits_by_position"]
+        },
         "accepted_len_on_hits": _weighted(calls, "accepted_len_on_hits"),
         "accepted_len_on_misses": _weighted(calls, "accepted_len_on_misses"),
     }

@@ -1,9 +1,6 @@
-"""The benchmark's prompts, and where they came from (the report and the printed output say which).
-
-The default pair gets snippets of its held-out files (Python stdlib sources it never trained on,
-:func:`saguaro.default_pair.heldout_snippets`); another pair with a tokenizer gets fixed code prompts
-(held-out text is known for the default pair only); a pair without a tokenizer gets seeded random ids.
-When the default pair's held-out sources are unavailable, the fixed prompts stand in, with a warning.
+"""The benchmark's prompts and their source: held-out snippets for the default pair
+(:func:`saguaro.default_pair.heldout_snippets`), else fixed code prompts with a tokenizer, else seeded random
+ids. The fixed prompts stand in, with a warning, where the held-out sources are unavailable.
 """
 
 from __future__ import annotations
@@ -22,10 +19,17 @@ RANDOM_PROMPT_LEN = 8
 # Code prompts without a trailing space: byte-level BPE fuses a space to the next word, so a prompt
 # ending in one ("def ") is tokenized unlike any training text and hurts every row alike.
 DEFAULT_PROMPTS = (
-    "def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\nimport sys\n\n\ndef main():\n",
-    "for i in range(10):\n", "if __name__ == \"__main__\":\n", "    def __repr__(self):\n        return",
-    "with open(path) as f:\n", "try:\n    import json\nexcept ImportError:\n", "from collections import",
-    "def read_lines(path):\n    \"\"\"Return the lines of a file.\"\"\"\n", "    raise ValueError(",
+    "def fibonacci(n):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "for i in range(10):\n",
+    'if __name__ == "__main__":\n',
+    "    def __repr__(self):\n        return",
+    "with open(path) as f:\n",
+    "try:\n    import json\nexcept ImportError:\n",
+    "from collections import",
+    'def read_lines(path):\n    """Return the lines of a file."""\n',
+    "    raise ValueError(",
     "def is_prime(n):\n",
 )
 
@@ -42,19 +46,25 @@ class PromptSet:
 
     def describe(self) -> dict:
         """The report's ``prompts`` entry."""
-        return {"source": self.source, "count": len(self.ids), "detail": self.detail, "origins": list(self.origins)}
+        return {
+            "source": self.source,
+            "count": len(self.ids),
+            "detail": self.detail,
+            "origins": list(self.origins),
+        }
 
 
-def prompt_set(tokenizer, count: int, vocab_size: int, seed: int, default_pair: bool,
-               max_tokens: int | None = None) -> PromptSet:
-    """``count`` prompts for a pair: held-out text for the default pair (``default_pair``), else fixed
-    code prompts with a tokenizer, else seeded random ids in ``[3, vocab_size)``. ``max_tokens``: the
-    longest a held-out prompt may be (the model's positions less the tokens to generate); its last
-    lines are dropped to fit."""
+def prompt_set(
+    tokenizer, count: int, vocab_size: int, seed: int, default_pair: bool, max_tokens: int | None = None
+) -> PromptSet:
+    """``count`` prompts for a pair, as the module says (random ids in ``[3, vocab_size)``). ``max_tokens``:
+    the longest a held-out prompt may be; its last lines are dropped to fit."""
     if tokenizer is None:
         gen = torch.Generator().manual_seed(seed)
         ids = [torch.randint(3, vocab_size, (1, RANDOM_PROMPT_LEN), generator=gen) for _ in range(count)]
-        detail = f"seeded random ids (seed {seed}, {RANDOM_PROMPT_LEN} tokens each): the pair has no tokenizer"
+        detail = (
+            f"seeded random ids (seed {seed}, {RANDOM_PROMPT_LEN} tokens each): the pair has no tokenizer"
+        )
         log.info("bench prompts: %s", detail)
         return PromptSet(ids, RANDOM, detail)
     if not default_pair:
@@ -62,17 +72,31 @@ def prompt_set(tokenizer, count: int, vocab_size: int, seed: int, default_pair: 
     try:
         snippets = heldout_snippets(count)
     except (OSError, ValueError) as exc:  # the interpreter's stdlib sources are absent or unreadable
-        return _fixed(tokenizer, count, f"the default pair's held-out stdlib sources are unavailable ({exc})",
-                      logging.WARNING)
+        return _fixed(
+            tokenizer,
+            count,
+            f"the default pair's held-out stdlib sources are unavailable ({exc})",
+            logging.WARNING,
+        )
     files = len({s.path for s in snippets})
     detail = f"snippets of {files} held-out stdlib files (never trained on)"
     log.info("bench prompts: %s", detail)
-    return PromptSet([_fit(tokenizer, s.text, max_tokens) for s in snippets], HELDOUT, detail,
-                     tuple(f"{s.path}:{s.line}" for s in snippets))
+    return PromptSet(
+        [_fit(tokenizer, s.text, max_tokens) for s in snippets],
+        HELDOUT,
+        detail,
+        tuple(f"{s.path}:{s.line}" for s in snippets),
+    )
 
 
-def bench_prompts(tokenizer, count: int, vocab_size: int, seed: int, default_pair: bool = False,
-                  max_tokens: int | None = None) -> list[torch.Tensor]:
+def bench_prompts(
+    tokenizer,
+    count: int,
+    vocab_size: int,
+    seed: int,
+    default_pair: bool = False,
+    max_tokens: int | None = None,
+) -> list[torch.Tensor]:
     """The ids of :func:`prompt_set` (``[1, T]`` each)."""
     return prompt_set(tokenizer, count, vocab_size, seed, default_pair, max_tokens).ids
 
@@ -91,7 +115,7 @@ def _fit(tokenizer, text: str, max_tokens: int | None) -> torch.Tensor:
     while max_tokens is not None and ids.shape[1] > max_tokens and len(lines) > 1:
         lines.pop()
         ids = _encode(tokenizer, "".join(lines))
-    return ids if max_tokens is None else ids[:, -max(max_tokens, 1):]
+    return ids if max_tokens is None else ids[:, -max(max_tokens, 1) :]
 
 
 def _encode(tokenizer, text: str) -> torch.Tensor:

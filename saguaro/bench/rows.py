@@ -1,12 +1,5 @@
-"""The benchmark's rows: each mode timed over the same prompts, after a warm-up call, in timed passes
-that alternate with the other rows' (:mod:`saguaro.bench.passes`).
-
-Rows: ``ar`` (Saguaro, target alone), ``sd`` (Saguaro speculative decoding), ``ssd`` (the
-planner's trees, draft on a worker thread), ``ssd-uniform`` (the whole budget every round, spread
-evenly over the ``k+1`` positions), ``ssd-process`` (the planner's trees, draft in another process),
-``hf-assisted``
-(``transformers`` assisted generation with the same draft and ``k``) and ``hf`` (``transformers``
-greedy/sampled generate, target alone).
+"""The benchmark's rows: each mode of :data:`ALL_MODES` timed over the same prompts after a warm-up call,
+its timed passes alternating with the other rows' (:mod:`saguaro.bench.passes`); each row: docs/bench.md.
 """
 
 from __future__ import annotations
@@ -17,8 +10,10 @@ from pathlib import Path
 
 import torch
 
-from saguaro.bench.prompts import bench_prompts  # noqa: F401 - re-exported: the CLI, the demo and benchmarks/ use it
 from saguaro.bench.passes import TimedPass, add_speedups, combine, interleaved
+
+# re-exported: the CLI, the demo and benchmarks/ use it
+from saguaro.bench.prompts import bench_prompts  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -30,28 +25,44 @@ DRAFT_MODES = ("sd", "ssd", "ssd-uniform", "ssd-process", "hf-assisted")  # rows
 
 def _batches(prompts, batch, pad_id):
     for start in range(0, len(prompts), batch):
-        group = prompts[start:start + batch]
+        group = prompts[start : start + batch]
         width = max(p.shape[1] for p in group)
         ids = torch.full((len(group), width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, p in enumerate(group):
-            ids[row, width - p.shape[1]:] = p[0]
-            mask[row, width - p.shape[1]:] = 1
+            ids[row, width - p.shape[1] :] = p[0]
+            mask[row, width - p.shape[1] :] = 1
         yield ids, mask
 
 
-def compile_for(target, draft, k: int, backend: str = "inductor", sd_when_faster: bool = True,
-                compile: str = "blocking", linears: str = "auto", narrow_weights: bool = True, **weights):
-    """One Program serving every Saguaro row (``ssd`` with a draft, ``ar`` without one); ``sd_when_faster``
-    False (``--plan always-ssd``): SSD rows run SSD's own rounds on any machine. A row times blocking
-    programs (``compile="background"`` is for a first, untimed generation); ``linears``, ``narrow_weights`` and
-    ``weights`` (``weights``, ``draft_weights``, ``weight_group_size``): as ``SaguaroConfig``'s."""
+def compile_for(
+    target,
+    draft,
+    k: int,
+    backend: str = "inductor",
+    sd_when_faster: bool = True,
+    compile: str = "blocking",
+    linears: str = "auto",
+    narrow_weights: bool = True,
+    **weights,
+):
+    """One Program serving every Saguaro row (mode ``ssd`` with a draft, ``ar`` without one); the options
+    are ``SaguaroConfig``'s (``weights``: its ``weights``, ``draft_weights``, ``weight_group_size``)."""
     from saguaro.compile import compile as saguaro_compile
 
     start = time.perf_counter()
-    program = saguaro_compile(target, draft, k=k, mode="ssd" if draft is not None else "ar", backend=backend,
-                              sd_when_faster=sd_when_faster, compile=compile, linears=linears,
-                              narrow_weights=narrow_weights, **weights)
+    program = saguaro_compile(
+        target,
+        draft,
+        k=k,
+        mode="ssd" if draft is not None else "ar",
+        backend=backend,
+        sd_when_faster=sd_when_faster,
+        compile=compile,
+        linears=linears,
+        narrow_weights=narrow_weights,
+        **weights,
+    )
     log.info("compiled in %.1fs", time.perf_counter() - start)
     return program
 
@@ -68,22 +79,32 @@ def row_program(program, mode: str):
     return program, mode
 
 
-def run_rows(target, draft, prompts, modes, k, max_new_tokens, temperature, batch, seed, backend="eager",
-             program=None, trace_dir=None, repeats=3):  # noqa: PLR0913 - the benchmark's explicit parameters
-    """Run every requested row over the same prompts in this process; return a list of result dicts.
-
-    Every row is warmed up first, then the rows' timed passes alternate, ``repeats`` rounds of one pass
-    each (:mod:`saguaro.bench.passes` says what a row reports from them). ``program`` reuses an already
-    compiled Program (its ``k`` and backend win). ``trace_dir``: after the timed passes, one more
-    (untimed) call of each Saguaro row on the first batch writes its timeline to
-    ``trace_dir/<row>-<backend>.json``.
-    """
+def run_rows(
+    target,
+    draft,
+    prompts,
+    modes,
+    k,
+    max_new_tokens,
+    temperature,
+    batch,
+    seed,
+    backend="eager",
+    program=None,
+    trace_dir=None,
+    repeats=3,
+):
+    """Every requested row over the same prompts in this process, ``repeats`` interleaved timed passes each
+    after a warm-up: the rows. ``program``: a compiled Program to reuse (its ``k`` and backend win);
+    ``trace_dir``: each Saguaro row's timeline written there (:meth:`RowTimer.write_trace`)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} is not allowed: it must be an int >= 1")
     if program is None and any(m in SAGUARO_MODES for m in modes):
         program = compile_for(target, draft, k, backend)
-    timers = [RowTimer(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch, seed)
-              for mode in modes]
+    timers = [
+        RowTimer(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch, seed)
+        for mode in modes
+    ]
     for timer in timers:
         timer.warm_up()
     for timer in interleaved(timers, repeats):
@@ -97,8 +118,21 @@ def run_rows(target, draft, prompts, modes, k, max_new_tokens, temperature, batc
     return rows
 
 
-def time_row(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch, seed,
-             trace_dir=None, backend="inductor", repeats=1) -> dict:  # noqa: PLR0913
+def time_row(
+    target,
+    draft,
+    program,
+    prompts,
+    mode,
+    k,
+    max_new_tokens,
+    temperature,
+    batch,
+    seed,
+    trace_dir=None,
+    backend="inductor",
+    repeats=1,
+) -> dict:
     """One row alone: warmed up, then ``repeats`` timed passes, then with ``trace_dir`` its timeline
     (see :func:`run_rows`)."""
     timer = RowTimer(target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch, seed)
@@ -111,30 +145,45 @@ def time_row(target, draft, program, prompts, mode, k, max_new_tokens, temperatu
 
 
 class RowTimer:
-    """One row over a list of prompts (each ``[1, T]``), in batches of ``batch``: :meth:`warm_up` once
-    (every batch generated untimed, so each shape bucket is compiled and warm), then :meth:`timed_pass`
-    as often as the caller interleaves it with other rows, then :meth:`row`."""
+    """One row over prompts (each ``[1, T]``) in batches of ``batch``: :meth:`warm_up` once (every shape
+    compiled and warm), :meth:`timed_pass` as often as the caller interleaves it, then :meth:`row`."""
 
-    def __init__(self, target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch,
-                 seed):  # noqa: PLR0913
+    def __init__(self, target, draft, program, prompts, mode, k, max_new_tokens, temperature, batch, seed):
         if mode in DRAFT_MODES and mode in SAGUARO_MODES and (program is None or program.draft is None):
             raise ValueError(f"row {mode!r} needs a draft model")
-        self.target, self.draft, self.program, self.mode = target, draft, program, mode
-        self.k, self.max_new_tokens, self.temperature, self.seed = k, max_new_tokens, temperature, seed
+        self.target = target
+        self.draft = draft
+        self.program = program
+        self.mode = mode
+        self.k = k
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.seed = seed
         self.pad_id = program.pad_token_id if program is not None else _pad_id(target)
         self.batches = list(_batches(prompts, batch, self.pad_id))  # [(ids [b, T], mask [b, T])]
         self.passes: list[TimedPass] = []
 
     def _call(self, ids, mask):
-        return _generate(self.target, self.draft, self.program, self.mode, ids, mask, self.k, self.max_new_tokens,
-                         self.temperature, self.seed, self.pad_id)
+        return _generate(
+            self.target,
+            self.draft,
+            self.program,
+            self.mode,
+            ids,
+            mask,
+            self.k,
+            self.max_new_tokens,
+            self.temperature,
+            self.seed,
+            self.pad_id,
+        )
 
     def warm_up(self) -> None:
         log.info("running %s: warm-up", self.mode)
         for ids, mask in self.batches:
             self._call(ids, mask)
         if self.program is not None:
-            self.program.wait_compiled()  # compile="background": the warm-up queued its shapes; time them compiled
+            self.program.wait_compiled()  # background compiles queued by the warm-up: time them compiled
 
     def timed_pass(self) -> TimedPass:
         log.info("running %s: timed pass %d", self.mode, len(self.passes) + 1)
@@ -148,14 +197,22 @@ class RowTimer:
         return timed
 
     def write_trace(self, trace_dir, backend: str) -> None:
-        """A Saguaro row: one more call on the first batch, untimed, writing ``trace_dir/<row>-<backend>.json``."""
+        """A Saguaro row: one more untimed call on the first batch, its trace in ``trace_dir``."""
         if self.mode not in SAGUARO_MODES:
             return
         row_prog, row_mode = row_program(self.program, self.mode)
         path = Path(trace_dir) / f"{self.mode}-{backend}.json"
         ids, mask = self.batches[0]
-        row_prog.generate(ids, attention_mask=mask, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                          seed=self.seed, mode=row_mode, eos_token_id=None, trace=path)
+        row_prog.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            seed=self.seed,
+            mode=row_mode,
+            eos_token_id=None,
+            trace=path,
+        )
         log.info("wrote the trace of %s to %s", self.mode, path)
 
     def row(self) -> dict:
@@ -166,19 +223,35 @@ def _generate(target, draft, program, mode, ids, mask, k, max_new_tokens, temper
     """``(tokens produced, GenerateOutput or None)`` of one call of a row."""
     if mode in SAGUARO_MODES:
         row_prog, row_mode = row_program(program, mode)
-        out = row_prog.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, temperature=temperature,
-                                seed=seed, mode=row_mode, eos_token_id=None)
+        out = row_prog.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            mode=row_mode,
+            eos_token_id=None,
+        )
         _synchronize(target)
         return int(out.stats["new_tokens"]), out
-    produced = _hf_generate(target, draft if mode == "hf-assisted" else None, ids, mask, max_new_tokens,
-                            temperature, k, pad_id, seed)
+    produced = _hf_generate(
+        target,
+        draft if mode == "hf-assisted" else None,
+        ids,
+        mask,
+        max_new_tokens,
+        temperature,
+        k,
+        pad_id,
+        seed,
+    )
     _synchronize(target)
     return produced, None
 
 
 def _synchronize(model) -> None:
-    """Wait for queued GPU work, so a row's wall time covers all of it (``model`` None: a loaded program's
-    rows; they synchronise on the CPU already)."""
+    """Wait for queued GPU work, so a row's wall time covers all of it (``model`` None: a loaded
+    program's rows, synchronised on the CPU already)."""
     if model is None:
         return
     device = next(model.parameters()).device
@@ -200,16 +273,21 @@ def _pad_id(model) -> int:
 def _hf_generate(target, assistant, ids, mask, max_new_tokens, temperature, k, pad_id, seed) -> int:
     device = next(target.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
-    kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                  pad_token_id=pad_id, eos_token_id=None)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        pad_token_id=pad_id,
+        eos_token_id=None,
+    )
     if temperature > 0:
         torch.manual_seed(seed)
         kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     else:
         kwargs.update(do_sample=False)
     if assistant is not None:
-        kwargs.update(assistant_model=assistant, num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
+        kwargs.update(
+            assistant_model=assistant, num_assistant_tokens=k, num_assistant_tokens_schedule="constant"
+        )
     out = target.generate(ids, **kwargs)
     return int((out.shape[1] - ids.shape[1]) * ids.shape[0])
-
-

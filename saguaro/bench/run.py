@@ -1,10 +1,8 @@
 """Benchmark: Saguaro's modes (AR, SD, SSD) against ``transformers``, in one run.
 
-:func:`run_bench` takes explicit :class:`BenchParams` (the CLI builds them from its arguments),
-compiles and warms up every stage, runs the rows of :mod:`saguaro.bench.rows` over the same prompts,
-their timed passes interleaved (:mod:`saguaro.bench.passes`), and returns the report: rows (median
-tokens/s and its spread, mean accepted length, speed-up over AR and SD, SSD columns), compile times
-and the machine. Speed is only ever compared as ratios within one run on one machine.
+:func:`run_bench` takes :class:`BenchParams`, warms every row up, runs their timed passes interleaved over
+the same prompts (:mod:`saguaro.bench.passes`) and returns the report. Speed is only ever compared as ratios
+within one run on one machine.
 """
 
 from __future__ import annotations
@@ -20,14 +18,15 @@ from dataclasses import asdict
 import torch
 
 from saguaro.bench.bandwidth import add_bandwidth, measure_read_gbs
+from saguaro.bench.passes import add_speedups, interleaved
 from saguaro.bench.report import busy_rows
 from saguaro.bench.rows import ALL_MODES, DRAFT_MODES, HF_MODES, SAGUARO_MODES
-from saguaro.bench.passes import add_speedups, interleaved
 from saguaro.bench.worker import BenchParams, RowSession, params_json, run_prompts
 
 log = logging.getLogger(__name__)
 
 WORKER = ("-m", "saguaro.bench.worker")  # a row's process: python WORKER PARAMS_JSON MODE BACKEND
+EXIT_TIMEOUT_S = 30  # how long a row's process may take to exit once its stdin is closed
 
 
 def bench_modes(params: BenchParams) -> tuple[list[str], dict]:
@@ -52,10 +51,12 @@ class WorkerRow:
         self.name = f"{mode} ({backend})"
         self._stderr = tempfile.TemporaryFile(mode="w+", errors="replace", prefix="saguaro_bench_")
         cmd = [sys.executable, *WORKER, params_json(params), mode, backend]
-        self._process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                         text=True, bufsize=1)
+        self._process = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1
+        )
         try:
-            self.setup_s = self._answer("ready", "setup_s")  # the worker's own clock: capture, compile, warm-up
+            # the worker's own clock: capture, compile, warm-up
+            self.setup_s = self._answer("ready", "setup_s")
         except BaseException:
             self.close()
             raise
@@ -68,14 +69,14 @@ class WorkerRow:
         return self._ask("finish", "row")
 
     def close(self) -> None:
-        """End the process (its stdin closed: it exits; killed if it does not within 30 s)."""
+        """End the process: its stdin closed, it exits, or is killed after :data:`EXIT_TIMEOUT_S`."""
         if self._process.stdin and not self._process.stdin.closed:
             try:
                 self._process.stdin.close()
             except OSError:
                 pass  # it is gone already
         try:
-            self._process.wait(timeout=30)
+            self._process.wait(timeout=EXIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
@@ -116,43 +117,56 @@ def start_row(params: BenchParams, mode: str, backend: str):
 
 
 def run_bench(params: BenchParams, announce=lambda line: None) -> dict:
-    """Run the benchmark; ``announce(line)`` receives a line saying which prompts, then a line per row
-    once it is warm, then one per round of timed passes. Returns the report: ``config`` (with ``order``,
-    the rows' timed passes in the order they ran), ``machine``, ``prompts`` (their source: ``heldout``,
-    ``fixed`` or ``random``, and why), ``rows``, ``compile_s``, ``skipped`` and ``busy_machine`` (the rows whose
-    passes spread over :data:`~saguaro.bench.report.BUSY_SPREAD_PCT` percent: their ratios are not to be trusted).
+    """Run the benchmark: every row started and warmed up in turn (each in its own process by default),
+    then their timed passes alternating, one row computing at a time. ``announce(line)`` hears progress.
 
-    Every row is started and warmed up in turn (in its own process, by default, each idle once warm),
-    then the rows' timed passes alternate, one row computing at a time (:mod:`saguaro.bench.passes`)."""
+    Returns the report: ``config`` (``order``: the passes as they ran), ``machine``, ``prompts``, ``rows``,
+    ``compile_s``, ``skipped`` and ``busy_machine`` (:func:`~saguaro.bench.report.busy_rows`)."""
     from saguaro.models_io import load_pair
 
     modes, skipped = bench_modes(params)
     # bad folders fail here, at once, not in a row's process
-    target, _, tokenizer = load_pair(params.target, params.draft, need_draft=any(m in DRAFT_MODES for m in modes),
-                                     device="cpu")
+    target, _, tokenizer = load_pair(
+        params.target, params.draft, need_draft=any(m in DRAFT_MODES for m in modes), device="cpu"
+    )
     prompts = run_prompts(params, tokenizer, target)
     announce(f"prompts ({prompts.source}): {len(prompts.ids)} {prompts.detail}")
     backends = ["eager", "inductor"] if params.backend == "both" else [params.backend]
-    specs = [(mode, backend) for backend in backends for mode in modes
-             if mode not in HF_MODES or backend == backends[0]]
-    labels = [f"{mode}[{backend}]" if mode in SAGUARO_MODES and len(backends) > 1 else mode for mode, backend in specs]
+    specs = [
+        (mode, backend)
+        for backend in backends
+        for mode in modes
+        if mode not in HF_MODES or backend == backends[0]
+    ]
+    labels = [
+        f"{mode}[{backend}]" if mode in SAGUARO_MODES and len(backends) > 1 else mode
+        for mode, backend in specs
+    ]
     order = interleaved(labels, params.repeats)
     read_gbs = measure_read_gbs(params.threads) if torch.device(params.device).type == "cpu" else None
     if read_gbs is not None:
-        announce(f"memory read bandwidth, measured now: {read_gbs:.1f} GB/s on "
-                 f"{params.threads or torch.get_num_threads()} threads (the roofline of the GB/s column)")
+        announce(
+            f"memory read bandwidth, measured now: {read_gbs:.1f} GB/s on "
+            f"{params.threads or torch.get_num_threads()} threads (the roofline of the GB/s column)"
+        )
     started, compile_s = {}, {}
     try:
         for label, (mode, backend) in zip(labels, specs):
-            announce(f"{mode} ({backend if mode in SAGUARO_MODES else 'transformers'}): load, compile, warm up")
+            announce(
+                f"{mode} ({backend if mode in SAGUARO_MODES else 'transformers'}): load, compile, warm up"
+            )
             started[label] = start_row(params, mode, backend)
             if mode in SAGUARO_MODES:
                 compile_s[f"{mode}[{backend}]"] = started[label].setup_s
                 announce(f"  ready; capture + compile + warm-up took {started[label].setup_s:.1f}s")
         for round_start in range(0, len(order), len(labels)):
-            speeds = [f"{label} {started[label].time_pass()['tokens_per_s']:.1f}"
-                      for label in order[round_start:round_start + len(labels)]]
-            announce(f"timed pass {round_start // len(labels) + 1}/{params.repeats}, tokens/s: {', '.join(speeds)}")
+            speeds = [
+                f"{label} {started[label].time_pass()['tokens_per_s']:.1f}"
+                for label in order[round_start : round_start + len(labels)]
+            ]
+            announce(
+                f"timed pass {round_start // len(labels) + 1}/{params.repeats}, tokens/s: {', '.join(speeds)}"
+            )
         rows = [started[label].finish() | {"mode": label} for label in labels]
     finally:
         for row in started.values():
@@ -163,12 +177,19 @@ def run_bench(params: BenchParams, announce=lambda line: None) -> dict:
     differ = [r["mode"] for r in rows if r.get("prompt_source") != prompts.source]
     if differ:
         log.warning("rows %s did not run on the %s prompts the report names", differ, prompts.source)
-    config = asdict(params) | {"target": params.target or "default", "draft": params.draft or "default",
-                               "order": order}
+    config = asdict(params) | {
+        "target": params.target or "default",
+        "draft": params.draft or "default",
+        "order": order,
+    }
     return {
         "config": config,
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "read_gbs": read_gbs},
+        "machine": {
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "read_gbs": read_gbs,
+        },
         "prompts": prompts.describe(),
         "rows": rows,
         "compile_s": compile_s,

@@ -1,18 +1,14 @@
-"""One benchmark row, in a process of its own: every mode gets the same fresh machine state.
+"""One benchmark row in a process of its own, so every mode gets the same fresh machine state.
 
-``python -m saguaro.bench.worker PARAMS_JSON MODE BACKEND`` loads the pair, compiles what the row needs
-and warms up every batch of prompts (each shape bucket compiled and warm), then answers the parent
-(:mod:`saguaro.bench.run`) in JSON lines, one request on stdin, one answer on stdout:
+``python -m saguaro.bench.worker PARAMS_JSON MODE BACKEND`` loads the pair, compiles and warms up every batch,
+then answers its parent in JSON lines, one request on stdin, one answer on stdout:
 
-- at start, once warm: ``{"ready": true, "setup_s": S}`` (S: capture, compile and warm-up; null for a
-  ``transformers`` row);
-- ``{"do": "time"}``: one timed pass over every batch, answered ``{"timed": {"tokens_per_s": X,
-  "started": T0, "ended": T1}}`` (epoch seconds);
+- once warm: ``{"ready": true, "setup_s": S}`` (S: capture, compile and warm-up; null for ``transformers``);
+- ``{"do": "time"}``: one timed pass, ``{"timed": {"tokens_per_s": X, "started": T0, "ended": T1}}``;
 - ``{"do": "finish"}``: the trace (``trace_dir``), then ``{"row": {...}}``, and the process exits.
 
-It exits too when its stdin closes. Anything else the process writes to its stdout (a library's print)
-goes to its stderr, which holds the errors: a failing row exits non-zero with its traceback there.
-:class:`RowSession` is the same row in the caller's process.
+It exits too when its stdin closes. Other stdout output goes to stderr, which holds a failing row's traceback
+(exit status non-zero). :class:`RowSession` is the same row in the caller's process.
 """
 
 from __future__ import annotations
@@ -54,7 +50,8 @@ class BenchParams:
     repeats: int = 3  # timed passes per row, the rows' passes alternating
     linears: str = "auto"  # SaguaroConfig.linears of the Saguaro rows
     narrow_weights: bool = True  # SaguaroConfig.narrow_weights of the Saguaro rows
-    weights: str = "as-loaded"  # SaguaroConfig.weights / draft_weights / weight_group_size of the Saguaro rows
+    # SaguaroConfig.weights / draft_weights / weight_group_size of the Saguaro rows
+    weights: str = "as-loaded"
     draft_weights: str | None = None
     weight_group_size: int | None = None
 
@@ -64,8 +61,8 @@ class BenchParams:
 
 
 def run_prompts(params: BenchParams, tokenizer, target) -> PromptSet:
-    """The run's prompts: held-out text for the default pair (no folders given), each short enough to
-    leave ``max_new_tokens`` positions; every row's process builds the same ones (deterministic)."""
+    """The run's prompts, deterministic (every row's process builds the same): held-out text for the
+    default pair, each leaving ``max_new_tokens`` positions."""
     default_pair = params.target is None and params.draft is None
     positions = getattr(target.config, "max_position_embeddings", None)
     room = positions - params.max_new_tokens if positions else None
@@ -81,22 +78,47 @@ class RowSession:
 
         if params.threads is not None:
             torch.set_num_threads(params.threads)
-        self.params, self.mode, self.backend = params, mode, backend
+        self.params = params
+        self.mode = mode
+        self.backend = backend
         need_draft = mode in DRAFT_MODES
-        target, draft, tokenizer = load_pair(params.target, params.draft, need_draft=need_draft,
-                                             dtype=DTYPES[params.dtype], device=params.device)
+        target, draft, tokenizer = load_pair(
+            params.target,
+            params.draft,
+            need_draft=need_draft,
+            dtype=DTYPES[params.dtype],
+            device=params.device,
+        )
         draft = draft if need_draft else None
         self.prompts = run_prompts(params, tokenizer, target)
         self.program = None
         started = time.perf_counter()
         try:
             if mode in SAGUARO_MODES:
-                self.program = compile_for(target, draft, params.k, backend, sd_when_faster=params.plan != "always-ssd",
-                                           linears=params.linears, narrow_weights=params.narrow_weights,
-                                           weights=params.weights, draft_weights=params.draft_weights,
-                                           weight_group_size=params.weight_group_size)
-            self.timer = RowTimer(target, draft, self.program, self.prompts.ids, mode, params.k,
-                                  params.max_new_tokens, params.temperature, params.batch, params.seed)
+                self.program = compile_for(
+                    target,
+                    draft,
+                    params.k,
+                    backend,
+                    sd_when_faster=params.plan != "always-ssd",
+                    linears=params.linears,
+                    narrow_weights=params.narrow_weights,
+                    weights=params.weights,
+                    draft_weights=params.draft_weights,
+                    weight_group_size=params.weight_group_size,
+                )
+            self.timer = RowTimer(
+                target,
+                draft,
+                self.program,
+                self.prompts.ids,
+                mode,
+                params.k,
+                params.max_new_tokens,
+                params.temperature,
+                params.batch,
+                params.seed,
+            )
             self.timer.warm_up()
         except BaseException:
             self.close()
@@ -115,8 +137,9 @@ class RowSession:
                 self.timer.write_trace(self.params.trace_dir, self.backend)
             row = self.timer.row()
             if self.mode in SAGUARO_MODES:  # from the stages the row built: what it streamed
-                row["weight_bytes_per_token"] = token_bytes(self.program, self.mode, self.params.k,
-                                                            row.get("mean_accepted_len"))
+                row["weight_bytes_per_token"] = token_bytes(
+                    self.program, self.mode, self.params.k, row.get("mean_accepted_len")
+                )
         finally:
             self.close()
         if self.mode in SAGUARO_MODES:
@@ -154,13 +177,14 @@ def main(argv=None) -> int:
         return 0  # stdin closed: the parent is gone or gave up on this row
     finally:
         session.close()
-        # the process ends here: skip the interpreter's last collection over torch's heap (~2 s a row)
+        # the process ends here: skip the interpreter's last collection over torch's heap, slow, see
+        # docs/measurements/2026-12-07-figures-from-runtime-bench-cli.md
         gc.freeze()
 
 
 def _answer_channel():
     """The process's stdout as a private stream for the answers; file descriptor 1 (what a library
-    prints, in Python or C) then goes to stderr, so no stray line breaks the protocol."""
+    prints, in Python or C) goes to stderr from then on, so no stray line breaks the protocol."""
     sys.stdout.flush()
     answers = os.fdopen(os.dup(1), "w", buffering=1)  # os.dup: not inherited by the row's own processes
     os.dup2(2, 1)

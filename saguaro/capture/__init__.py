@@ -1,5 +1,4 @@
-"""Capture: Hugging Face causal LM → FX graph with one saguaro attention node per layer.
-May import core only."""
+"""Capture: a Hugging Face causal LM as an FX graph, one attention op a layer. May import core only."""
 
 from saguaro.capture.export import CapturedModel, ModelSpec, capture, model_spec
 

@@ -1,31 +1,12 @@
-"""The saguaro attention op: one ``torch.library`` custom op per attention layer.
+"""The saguaro attention ops: a layer writes its new keys and values into Saguaro's KV store, then attends.
 
-It writes the new keys/values into a KV store that Saguaro owns (preallocated, static shapes,
-GQA aware) and attends over that store. The mask is built inside the captured graph, once per
-forward and shared by every layer, from small integer tensors (never a dense mask rebuilt on the
-host):
-
-* ``slot_pos[b, s]``    position of the token held in slot ``s`` (-1: empty, padding or rolled back)
-* ``slot_branch[b, s]`` 0 for the committed prefix and glue; ``β > 0`` for tree branch ``β``
-* ``query_pos[b, t]``   position of query ``t``
-* ``query_branch[b, t]`` 0 for ordinary queries, ``β`` for a tree-branch query
-* ``query_limit[b, t]`` last shared (branch 0) position the query may see; ``query_pos`` for
-  ordinary queries, the fork point ``P0 + j`` for a branch forked at glue row ``j``
-* ``window``            sliding-window length (0: none): slots at positions ``> query_pos - window``
-* ``chunk``             chunk length (0: none): slots whose ``pos // chunk`` is the query's
-
-Query ``t`` sees slot ``s`` when the slot is valid and either it is shared and not after the
-query's limit, or it lies on the query's own branch and not after the query; and the layer's kind
-(window, chunk) allows the slot's position. Window and chunk compare positions, so a tree branch
-sees the shared prefix through each layer's own window. A query always sees its own slot, so a
-padding query (whose slot is marked invalid) stays finite. A model whose layers mix kinds gets one
-mask per distinct kind per forward.
-
-The attention itself takes the family's variants from ``transformers``' attention call: ``scale``
-(``query_pre_attn_scalar`` and per-family scalings arrive as HF's ``scaling``), and, in the
-``saguaro::attention_variants`` op of the layers that have them, ``softcap`` (logits
-``tanh(x / c) * c`` before the mask, Gemma 2) and ``sinks`` (one learned logit per head that joins
-the softmax and is dropped after it, GPT-OSS). Without softcap and sinks it is plain SDPA.
+The mask is built in the graph once per forward and layer kind, from ``slot_pos [B, S]`` (a slot's position;
+-1: empty, padding or rolled back), ``slot_branch [B, S]`` (0: committed prefix and glue; tree branch β > 0),
+``query_pos``, ``query_branch`` (0 or β) and ``query_limit [B, T]`` (the last shared position a query sees:
+its own, or its branch's fork point ``P0 + j``). Query ``t`` sees slot ``s`` when the slot is valid and is
+shared up to the limit or on the query's branch up to the query, and the layer kind allows its position; a
+query always sees its own slot, so a padding query stays finite. Softcap (``tanh(x / c) * c`` before the
+mask) and sinks (a logit per head in the softmax, then dropped) take ``saguaro::attention_variants``.
 """
 
 from __future__ import annotations
@@ -59,13 +40,14 @@ def build_attention_mask(
 
 
 def kind_allows(allowed, s_pos, q_pos, window: int, chunk: int):
-    """``allowed`` narrowed to the positions a layer kind lets query position ``q_pos`` see (shapes
-    broadcast: ``[B, T, S]`` from ``[B, 1, S]`` slots and ``[B, T, 1]`` queries, or scalars)."""
+    """``allowed`` narrowed to slot positions ``> q_pos - window`` and in ``q_pos``'s chunk (0: no limit), as
+    broadcast: ``[B, T, S]`` from ``[B, 1, S]`` slots and ``[B, T, 1]`` queries, or scalars."""
     if window > 0:
         allowed = allowed & (s_pos > q_pos - window)
     if chunk > 0:
-        allowed = allowed & (torch.div(s_pos, chunk, rounding_mode="floor") ==
-                             torch.div(q_pos, chunk, rounding_mode="floor"))
+        allowed = allowed & (
+            torch.div(s_pos, chunk, rounding_mode="floor") == torch.div(q_pos, chunk, rounding_mode="floor")
+        )
     return allowed
 
 
@@ -79,10 +61,7 @@ def causal_bias(
     dtype: torch.dtype,
     chunk: int = 0,
 ) -> torch.Tensor:
-    """The mask of prefill / verify / glue / step: shared slots up to the query's own position.
-
-    Needs neither query branches nor limits: every query of these stages is on the shared branch.
-    """
+    """The causal stages' mask: shared slots up to the query's position (their queries are all shared)."""
     s_pos = slot_pos[:, None, :]  # [B, 1, S]
     allowed = (s_pos >= 0) & (slot_branch[:, None, :] == 0) & (s_pos <= query_pos[:, :, None])
     allowed = kind_allows(allowed, s_pos, query_pos[:, :, None], window, chunk)  # [B, T, S]
@@ -103,10 +82,10 @@ def tree_bias(
     dtype: torch.dtype,
     chunk: int = 0,
 ) -> torch.Tensor:
-    """The tree mask: the committed prefix and glue up to the fork point, then the branch's own
-    earlier tree tokens (block diagonal over branches), built from the fork points and branch ids."""
-    mask = build_attention_mask(write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window,
-                                chunk)
+    """The tree mask: the shared slots up to the fork point, then the branch's own earlier tree tokens."""
+    mask = build_attention_mask(
+        write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window, chunk
+    )
     return additive_mask(mask, groups, dtype)
 
 
@@ -131,16 +110,17 @@ def attention_reference(
     Hkv = k_cache.shape[1]
     q = query.reshape(B, Hkv, (H // Hkv) * T, D)  # heads of one group are adjacent in HF's layout
     if softcap == 0.0 and sinks is None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias, scale=scale)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k_cache, v_cache, attn_mask=bias, scale=scale
+        )
     else:
         out = _attention_with_variants(q, k_cache, v_cache, bias, scale, softcap, sinks, T)
     return out.reshape(B, H, T, D).contiguous()  # the fake kernel promises a contiguous result
 
 
 def _attention_with_variants(q, k_cache, v_cache, bias, scale: float, softcap: float, sinks, T: int):
-    """SDPA's math with the logit softcap and the sink column, in the order of HF's eager attention:
-    scale, softcap, mask, then the softmax over ``S`` slots (float32; with sinks, over the slots and the
-    sink in the logits' dtype, the sink dropped after it)."""
+    """SDPA with a softcap and a sink column, in HF's eager order: scale, softcap, mask, softmax (float32;
+    with sinks, over the slots and the sink in the logits' dtype, the sink then dropped)."""
     logits = torch.matmul(q, k_cache.transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
     if softcap != 0.0:
         logits = torch.tanh(logits / softcap) * softcap
@@ -168,21 +148,23 @@ def attention_mask_kernel(
     groups: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The generic mask of every stage for one layer kind (``window``, ``chunk``) as one node,
-    ``[B, 1, G*T, S]`` additive; the ``specialize_attention`` pass replaces it with the stage's own
-    construction."""
-    mask = build_attention_mask(write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window,
-                                chunk)
+    """The generic additive mask ``[B, 1, G*T, S]`` of one layer kind, one node that the
+    ``specialize_attention`` pass replaces with the stage's own construction."""
+    mask = build_attention_mask(
+        write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window, chunk
+    )
     return additive_mask(mask, groups, dtype)
 
 
-saguaro_attention_mask = torch.library.custom_op(f"{OP_NAMESPACE}::attention_mask", attention_mask_kernel,
-                                                 mutates_args=())
+saguaro_attention_mask = torch.library.custom_op(
+    f"{OP_NAMESPACE}::attention_mask", attention_mask_kernel, mutates_args=()
+)
 
 
 @saguaro_attention_mask.register_fake
-def _saguaro_attention_mask_fake(write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window,
-                                 chunk, groups, dtype):
+def _saguaro_attention_mask_fake(
+    write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window, chunk, groups, dtype
+):
     B, T = write_slots.shape
     return slot_pos.new_empty((B, 1, groups * T, slot_pos.shape[1]), dtype=dtype)
 
@@ -210,8 +192,9 @@ def attention_kernel(
     return attention_reference(query, k_cache, v_cache, bias, scale)
 
 
-saguaro_attention = torch.library.custom_op(f"{OP_NAMESPACE}::attention", attention_kernel,
-                                            mutates_args=("k_cache", "v_cache"))
+saguaro_attention = torch.library.custom_op(
+    f"{OP_NAMESPACE}::attention", attention_kernel, mutates_args=("k_cache", "v_cache")
+)
 
 
 @saguaro_attention.register_fake
@@ -231,19 +214,22 @@ def attention_variants_kernel(
     softcap: float,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``saguaro::attention`` with a logit ``softcap`` (0: none) and/or ``sinks [H]``. A separate op, used
-    only by layers that have them, so that the plain op keeps its short schema: on CPU the custom-op
-    dispatch costs about 15 us per extra argument, per layer and call."""
+    """``saguaro::attention`` with a logit ``softcap`` (0: none) and/or ``sinks [H]``: a separate op, so the
+    plain op keeps its short schema, as each argument costs dispatch time
+    (docs/measurements/2026-12-07-figures-from-core-tensor-math-capture.md)."""
     _write_kv(key, value, k_cache, v_cache, write_slots)
     return attention_reference(query, k_cache, v_cache, bias, scale, softcap, sinks)
 
 
-saguaro_attention_variants = torch.library.custom_op(f"{OP_NAMESPACE}::attention_variants", attention_variants_kernel,
-                                                     mutates_args=("k_cache", "v_cache"))
+saguaro_attention_variants = torch.library.custom_op(
+    f"{OP_NAMESPACE}::attention_variants", attention_variants_kernel, mutates_args=("k_cache", "v_cache")
+)
 
 
 @saguaro_attention_variants.register_fake
-def _saguaro_attention_variants_fake(query, key, value, k_cache, v_cache, write_slots, bias, scale, softcap, sinks):
+def _saguaro_attention_variants_fake(
+    query, key, value, k_cache, v_cache, write_slots, bias, scale, softcap, sinks
+):
     return query.new_empty(query.shape)  # contiguous [B, H, T, D], like the real output
 
 
@@ -253,15 +239,17 @@ ATTENTION_OPS = (ATTENTION_OP, VARIANTS_OP)  # one of them per layer
 MASK_OP = torch.ops.saguaro.attention_mask.default
 
 # The ops' own Python kernels, for graphs that run eagerly (:func:`direct_kernel_calls`).
-KERNELS = {ATTENTION_OP: attention_kernel, VARIANTS_OP: attention_variants_kernel, MASK_OP: attention_mask_kernel}
+KERNELS = {
+    ATTENTION_OP: attention_kernel,
+    VARIANTS_OP: attention_variants_kernel,
+    MASK_OP: attention_mask_kernel,
+}
 
 
 def direct_kernel_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A GraphModule that shares ``gm``'s parameters and calls the saguaro ops' kernels directly, for the
-    eager backend: the same functions the ops dispatch to, the same tensors written in place, without the
-    dispatcher's way there (autograd, then a wrapper that imports ``torch._dynamo`` on its first call:
-    about 2.5 s in a process that compiles nothing, such as a draft process). ``gm`` keeps the ops (the
-    inspector and the exporter read it); a graph without them is returned as it is."""
+    """``gm``'s graph calling the saguaro ops' kernels themselves, for eager stages (the dispatcher's wrapper
+    imports ``torch._dynamo``: docs/measurements/2026-12-07-figures-from-core-tensor-math-capture.md);
+    ``gm`` keeps the ops, and a graph without them comes back as it is."""
     if not any(n.op == "call_function" and n.target in KERNELS for n in gm.graph.nodes):
         return gm
     graph = copy.deepcopy(gm.graph)

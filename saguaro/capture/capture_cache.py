@@ -1,17 +1,8 @@
-"""Reuse of a capture for another model of the same architecture, bound to that model's own weights.
+"""A capture reused for another model of the same architecture, bound to that model's own weights.
 
-``torch.export`` of a model costs seconds (minutes for a large one) and gives the same graph for every
-model of one class, configuration and module attributes: only the weights differ, and the captured
-graph reads those as attributes. So each capture is kept as a template whose parameters and buffers
-are meta tensors (the cache holds no weights and keeps no model alive), and a later model with the
-same fingerprint gets a copy of the template bound to its own parameters and buffers by name.
-
-The fingerprint: the model's class, its full configuration, every submodule's class and scalar
-attributes (a changed ``scaling`` or ``sliding_window`` is a new capture), every parameter's and
-buffer's name, shape, dtype and device, whether the capture drops the softcap, and the torch and
-transformers versions. A model with forward hooks (accelerate's dispatch, a user's hook) is never
-reused: a hook can change what the forward computes.
-"""
+Each capture is kept as a template on meta tensors (no weights, no model kept alive); a later model with the
+same :func:`fingerprint` gets a copy bound to its own parameters and buffers by name. A model with forward
+hooks (accelerate's dispatch, a user's) is never reused: a hook can change what the forward computes."""
 
 from __future__ import annotations
 
@@ -35,8 +26,9 @@ def _scalar_attributes(module: torch.nn.Module) -> tuple:
     for name, value in sorted(vars(module).items()):
         if name.startswith("_") or name == "training":
             continue
-        if isinstance(value, SCALARS) or (isinstance(value, (tuple, list)) and all(isinstance(v, SCALARS)
-                                                                                  for v in value)):
+        if isinstance(value, SCALARS) or (
+            isinstance(value, (tuple, list)) and all(isinstance(v, SCALARS) for v in value)
+        ):
             out.append((name, repr(value)))
     return tuple(out)
 
@@ -52,11 +44,14 @@ def _global_hooks() -> bool:
 
 def named_tensors(module: torch.nn.Module):
     """``(name, tensor)`` of every parameter and buffer, tied ones under each of their names."""
-    return chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+    return chain(
+        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
+    )
 
 
 def fingerprint(model: torch.nn.Module, drop_softcap: bool) -> tuple | None:
-    """What makes two models' captures the same graph, or None where a capture must not be reused."""
+    """What makes two captures one graph (classes, config, submodules' scalar attributes, tensor names,
+    shapes, dtypes and devices, the softcap, torch and transformers versions); None: never reuse."""
     import transformers
 
     if _global_hooks():
@@ -71,13 +66,20 @@ def fingerprint(model: torch.nn.Module, drop_softcap: bool) -> tuple | None:
             return None
         modules.append((name, type(module).__module__, type(module).__qualname__, _scalar_attributes(module)))
     tensors = tuple((name, tuple(t.shape), t.dtype, str(t.device)) for name, t in named_tensors(model))
-    return (type(model).__module__, type(model).__qualname__, config, tuple(modules), tensors, drop_softcap,
-            torch.__version__, transformers.__version__)
+    return (
+        type(model).__module__,
+        type(model).__qualname__,
+        config,
+        tuple(modules),
+        tensors,
+        drop_softcap,
+        torch.__version__,
+        transformers.__version__,
+    )
 
 
 def _quiet_deepcopy(graph_module: torch.fx.GraphModule, memo: dict) -> torch.fx.GraphModule:
-    """A copy of the graph module (nodes, code, submodules), tensors replaced as ``memo`` says; the
-    export's input/output specs and shape environment are shared, not copied (nothing changes them)."""
+    """A copy of the graph module, tensors replaced as ``memo`` says (export's specs and shape env shared)."""
     for name in ("_in_spec", "_out_spec", "shape_env", "range_constraints"):
         shared = graph_module.__dict__.get(name)
         if shared is not None:
@@ -114,8 +116,8 @@ class CaptureCache:
             self._templates.popitem(last=False)
 
     def get(self, key: tuple | None, wrapper: torch.nn.Module) -> torch.fx.GraphModule | None:
-        """A copy of the template bound to ``wrapper``'s parameters and buffers (the module the graph
-        was exported from, with the new model inside), or None when nothing fits."""
+        """A copy of the template bound to the tensors of ``wrapper`` (the module exported, the new model
+        inside), or None when nothing fits."""
         template = self._templates.get(key) if key is not None else None
         if template is None:
             return None

@@ -1,14 +1,8 @@
-"""Captures kept on disk, so a later process (the next ``saguaro generate``, a draft process, a test
-worker) skips ``torch.export`` for an architecture captured before: the graph only (no weights) as plain
-JSON (:mod:`~saguaro.capture.graph_file`: read back in milliseconds, where torch.export's own serialized
-form took seconds), bound to the new model's weights by name when read back.
+"""Captures kept on disk as :mod:`~saguaro.capture.graph_file` JSON (no weights), so a later process skips
+``torch.export`` for an architecture captured before; read back bound to the new model's weights by name.
 
-Where: ``$SAGUARO_CACHE_DIR/captures`` (default ``~/.cache/saguaro/captures``); ``SAGUARO_CAPTURE_CACHE=0``
-turns it off. One folder per fingerprint (:func:`~saguaro.capture.capture_cache.fingerprint`, plus the
-source of Saguaro's capture code, so an edited capture never reads an old graph), written to a temporary
-folder and renamed into place: a reader sees a whole entry or none. An entry whose recorded fingerprint
-differs, or that cannot be read, is a miss (logged); the capture then runs as if there were no cache.
-"""
+One folder per fingerprint and capture source under :func:`cache_root`, renamed into place whole; an entry
+that differs or cannot be read is a logged miss, and the capture runs as if there were no cache."""
 
 from __future__ import annotations
 
@@ -33,7 +27,7 @@ FORMAT = 2  # 1: torch.export's serialized form; 2: graph_file's JSON
 
 
 def cache_root() -> Path | None:
-    """The folder of captures, or None when the disk cache is off."""
+    """``$SAGUARO_CACHE_DIR/captures`` (default ``~/.cache/saguaro``); None if ``SAGUARO_CAPTURE_CACHE=0``."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     base = os.environ.get(ENV_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "saguaro")
@@ -105,13 +99,19 @@ def read(key: tuple | None, wrapper: torch.nn.Module) -> torch.fx.GraphModule | 
         own = dict(named_tensors(wrapper))
         missing = [name for name in entry["tensors"] if name not in own]
         if missing:
-            log.info("capture cache: %s needs %s, which this model has not got; capturing afresh", folder, missing[0])
+            log.info(
+                "capture cache: %s needs %s, which this model has not got; capturing afresh",
+                folder,
+                missing[0],
+            )
             return None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # pytree's LeafSpec deprecation, inside torch
             return graph_file.loads((folder / "graph.json").read_text(), wrapper)
     except Exception as exc:  # a corrupt or foreign entry: capture as if it were not there
-        log.warning("capture cache: could not read %s (%s: %s); capturing afresh", folder, type(exc).__name__, exc)
+        log.warning(
+            "capture cache: could not read %s (%s: %s); capturing afresh", folder, type(exc).__name__, exc
+        )
         return None
 
 

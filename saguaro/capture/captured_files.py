@@ -1,16 +1,9 @@
-"""A captured model as files another process reads without the model's code: the graph as
-:mod:`~saguaro.capture.graph_file` JSON, the tensors it reads (``get_attr`` targets) as safetensors,
-and its :class:`~saguaro.capture.export.ModelSpec` as JSON.
-
-A process lane's draft process starts from these: it neither imports ``transformers`` nor rebuilds the
-model nor captures it (a process lane's start on the default pair measured 2.5-2.9 s against 6.7-7.8 s,
-most of the difference ``transformers``' imports; ``benchmarks/parts/lane_start.py``). The graph is the
-capture's, before any pass, so the draft process runs the same pass pipeline on it as the caller did.
-"""
+"""A captured model (before any pass) as files a draft process reads without ``transformers``: the graph as
+:mod:`~saguaro.capture.graph_file` JSON, its tensors as safetensors and its ModelSpec as JSON (why:
+docs/measurements/2026-12-02-lane-checks-and-draft-start.md)."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict
 from operator import attrgetter
@@ -26,36 +19,46 @@ GRAPH, TENSORS = "graph.json", "tensors.safetensors"
 
 
 class CapturedSource:
-    """What a capture was, kept beside the runner for a draft process: the graph as JSON text, the
-    tensors it reads (the model's own, not copies) and the spec."""
+    """A capture kept for a draft process: graph JSON text, the tensors it reads (not copies), the spec."""
 
     def __init__(self, text: str, tensors: dict[str, torch.Tensor], spec: ModelSpec):
         self.text, self.tensors, self.spec = text, tensors, spec
 
     @classmethod
-    def of(cls, captured: CapturedModel) -> "CapturedSource | None":
+    def of(cls, captured: CapturedModel) -> CapturedSource | None:
         """The source of a fresh capture (before any pass), or None when its graph has no JSON form."""
         gm = captured.graph_module
         try:
             text = graph_file.dumps(gm)
         except graph_file.NotKept:
             return None
-        return cls(text, {name: attrgetter(name)(gm) for name in graph_file.attribute_names(gm)}, captured.spec)
+        return cls(
+            text, {name: attrgetter(name)(gm) for name in graph_file.attribute_names(gm)}, captured.spec
+        )
 
     def save(self, directory: str) -> dict:
         """Write the files to ``directory``; returns their description (names, aliases, spec)."""
         with open(os.path.join(directory, GRAPH), "w") as f:
             f.write(self.text)
-        aliases = save_tensors(os.path.join(directory, TENSORS), {k: t.detach() for k, t in self.tensors.items()})
+        aliases = save_tensors(
+            os.path.join(directory, TENSORS), {k: t.detach() for k, t in self.tensors.items()}
+        )
         parameters = sorted(k for k, t in self.tensors.items() if isinstance(t, torch.nn.Parameter))
-        return {"directory": directory, "aliases": aliases, "parameters": parameters, "spec": spec_json(self.spec)}
+        return {
+            "directory": directory,
+            "aliases": aliases,
+            "parameters": parameters,
+            "spec": spec_json(self.spec),
+        }
 
 
 def load_captured(description: dict, device: torch.device) -> CapturedModel:
     """The captured model :meth:`CapturedSource.save` described, its tensors on ``device``."""
     directory = description["directory"]
     tensors = load_tensors(os.path.join(directory, TENSORS), description["aliases"], device)
-    parameters = {name: torch.nn.Parameter(tensors[name], requires_grad=False) for name in description["parameters"]}
+    parameters = {
+        name: torch.nn.Parameter(tensors[name], requires_grad=False) for name in description["parameters"]
+    }
     for alias, name in description["aliases"].items():  # a tie between parameters stays one Parameter
         if name in parameters:
             parameters[alias] = parameters[name]
@@ -73,5 +76,11 @@ def spec_json(spec: ModelSpec) -> dict:
 
 
 def spec_from_json(data: dict, device: torch.device) -> ModelSpec:
-    return ModelSpec(**dict(data, dtype=getattr(torch, data["dtype"]), device=device,
-                            layer_kinds=tuple(LayerKind(**kind) for kind in data["layer_kinds"])))
+    return ModelSpec(
+        **dict(
+            data,
+            dtype=getattr(torch, data["dtype"]),
+            device=device,
+            layer_kinds=tuple(LayerKind(**kind) for kind in data["layer_kinds"]),
+        )
+    )

@@ -15,11 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.capture.attention_op import ATTENTION_OPS, saguaro_attention_mask
 from saguaro.capture import capture_files
+from saguaro.capture.attention_op import ATTENTION_OPS, saguaro_attention_mask
 from saguaro.capture.capture_cache import CAPTURES, fingerprint
-from saguaro.capture.hf_hook import (ACTIVE_CONTEXT, ATTN_IMPLEMENTATION, AttentionContext, register_attention,
-                                     softcap_dropped_by)
+from saguaro.capture.hf_hook import (
+    ACTIVE_CONTEXT,
+    ATTN_IMPLEMENTATION,
+    AttentionContext,
+    register_attention,
+    softcap_dropped_by,
+)
 from saguaro.capture.layer_kinds import LayerKind, layer_kinds
 from saguaro.core.errors import CaptureError
 
@@ -45,22 +50,43 @@ class ModelSpec:
 class _StageForward(torch.nn.Module):
     """Wraps an HF model so its forward has the captured graph's signature."""
 
-    def __init__(self, model: torch.nn.Module, spec: "ModelSpec", drop_softcap: bool = False):
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, drop_softcap: bool = False):
         super().__init__()
         self.model = model
         self.drop_softcap = drop_softcap
         self.groups = spec.num_heads // spec.num_kv_heads
         self.layer_kinds = spec.layer_kinds
 
-    def forward(self, input_ids, positions, write_slots, query_branch, query_limit, slot_pos, slot_branch,
-                k_caches, v_caches):
+    def forward(
+        self,
+        input_ids,
+        positions,
+        write_slots,
+        query_branch,
+        query_limit,
+        slot_pos,
+        slot_branch,
+        k_caches,
+        v_caches,
+    ):
         biases = {  # one mask per distinct layer kind, each [B, 1, G*T, S]
-            kind: saguaro_attention_mask(write_slots, positions, query_branch, query_limit, slot_pos, slot_branch,
-                                         kind.window, kind.chunk, self.groups, k_caches[0].dtype)
+            kind: saguaro_attention_mask(
+                write_slots,
+                positions,
+                query_branch,
+                query_limit,
+                slot_pos,
+                slot_branch,
+                kind.window,
+                kind.chunk,
+                self.groups,
+                k_caches[0].dtype,
+            )
             for kind in sorted(set(self.layer_kinds))
         }
-        ctx = AttentionContext(list(k_caches), list(v_caches), write_slots, biases, self.layer_kinds,
-                               self.drop_softcap)
+        ctx = AttentionContext(
+            list(k_caches), list(v_caches), write_slots, biases, self.layer_kinds, self.drop_softcap
+        )
         token = ACTIVE_CONTEXT.set(ctx)
         try:
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False)
@@ -106,11 +132,8 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
 
 
 def _max_positions(config) -> int:
-    """The most positions the captured graph computes exactly.
-
-    Llama 4's NoPE layers scale queries by ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``
-    with ``p`` counted from the HF cache, which a captured forward has not got (``p`` restarts at 0
-    every call); the factor is 1 while ``p + 1 < floor_scale``, so sequences stay below that."""
+    """The most positions the captured graph computes exactly: below ``floor_scale`` for Llama 4's NoPE
+    layers, whose query scale counts ``p`` from an HF cache a captured forward has not got."""
     limit = getattr(config, "max_position_embeddings", None) or 1 << 20
     nope_layers = 0 in (getattr(config, "no_rope_layers", None) or [])
     if getattr(config, "attn_temperature_tuning", False) and nope_layers:
@@ -174,7 +197,8 @@ def capture(model: torch.nn.Module) -> CapturedModel:
     try:
         with torch.no_grad():
             program = torch.export.export(
-                _StageForward(model, spec, drop_softcap), example_inputs(spec),
+                _StageForward(model, spec, drop_softcap),
+                example_inputs(spec),
                 dynamic_shapes=_dynamic_shapes(spec.num_layers),
                 strict=False,
             )
@@ -187,7 +211,9 @@ def capture(model: torch.nn.Module) -> CapturedModel:
         _switch_attention(model, previous)
         model.train(was_training)
     graph_module = program.module()
-    attention_nodes = [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
+    attention_nodes = [
+        n for n in graph_module.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS
+    ]
     if len(attention_nodes) != spec.num_layers:
         raise CaptureError(
             f"{name}: expected one saguaro attention node per layer ({spec.num_layers}), found "
@@ -196,21 +222,28 @@ def capture(model: torch.nn.Module) -> CapturedModel:
     CAPTURES.put(key, graph_module)
     capture_files.write(key, graph_module)
     elapsed = time.perf_counter() - start
-    log.info("captured %s: %d layers, %d graph nodes in %.1fs", name, spec.num_layers,
-             len(graph_module.graph.nodes), elapsed)
+    log.info(
+        "captured %s: %d layers, %d graph nodes in %.1fs",
+        name,
+        spec.num_layers,
+        len(graph_module.graph.nodes),
+        elapsed,
+    )
     return CapturedModel(graph_module=graph_module, spec=spec)
 
 
 def _reused(key, wrapper: _StageForward, name: str) -> torch.fx.GraphModule | None:
-    """The graph of an earlier capture of this architecture bound to ``wrapper``'s weights: from this
-    process's templates, else from the captures kept on disk (then kept as a template too)."""
+    """An earlier capture bound to ``wrapper``'s weights: a template, else from disk (then a template)."""
     graph_module = CAPTURES.get(key, wrapper)
     if graph_module is not None:
         log.info("captured %s: reused this process's capture of the architecture, bound to its weights", name)
         return graph_module
     graph_module = capture_files.read(key, wrapper)
     if graph_module is not None:
-        log.info("captured %s: read the architecture's capture from %s, bound to its weights", name,
-                 capture_files.cache_root())
+        log.info(
+            "captured %s: read the architecture's capture from %s, bound to its weights",
+            name,
+            capture_files.cache_root(),
+        )
         CAPTURES.put(key, graph_module)
     return graph_module

@@ -1,22 +1,11 @@
-"""A captured graph as plain JSON: what the capture cache keeps on disk (``capture_files``).
+"""A captured graph as plain JSON, what the capture cache keeps on disk: only what the passes and backends
+read, so it reads back far faster than torch.export's serialized form
+(docs/measurements/2026-12-07-figures-from-core-tensor-math-capture.md).
 
-Reading torch.export's own serialized form back costs seconds per graph (every node's fake tensor is
-rebuilt with its symbolic shapes through sympy; measured 1.3 s for a tiny Llama in a warm process, about
-4 s per graph of the default pair in a fresh one). What the passes and the backends read of a captured
-graph is far less: its nodes (op, target, arguments), the pytree signature, and a little metadata. So
-this form keeps exactly that, and a graph is rebuilt in tens of milliseconds:
-
-- ``call_function`` targets are operator overloads (``aten::mm.default``, ``saguaro::attention.default``),
-  found again through ``torch.ops``, or functions of Python's ``operator`` module (``getitem``);
-  arguments are nodes, numbers, strings, dtypes, devices, layouts and memory formats, in lists and
-  tuples. A graph with anything else is not written (:class:`NotKept`).
-- Node metadata kept: ``nn_module_stack``, ``stack_trace``, ``torch_fn``, ``custom`` (what the inspector
-  and the passes read), and for a tensor-valued node ``meta["val"]`` as a :class:`TensorSpec` (dtype and
-  shape, symbolic sizes as their names) in place of a fake tensor.
-- Export's input-guard call (``_guards_fn``, checked against the pytree signature) is not kept:
-  ``flatten_signature`` (in the base pipeline every capture goes through) removes it anyway.
-- ``get_attr`` targets are paths in the module the graph was captured from; reading binds them to the
-  new model's own parameters and buffers (``torch.fx.GraphModule(root, graph)`` copies them by path).
+Kept: the nodes (``call_function`` targets: operator overloads or Python ``operator`` functions; arguments:
+nodes, numbers, strings, dtypes, devices, layouts, memory formats, in lists, tuples; else :class:`NotKept`),
+the pytree signature, :data:`KEPT_META` and a :class:`TensorSpec` per tensor ``meta["val"]``. Not kept: the
+guard call (``flatten_signature`` drops it anyway). ``get_attr`` paths bind to the new model's tensors.
 """
 
 from __future__ import annotations
@@ -41,8 +30,7 @@ class NotKept(Exception):
 
 
 class TensorSpec(NamedTuple):
-    """``meta["val"]`` of a tensor-valued node of a graph read from disk: dtype and shape (an ``int`` per
-    static size, the symbol's name, such as ``"s12"``, per dynamic one)."""
+    """A read graph's ``meta["val"]``: dtype and shape (an int per static size, else a name: ``"s12"``)."""
 
     dtype: torch.dtype
     shape: tuple
@@ -71,7 +59,7 @@ def _decode(value: Any, nodes: dict) -> Any:
         return [_decode(v, nodes) for v in value]
     if not isinstance(value, dict):
         return value
-    (kind, item), = value.items()
+    ((kind, item),) = value.items()
     if kind == "node":
         return nodes[item]
     if kind == "tuple":
@@ -111,8 +99,10 @@ def _operator(target: dict):
 def _value(val: Any) -> dict | None:
     if not isinstance(val, torch.Tensor):
         return None
-    return {"dtype": str(val.dtype).removeprefix("torch."),
-            "shape": [s if isinstance(s, int) else str(s) for s in val.shape]}
+    return {
+        "dtype": str(val.dtype).removeprefix("torch."),
+        "shape": [s if isinstance(s, int) else str(s) for s in val.shape],
+    }
 
 
 def attribute_names(gm: torch.fx.GraphModule) -> list[str]:
@@ -136,12 +126,27 @@ def dumps(gm: torch.fx.GraphModule) -> str:
             json.dumps(meta)
         except (TypeError, ValueError) as exc:
             raise NotKept(f"node {node.name}'s metadata: {exc}") from exc
-        nodes.append(dict(op=node.op, name=node.name, target=_target(node), args=_encode(node.args),
-                          kwargs={k: _encode(v) for k, v in node.kwargs.items()}, meta=meta,
-                          val=_value(node.meta.get("val"))))
+        nodes.append(
+            dict(
+                op=node.op,
+                name=node.name,
+                target=_target(node),
+                args=_encode(node.args),
+                kwargs={k: _encode(v) for k, v in node.kwargs.items()},
+                meta=meta,
+                val=_value(node.meta.get("val")),
+            )
+        )
     info = codegen.pytree_info
-    return json.dumps(dict(version=VERSION, nodes=nodes, orig_args=list(info.orig_args),
-                           in_spec=pytree.treespec_dumps(info.in_spec), out_spec=pytree.treespec_dumps(info.out_spec)))
+    return json.dumps(
+        dict(
+            version=VERSION,
+            nodes=nodes,
+            orig_args=list(info.orig_args),
+            in_spec=pytree.treespec_dumps(info.in_spec),
+            out_spec=pytree.treespec_dumps(info.out_spec),
+        )
+    )
 
 
 def loads(text: str, root: torch.nn.Module) -> torch.fx.GraphModule:
@@ -153,8 +158,13 @@ def loads(text: str, root: torch.nn.Module) -> torch.fx.GraphModule:
     nodes: dict = {}
     for item in data["nodes"]:
         target = _operator(item["target"]) if item["op"] == "call_function" else item["target"]
-        node = graph.create_node(item["op"], target, _decode(item["args"], nodes),
-                                 {k: _decode(v, nodes) for k, v in item["kwargs"].items()}, name=item["name"])
+        node = graph.create_node(
+            item["op"],
+            target,
+            _decode(item["args"], nodes),
+            {k: _decode(v, nodes) for k, v in item["kwargs"].items()},
+            name=item["name"],
+        )
         if node.name != item["name"]:
             raise ValueError(f"node {item['name']!r} came back as {node.name!r}")
         node.meta.update(item["meta"])
@@ -167,7 +177,9 @@ def loads(text: str, root: torch.nn.Module) -> torch.fx.GraphModule:
             node.meta["val"] = TensorSpec(_enum("dtype", val["dtype"]), tuple(val["shape"]))
         nodes[node.name] = node
     in_spec, out_spec = pytree.treespec_loads(data["in_spec"]), pytree.treespec_loads(data["out_spec"])
-    graph._codegen = torch.fx.graph._PyTreeCodeGen(torch.fx.graph._PyTreeInfo(data["orig_args"], in_spec, out_spec))
+    graph._codegen = torch.fx.graph._PyTreeCodeGen(
+        torch.fx.graph._PyTreeInfo(data["orig_args"], in_spec, out_spec)
+    )
     gm = torch.fx.GraphModule(root, graph)
     gm._in_spec, gm._out_spec = in_spec, out_spec
     return gm

@@ -1,11 +1,7 @@
-"""Route a Hugging Face model's attention through the saguaro op via ``AttentionInterface``.
+"""A Hugging Face model's attention routed through the saguaro ops by ``AttentionInterface``.
 
-HF calls ``attention_interface(module, query, key, value, attention_mask, scaling=..., **kwargs)``
-with ``query [B, H, T, D]`` and ``key/value [B, Hkv, T, D]`` after RoPE. Our implementation ignores
-HF's mask (we register a mask builder that returns ``None``) and reads the KV store and the mask
-description from a context variable (:data:`ACTIVE_CONTEXT`) that the capture wrapper
-(``saguaro.capture.export._StageForward``) sets around the forward. Registration happens lazily, on first capture, never at import.
-"""
+HF's mask is ignored (the registered mask builder returns None); the KV store and masks come from
+:data:`ACTIVE_CONTEXT`, which the capture wrapper sets around the forward. Registered at first capture."""
 
 from __future__ import annotations
 
@@ -39,16 +35,15 @@ ACTIVE_CONTEXT: contextvars.ContextVar[AttentionContext] = contextvars.ContextVa
 
 
 def saguaro_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """The ``AttentionInterface`` implementation named ``"saguaro"``.
-
-    The family's variants come with HF's call: ``scaling`` (``query_pre_attn_scalar`` ...), ``softcap``
-    (Gemma 2) and the sinks (``s_aux``, GPT-OSS); the layer's window must be the one its kind's mask
-    was built with."""
+    """The ``"saguaro"`` attention: ``query [B, H, T, D]``, ``key``/``value [B, Hkv, T, D]`` after RoPE, with
+    HF's ``scaling``, ``softcap``, sinks (``s_aux``); ``CaptureError`` where a layer does not fit its kind."""
     name = type(module).__name__
     try:
         ctx = ACTIVE_CONTEXT.get()
     except LookupError:
-        raise CaptureError(f"{name} ran with attn_implementation='saguaro' outside a saguaro capture") from None
+        raise CaptureError(
+            f"{name} ran with attn_implementation='saguaro' outside a saguaro capture"
+        ) from None
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise CaptureError(f"{name} has no layer_idx; saguaro cannot map it to a KV store layer")
@@ -57,18 +52,33 @@ def saguaro_attention_forward(module, query, key, value, attention_mask, dropout
     kind = ctx.layer_kinds[layer]
     window = kwargs.get("sliding_window")
     if window is not None and int(window) != kind.window:  # the config and the layer disagree: refuse
-        raise CaptureError(f"{name} (layer {layer}) attends with sliding_window={window}, but its config gives "
-                           f"the layer the kind {kind}")
+        raise CaptureError(
+            f"{name} (layer {layer}) attends with sliding_window={window}, but its config gives "
+            f"the layer the kind {kind}"
+        )
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # [H]
     if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
-        raise CaptureError(f"{name} (layer {layer}) has attention sinks that its attention call does not pass; "
-                           "saguaro cannot tell how they apply")
+        raise CaptureError(
+            f"{name} (layer {layer}) has attention sinks that its attention call does not pass; "
+            "saguaro cannot tell how they apply"
+        )
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
-        raise CaptureError(f"{name} (layer {layer}): attention sinks of shape {tuple(sinks.shape)}; saguaro "
-                           f"supports one sink logit per head ({query.shape[1]})")
+        raise CaptureError(
+            f"{name} (layer {layer}): attention sinks of shape {tuple(sinks.shape)}; saguaro "
+            f"supports one sink logit per head ({query.shape[1]})"
+        )
     softcap = 0.0 if ctx.drop_softcap else float(kwargs.get("softcap") or 0.0)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    args = (query, key, value, ctx.k_caches[layer], ctx.v_caches[layer], ctx.write_slots, ctx.biases[kind], scale)
+    args = (
+        query,
+        key,
+        value,
+        ctx.k_caches[layer],
+        ctx.v_caches[layer],
+        ctx.write_slots,
+        ctx.biases[kind],
+        scale,
+    )
     if softcap or sinks is not None:
         out = saguaro_attention_variants(*args, softcap, sinks)  # [B, H, T, D]
     else:
@@ -76,13 +86,10 @@ def saguaro_attention_forward(module, query, key, value, attention_mask, dropout
     return out.transpose(1, 2), None  # HF expects [B, T, H, D]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sdpa_drops_softcap() -> bool:
-    """Whether this ``transformers``' SDPA attention silently ignores a ``softcap`` (measured on tiny
-    tensors, not read from a version table). Some releases (5.17) let Gemma 2 default to SDPA, which then
-    computes without ``attn_logit_softcapping``; later ones refuse the softcap (an error) or the model no
-    longer defaults to SDPA. A model that drops it is what its own ``generate`` computes, so capture
-    follows it (:func:`softcap_dropped_by`)."""
+    """Whether this ``transformers``' SDPA attention silently ignores a ``softcap`` (tried on tiny tensors:
+    some releases, such as 5.17, let Gemma 2 default to SDPA without it; capture then follows the model)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     module = torch.nn.Module()
@@ -91,7 +98,7 @@ def sdpa_drops_softcap() -> bool:
     try:
         plain, _ = sdpa_attention_forward(module, q, q, q, None, scaling=1.0)
         capped, _ = sdpa_attention_forward(module, q, q, q, None, scaling=1.0, softcap=1.0)
-    except Exception:  # noqa: BLE001 - refused: the model's own forward raises too, nothing is dropped
+    except Exception:
         return False
     return torch.equal(plain, capped)
 
@@ -103,10 +110,14 @@ def softcap_dropped_by(model: torch.nn.Module) -> bool:
         return False
     if not sdpa_drops_softcap():
         return False
-    log.warning("%s: transformers %s's SDPA attention ignores attn_logit_softcapping=%s, so the model as loaded "
-                "(attn_implementation='sdpa') computes without it; Saguaro does the same, to give that model's "
-                "tokens (load it with attn_implementation='eager' for the softcapped model)", type(model).__name__,
-                _transformers_version(), config.attn_logit_softcapping)
+    log.warning(
+        "%s: transformers %s's SDPA attention ignores attn_logit_softcapping=%s, so the model as loaded "
+        "(attn_implementation='sdpa') computes without it; Saguaro does the same, to give that model's "
+        "tokens (load it with attn_implementation='eager' for the softcapped model)",
+        type(model).__name__,
+        _transformers_version(),
+        config.attn_logit_softcapping,
+    )
     return True
 
 

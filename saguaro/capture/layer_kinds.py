@@ -1,16 +1,8 @@
-"""Each layer's attention kind, read from a Hugging Face config.
+"""Each layer's attention kind from a Hugging Face config: a sliding window (positions ``> q - window``, as
+``sliding_window_overlay``) or a chunk (``pos // chunk`` the query's, as ``chunked_overlay``), or full.
 
-A kind is what the mask of one layer needs beyond the shared causal / tree rule: a sliding window of
-its own length (the query sees positions ``> q - window``, itself included, as ``transformers``'
-``sliding_window_overlay``) or a chunk (the query sees positions in its own chunk
-``pos // chunk``, as ``chunked_overlay``, whose indices are positions once left padding is removed).
-Layers of one kind share one mask construction per forward.
-
-The source is ``config.layer_types`` (``"full_attention"``, ``"sliding_attention"``,
-``"chunked_attention"``), the convention every family in this ``transformers`` follows (Gemma 2 / 3,
-GPT-OSS, Qwen2's ``max_window_layers``, Cohere2, Llama 4 ...). Configs without ``layer_types`` use
-one kind for every layer: ``sliding_window`` (unless ``use_sliding_window`` is off) or full.
-"""
+Read from ``config.layer_types`` (:data:`FULL`, :data:`SLIDING`, :data:`CHUNKED`); without it every layer
+gets one kind, ``sliding_window`` (unless ``use_sliding_window`` is off) or full."""
 
 from __future__ import annotations
 
@@ -38,7 +30,9 @@ def layer_kinds(config, num_layers: int) -> tuple[LayerKind, ...]:
     """The kind of every layer, or ``CaptureError`` naming the config class and what is not supported."""
     name = type(config).__name__
     if getattr(config, "use_bidirectional_attention", False):
-        raise CaptureError(f"{name}: use_bidirectional_attention=True is not causal; saguaro needs causal attention")
+        raise CaptureError(
+            f"{name}: use_bidirectional_attention=True is not causal; saguaro needs causal attention"
+        )
     window = getattr(config, "sliding_window", None)
     if getattr(config, "use_sliding_window", True) is False:
         window = None
@@ -53,16 +47,22 @@ def layer_kinds(config, num_layers: int) -> tuple[LayerKind, ...]:
             kinds.append(LayerKind())
         elif kind == SLIDING:
             if not window:  # transformers' own sliding mask refuses this too
-                raise CaptureError(f"{name}: layer {i} is sliding_attention but the config has no sliding window "
-                                   f"(sliding_window={getattr(config, 'sliding_window', None)!r}, "
-                                   f"use_sliding_window={getattr(config, 'use_sliding_window', None)!r})")
+                raise CaptureError(
+                    f"{name}: layer {i} is sliding_attention but the config has no sliding window "
+                    f"(sliding_window={getattr(config, 'sliding_window', None)!r}, "
+                    f"use_sliding_window={getattr(config, 'use_sliding_window', None)!r})"
+                )
             kinds.append(LayerKind(window=int(window)))
         elif kind == CHUNKED:
             chunk = getattr(config, "attention_chunk_size", None)
             if not chunk:
-                raise CaptureError(f"{name}: layer {i} is chunked_attention but attention_chunk_size={chunk!r}")
+                raise CaptureError(
+                    f"{name}: layer {i} is chunked_attention but attention_chunk_size={chunk!r}"
+                )
             kinds.append(LayerKind(chunk=int(chunk)))
         else:
-            raise CaptureError(f"{name}: layer {i} has attention kind {kind!r}; saguaro supports {FULL!r}, "
-                               f"{SLIDING!r} and {CHUNKED!r}")
+            raise CaptureError(
+                f"{name}: layer {i} has attention kind {kind!r}; saguaro supports {FULL!r}, "
+                f"{SLIDING!r} and {CHUNKED!r}"
+            )
     return tuple(kinds)

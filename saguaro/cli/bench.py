@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import sys
 
-from saguaro.cli.args import (add_bench_args, add_linears_arg, add_model_args, add_plan_arg, sd_when_faster,
-                              weight_options)
+from saguaro.cli.args import (
+    add_bench_args,
+    add_linears_arg,
+    add_model_args,
+    add_plan_arg,
+    sd_when_faster,
+    weight_options,
+)
 from saguaro.cli.program import add_program_arg, check_program_args, load_program
 from saguaro.cli.registry import Subcommand
 
@@ -20,18 +26,34 @@ def add_arguments(bench) -> None:
 
 
 def run(args) -> int:
-    from saguaro.bench.run import BenchParams, run_bench
     from saguaro.bench.report import format_table, write_json
+    from saguaro.bench.run import BenchParams, run_bench
 
     check_program_args(args)
     if args.program is not None:
         return _bench_program(args)
     params = BenchParams(
-        target=args.target, draft=args.draft, modes=tuple(args.modes) if args.modes else None, prompts=args.prompts,
-        batch=args.batch, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        backend=args.backend, device=args.device, dtype=args.dtype, seed=args.seed, threads=args.threads,
-        same_process=args.same_process, trace_dir=args.trace, plan=args.plan, repeats=args.repeats,
-        linears=args.linears, narrow_weights=args.narrow_weights == "on", **weight_options(args))
+        target=args.target,
+        draft=args.draft,
+        modes=tuple(args.modes) if args.modes else None,
+        prompts=args.prompts,
+        batch=args.batch,
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        backend=args.backend,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        threads=args.threads,
+        same_process=args.same_process,
+        trace_dir=args.trace,
+        plan=args.plan,
+        repeats=args.repeats,
+        linears=args.linears,
+        narrow_weights=args.narrow_weights == "on",
+        **weight_options(args),
+    )
     report = run_bench(params, announce=lambda line: sys.stdout.write(line + "\n"))
     sys.stdout.write(format_table(report["rows"]) + "\n")
     for mode, reason in report["skipped"].items():
@@ -42,9 +64,9 @@ def run(args) -> int:
 
 
 def _bench_program(args) -> int:
-    from saguaro.bench.report import format_table, write_json
     from saguaro.bench.passes import interleaved
     from saguaro.bench.prompts import prompt_set
+    from saguaro.bench.report import format_table, write_json
     from saguaro.bench.rows import SAGUARO_MODES, run_rows
 
     program, tokenizer = load_program(args)
@@ -54,11 +76,24 @@ def _bench_program(args) -> int:
     if program.draft is None:
         modes = [m for m in modes if m == "ar"]
     # an artifact does not say which pair it holds, so its prompts are the fixed ones (or random ids)
-    prompts = prompt_set(tokenizer, args.prompts, program.target.spec.vocab_size, args.seed, default_pair=False)
+    prompts = prompt_set(
+        tokenizer, args.prompts, program.target.spec.vocab_size, args.seed, default_pair=False
+    )
     sys.stdout.write(f"prompts ({prompts.source}): {prompts.detail}\n")
     try:
-        rows = run_rows(None, None, prompts.ids, modes, program.config.k, args.max_new_tokens, args.temperature,
-                        args.batch, args.seed, program=program, repeats=args.repeats)
+        rows = run_rows(
+            None,
+            None,
+            prompts.ids,
+            modes,
+            program.config.k,
+            args.max_new_tokens,
+            args.temperature,
+            args.batch,
+            args.seed,
+            program=program,
+            repeats=args.repeats,
+        )
     finally:
         program.close()  # its lane (a draft process) ends with the run, whether the rows ran or raised
     sys.stdout.write(format_table(rows) + "\n")
@@ -69,5 +104,9 @@ def _bench_program(args) -> int:
     return 0
 
 
-COMMAND = Subcommand("bench", "AR, SD, SSD and transformers (assisted) generation over the same prompts: "
-                              "a table and JSON", add_arguments, run)
+COMMAND = Subcommand(
+    "bench",
+    "AR, SD, SSD and transformers (assisted) generation over the same prompts: a table and JSON",
+    add_arguments,
+    run,
+)

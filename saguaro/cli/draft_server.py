@@ -1,10 +1,9 @@
 """``saguaro draft-server``: serve a draft model to one target at a time over ``torch.distributed``
 (``saguaro.compile(target, draft_address="HOST:PORT", lane="remote")`` connects to it).
 
-It binds only the address given (loopback when the host is omitted), prints that address and a ready
-line, and serves until interrupted (Ctrl-C ends it cleanly, within seconds even while a
-``torch.distributed`` wait holds the interrupt: ``stop_watchdog``). A non-loopback address needs a shared
-secret (``--secret-file`` or ``SAGUARO_DRAFT_SECRET``): without one it refuses to start.
+It binds only the address given (loopback without a host), prints it and a ready line, and serves until
+interrupted (:mod:`saguaro.cli.stop_watchdog`). A non-loopback address needs a shared secret
+(``--secret-file`` or ``SAGUARO_DRAFT_SECRET``), else it refuses to start.
 """
 
 from __future__ import annotations
@@ -17,17 +16,37 @@ from saguaro.cli.stop_watchdog import StopWatchdog
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--listen", required=True, metavar="HOST:PORT",
-                        help="address to listen on (HOST omitted: 127.0.0.1); only this address is bound")
-    parser.add_argument("--draft", metavar="DIR", help="saved draft model folder (default: the default pair's draft)")
-    parser.add_argument("--device", default="cpu", help="where the draft runs: cpu, cuda, cuda:1, ... (default cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="weights dtype (default float32; the target must use the same)")
-    parser.add_argument("--threads", type=int_at_least(1, "threads"), default=None,
-                        help="intra-op CPU threads of the draft (default: torch's)")
-    parser.add_argument("--secret-file", metavar="PATH", default=None,
-                        help="file holding the secret shared with the targets (default: $SAGUARO_DRAFT_SECRET); "
-                             "required for a non-loopback address")
+    parser.add_argument(
+        "--listen",
+        required=True,
+        metavar="HOST:PORT",
+        help="address to listen on (HOST omitted: 127.0.0.1); only this address is bound",
+    )
+    parser.add_argument(
+        "--draft", metavar="DIR", help="saved draft model folder (default: the default pair's draft)"
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="where the draft runs: cpu, cuda, cuda:1, ... (default cpu)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights dtype (default float32; the target must use the same)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int_at_least(1, "threads"),
+        default=None,
+        help="intra-op CPU threads of the draft (default: torch's)",
+    )
+    parser.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        default=None,
+        help="file holding the secret shared with the targets (default: $SAGUARO_DRAFT_SECRET); "
+        "required for a non-loopback address",
+    )
 
 
 class DraftRunners:
@@ -35,8 +54,9 @@ class DraftRunners:
 
     def __init__(self, model):
         from saguaro.compile import build_runner
+        from saguaro.core.config import SaguaroConfig
 
-        self.base = build_runner("draft", model, "eager", "auto")
+        self.base = build_runner("draft", model, SaguaroConfig(backend="eager"))
         self.runners = {("eager", "auto", False, True): self.base}
 
     def server(self, config):
@@ -50,10 +70,19 @@ class DraftRunners:
         graphs = resolve_cuda_graphs(config.cuda_graphs, captured.spec.device)
         key = (config.backend, config.attention, graphs, config.narrow_weights)
         if key not in self.runners:
-            builder = CompiledStages("draft", captured.graph_module, self.base.width, config.backend, config.attention,
-                                     captured.spec.device.type, graphs, narrow_weights=config.narrow_weights)
-            self.runners[key] = ModelRunner("draft", captured, builder, self.base.width,
-                                            kv_pool=KVPool() if graphs else None)
+            builder = CompiledStages(
+                "draft",
+                captured.graph_module,
+                self.base.width,
+                config.backend,
+                config.attention,
+                captured.spec.device.type,
+                graphs,
+                narrow_weights=config.narrow_weights,
+            )
+            self.runners[key] = ModelRunner(
+                "draft", captured, builder, self.base.width, kv_pool=KVPool() if graphs else None
+            )
         return SpeculationServer(self.runners[key], config)
 
 
@@ -67,7 +96,9 @@ def load_draft(folder: str | None, dtype, device):
 
     folder = folder or str(ASSETS_DIR / "draft")
     if not Path(folder, "config.json").is_file():
-        raise ValueError(f"--draft {folder!r} is not a folder holding a saved Hugging Face model (no config.json)")
+        raise ValueError(
+            f"--draft {folder!r} is not a folder holding a saved Hugging Face model (no config.json)"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     except Exception as exc:
@@ -93,12 +124,20 @@ def run(args) -> int:
     model = load_draft(args.draft, DTYPES[args.dtype], device)
     runners = DraftRunners(model)
     spec = runners.base.spec
-    draft = {"vocab_size": spec.vocab_size, "dtype": str(spec.dtype).removeprefix("torch."),
-             "max_positions": spec.max_positions, "width": runners.base.width, "device_type": device.type,
-             "model_class": type(model).__name__, "pid": os.getpid()}
+    draft = {
+        "vocab_size": spec.vocab_size,
+        "dtype": str(spec.dtype).removeprefix("torch."),
+        "max_positions": spec.max_positions,
+        "width": runners.base.width,
+        "device_type": device.type,
+        "model_class": type(model).__name__,
+        "pid": os.getpid(),
+    }
     server = DraftServer(host, port, secret, runners.server, draft, device)
-    sys.stdout.write(f"saguaro draft-server listening on {server.address} ({type(model).__name__}, "
-                     f"{spec.vocab_size} tokens, {draft['dtype']}, {device}; secret: {'yes' if secret else 'no'})\n")
+    sys.stdout.write(
+        f"saguaro draft-server listening on {server.address} ({type(model).__name__}, "
+        f"{spec.vocab_size} tokens, {draft['dtype']}, {device}; secret: {'yes' if secret else 'no'})\n"
+    )
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     try:
@@ -109,5 +148,6 @@ def run(args) -> int:
     return 0
 
 
-COMMAND = Subcommand("draft-server", "serve a draft model to a target on another machine (lane='remote')",
-                     add_arguments, run)
+COMMAND = Subcommand(
+    "draft-server", "serve a draft model to a target on another machine (lane='remote')", add_arguments, run
+)

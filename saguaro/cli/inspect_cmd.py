@@ -1,5 +1,5 @@
-"""``saguaro inspect passes|graph STAGE|schedule|kernels|weights``: what the compiler built, as text, DOT or SVG.
-(Not ``inspect.py``: run as a script, that name would shadow the standard library's ``inspect``.)"""
+"""``saguaro inspect passes|graph STAGE|schedule|kernels|weights``: what the compiler built, as text, DOT
+or SVG. (Not ``inspect.py``: run as a script, that name would shadow the standard library's ``inspect``.)"""
 
 from __future__ import annotations
 
@@ -14,23 +14,38 @@ from saguaro.core.config import MODES
 
 def add_arguments(ins) -> None:
     views = ins.add_subparsers(dest="view", required=True)
-    passes = views.add_parser("passes", help="per stage: each pass and the node-count change; --pass: its diff")
-    passes.add_argument("--stage", help="one stage, e.g. target.verify_greedy or verify_greedy (default: all)")
-    passes.add_argument("--pass", dest="pass_name", help="print the unified diff of the graph code before/after "
-                                                         "this pass (needs --stage)")
+    passes = views.add_parser(
+        "passes", help="per stage: each pass and the node-count change; --pass: its diff"
+    )
+    passes.add_argument(
+        "--stage", help="one stage, e.g. target.verify_greedy or verify_greedy (default: all)"
+    )
+    passes.add_argument(
+        "--pass",
+        dest="pass_name",
+        help="print the unified diff of the graph code before/after this pass (needs --stage)",
+    )
     graph = views.add_parser("graph", help="a stage's graph as text, DOT or SVG")
     graph.add_argument("stage", help="e.g. target.verify_greedy, draft.glue")
     graph.add_argument("--format", default="text", choices=["text", "dot", "svg"])
-    graph.add_argument("--expand", action="store_true", help="every node (default: one box per decoder layer)")
-    schedule = views.add_parser("schedule", help="the round DAG of a mode (lanes as clusters, measured costs, "
-                                                 "critical path in red)")
+    graph.add_argument(
+        "--expand", action="store_true", help="every node (default: one box per decoder layer)"
+    )
+    schedule = views.add_parser(
+        "schedule", help="the round DAG of a mode (lanes as clusters, measured costs, critical path in red)"
+    )
     schedule.add_argument("--mode", default="ssd", choices=list(MODES))
     schedule.add_argument("--format", default="dot", choices=["text", "dot", "svg"])
-    schedule.add_argument("--no-measure", action="store_true", help="skip the short run that measures stage costs")
+    schedule.add_argument(
+        "--no-measure", action="store_true", help="skip the short run that measures stage costs"
+    )
     kernels = views.add_parser("kernels", help="Inductor's generated kernels and compile time per stage")
     kernels.add_argument("--mode", default="ssd", choices=list(MODES))
-    weights = views.add_parser("weights", help="the bytes of weights the program holds, by form (as loaded, narrow, "
-                                               "panels) and model, after a short generation in each mode")
+    weights = views.add_parser(
+        "weights",
+        help="the bytes of weights the program holds, by form (as loaded, narrow, "
+        "panels) and model, after a short generation in each mode",
+    )
     weights.add_argument("--mode", default="ssd", choices=list(MODES))
     for view in (passes, graph, schedule, kernels, weights):
         view.add_argument("--out", metavar="FILE", help="write here instead of stdout")
@@ -57,8 +72,11 @@ def run(args) -> int:
     inspector = Inspector(program)
     try:
         if args.view == "passes":
-            text = (inspector.pass_diff(args.stage, args.pass_name) if args.pass_name
-                    else inspector.passes(args.stage))
+            text = (
+                inspector.pass_diff(args.stage, args.pass_name)
+                if args.pass_name
+                else inspector.passes(args.stage)
+            )
         elif args.view == "graph":
             text = inspector.graph(args.stage, format=args.format, expand=args.expand)
         elif args.view == "schedule":
@@ -75,5 +93,9 @@ def run(args) -> int:
     return 0
 
 
-COMMAND = Subcommand("inspect", "what the compiler built: pass pipeline, stage graphs, the round schedule, "
-                                "Inductor's kernels", add_arguments, run)
+COMMAND = Subcommand(
+    "inspect",
+    "what the compiler built: pass pipeline, stage graphs, the round schedule, Inductor's kernels",
+    add_arguments,
+    run,
+)

@@ -26,7 +26,9 @@ def subcommands() -> dict[str, Subcommand]:
 
 
 def build_parser(commands: dict[str, Subcommand] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="saguaro", description="Speculative speculative decoding for HF causal LMs")
+    parser = argparse.ArgumentParser(
+        prog="saguaro", description="Speculative speculative decoding for HF causal LMs"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (capture, compile)")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in (commands or subcommands()).values():
@@ -57,8 +59,11 @@ def _quiet_transformers(quiet: bool):
 def main(argv=None) -> int:
     commands = subcommands()
     args = build_parser(commands).parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     try:
         with _quiet_transformers(not args.verbose):
             return commands[args.command].run(args)

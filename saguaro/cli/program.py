@@ -10,8 +10,12 @@ from saguaro.core.errors import SaguaroError
 
 
 def add_program_arg(parser) -> None:
-    parser.add_argument("--program", metavar="DIR", default=None,
-                        help="load a program exported by `saguaro export` instead of compiling --target/--draft")
+    parser.add_argument(
+        "--program",
+        metavar="DIR",
+        default=None,
+        help="load a program exported by `saguaro export` instead of compiling --target/--draft",
+    )
 
 
 def check_program_args(args) -> None:
@@ -41,8 +45,15 @@ def compile_ssd_pair(args):
     from saguaro.compile import compile as saguaro_compile
     from saguaro.models_io import DTYPES, load_pair
 
-    target, draft, tokenizer = load_pair(args.target, args.draft, need_draft=True, dtype=DTYPES[args.dtype],
-                                         device=args.device)
-    program = saguaro_compile(target, draft, k=args.k, mode="ssd", backend=args.backend,
-                              sd_when_faster=getattr(args, "plan", "auto") != "always-ssd")
+    target, draft, tokenizer = load_pair(
+        args.target, args.draft, need_draft=True, dtype=DTYPES[args.dtype], device=args.device
+    )
+    program = saguaro_compile(
+        target,
+        draft,
+        k=args.k,
+        mode="ssd",
+        backend=args.backend,
+        sd_when_faster=getattr(args, "plan", "auto") != "always-ssd",
+    )
     return program, tokenizer

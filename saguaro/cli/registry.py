@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)
 class Subcommand:
-    """``saguaro NAME``: ``add_arguments`` fills its parser, ``run`` does the work and returns the exit status."""
+    """``saguaro NAME``: ``add_arguments`` fills its parser; ``run`` does the work, returning the status."""
 
     name: str
     help: str
@@ -31,13 +31,19 @@ def load(package: str, modules: tuple[str, ...]) -> dict[str, Subcommand]:
         module = importlib.import_module(f"{package}.{name}")
         command = getattr(module, "COMMAND", None)
         if not isinstance(command, Subcommand):
-            raise TypeError(f"{module.__name__} has no COMMAND: a subcommand module defines "
-                            f"COMMAND = Subcommand(...), got {command!r}")
+            raise TypeError(
+                f"{module.__name__} has no COMMAND: a subcommand module defines "
+                f"COMMAND = Subcommand(...), got {command!r}"
+            )
         if command.module != module.__name__:
-            raise ValueError(f"{module.__name__}.COMMAND ({command.name!r}) runs {command.module}.run: "
-                             "a subcommand lives in the module that declares it")
+            raise ValueError(
+                f"{module.__name__}.COMMAND ({command.name!r}) runs {command.module}.run: "
+                "a subcommand lives in the module that declares it"
+            )
         if command.name in commands:
-            raise ValueError(f"subcommand {command.name!r} is declared by both {commands[command.name].module} "
-                             f"and {module.__name__}: each name belongs to one module")
+            raise ValueError(
+                f"subcommand {command.name!r} is declared by both {commands[command.name].module} "
+                f"and {module.__name__}: each name belongs to one module"
+            )
         commands[command.name] = command
     return commands

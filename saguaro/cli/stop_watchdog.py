@@ -1,13 +1,10 @@
-"""Ctrl-C ends a serving process within seconds, even while its main thread waits in native code.
+"""Ctrl-C ends a serving process promptly, even while its main thread waits in native code.
 
-Python runs a signal's handler (and so raises ``KeyboardInterrupt``) only when the main thread is back
-in the interpreter. ``torch.distributed`` waits (a store rendezvous while a target joins, a gloo receive
-after a doorbell) return only at their timeout, up to a minute later. ``StopWatchdog`` sees the signal at
-once: ``signal.set_wakeup_fd`` makes the interpreter's C-level handler write the signal's number to a pipe
-that a daemon thread reads. When the main thread has not finished stopping ``grace_s`` after the
-interrupt, the thread writes every thread's stack to stderr (where the wait was), says so, and ends the
-process with ``os._exit`` (the kernel frees its sockets; nothing of the server's is left half-written,
-it writes no files).
+Python raises ``KeyboardInterrupt`` only once the main thread is back in the interpreter, and a
+``torch.distributed`` wait returns only at its timeout. :class:`StopWatchdog` sees the signal at once
+(``signal.set_wakeup_fd``: the C-level handler writes to a pipe a daemon thread reads); when the main thread
+has not stopped ``grace_s`` after it, the thread dumps every stack to stderr and ends the process with
+``os._exit`` (the server writes no files: nothing is left half-written).
 """
 
 from __future__ import annotations
@@ -26,19 +23,22 @@ class StopWatchdog:
     (where Python delivers no signals) it does nothing."""
 
     def __init__(self, name: str, grace_s: float = GRACE_S):
-        self.name, self.grace_s = name, grace_s
+        self.name = name
+        self.grace_s = grace_s
         self.stopped = threading.Event()
         self._pipe: tuple[int, int] | None = None
         self._previous_fd = -1
 
-    def __enter__(self) -> "StopWatchdog":
+    def __enter__(self) -> StopWatchdog:
         if threading.current_thread() is not threading.main_thread():
             return self
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)  # the C-level handler must never block on a full pipe
         self._pipe = (read_fd, write_fd)
         self._previous_fd = signal.set_wakeup_fd(write_fd)
-        threading.Thread(target=self._watch, args=(read_fd,), name=f"{self.name} stop watchdog", daemon=True).start()
+        threading.Thread(
+            target=self._watch, args=(read_fd,), name=f"{self.name} stop watchdog", daemon=True
+        ).start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -59,10 +59,14 @@ class StopWatchdog:
             os.close(read_fd)
 
     def _force(self) -> None:
-        sys.stderr.write(f"{self.name}: still stopping {self.grace_s:g} s after Ctrl-C (a wait in native code "
-                         f"holds the interrupt); where each thread was:\n")
+        sys.stderr.write(
+            f"{self.name}: still stopping {self.grace_s:g} s after Ctrl-C (a wait in native code "
+            f"holds the interrupt); where each thread was:\n"
+        )
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stdout.write(f"{self.name}: stopped (forced: a native wait did not return within {self.grace_s:g} s)\n")
+        sys.stdout.write(
+            f"{self.name}: stopped (forced: a native wait did not return within {self.grace_s:g} s)\n"
+        )
         sys.stdout.flush()
         os._exit(0)  # the stop the user asked for, as the ordinary way exits

@@ -1,3 +1,2 @@
-"""The leaf layer every other package reads: errors, the validated config, the stage table and the
-round schedule. Nothing here imports another Saguaro package (the stage table names its epilogues, functions
-of :mod:`saguaro.tensor_math`, by name, and looks them up when a stage is built)."""
+"""The leaf layer: errors, the validated config, the stage table and the round schedule. Imports no other
+Saguaro package (the stage table names its :mod:`saguaro.tensor_math` epilogues by string)."""

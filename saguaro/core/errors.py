@@ -14,5 +14,4 @@ class ConfigError(SaguaroError, ValueError):
 
 
 class ArtifactError(SaguaroError):
-    """An exported program cannot be written or loaded here; the message names the file or field, what
-    was expected, what was found, and what to do (export again, or ``saguaro.load(path, rebuild=True)``)."""
+    """An exported program cannot be written or loaded here; the message names the file and what to do."""

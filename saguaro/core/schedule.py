@@ -1,18 +1,22 @@
-"""The schedule: a ``networkx`` DAG of one round's stages, their lanes and data dependencies.
+"""One round's stages as a ``networkx`` DAG of data dependencies; a lane runs its nodes in topological order.
 
-Nodes carry ``lane`` (``target``/``draft``/``host``), ``stage`` (the :class:`~saguaro.core.stages.Stage`
-it calls, if any), ``depth`` (tree depth, 1-based, for tree nodes), ``inputs``/``outputs`` (names of
-the values it reads and writes) and ``cost`` (seconds, measured per stage call; 1 ms before anything
-is measured). Edges are data dependencies. The runtime executes each lane's nodes in the topological
-order this DAG yields; the critical path and the expected overlap are computed from it.
-"""
+Nodes: ``lane`` (target, draft, host), ``stage`` (a :class:`~saguaro.core.stages.Stage` or None), ``depth``
+(tree nodes, from 1), ``inputs`` / ``outputs`` (value names), ``cost`` (seconds a call, or DEFAULT_COST_S)."""
 
 from __future__ import annotations
 
 import networkx as nx
 
 from saguaro.core.config import MODES
-from saguaro.core.stages import DRAFT_GLUE, DRAFT_STEP, DRAFT_TREE, ROUND_STAGES, TARGET_STEP, TARGET_VERIFY, Stage
+from saguaro.core.stages import (
+    DRAFT_GLUE,
+    DRAFT_STEP,
+    DRAFT_TREE,
+    ROUND_STAGES,
+    TARGET_STEP,
+    TARGET_VERIFY,
+    Stage,
+)
 
 DEFAULT_COST_S = 1e-3
 MATCH, FALLBACK = "match", "fallback"  # the host's lookup of the outcome, and the draft's work on a miss
@@ -37,16 +41,14 @@ def _add(g, name, lane, stage, inputs, outputs, costs, **attrs):
 
 
 def round_schedule(mode: str, k: int, sampled: bool = False, costs: dict | None = None) -> nx.DiGraph:
-    """The DAG of one round of ``mode`` (``ar``, ``sd`` or ``ssd``) with speculation length ``k``.
-
-    ``costs`` maps ``stage.qualified`` (and ``"match"``) to seconds per call."""
+    """One round's DAG (another ``mode``: ``ValueError``); ``costs``: seconds a call by stage.qualified."""
     temperature = 1.0 if sampled else 0.0
     g = nx.DiGraph(mode=mode, k=k)
     costs = costs or {}
     if mode == "ar":
         _add(g, node_name(TARGET_STEP), "target", TARGET_STEP, ["r"], ["r'"], costs)
         return g
-    verify, step = TARGET_VERIFY.at(temperature), DRAFT_STEP.at(temperature)
+    verify, step = TARGET_VERIFY.for_temperature(temperature), DRAFT_STEP.for_temperature(temperature)
     speculation = ["r"] + [f"x{i}" for i in range(1, k + 1)]
     if mode == "sd":
         previous = "r"
@@ -60,16 +62,20 @@ def round_schedule(mode: str, k: int, sampled: bool = False, costs: dict | None 
         return g
     if mode != "ssd":
         raise ValueError(f"mode={mode!r} is not allowed: choose one of {', '.join(MODES)}")
-    tree = DRAFT_TREE.at(temperature)
+    tree = DRAFT_TREE.for_temperature(temperature)
     _add(g, node_name(verify), "target", verify, speculation, ["a", "r'"], costs)
-    _add(g, node_name(DRAFT_GLUE), "draft", DRAFT_GLUE, speculation, ["candidates", "ranked", "glue_kv"], costs)
+    _add(
+        g, node_name(DRAFT_GLUE), "draft", DRAFT_GLUE, speculation, ["candidates", "ranked", "glue_kv"], costs
+    )
     previous = node_name(DRAFT_GLUE)
     for depth in range(1, k + 1):
         name = node_name(tree, depth)
         _add(g, name, "draft", tree, [f"tree_in.{depth}"], [f"tree_out.{depth}"], costs, depth=depth)
         g.add_edge(previous, name)
         previous = name
-    _add(g, MATCH, "host", None, ["a", "r'", "candidates", f"tree_out.{k}"], ["hit", "next_speculation"], costs)
+    _add(
+        g, MATCH, "host", None, ["a", "r'", "candidates", f"tree_out.{k}"], ["hit", "next_speculation"], costs
+    )
     g.add_edge(node_name(verify), MATCH)
     g.add_edge(previous, MATCH)
     _add(g, FALLBACK, "draft", step, ["hit", "r'"], ["next_speculation"], costs)
@@ -97,10 +103,7 @@ def serialized(g: nx.DiGraph) -> nx.DiGraph:
 
 
 def critical_path(g: nx.DiGraph, on_hit: bool = True) -> tuple[list[str], float]:
-    """The longest cost-weighted path through the lane-serialised DAG, and its length in seconds.
-
-    ``on_hit`` drops the fallback node: on a cache hit the next speculation needs no draft work.
-    """
+    """The longest cost-weighted path of the lane-serialised DAG and its seconds (``on_hit``: no fallback)."""
     s = serialized(g)
     if on_hit and FALLBACK in s:
         s.remove_node(FALLBACK)

@@ -1,10 +1,5 @@
-"""Named tensors as a safetensors file, each storage once: a model's weights in an artifact (shared by all
-of its stages) and a captured draft handed to a draft process.
-
-Tied tensors (one storage under several names, e.g. tied embeddings) are written once; the writer keeps
-the other names as aliases (``{alias: written name}``), and reading binds each alias to the very tensor
-of its name, so the ties hold again.
-"""
+"""Named tensors as one safetensors file, each storage once: tied names come back as aliases ``{alias:
+written name}``, which reading binds to their name's tensor, so the ties hold again."""
 
 from __future__ import annotations
 

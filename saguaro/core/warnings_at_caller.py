@@ -18,8 +18,7 @@ def _library_dirs() -> tuple:
 
 
 def warn_at_caller(message: str, category: type = RuntimeWarning) -> None:
-    """``warnings.warn`` with the stack level of the first frame outside Saguaro and torch (Python 3.11
-    has no ``skip_file_prefixes``)."""
+    """``warnings.warn`` at the first frame outside Saguaro and torch (3.11 has no ``skip_file_prefixes``)."""
     skip = _library_dirs()
     frame, level = sys._getframe(1), 2  # level 2: the caller of this function
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):

@@ -53,8 +53,9 @@ def collapsed(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     order = list(dict.fromkeys(groups[n] for n in gm.graph.nodes if n.op not in ("placeholder", "output")))
     rank = {g: i for i, g in enumerate(order)}
     # split_module names submodules submod_<key>; keys sort in graph order through the rank prefix
-    return split_module(gm, gm, lambda node: f"{rank[groups[node]]:02d}_{groups[node]}",
-                        keep_original_order=True)
+    return split_module(
+        gm, gm, lambda node: f"{rank[groups[node]]:02d}_{groups[node]}", keep_original_order=True
+    )
 
 
 def graph_text(gm: torch.fx.GraphModule, expand: bool = True) -> str:
@@ -63,8 +64,11 @@ def graph_text(gm: torch.fx.GraphModule, expand: bool = True) -> str:
     if expand:
         return str(gm.graph)
     top = collapsed(gm)
-    sizes = [f"  {name}: {len(sub.graph.nodes)} nodes" for name, sub in top.named_children()
-             if isinstance(sub, torch.fx.GraphModule)]
+    sizes = [
+        f"  {name}: {len(sub.graph.nodes)} nodes"
+        for name, sub in top.named_children()
+        if isinstance(sub, torch.fx.GraphModule)
+    ]
     return str(top.graph) + "\ngroups:\n" + "\n".join(sizes)
 
 
@@ -75,7 +79,9 @@ def graph_dot(gm: torch.fx.GraphModule, name: str, expand: bool = False):
 
     drawn = gm if expand else collapsed(gm)
     safe = re.sub(r"\W", "_", name)
-    return FxGraphDrawer(drawn, safe, ignore_getattr=not expand, ignore_parameters_and_buffers=True).get_main_dot_graph()
+    return FxGraphDrawer(
+        drawn, safe, ignore_getattr=not expand, ignore_parameters_and_buffers=True
+    ).get_main_dot_graph()
 
 
 def have_dot() -> bool:
@@ -86,5 +92,7 @@ def have_dot() -> bool:
 def to_svg(dot_graph) -> str:
     """SVG text of a ``pydot.Dot`` (runs Graphviz ``dot``); raises RuntimeError without it."""
     if not have_dot():
-        raise RuntimeError("Graphviz `dot` is not installed (apt-get install graphviz); DOT output still works")
+        raise RuntimeError(
+            "Graphviz `dot` is not installed (apt-get install graphviz); DOT output still works"
+        )
     return dot_graph.create_svg().decode()

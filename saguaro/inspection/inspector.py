@@ -1,9 +1,8 @@
 """``saguaro.inspect``: what the compiler built for a Program, and where a round's time goes.
 
-``saguaro.inspect(program)`` (or a target/draft pair, or nothing: the default pair) returns an
-:class:`Inspector`: the pass pipeline of each stage with node counts and per-pass diffs, each stage
-graph as text / DOT / SVG, the round DAG of each mode with measured costs and the critical path, and
-(Inductor) the generated kernels and compile time of each stage. ``saguaro inspect`` is its CLI.
+An :class:`Inspector` shows each stage's pass pipeline (node counts, per-pass diffs), its graph as text /
+DOT / SVG, each mode's round DAG with measured costs, and (Inductor) each stage's kernels and compile time.
+``saguaro inspect`` is its CLI.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from saguaro.runtime.base.trace_read import stage_costs
 FORMATS = ("text", "dot", "svg")
 
 
-def inspect(program=None, target=None, draft=None, **config) -> "Inspector":
+def inspect(program=None, target=None, draft=None, **config) -> Inspector:
     """An :class:`Inspector` over ``program``, or over ``saguaro.compile(target, draft, **config)``, or
     (neither given) over the default pair."""
     if program is None:
@@ -44,16 +43,17 @@ def resolve_stage(name: str | Stage) -> Stage:
         return matches[0]
     allowed = ", ".join(s.qualified for s in STAGES)
     if matches:
-        raise ValueError(f"stage {name!r} is ambiguous ({', '.join(s.qualified for s in matches)}): "
-                         f"name it with its model, one of {allowed}")
+        raise ValueError(
+            f"stage {name!r} is ambiguous ({', '.join(s.qualified for s in matches)}): "
+            f"name it with its model, one of {allowed}"
+        )
     raise ValueError(f"stage {name!r} does not exist: choose one of {allowed}")
 
 
 class Inspector:
-    """Views of one Program. Stage graphs come from each model's stage builder (the runner's
-    :class:`~saguaro.runtime.base.model_runner.StageBuilder`): a compiled program's rebuilds them through
-    the same pass pipeline, watching every pass; a loaded program's reads them from its artifact, as
-    exported after every pass (the per-pass views then raise a ``ValueError`` saying so)."""
+    """Views of one Program. Stage graphs come from each runner's stage builder: a compiled program's rebuilds
+    them through the pass pipeline, watching every pass; a loaded program's reads them from its artifact,
+    after every pass (its per-pass views raise ``ValueError``)."""
 
     def __init__(self, program):
         self.program = program
@@ -95,7 +95,7 @@ class Inspector:
             self._graphs[stage] = self._runner(stage).build.stage_graph(stage)
         return self._graphs[stage]
 
-    def graph(self, stage, format: str = "text", expand: bool = False) -> str:  # noqa: A002
+    def graph(self, stage, format: str = "text", expand: bool = False) -> str:
         """``stage``'s graph as ``text``, ``dot`` or ``svg`` (Graphviz ``dot`` needed); one box per
         decoder layer unless ``expand``."""
         _check_format(format)
@@ -107,13 +107,16 @@ class Inspector:
         return dot.to_string() if format == "dot" else to_svg(dot)
 
     def measure(self, mode: str, new_tokens: int = 24, input_ids=None) -> dict:
-        """Run a short traced greedy generation in ``mode``: the stages' costs, read from its trace (so
-        a draft process's stages count too), cost the schedule from then on. Returns its stats."""
+        """Run a short traced greedy generation in ``mode``, whose stage costs (a draft process's included)
+        cost the schedule from then on; its stats."""
         import torch
 
         program = self.program
         if input_ids is None:
-            input_ids = torch.arange(3, 11, device=program.target.spec.device)[None, :] % program.target.spec.vocab_size
+            input_ids = (
+                torch.arange(3, 11, device=program.target.spec.device)[None, :]
+                % program.target.spec.vocab_size
+            )
         out = program.generate(input_ids, max_new_tokens=new_tokens, mode=mode, eos_token_id=None, trace=True)
         self.observe(out.trace)
         return out.stats
@@ -122,11 +125,11 @@ class Inspector:
         """Take the stage costs measured in ``trace`` (``generate(trace=...)``) for the schedule."""
         self.costs.update(stage_costs(trace))
 
-    def schedule(self, mode: str | None = None, format: str = "dot", sampled: bool = False,  # noqa: A002
-                 measure: bool = False) -> str:
-        """The round DAG of ``mode`` (default: the program's) as ``dot`` / ``svg`` / ``text``, costed
-        with the stage times this program measured (1 ms each before any run; ``measure`` runs a
-        short generation first)."""
+    def schedule(
+        self, mode: str | None = None, format: str = "dot", sampled: bool = False, measure: bool = False
+    ) -> str:
+        """The round DAG of ``mode`` (default: the program's) as ``dot`` / ``svg`` / ``text``, costed with
+        the measured stage times (``DEFAULT_COST_S`` before any run; ``measure``: run one first)."""
         _check_format(format)
         mode = mode or self.program.config.mode
         if mode not in MODES:
@@ -151,13 +154,13 @@ class Inspector:
         return g
 
     def kernels(self, mode: str | None = None, warm: bool = True) -> list[dict]:
-        """Per stage (Inductor): compile time and the generated code files with their kernel names.
-
-        Stages compile on their first call; with ``warm`` a short generation in ``mode`` runs first so
-        that every stage of the mode has compiled."""
+        """Per stage of ``mode`` (Inductor): compile time and the generated code files with their kernel
+        names; ``warm``: a short generation first, so every stage has compiled. ``ValueError`` otherwise."""
         program = self.program
         if program.config.backend != "inductor":
-            raise ValueError(f"kernels need backend='inductor'; this program uses backend={program.config.backend!r}")
+            raise ValueError(
+                f"kernels need backend='inductor'; this program uses backend={program.config.backend!r}"
+            )
         mode = mode or program.config.mode
         if warm:
             self.measure(mode, new_tokens=2 * program.config.k + 2)
@@ -166,17 +169,21 @@ class Inspector:
             runner = program.runner(stage.model)
             fn = runner.built_stages.get(stage)
             files = list(getattr(fn, "output_code", []) or [])
-            rows.append({
-                "stage": stage.qualified, "build_s": runner.stage_build_s.get(stage.qualified),
-                "compile_s": getattr(fn, "compile_s", None), "kernel_count": sum(len(f["kernels"]) for f in files),
-                "kernels": sorted({k for f in files for k in f["kernels"]}), "files": [f["file"] for f in files],
-            })
+            rows.append(
+                {
+                    "stage": stage.qualified,
+                    "build_s": runner.stage_build_s.get(stage.qualified),
+                    "compile_s": getattr(fn, "compile_s", None),
+                    "kernel_count": sum(len(f["kernels"]) for f in files),
+                    "kernels": sorted({k for f in files for k in f["kernels"]}),
+                    "files": [f["file"] for f in files],
+                }
+            )
         return rows
 
     def weights(self, modes: tuple = (), new_tokens: int = 4) -> dict:
-        """The weights the program holds (:func:`~saguaro.inspection.weights.program_weights`: bytes by form,
-        dtype, model, and what each built stage reads); with ``modes`` a short generation in each builds their
-        stages first."""
+        """The weights the program holds (:func:`~saguaro.inspection.weights.program_weights`); ``modes``: a
+        short generation in each first, building their stages."""
         from saguaro.inspection.weights import program_weights
 
         for mode in modes:
@@ -188,12 +195,14 @@ def format_kernels(rows: list[dict]) -> str:
     lines = [f"{'stage':<28}{'compile s':>10}{'kernels':>9}  files / kernel names"]
     for r in rows:
         compile_s = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
-        lines.append(f"{r['stage']:<28}{compile_s:>10}{r['kernel_count']:>9}  {', '.join(map(str, r['files']))}")
+        lines.append(
+            f"{r['stage']:<28}{compile_s:>10}{r['kernel_count']:>9}  {', '.join(map(str, r['files']))}"
+        )
         if r["kernels"]:
             lines.append(f"{'':<43}{', '.join(r['kernels'])}")
     return "\n".join(lines)
 
 
-def _check_format(format: str) -> None:  # noqa: A002
+def _check_format(format: str) -> None:
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not allowed: choose one of {', '.join(FORMATS)}")

@@ -41,13 +41,20 @@ def pass_diff(steps: list[PassStep], pass_name: str) -> str:
     """Unified diff of the graph code before and after ``pass_name``."""
     names = [s.name for s in steps]
     if pass_name not in names[1:]:
-        raise ValueError(f"pass {pass_name!r} is not in the pipeline of {steps[0].stage}: "
-                         f"choose one of {', '.join(names[1:])}")
+        raise ValueError(
+            f"pass {pass_name!r} is not in the pipeline of {steps[0].stage}: "
+            f"choose one of {', '.join(names[1:])}"
+        )
     i = names.index(pass_name)
     before, after = steps[i - 1], steps[i]
-    return "".join(difflib.unified_diff(
-        before.code.splitlines(keepends=True), after.code.splitlines(keepends=True),
-        fromfile=f"{before.stage} after {before.name}", tofile=f"{after.stage} after {after.name}"))
+    return "".join(
+        difflib.unified_diff(
+            before.code.splitlines(keepends=True),
+            after.code.splitlines(keepends=True),
+            fromfile=f"{before.stage} after {before.name}",
+            tofile=f"{after.stage} after {after.name}",
+        )
+    )
 
 
 def format_table(steps: list[PassStep]) -> str:

@@ -33,25 +33,41 @@ document.getElementById('charts-count').textContent = document.querySelectorAll(
 document.body.setAttribute('data-rendered', 'yes');"""
 
 
-def write_report(program, out, tokenizer=None, prompt: str = DEFAULT_PROMPT, input_ids=None,
-                 max_new_tokens: int = 64, temperature: float = 0.0) -> Path:
+def write_report(
+    program,
+    out,
+    tokenizer=None,
+    prompt: str = DEFAULT_PROMPT,
+    input_ids=None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+) -> Path:
     """Generate once with SSD (traced) and write the report page to ``out``; returns its path."""
     if input_ids is None:
         if tokenizer is None:
             raise ValueError("write_report needs input_ids or a tokenizer to encode the prompt")
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"write_report takes one prompt: input_ids of shape [1, T], got {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"write_report takes one prompt: input_ids of shape [1, T], got {tuple(input_ids.shape)}"
+        )
     input_ids = input_ids.to(program.target.spec.device)
     inspector = Inspector(program)
     inspector.measure("ssd", input_ids=input_ids)  # a warm-up: every stage built, the lane started
-    result = program.generate(input_ids, max_new_tokens=max_new_tokens, temperature=temperature, mode="ssd",
-                              seed=0, eos_token_id=None, trace=True)
+    result = program.generate(
+        input_ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        mode="ssd",
+        seed=0,
+        eos_token_id=None,
+        trace=True,
+    )
     inspector.costs.clear()
     inspector.observe(result.trace)  # the schedule costed with this generation's own stage times
     completion = None
     if tokenizer is not None:
-        completion = tokenizer.decode(result.sequences[0, input_ids.shape[1]:], skip_special_tokens=True)
+        completion = tokenizer.decode(result.sequences[0, input_ids.shape[1] :], skip_special_tokens=True)
     page = render(inspector, result.stats, result.trace, temperature, completion)
     path = Path(out)
     path.write_text(page)
@@ -73,25 +89,52 @@ def _figures(stats: dict, trace: dict, k: int) -> list[str]:
     fan = [v for _, v in counters(trace, "fan-out")]
     mean_fan = [sum(v.get(f"F{j}", 0) for v in fan) / max(len(fan), 1) for j in range(k + 1)]
     return [
-        bar_chart([f"x{j}" for j in range(1, k + 1)], per_position, "Acceptance by draft position",
-                  ymax=1.0, cls="acceptance"),
-        bar_chart([str(a) for a in range(k + 1)], hit_rate, "Cache hit rate by outcome position a", ymax=1.0,
-                  cls="hits", color="#28b463"),
-        line_chart(list(range(1, len(cumulative) + 1)), cumulative, "Cache hit rate over the generation",
-                   cls="hits-over-time"),
-        bar_chart([f"F{j}" for j in range(k + 1)], mean_fan, "Fan-out per position (mean over rounds)",
-                  fmt="{:.1f}", cls="fan-out", color="#8e44ad"),
+        bar_chart(
+            [f"x{j}" for j in range(1, k + 1)],
+            per_position,
+            "Acceptance by draft position",
+            ymax=1.0,
+            cls="acceptance",
+        ),
+        bar_chart(
+            [str(a) for a in range(k + 1)],
+            hit_rate,
+            "Cache hit rate by outcome position a",
+            ymax=1.0,
+            cls="hits",
+            color="#28b463",
+        ),
+        line_chart(
+            list(range(1, len(cumulative) + 1)),
+            cumulative,
+            "Cache hit rate over the generation",
+            cls="hits-over-time",
+        ),
+        bar_chart(
+            [f"F{j}" for j in range(k + 1)],
+            mean_fan,
+            "Fan-out per position (mean over rounds)",
+            fmt="{:.1f}",
+            cls="fan-out",
+            color="#8e44ad",
+        ),
     ]
 
 
 def _timeline(trace: dict) -> str:
     all_slices = slices(trace)
-    rounds = sorted((s for s in all_slices if s.track == "host" and s.name == "round"), key=lambda s: s.start_us)
+    rounds = sorted(
+        (s for s in all_slices if s.track == "host" and s.name == "round"), key=lambda s: s.start_us
+    )
     if not rounds:
         return "<p>no rounds recorded</p>"
-    shown = rounds[1:1 + TIMELINE_ROUNDS] or rounds[:TIMELINE_ROUNDS]
-    return timeline(all_slices, shown[0].start_us, shown[-1].end_us,
-                    f"Timeline of rounds {shown[0].args.get('round')}–{shown[-1].args.get('round')}")
+    shown = rounds[1 : 1 + TIMELINE_ROUNDS] or rounds[:TIMELINE_ROUNDS]
+    return timeline(
+        all_slices,
+        shown[0].start_us,
+        shown[-1].end_us,
+        f"Timeline of rounds {shown[0].args.get('round')}–{shown[-1].args.get('round')}",
+    )
 
 
 def _stats_table(stats: dict) -> str:
@@ -110,12 +153,17 @@ def _graphs(inspector: Inspector, temperature: float) -> tuple[str, str]:
     for stage in stages_for("ssd", temperature):
         anchor = "graph-" + stage.qualified.replace(".", "-")
         links.append(f'<li><a href="#{anchor}">{escape(stage.qualified)}</a></li>')
-        body = (inspector.graph(stage, format="svg") if have_dot()
-                else f"<pre>{escape(inspector.graph(stage, format='text'))}</pre>")
-        body = body[body.find("<svg"):] if body.lstrip().startswith("<?xml") else body
+        body = (
+            inspector.graph(stage, format="svg")
+            if have_dot()
+            else f"<pre>{escape(inspector.graph(stage, format='text'))}</pre>"
+        )
+        body = body[body.find("<svg") :] if body.lstrip().startswith("<?xml") else body
         table = escape(inspector.passes(stage))
-        blocks.append(f'<details class="graph" id="{anchor}"><summary>{escape(stage.qualified)}</summary>'
-                      f"<pre>{table}</pre>{body}</details>")
+        blocks.append(
+            f'<details class="graph" id="{anchor}"><summary>{escape(stage.qualified)}</summary>'
+            f"<pre>{table}</pre>{body}</details>"
+        )
     return f'<ul id="graph-links">{"".join(links)}</ul>', "".join(blocks)
 
 
@@ -124,7 +172,7 @@ def render(inspector: Inspector, stats: dict, trace: dict, temperature: float, c
     cfg = program.config
     if have_dot():
         schedule = inspector.schedule("ssd", format="svg")
-        schedule = schedule[schedule.find("<svg"):]
+        schedule = schedule[schedule.find("<svg") :]
     else:
         schedule = f"<pre>{escape(inspector.schedule('ssd', format='dot'))}</pre>"
     links, graphs = _graphs(inspector, temperature)
@@ -134,8 +182,8 @@ def render(inspector: Inspector, stats: dict, trace: dict, temperature: float, c
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>Saguaro report</title><style>{STYLE}</style></head>
 <body><h1>Saguaro report: {title}, k={cfg.k}, backend {escape(cfg.backend)}, lane {escape(program.lane_kind)}</h1>
-<p>{stats['new_tokens']} tokens at {stats['tokens_per_s']:.1f} tokens/s, mean accepted length
-{stats['mean_accepted_len']:.2f}, cache hit rate {stats.get('cache_hit_rate', 0):.2f};
+<p>{stats["new_tokens"]} tokens at {stats["tokens_per_s"]:.1f} tokens/s, mean accepted length
+{stats["mean_accepted_len"]:.2f}, cache hit rate {stats.get("cache_hit_rate", 0):.2f};
 <span id="charts-count">?</span> charts. Torch {escape(torch.__version__)}.</p>{text}
 <h2>Round schedule</h2><div id="schedule">{schedule}</div>
 <h2>Timeline</h2><div id="timeline">{_timeline(trace)}</div>

@@ -1,10 +1,8 @@
-"""The weights a Program holds: each tensor of its models' captured graphs and built stages counted once (by
-storage), in the form it is held (float32 as loaded, a narrow copy, packed panels), with the stages that read it.
+"""The weights a Program holds, each tensor counted once (by storage) in the form it is held (float32 as
+loaded, a narrow copy, packed panels), with the stages that read it.
 
-A weight is *held* when the program keeps a reference to it: the captured graph of each model (the float32
-weights as loaded, which a BLAS GEMM reads where one runs; they are the model's own tensors, shared, not copied) and
-every stage built so far (their narrow copies and panels). A decode stage whose linears are packed holds the
-panels and not the float32 weights it no longer reads (``pack_linears``, ``narrow_weights``).
+Held: referenced by a model's captured graph (the model's own tensors, shared) or by a stage built so far
+(narrow copies, panels); a packed stage holds no float32 weight it no longer reads.
 """
 
 from __future__ import annotations
@@ -23,7 +21,10 @@ def _form(name: str) -> str:
 
 def _tensors(gm: torch.nn.Module):
     seen = set()
-    for name, tensor in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+    for name, tensor in [
+        *gm.named_parameters(remove_duplicate=False),
+        *gm.named_buffers(remove_duplicate=False),
+    ]:
         if id(tensor) not in seen:
             seen.add(id(tensor))
             yield name, tensor
@@ -59,15 +60,21 @@ def program_weights(program) -> dict:
         by_dtype[dtype] = by_dtype.get(dtype, 0) + size
         models[model]["bytes"] += size
         models[model]["by_form"][form] = models[model]["by_form"].get(form, 0) + size
-    return {"total_bytes": sum(s for s, *_ in storages.values()), "by_form": by_form, "by_dtype": by_dtype,
-            "models": models}
+    return {
+        "total_bytes": sum(s for s, *_ in storages.values()),
+        "by_form": by_form,
+        "by_dtype": by_dtype,
+        "models": models,
+    }
 
 
 def format_weights(report: dict) -> str:
     """The report as text: one line per model and form, then the total, in MiB."""
-    mib = 2 ** 20
+    mib = 2**20
     lines = [f"{'model':<8}{'form':<12}{'MiB':>10}"]
     for model, entry in report["models"].items():
-        lines += [f"{model:<8}{form:<12}{size / mib:>10.2f}" for form, size in sorted(entry["by_form"].items())]
+        lines += [
+            f"{model:<8}{form:<12}{size / mib:>10.2f}" for form, size in sorted(entry["by_form"].items())
+        ]
     lines.append(f"{'total':<20}{report['total_bytes'] / mib:>10.2f}")
     return "\n".join(lines)

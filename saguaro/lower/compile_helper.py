@@ -1,19 +1,11 @@
-"""A second process that compiles stages beside the compile thread, to fill Inductor's on-disk caches
-(``compile="background"`` on a CPU with two cores or more).
+"""A second process that compiles queued stages beside the compile thread, to fill Inductor's caches.
 
-Compiling a stage is CPU-bound Python (dynamo, AOT autograd, Inductor's code generation) and one g++
-run, all under one process lock: one compile thread keeps one core busy, whatever the machine has.
-The helper takes the next queued stage while the thread compiles another; when it is done, the thread
-compiles that stage again, which now reads what the helper wrote to Inductor's caches (AOT autograd's
-and the FX graph cache: measured on the default pair, 1.2-1.6 s a stage instead of 8-16 s). Nothing
-the helper makes is run in this process: the stage's own compile still makes it, so a helper that fails,
-dies or misses the cache costs time, never tokens.
-
-The helper runs ``python -m saguaro.lower.compile_helper_main``; requests and replies are ``torch.save``
-payloads behind an 8-byte length on its stdin and stdout. A request: the stage graph
-(:func:`~saguaro.lower.graph_transport.pack_graph`), the scratch arguments of the compile job, the
-calling thread's modes, the dimensions marked dynamic, the Inductor options and config patch, all as
-the compile thread uses them. Set ``SAGUARO_COMPILE_HELPER=0`` to compile on the thread alone.
+One compile thread keeps one core busy (dynamo, AOT autograd, codegen and g++ under one lock); the helper
+(``python -m saguaro.lower.compile_helper_main``) compiles the next queued stage meanwhile, and the thread's
+own compile of it then reads Inductor's caches. Nothing the helper makes runs here: a helper that fails,
+dies or misses costs time, never tokens. Messages are ``torch.save`` payloads behind an 8-byte length on its
+stdin / stdout; a request carries what :meth:`~saguaro.lower.lowering.CompiledStage.helper_request` packs.
+``SAGUARO_COMPILE_HELPER=0`` turns it off. Measured: docs/measurements/2026-11-30-ssd-vs-sd-and-the-demo.md.
 """
 
 from __future__ import annotations
@@ -64,10 +56,8 @@ def read_message(stream):
 
 
 class CompileHelper:
-    """The helper process of one :class:`~saguaro.lower.compile_thread.BackgroundCompiler`, started on
-    its first request. ``on_reply(job, ok, detail)`` is called from a reader thread when the helper has
-    compiled ``job`` (``ok``), failed to (``detail`` says why), or died (every job sent fails). One
-    request at a time: :attr:`busy` while one is out."""
+    """The helper process of one :class:`~saguaro.lower.compile_thread.BackgroundCompiler`, started on its
+    first request; ``on_reply(job, ok, detail)`` comes from a reader thread per job (all fail if it dies)."""
 
     def __init__(self, on_reply):
         self._on_reply = on_reply
@@ -102,8 +92,9 @@ class CompileHelper:
         package_root = str(Path(__file__).resolve().parents[2])  # where ``import saguaro`` finds this copy
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (package_root, env.get("PYTHONPATH"))))
         command = [sys.executable, "-m", "saguaro.lower.compile_helper_main"]
-        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, env=env)
+        self._proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        )
         log.info("compile helper started (pid %d)", self._proc.pid)
         threading.Thread(target=self._send_loop, name="saguaro-compile-helper-send", daemon=True).start()
         threading.Thread(target=self._read_loop, name="saguaro-compile-helper-read", daemon=True).start()
@@ -120,7 +111,7 @@ class CompileHelper:
                 proc = self._proc
             try:
                 write_message(proc.stdin, job.helper_request())
-            except Exception as exc:  # noqa: BLE001 - a request that cannot be sent fails its job
+            except Exception as exc:
                 self._fail(f"could not send the request: {type(exc).__name__}: {exc}")
                 return
 
@@ -129,7 +120,7 @@ class CompileHelper:
         while True:
             try:
                 reply = read_message(proc.stdout)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 reply, why = None, f"{type(exc).__name__}: {exc}"
             else:
                 why = f"exited with code {proc.poll()}"
@@ -152,7 +143,9 @@ class CompileHelper:
             self._sent.clear()
             self._outbox.clear()
             self._wake.notify_all()
-        (log.debug if stopping else log.info)("compile helper stopped (%s); the compile thread compiles alone", why)
+        (log.debug if stopping else log.info)(
+            "compile helper stopped (%s); the compile thread compiles alone", why
+        )
         for job in jobs:
             self._on_reply(job, False, f"the helper stopped: {why}")
 
@@ -166,8 +159,7 @@ class CompileHelper:
         self._fail("stopped")
 
 
-# What a stage's own compile (CompiledStage) and the helper's (compile_helper_main) must do alike, so that
-# Inductor's caches serve one from the other: the config patch around the compile, the dimensions marked dynamic
+# What a stage's own compile and the helper's must do alike for Inductor's caches to serve one from the other
 def inductor_settings(patch: dict | None):
     """A context with Inductor's config patched by ``patch`` (nothing to do when it is empty or None)."""
     if not patch:
@@ -178,8 +170,7 @@ def inductor_settings(patch: dict | None):
 
 
 def mark_dynamic(args, dynamic_dims: dict) -> None:
-    """Mark ``dynamic_dims`` of the tensors among ``args`` dynamic for dynamo's next compile (a mark on a
-    size of 1, or on a size the graph fixes, is dropped: dynamo specialises it)."""
+    """Mark ``dynamic_dims`` (``{position: dims}``) of the tensors among ``args`` dynamic for dynamo."""
     for position, dims in dynamic_dims.items():
         if position < len(args) and isinstance(args[position], torch.Tensor):
             for dim in dims:

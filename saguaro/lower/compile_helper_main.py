@@ -1,6 +1,5 @@
-"""The compile helper process (``python -m saguaro.lower.compile_helper_main``, started by
-:class:`~saguaro.lower.compile_helper.CompileHelper`): it warms Inductor up, then compiles each stage it
-is sent as the compile thread would, which fills Inductor's caches, and replies."""
+"""The compile helper process (:class:`~saguaro.lower.compile_helper.CompileHelper`): it warms Inductor up,
+then compiles each stage it is sent as the compile thread would, and replies ``{"ok", "detail"}``."""
 
 from __future__ import annotations
 
@@ -11,17 +10,16 @@ import time
 
 import torch
 
-from saguaro.lower.graph_transport import unpack_graph
-from saguaro.lower.direct_call import compile_with_inductor
 from saguaro.lower.compile_helper import inductor_settings, mark_dynamic, read_message, write_message
+from saguaro.lower.direct_call import compile_with_inductor
+from saguaro.lower.graph_transport import unpack_graph
 from saguaro.lower.lowering import INDUCTOR_OPTIONS
 from saguaro.lower.tiered import materialise
 
 
 def compile_request(request: dict) -> None:
-    """Compile the stage of a request as the compile thread would (:class:`~saguaro.lower.tiered.CompileJob`),
-    which writes Inductor's cache entries; its outputs are thrown away. ``setup`` first: the ``module:function``
-    names the stage's builder gave (the packed kernel's library, which its graph calls)."""
+    """Compile a request's stage as :class:`~saguaro.lower.tiered.CompileJob` would (after its ``setup``
+    ``module:function`` calls); the outputs are thrown away."""
     for name in request.get("setup", ()):
         module, function = name.split(":")
         getattr(importlib.import_module(module), function)()
@@ -31,26 +29,30 @@ def compile_request(request: dict) -> None:
     mark_dynamic(args, request["dynamic_dims"])
     inference, grad, threads = request["modes"]
     torch.set_num_threads(threads)
-    with inductor_settings(request["config_patch"]), torch.inference_mode(inference), torch.set_grad_enabled(grad):
+    with (
+        inductor_settings(request["config_patch"]),
+        torch.inference_mode(inference),
+        torch.set_grad_enabled(grad),
+    ):
         compiled(*args)
 
 
 def warm_up() -> None:
-    """Inductor's one-time set-up on the CPU (its instruction-set probes and, for the C++ wrapper, the
-    precompiled header: 15-20 s on a 2-core machine), done on a trivial function before any request
-    comes. What it builds lands in Inductor's cache, where the compile thread finds it too."""
+    """Inductor's one-time CPU set-up (instruction-set probes, the C++ wrapper's precompiled header), on a
+    trivial function; it lands in Inductor's cache, where the compile thread finds it too."""
     with torch.inference_mode():
         torch.compile(lambda x: (x * 2).sum(), options=dict(INDUCTOR_OPTIONS["cpu"]))(torch.ones(64))
 
 
 def serve(requests, replies) -> None:
     """The helper's loop: one reply per request, until the requests end."""
-    import torch._inductor.lowering  # noqa: F401 - registers prims.inductor_force_stride_order, which passes use
+    import torch._inductor.lowering  # noqa: F401 - registers prims.inductor_force_stride_order
+
     import saguaro  # noqa: F401 - registers Saguaro's operators
 
     try:
         warm_up()
-    except Exception:  # noqa: BLE001 - a request will meet the same failure and say it
+    except Exception:
         pass
 
     while (request := read_message(requests)) is not None:
@@ -58,7 +60,7 @@ def serve(requests, replies) -> None:
         try:
             compile_request(request)
             reply = {"ok": True, "detail": f"{time.perf_counter() - started:.1f}s"}
-        except Exception as exc:  # noqa: BLE001 - the compile thread compiles the stage itself
+        except Exception as exc:
             reply = {"ok": False, "detail": f"{type(exc).__name__}: {str(exc).strip()[:500]}"}
         write_message(replies, reply)
 

@@ -1,8 +1,7 @@
-"""The one thread that compiles a Program's stages in the background (``compile="background"``,
-:mod:`saguaro.lower.tiered`): jobs run in the order queued, and the thread ends when the interpreter
-exits without holding it up or aborting it. With a compile helper (a second process,
-:mod:`saguaro.lower.compile_helper`), the helper compiles the next queued job while the thread compiles
-one; the thread then compiles the helper's jobs from Inductor's caches, first among the jobs queued."""
+"""The one thread that compiles a Program's stages in the background (``compile="background"``), in order.
+
+With a compile helper (:mod:`saguaro.lower.compile_helper`) the helper takes the next job while the thread
+compiles one; the thread then takes the helper's jobs (from Inductor's caches) first."""
 
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ _EXIT_HOOK = threading.Event()  # set once _exit_all is registered
 
 
 class Job(Protocol):
-    """What the thread runs: ``run()`` compiles, then ``stage.compiled_for(key)`` or, when it raised,
-    ``stage.failed_for(key, exc)``; a job dropped unrun tells ``stage.dropped(key)``. ``args`` are let go
-    once it has run (:class:`~saguaro.lower.tiered.CompileJob`)."""
+    """What the thread runs: ``run()``, then ``stage.compiled_for(key)``, or ``stage.failed_for(key, exc)``
+    if it raised; a job dropped unrun gets ``stage.dropped(key)``. ``args`` are let go once it ran."""
 
     stage: object
     key: tuple
@@ -41,17 +39,10 @@ class Cancelled(BaseException):
 
 
 class BackgroundCompiler:
-    """The one thread that compiles a Program's stages in the background (its target's and draft's
-    alike), one job at a time, in the order queued; the thread lives while there is work. :meth:`close`
-    drops what is queued and waits for the compile under way. At the interpreter's exit (before it joins
-    its threads) the queue is dropped and the compile under way is ended by raising :class:`Cancelled`
-    in the thread: a thread left inside torch's C++ code while Python 3.11 finalizes aborts the process
-    (a daemon thread would), and waiting for the compile could take tens of seconds.
-
-    ``helper``: compile with a helper process too (:class:`~saguaro.lower.compile_helper.CompileHelper`,
-    started with the first job it takes). It gets a job only while the thread compiles another, one at a
-    time; the thread takes the jobs the helper is done with first, then the others in order (a job the
-    helper failed included), and waits for the helper only when it holds every job left."""
+    """One thread compiling jobs in order, alive while there is work; ``held``: jobs wait for :meth:`release`;
+    ``helper``: a :class:`~saguaro.lower.compile_helper.CompileHelper` takes one job at a time beside it. At
+    the interpreter's exit the queue is dropped and the compile under way ended by raising :class:`Cancelled`
+    in the thread (one left in torch's C++ code while Python finalizes aborts the process)."""
 
     def __init__(self, name: str = "saguaro-compile", held: bool = False, helper: bool = False):
         self.name = name
@@ -73,11 +64,8 @@ class BackgroundCompiler:
         return self._held
 
     def release(self) -> None:
-        """Let queued jobs run. ``held=True`` keeps them queued until then (``saguaro.compile`` releases
-        its compiler when the first generation's first round is out: a compile holds the GIL for long
-        stretches, and the eager rounds that make the first text wait for it; measured on the 2-core CPU,
-        the demo's first text came 1.5-2 s later without the hold). A blocking :meth:`wait` and
-        :meth:`close` release it too."""
+        """Let queued jobs run (``saguaro.compile`` holds them until the first round is out: a compile holds
+        the GIL the eager first rounds need). A blocking :meth:`wait` and :meth:`close` release too."""
         with self._cond:
             self._held = False
             self._cond.notify_all()
@@ -89,8 +77,8 @@ class BackgroundCompiler:
             self._jobs.append(job)
             self._feed_helper()
             if self._thread is None:  # idle, or closed: a fresh thread
-                # not a daemon (a thread inherits its creator's flag: a stream's worker is one), so the
-                # interpreter's exit joins it after the exit hook has ended its compile
+                # not a daemon (a stream's worker is one, and a thread inherits the flag): the interpreter's
+                # exit joins it after the exit hook ended its compile
                 self._thread = threading.Thread(target=self._work, name=self.name, daemon=False)
                 _end_at_exit(self)
                 self._thread.start()
@@ -122,7 +110,7 @@ class BackgroundCompiler:
             try:
                 job.run()
                 job.stage.compiled_for(job.key)
-            except Exception as exc:  # noqa: BLE001 - any failure leaves the stage eager for these shapes
+            except Exception as exc:
                 if not self._exiting:  # else the interpreter's exit ended it
                     job.stage.failed_for(job.key, exc)
             finally:
@@ -133,18 +121,23 @@ class BackgroundCompiler:
                     self._cond.notify_all()
 
     def _next_job(self):
-        """The job the thread compiles next (under the lock): one the helper is done with, else the first
-        the helper does not hold; None when it holds them all."""
+        """Under the lock: a job the helper is done with, else the first it does not hold; else None."""
         for job in self._jobs:
             if getattr(job, "helper", "") == "done":
                 return job
         return next((job for job in self._jobs if getattr(job, "helper", "") != "sent"), None)
 
     def _feed_helper(self) -> None:
-        """Hand the helper the first job it can compile and nobody has taken (under the lock), while the
-        thread compiles another: a lone job compiles faster on the thread than through the helper."""
+        """Under the lock, while the thread compiles one: hand the helper the first job it can take."""
         helper = self._helper
-        if helper is None or helper.dead or helper.busy or self._held or self._exiting or self._running is None:
+        if (
+            helper is None
+            or helper.dead
+            or helper.busy
+            or self._held
+            or self._exiting
+            or self._running is None
+        ):
             return
         job = next((j for j in self._jobs if getattr(j, "helper", None) == "" and j.helper_serves), None)
         if job is not None:
@@ -161,8 +154,11 @@ class BackgroundCompiler:
             if ok:
                 log.info("compile helper compiled stage %s (%s)", getattr(job.stage, "name", "?"), detail)
             else:
-                log.info("compile helper could not compile stage %s (%s); the compile thread will",
-                         getattr(job.stage, "name", "?"), detail)
+                log.info(
+                    "compile helper could not compile stage %s (%s); the compile thread will",
+                    getattr(job.stage, "name", "?"),
+                    detail,
+                )
             self._feed_helper()
             self._cond.notify_all()
 
@@ -176,7 +172,9 @@ class BackgroundCompiler:
         if self._helper is not None:
             self._helper.stop()
         if thread is not None and running is not None and thread.ident is not None:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(Cancelled))
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(thread.ident), ctypes.py_object(Cancelled)
+            )
 
     @property
     def pending(self) -> int:
@@ -185,17 +183,16 @@ class BackgroundCompiler:
             return len(self._jobs) + (self._running is not None)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until nothing is queued or compiling: True, or False when ``timeout`` seconds passed first.
-        A wait that may block (``timeout`` None or above 0) releases a hold first."""
+        """True once nothing is queued or compiling, False after ``timeout`` seconds. A wait that may block
+        (``timeout`` None or above 0) releases a hold first."""
         if timeout is None or timeout > 0:
             self.release()
         with self._cond:
             return self._cond.wait_for(lambda: not self._jobs and self._running is None, timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Drop the queued compiles (their stages queue them again on their next call), stop the thread
-        and the compile helper, and wait up to ``timeout`` seconds for the compile under way. A later job
-        starts a new thread (and a new helper, when it is fed one)."""
+        """Drop the queued jobs (their stages queue them again), stop the thread and the helper, and wait up
+        to ``timeout`` seconds for the compile under way; a later job starts a new thread."""
         with self._cond:
             dropped, thread = list(self._jobs), self._thread
             self._held = False
@@ -212,8 +209,7 @@ class BackgroundCompiler:
 
 
 def _end_at_exit(compiler: BackgroundCompiler) -> None:
-    """Have the interpreter's exit end ``compiler``'s thread (threading's exit hooks run before it joins
-    the threads left); the hook is registered once, with the first compile thread."""
+    """Have the interpreter's exit end ``compiler``'s thread (threading's exit hook, registered once)."""
     if not _EXIT_HOOK.is_set():
         try:
             threading._register_atexit(_exit_all)  # what concurrent.futures uses for its workers

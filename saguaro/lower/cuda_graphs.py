@@ -1,37 +1,14 @@
-"""CUDA graphs over the fixed-shape stages (verify, glue, each tree shape, step, AR's round).
+"""CUDA graphs over the fixed-shape stages (:func:`captures_stage`): :class:`GraphedStage`.
 
-On CUDA every kernel of a stage is launched from Python (Inductor's wrapper, or the FX interpreter of
-the eager backend), so two lanes launching hundreds of kernels per round contend for the GIL. A
-:class:`GraphedStage` launches a stage as one captured ``torch.cuda.CUDAGraph`` instead: per input
-signature (shapes and dtypes, plus the addresses of the inputs the graph writes in place) it keeps
-static input buffers, a captured graph and the graph's static outputs. A call copies its inputs into
-the static buffers, replays the graph, and returns clones of the outputs (a tree stage is called once
-per depth at one shape, so an uncloned output would be overwritten by the next depth). The inputs written
-in place (KV caches, AR's token buffer) are never copied: their addresses join the signature, and the
-runtime keeps them at fixed addresses across generations (``KVPool``, ``SequencePool``), so a graph
-captured in one generation replays in every later one of the same shape. Why not
-``torch.compile(mode="reduce-overhead")``: its CUDA graph trees skip a graph that mutates an input which
-is not a parameter or buffer (the caches), and they are per thread, while a lane may build a stage that
-another thread runs.
-
-Per signature: the first call is a warm-up on a side stream, as ``torch.cuda.graph``'s documentation
-requires (it compiles, with the static buffers, so that the capture never compiles); the second call
-captures (which runs nothing) and replays; later calls replay. A capture that fails is logged once, and
-that signature runs without a graph from then on. Only the :data:`MAX_GRAPHS` most recently used
-signatures keep their graph (and its private memory pool). Captures take turns across the process (one
-lock). ``dynamic_dims`` (Inductor's sizes that vary from call to call) are marked dynamic on the static
-buffers, so the stage compiles once for every shape and a graph is captured per shape. ``encloses``: a
-function of several stages (SD's round) whose stages run as themselves (no graph of their own) while it
-warms up, is captured or checked; called without its graph, they keep theirs.
-
-The first replay of each captured graph is checked: the stage also runs without the graph, on copies of
-the inputs it writes in place as they were before the replay, and its outputs and those written inputs
-must equal the graph's bit for bit. A difference turns the graphs off for the whole stage (every
-signature: a kernel that a graph replays wrong at one shape is not trusted at another); that call's
-results are the ungraphed ones (copied back into the written inputs), later calls run the stage itself,
-a warning names the stage and the first differing tensor, and :attr:`GraphedStage.graphs_off` says why
-(the runner reports it in ``stats["graphs_off"]`` and ``stats["plan"]``).
+Per input signature (shapes, dtypes, the addresses of the inputs written in place, kept fixed by the
+runtime) a stage keeps static input buffers, a ``torch.cuda.CUDAGraph`` and its outputs: the first call
+warms up on a side stream (it compiles), the second captures, later ones copy their inputs in, replay and
+return clones. A failed capture leaves that signature ungraphed; :data:`MAX_GRAPHS` keep theirs. Each
+graph's first replay is checked bit for bit against the stage run without it (on copies of the written
+inputs); a difference turns the stage's graphs off for good (:attr:`GraphedStage.graphs_off`). Not
+``mode="reduce-overhead"``: its graph trees skip graphs that write non-parameter inputs, and are per thread.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,34 +23,35 @@ from saguaro.lower.compile_helper import mark_dynamic
 
 log = logging.getLogger(__name__)
 
-# What cuda_graphs="auto" means on CUDA: on. The probe on one H200 found every stage bound by its launches
-# (docs/measurements/2026-12-04-gpu-probe-first-run.md); a graph whose first replay differs is dropped.
+# cuda_graphs="auto" on CUDA: on; the probe found every stage bound by its launches
+# (docs/measurements/2026-12-04-gpu-probe-first-run.md)
 CUDA_GRAPHS_AUTO = True
 CUDA_GRAPHS_CHOICES = ("auto", True, False)
 MAX_GRAPHS = 16  # signatures per stage that keep a captured graph
 WARMUP_CALLS = 1  # calls per signature before its capture
-# torch.cuda.graph synchronizes the device when it starts a capture, which would break another thread's: one at a time
+# torch.cuda.graph synchronizes the device as a capture starts, which would break another thread's
 _CAPTURE_LOCK = threading.Lock()
 _ENCLOSED = threading.local()  # depth: > 0 while an enclosing GraphedStage's function runs on this thread
 
 
 def resolve_cuda_graphs(requested, device) -> bool:
-    """Whether a model on ``device`` runs its fixed-shape stages as CUDA graphs. ``"auto"``: on CUDA
-    when :data:`CUDA_GRAPHS_AUTO`; ``True`` off CUDA is a :class:`ConfigError` naming the device."""
+    """Whether a model on ``device`` graphs its fixed-shape stages (``"auto"``: on CUDA when
+    :data:`CUDA_GRAPHS_AUTO`); ``ConfigError`` for ``True`` off CUDA or another value."""
     device = torch.device(device)
     if requested == "auto":
         return device.type == "cuda" and CUDA_GRAPHS_AUTO
     if requested is True and device.type != "cuda":
-        raise ConfigError(f"cuda_graphs=True needs the models on a CUDA device, but they are on {device}: "
-                          "use cuda_graphs=False or 'auto' (off there), or move the models to CUDA")
+        raise ConfigError(
+            f"cuda_graphs=True needs the models on a CUDA device, but they are on {device}: "
+            "use cuda_graphs=False or 'auto' (off there), or move the models to CUDA"
+        )
     if requested not in (True, False):
         raise ConfigError(f"cuda_graphs={requested!r} is not allowed: choose 'auto', True or False")
     return bool(requested)
 
 
 def captures_stage(stage: Stage) -> bool:
-    """Whether ``stage`` has fixed shapes worth a graph: all but prefill, whose prompt length varies
-    per request and which runs once per generation, and the score, whose sequence length varies per call."""
+    """Whether ``stage`` has fixed shapes: all but the prefill and the score (lengths vary per call)."""
     return stage.family not in (TARGET_PREFILL.family, TARGET_SCORE.family)
 
 
@@ -81,13 +59,19 @@ class _Entry:
     """One signature's static inputs (``(arg index, buffer)``), graph and static outputs."""
 
     def __init__(self, args: tuple, fixed: frozenset, dynamic_dims: dict):
-        self.copies = [(i, torch.empty(a.shape, dtype=a.dtype, device=a.device))  # contiguous
-                       for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in fixed]
+        self.copies = [
+            (i, torch.empty(a.shape, dtype=a.dtype, device=a.device))  # contiguous
+            for i, a in enumerate(args)
+            if isinstance(a, torch.Tensor) and i not in fixed
+        ]
         if dynamic_dims:  # the marks CompiledStage put on the inputs, on the buffers dynamo compiles for
             buffers = dict(self.copies)
             mark_dynamic([buffers.get(i) for i in range(len(args))], dynamic_dims)
-        # checked: its first replay was compared with the stage itself; failed: its capture failed (the stage runs)
-        self.calls, self.checked, self.failed, self.graph, self.outputs = 0, False, False, None, None
+        self.calls = 0
+        self.checked = False  # its first replay was compared with the stage run without it
+        self.failed = False  # its capture failed: the stage runs itself
+        self.graph = None
+        self.outputs = None
 
     def load(self, args: tuple) -> tuple:
         """Copy ``args`` into the static buffers; the arguments to call the stage with."""
@@ -120,8 +104,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def difference(got: list, want: list, names: list) -> str | None:
-    """The first of ``got`` that differs from ``want`` in shape, dtype or any bit, in words (named by
-    ``names``), or None when all are equal."""
+    """The first of ``got`` unlike ``want`` (shape, dtype, a bit), named by ``names``, in words; else None."""
     for name, a, b in zip(names, got, want):
         if a.shape != b.shape or a.dtype != b.dtype:
             return f"{name}: {tuple(a.shape)} {a.dtype} instead of {tuple(b.shape)} {b.dtype}"
@@ -145,23 +128,44 @@ def enclosing(fn):
 
 
 class GraphedStage:
-    """``fn`` (a stage: flat tensors in, a tuple of tensors out) replayed as CUDA graphs, one per input
-    signature; ``fixed`` are the positions of the inputs ``fn`` writes in place (kept at their
-    addresses, which join the signature). Calls with an input off ``device_type`` (or on two devices,
-    or an unhashable constant) run ``fn`` itself. Outputs are fresh tensors (clones of the static ones).
+    """``fn`` (flat tensors in, a tuple out) replayed as CUDA graphs, one per signature; ``fixed``: positions
+    of the inputs it writes in place. A call off ``device_type`` or unhashable runs ``fn``; outputs: clones.
+    ``encloses``: ``fn`` calls stages (SD's round), run as themselves while it warms up, captures or checks.
     """
 
-    def __init__(self, fn, name: str, fixed=(), device_type: str = "cuda", max_graphs: int = MAX_GRAPHS,
-                 warmup_calls: int = WARMUP_CALLS, dynamic_dims: dict | None = None, encloses: bool = False):
-        self.fn, self.name, self.fixed = fn, name, frozenset(fixed)
+    def __init__(
+        self,
+        fn,
+        name: str,
+        fixed=(),
+        device_type: str = "cuda",
+        max_graphs: int = MAX_GRAPHS,
+        warmup_calls: int = WARMUP_CALLS,
+        dynamic_dims: dict | None = None,
+        encloses: bool = False,
+    ):
+        self.fn = fn
+        self.name = name
+        self.fixed = frozenset(fixed)
         self._run = enclosing(fn) if encloses else fn  # what its warm-ups, captures and checks call
-        self.device_type, self.max_graphs, self.warmup_calls = device_type, max_graphs, warmup_calls
+        self.device_type = device_type
+        self.max_graphs = max_graphs
+        self.warmup_calls = warmup_calls
         self.dynamic_dims = dict(dynamic_dims or {})
         self._entries: OrderedDict = OrderedDict()  # signature -> _Entry, least recently used first
         self._streams: dict = {}  # device -> the side stream of warm-ups and captures
         self._lock = threading.Lock()  # static buffers are shared by the calls of one signature
-        self.counts = {"passed": 0, "warmups": 0, "captures": 0, "replays": 0, "failed": 0, "evicted": 0,
-                       "checks": 0, "mismatches": 0, "enclosed": 0}
+        self.counts = {
+            "passed": 0,
+            "warmups": 0,
+            "captures": 0,
+            "replays": 0,
+            "failed": 0,
+            "evicted": 0,
+            "checks": 0,
+            "mismatches": 0,
+            "enclosed": 0,
+        }
         self.mismatch: str | None = None  # why a first replay differed: the whole stage runs without graphs
         self.capture_error: str | None = None  # the last failed capture's error (that signature runs without)
 
@@ -231,20 +235,27 @@ class GraphedStage:
             return _cloned(entry.outputs)
 
     def _first_replay(self, entry: _Entry, call_args: tuple):
-        """Replay ``entry``'s graph for the first time and compare it with the stage run without the graph,
-        on copies of the written inputs as they were before (see the module's docstring)."""
+        """Replay ``entry``'s graph the first time, checked against the stage run without it."""
         entry.checked = True
         self.counts["checks"] += 1
-        written = sorted(i for i in self.fixed if i < len(call_args) and isinstance(call_args[i], torch.Tensor))
+        written = sorted(
+            i for i in self.fixed if i < len(call_args) and isinstance(call_args[i], torch.Tensor)
+        )
         before = {i: call_args[i].clone() for i in written}  # clone keeps the strides of a dense tensor
         entry.graph.replay()
         self.counts["replays"] += 1
         expected = self._run(*(before.get(i, a) for i, a in enumerate(call_args)))  # the copies are written
         got, want = _tensors(entry.outputs), _tensors(expected)
         names = [f"output {n}" for n in range(max(len(got), len(want)))]
-        why = (f"{len(got)} outputs instead of {len(want)}" if len(got) != len(want) else
-               difference(got + [call_args[i] for i in written], want + [before[i] for i in written],
-                          names + [f"input {i} (written in place)" for i in written]))
+        why = (
+            f"{len(got)} outputs instead of {len(want)}"
+            if len(got) != len(want)
+            else difference(
+                got + [call_args[i] for i in written],
+                want + [before[i] for i in written],
+                names + [f"input {i} (written in place)" for i in written],
+            )
+        )
         if why is None:
             return _cloned(entry.outputs)
         for i in written:  # the ungraphed call's writes stand
@@ -283,15 +294,18 @@ class GraphedStage:
             with _CAPTURE_LOCK, torch.cuda.device(device):
                 with torch.cuda.graph(graph, stream=self._stream(device), capture_error_mode="thread_local"):
                     outputs = self._run(*call_args)
-        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to running the stage
+        except Exception as exc:
             entry.failed = True
             self.counts["failed"] += 1
             # a capture that ended in error may leave the allocator routing this stream's allocations to
             # the graph's pool: later warm-ups and captures take a new side stream
             self._streams.pop(device, None)
             self.capture_error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-            log.warning("stage %s: CUDA graph capture failed (%s); this shape runs without a graph", self.name,
-                        self.capture_error)
+            log.warning(
+                "stage %s: CUDA graph capture failed (%s); this shape runs without a graph",
+                self.name,
+                self.capture_error,
+            )
             return False
         entry.graph, entry.outputs = graph, outputs
         self.counts["captures"] += 1

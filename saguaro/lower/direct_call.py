@@ -1,26 +1,11 @@
-"""Direct calls of a compiled stage: Inductor's compiled function called without dynamo in between.
+"""Direct calls: a compiled stage's later calls of a shape key run Inductor's function without dynamo.
 
-On each call of a ``torch.compile``-d function, dynamo looks up the compiled entry by its guards and runs
-bytecode that gathers the graph's inputs (the stage's arguments, the model's parameters, the symbolic sizes)
-before Inductor's function runs: about 0.5-0.8 ms per call of the default pair's target step here (a fifth of
-the step; ``benchmarks/README.md``), and as much per draft step, whose kernels take less.
-
-A :class:`~saguaro.lower.lowering.CompiledStage` already keys each call by what those guards read of the call
-(:func:`~saguaro.lower.tiered.shape_key`: sizes, strides, dtypes, devices, aliasing, grad and inference mode,
-threads); the rest of the global state they check (autocast, deterministic algorithms, ...) is dynamo's own
-``GlobalStateGuard``, taken at the recorded call and checked before each direct one. So the first call of a
-key goes through dynamo while :func:`recording` notes which compiled function dynamo ran and the inputs it
-gave it. When those inputs can be rebuilt from the stage's own arguments (each tensor one of the arguments or
-a tensor the graph module holds, each integer a size or stride of an argument: checked by rebuilding that very
-call's inputs) and the call returned the function's own outputs, later calls with that key call the function
-directly (:class:`DirectCall`). Anything else keeps dynamo's path. The function is the one dynamo would run,
-so outputs are the same. ``SAGUARO_DIRECT_CALLS=0`` sends every call through dynamo.
-
-One level further down: the function dynamo runs is AOT autograd's runtime wrapper around Inductor's compiled
-graph, which for these inference graphs passes the inputs in and the outputs out unchanged, in Python, about
-0.1 ms a call (5 % of the default pair's AR round at two threads; ``benchmarks/README.md``). Where the recorded
-call shows it did exactly that (the graph called once, with the very inputs the wrapper was given, returning the
-very outputs the wrapper returned), the direct call calls the graph's own function (:func:`inductor_graph`).
+The first call of a key goes through dynamo under :func:`recording`; where the function's inputs can be
+rebuilt from the stage's arguments (each tensor an argument or a held one, each integer an argument's size
+or stride; checked on that call) and its outputs come back unchanged, :func:`direct_call` makes a
+:class:`DirectCall` (past AOT autograd's wrapper too where it only passes things through), run while
+dynamo's ``GlobalStateGuard`` holds as recorded. Same function, same outputs; ``SAGUARO_DIRECT_CALLS=0``
+turns it off (docs/measurements/2026-12-03-direct-calls.md).
 """
 
 from __future__ import annotations
@@ -39,30 +24,32 @@ _recorded = threading.local()  # .calls: a list while this thread records, else 
 
 
 class RecordingInductor(torch._TorchCompileInductorWrapper):
-    """Inductor as ``torch.compile(backend="inductor", options=...)`` runs it, each compiled function it
-    returns wrapped in a :class:`CompiledEntry` that records its calls."""
+    """Inductor as ``torch.compile(backend="inductor", options=...)`` runs it, its functions recorded."""
 
     def __init__(self, options: dict):
         super().__init__(None, options, None)
         self.cpp_wrapper = bool(options.get("cpp_wrapper"))
 
     def __call__(self, model_, inputs_, **kwargs):
-        return CompiledEntry(model_, super().__call__(model_, inputs_, **kwargs), int_tensors=self.cpp_wrapper)
+        return CompiledEntry(
+            model_, super().__call__(model_, inputs_, **kwargs), int_tensors=self.cpp_wrapper
+        )
 
 
 def compile_with_inductor(gm: torch.fx.GraphModule, options: dict):
-    """``gm``'s forward under ``torch.compile`` with Inductor ``options``, here and in the compile helper
-    (whose compile must match this one for Inductor's caches to serve it)."""
-    # what torch.compile(backend="inductor", options=options) does, with Inductor's compiled functions
-    # recorded for direct calls (below); the stage's weights are the captured model's and never
-    # change shape: no guards on them
-    return torch._dynamo.optimize(backend=RecordingInductor(options), nopython=True, dynamic=None,
-                                  guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)(gm.forward)
+    """``gm``'s forward under ``torch.compile`` with Inductor ``options`` (the compile helper's too)."""
+    # torch.compile(backend="inductor", options=options), its functions recorded; the weights never change
+    # shape: no guards on them
+    return torch._dynamo.optimize(
+        backend=RecordingInductor(options),
+        nopython=True,
+        dynamic=None,
+        guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+    )(gm.forward)
 
 
 class CompiledEntry:
-    """One compiled form of a stage: Inductor's function, and for each of its inputs the symbols of the
-    sizes and strides (a tensor) or the symbol it is (an integer), read from dynamo's graph."""
+    """One compiled form: Inductor's function and, per input, its size / stride symbols or its own symbol."""
 
     boxed = None  # the Inductor graph's own function, when found
     int_tensors = False  # whether that function takes integer inputs as 0-d int64 tensors
@@ -71,8 +58,11 @@ class CompiledEntry:
         self.compiled = compiled
         # the C++ wrapper's graph function takes integer inputs as tensors too (it makes one of each int)
         self.int_tensors = int_tensors
-        self.inputs = [input_symbols(node.meta.get("example_value"))
-                       for node in graph.graph.nodes if node.op == "placeholder"]
+        self.inputs = [
+            input_symbols(node.meta.get("example_value"))
+            for node in graph.graph.nodes
+            if node.op == "placeholder"
+        ]
         inner = inductor_graph(compiled)
         self.boxed = None if inner is None else record_inner_calls(inner)  # the graph's own function
 
@@ -90,9 +80,8 @@ class CompiledEntry:
 
 
 def inductor_graph(fn):
-    """The one compiled graph of Inductor's (``CompiledFxGraph``) that ``fn``, the function dynamo runs, wraps:
-    found through the closures, ``__wrapped__`` and ``compiled_fn`` of the wrappers around it; None unless exactly
-    one."""
+    """The one ``CompiledFxGraph`` the function ``fn`` wraps (through closures, ``__wrapped__``,
+    ``compiled_fn``); None unless exactly one."""
     from torch._inductor.output_code import CompiledFxGraph
 
     found, seen, todo = [], set(), [fn]
@@ -117,9 +106,8 @@ def inductor_graph(fn):
 
 
 def record_inner_calls(graph):
-    """Route ``graph``'s calls through a recorder that notes, on a thread inside a recorded entry call, the
-    inputs and outputs of each (:func:`direct_call` compares them with the entry's); returns the graph's own
-    function, which takes the inputs as a list (and empties it)."""
+    """Route ``graph``'s calls through a recorder of their inputs and outputs (inside a recorded call);
+    returns the graph's own function (it takes its inputs as a list, and empties it)."""
     own = graph.current_callable
     if hasattr(own, "records_for"):  # recorded already (another entry of the same graph)
         return own.records_for
@@ -139,8 +127,7 @@ def record_inner_calls(graph):
 
 
 def input_symbols(value):
-    """An integer input: its symbol's name (None: not symbolic). A tensor input: ``(sizes, strides)``,
-    each a tuple of the symbol name of each dimension or None."""
+    """A tensor's ``(sizes, strides)`` symbol names (None where static); an integer's symbol name or None."""
     if isinstance(value, torch.Tensor):
         return tuple(symbol_name(s) for s in value.shape), tuple(symbol_name(s) for s in value.stride())
     return symbol_name(value)
@@ -156,8 +143,8 @@ def direct_calls_wanted() -> bool:
 
 @contextlib.contextmanager
 def recording():
-    """Record the compiled functions this thread calls inside: a list of ``(entry, inputs, outputs, inner)``,
-    ``inner`` the ``(inputs, outputs)`` of the entry's Inductor graph's calls inside it (None: no graph found)."""
+    """Yields the ``(entry, inputs, outputs, inner)`` of the compiled calls this thread makes inside
+    (``inner``: the Inductor graph's ``(inputs, outputs)``, None where not found)."""
     previous = getattr(_recorded, "calls", None)
     _recorded.calls = calls = []
     try:
@@ -167,9 +154,9 @@ def recording():
 
 
 class DirectCall:
-    """Calls ``entry``'s function with inputs rebuilt from a stage call's arguments by ``sources``: per
-    input ``(0, position)`` an argument, ``(1, tensor)`` a tensor the module holds, ``(2, (position, dim))``
-    a size, ``(3, (position, dim))`` a stride."""
+    """``entry``'s function on inputs rebuilt from a stage call's arguments by ``sources``: per input
+    ``(0, position)`` an argument, ``(1, tensor)`` a held tensor, ``(2 | 3, (position, dim))`` a size / a
+    stride."""
 
     def __init__(self, entry: CompiledEntry, sources: list, boxed=None):
         self.compiled, self.sources = entry.compiled, sources
@@ -185,7 +172,7 @@ class DirectCall:
         self.state = torch._C._dynamo.guards.GlobalStateGuard()
 
     def applies(self) -> bool:
-        """Whether this thread's global state is the recorded call's (a C++ check, under a microsecond)."""
+        """Whether this thread's global state is the recorded call's."""
         return self.state.check()
 
     def inputs(self, args) -> list:
@@ -208,7 +195,9 @@ class DirectCall:
 
     def __call__(self, args) -> tuple:
         if self.boxed is not None and not torch.autograd.profiler._is_profiler_enabled:
-            return tuple(self.boxed(self.boxed_inputs(args)))  # (the profiler's records come from the wrapper)
+            return tuple(
+                self.boxed(self.boxed_inputs(args))
+            )  # (the profiler's records come from the wrapper)
         return tuple(self.compiled(*self.inputs(args)))
 
     def _int_tensor(self, value: int) -> torch.Tensor:
@@ -219,9 +208,8 @@ class DirectCall:
 
 
 def direct_call(calls: list, args: tuple, out, held: dict) -> DirectCall | None:
-    """The direct call for later calls like this one, whose arguments were ``args`` and output ``out``,
-    ``calls`` what :func:`recording` saw during it, ``held`` ``{id: tensor}`` of the tensors the stage's
-    module holds (parameters, buffers, constants); None where they cannot be rebuilt (see the module)."""
+    """The :class:`DirectCall` for later calls like this one (``args`` in, ``out`` out, ``calls`` recorded,
+    ``held`` ``{id: tensor}`` of the module's tensors); None where the inputs cannot be rebuilt."""
     if len(calls) != 1:
         return None
     entry, inputs, raw, inner = calls[0]
@@ -248,12 +236,21 @@ def direct_call(calls: list, args: tuple, out, held: dict) -> DirectCall | None:
             return None
     for j, (value, info) in enumerate(zip(inputs, entry.inputs)):
         if sources[j] is None:
-            kind = 2 if (info, 2) in symbols else 3 if (info, 3) in symbols else None
-            if type(value) is not int or info is None or kind is None:
+            if (info, 2) in symbols:
+                kind = 2  # a size
+            elif (info, 3) in symbols:
+                kind = 3  # a stride
+            else:
+                return None
+            if type(value) is not int or info is None:
                 return None
             sources[j] = (kind, symbols[info, kind])
-    passes_through = (inner is not None and len(inner) == 1 and same_inputs(inner[0][0], inputs)
-                      and returns_own_outputs(tuple(raw), inner[0][1]))
+    passes_through = (
+        inner is not None
+        and len(inner) == 1
+        and same_inputs(inner[0][0], inputs)
+        and returns_own_outputs(tuple(raw), inner[0][1])
+    )
     call = DirectCall(entry, sources, entry.boxed if passes_through else None)
     if not same_inputs(call.inputs(args), inputs):
         return None
@@ -263,13 +260,19 @@ def direct_call(calls: list, args: tuple, out, held: dict) -> DirectCall | None:
 def same_inputs(given, inputs) -> bool:
     """Whether ``given`` holds the very tensors of ``inputs``, and equal integers, in the same places."""
     return len(given) == len(inputs) and all(
-        a is b if isinstance(b, torch.Tensor) else (type(a) is type(b) and a == b) for a, b in zip(given, inputs))
+        a is b if isinstance(b, torch.Tensor) else (type(a) is type(b) and a == b)
+        for a, b in zip(given, inputs)
+    )
 
 
 def returns_own_outputs(out, raw) -> bool:
     """Whether dynamo's result ``out`` is the compiled function's outputs ``raw``, as a tuple, unchanged."""
-    return (isinstance(out, tuple) and isinstance(raw, (list, tuple)) and len(out) == len(raw)
-            and all(a is b for a, b in zip(out, raw)))
+    return (
+        isinstance(out, tuple)
+        and isinstance(raw, (list, tuple))
+        and len(out) == len(raw)
+        and all(a is b for a, b in zip(out, raw))
+    )
 
 
 def held_tensors(gm: torch.nn.Module) -> dict:

@@ -1,5 +1,4 @@
-"""A stage GraphModule's forward code: generated where dynamo will compile it, and read back to name the FX node a
-failed compile stopped at (for the error that names it)."""
+"""A stage GraphModule's forward code: generated outside dynamo's compiles, read to name a failed node."""
 
 from __future__ import annotations
 
@@ -10,18 +9,14 @@ import torch
 
 
 def forward_outside_compiles(gm: torch.fx.GraphModule) -> None:
-    """Generate ``gm``'s forward code again while no dynamo compile runs in this process (under dynamo's
-    compile lock). While dynamo compiles, it swaps FX's code generator for one that marks each new forward
-    as never to be compiled, process-wide: a stage graph whose forward was generated then (built on one
-    thread while the compile thread compiled another stage) got such a forward, and ``torch.compile`` then
-    ran it eager on every call (measured: the default pair's AR step at a quarter of its speed after an SSD
-    generation in the background). Waits for a compile under way."""
+    """Generate ``gm``'s forward code again under dynamo's compile lock (waiting for a compile under way):
+    while dynamo compiles, FX's code generator, process-wide, marks each new forward never to be compiled,
+    and ``torch.compile`` would then run that stage eager on every call."""
     from torch._dynamo.convert_frame import compile_lock
 
     with compile_lock:
         gm.recompile()
-        # a _LazyGraphModule's recompile() only installs a stub that would generate the code on its first call,
-        # which may come inside a compile: generate it now
+        # a lazy GraphModule's recompile() installs a stub that would generate the code on its first call
         getattr(gm, "real_recompile", lambda: None)()
 
 

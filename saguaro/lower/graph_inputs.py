@@ -1,14 +1,9 @@
-"""Which inputs a stage graph writes in place (the KV caches): a CUDA graph must see those at the
-addresses it was captured with, while it may copy every other input into a static buffer.
+"""Which inputs a stage graph writes in place (the KV caches): a CUDA graph keeps those at their addresses.
 
-A write is found three ways, and any one marks the input: an op whose schema marks the argument
-``Tensor(a!)`` (the ``saguaro::attention`` custom op, ``aten.index_put_``, ...), a ``foo_`` method,
-``out=``, ``setitem`` or ``+=``, reached through views; a plain Python function the graph calls as one
-node whose ``mutates_args`` attribute names the parameters it writes, as ``torch.library.custom_op``
-spells it; and the stage-graph contract itself (``flatten_signature``): the ``k_caches`` / ``v_caches``
-inputs are written in place, whatever writes them. The contract is what covers the ``inline`` and
-``flex`` lowerings today: their ``attention_inline`` / ``attention_flex`` nodes (``passes/
-lower_attention.py``) are opaque functions that declare nothing, so the first two ways miss them.
+An input is written when: an op's schema marks the argument ``Tensor(a!)``; a ``foo_`` method, ``out=``,
+``setitem`` or ``+=`` writes it or a view of it; a function called as one node names it in
+``mutates_args``; or it is a ``k_caches`` / ``v_caches`` input (the stage-graph contract, which covers
+``lower_attention``'s ``inline`` and ``flex`` nodes: opaque functions that declare nothing).
 """
 
 from __future__ import annotations
@@ -23,19 +18,71 @@ CACHE_INPUT = re.compile(r"[kv]_caches(_\d+)?")  # the flat signature's per-laye
 
 # methods and functions whose result may share the first argument's storage: a write to the result is
 # a write to that argument (anything unlisted is a new tensor, or not a tensor)
-VIEW_METHODS = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "__getitem__", "select", "narrow", "transpose", "permute",
-    "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "unflatten", "as_strided", "t", "T", "mT",
-    "diagonal", "unfold", "movedim", "swapaxes", "contiguous", "detach", "unbind", "split", "chunk",
-    "real", "imag", "view_as_real", "view_as_complex",
-    "to", "type", "type_as", "float", "double", "half", "bfloat16", "long", "int", "bool",  # self when unchanged
-})
+VIEW_METHODS = frozenset(
+    {
+        "view",
+        "view_as",
+        "reshape",
+        "reshape_as",
+        "__getitem__",
+        "select",
+        "narrow",
+        "transpose",
+        "permute",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "expand_as",
+        "flatten",
+        "unflatten",
+        "as_strided",
+        "t",
+        "T",
+        "mT",
+        "diagonal",
+        "unfold",
+        "movedim",
+        "swapaxes",
+        "contiguous",
+        "detach",
+        "unbind",
+        "split",
+        "chunk",
+        "real",
+        "imag",
+        "view_as_real",
+        "view_as_complex",
+        "to",
+        "type",
+        "type_as",
+        "float",
+        "double",
+        "half",
+        "bfloat16",
+        "long",
+        "int",
+        "bool",  # self when unchanged
+    }
+)
 
 # x += y on tensors, as symbolic tracing records it
-IN_PLACE_OPERATORS = frozenset({
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
-    operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul,
-})
+IN_PLACE_OPERATORS = frozenset(
+    {
+        operator.iadd,
+        operator.isub,
+        operator.imul,
+        operator.itruediv,
+        operator.ifloordiv,
+        operator.imod,
+        operator.ipow,
+        operator.iand,
+        operator.ior,
+        operator.ixor,
+        operator.ilshift,
+        operator.irshift,
+        operator.imatmul,
+    }
+)
 
 
 def _name(target) -> str:
@@ -108,8 +155,7 @@ def _root(value):
 
 
 def mutated_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
-    """Positions of the inputs ``gm`` writes in place (see the module's docstring for how a write is
-    found)."""
+    """Positions of the inputs ``gm`` writes in place (module docstring)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     written = {p for p in placeholders if CACHE_INPUT.fullmatch(str(p.target))}
     for node in gm.graph.nodes:

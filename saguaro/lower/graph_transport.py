@@ -1,24 +1,17 @@
-"""A stage GraphModule sent to another process, node for node, so that the GraphModule rebuilt there
-generates the same ``forward`` code (the compile helper's Inductor compile then writes the cache entries
-the sender's own compile of the stage reads, :mod:`saguaro.lower.compile_helper`).
+"""A stage GraphModule sent to another process node for node, rebuilt there with the same ``forward`` code.
 
-Pickling a GraphModule does not serve: it sends the code and traces it again on arrival, which renames
-and reorders nodes (measured: 4 of the default pair's 5 first stages came back with other code, and
-Inductor's caches missed). Here each node travels as its op, name, target (an operator's qualified name)
-and arguments, and is created again under the same name.
-
-Only what a compile reads travels: a weight is sent as its shape, strides and dtype and arrives
-uninitialised (:data:`SMALL_TENSOR_BYTES` and smaller ones are sent whole), since a compile specialises
-on metadata, never on a parameter's values. The receiver runs the compiled stage once, on such weights:
-its outputs are thrown away.
+The compile helper's compile must write the cache entries the sender's compile reads; pickling a
+GraphModule traces it again on arrival, which renames and reorders nodes. Each node travels as its op,
+name, target and arguments; a tensor attribute above :data:`SMALL_TENSOR_BYTES` as its metadata only
+(:class:`EmptyTensor`, made uninitialised: a compile reads no values; the outputs are thrown away).
 """
 
 from __future__ import annotations
 
 import builtins
 import importlib
-from operator import attrgetter
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 import torch.fx as fx
@@ -86,16 +79,22 @@ def _decode(arg, nodes: dict):
 
 def _sent(value):
     if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > SMALL_TENSOR_BYTES:
-        return EmptyTensor(tuple(value.shape), tuple(value.stride()), value.dtype,
-                           isinstance(value, torch.nn.Parameter), value.requires_grad)
+        return EmptyTensor(
+            tuple(value.shape),
+            tuple(value.stride()),
+            value.dtype,
+            isinstance(value, torch.nn.Parameter),
+            value.requires_grad,
+        )
     return value
 
 
 def pack_graph(gm: fx.GraphModule) -> dict:
-    """What :func:`unpack_graph` rebuilds ``gm`` from, picklable (``torch.save``): its nodes, its code
-    generator and its attributes (large tensors as :class:`EmptyTensor`). CPU stages only."""
-    nodes = [(n.op, n.name, _target_name(n.target), _encode(n.args), _encode(n.kwargs), n.type)
-             for n in gm.graph.nodes]
+    """``gm``'s nodes, code generator and attributes, picklable, for :func:`unpack_graph`; CPU stages only."""
+    nodes = [
+        (n.op, n.name, _target_name(n.target), _encode(n.args), _encode(n.kwargs), n.type)
+        for n in gm.graph.nodes
+    ]
     attributes = {n.target: _sent(attrgetter(n.target)(gm)) for n in gm.graph.nodes if n.op == "get_attr"}
     return {"nodes": nodes, "attributes": attributes, "codegen": gm.graph._codegen}
 
@@ -106,8 +105,9 @@ def unpack_graph(packed: dict) -> fx.GraphModule:
     graph._codegen = packed["codegen"]
     nodes: dict = {}
     for op, name, target, args, kwargs, type_expr in packed["nodes"]:
-        node = graph.create_node(op, _target(target), _decode(args, nodes), _decode(kwargs, nodes), name=name,
-                                 type_expr=type_expr)
+        node = graph.create_node(
+            op, _target(target), _decode(args, nodes), _decode(kwargs, nodes), name=name, type_expr=type_expr
+        )
         if node.name != name:
             raise ValueError(f"FX node {name!r} came back as {node.name!r}")
         nodes[name] = node

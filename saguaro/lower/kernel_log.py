@@ -1,6 +1,5 @@
-"""What Inductor generated for a stage: its output code files and kernel names, read from Inductor's
-structured log (``inductor_output_code`` records of ``torch._logging``'s trace log, the ones tlparse
-reads) while the stage compiles."""
+"""What Inductor generated for a stage: its output code files and kernel names, from the structured log's
+``inductor_output_code`` records while it compiles."""
 
 from __future__ import annotations
 
@@ -27,11 +26,13 @@ class _OutputCode(logging.Handler):
             return
         code = getattr(record, "payload", None) or ""
         info = metadata["inductor_output_code"] or {}
-        self.files.append({
-            "file": info.get("file_path") or info.get("filename"),
-            "kernels": sorted(set(KERNEL.findall(code))),
-            "lines": code.count("\n"),
-        })
+        self.files.append(
+            {
+                "file": info.get("file_path") or info.get("filename"),
+                "kernels": sorted(set(KERNEL.findall(code))),
+                "lines": code.count("\n"),
+            }
+        )
 
 
 @contextmanager

@@ -1,14 +1,9 @@
-"""Calls of one compiled stage that differ only in their first few arguments: the draft's chained steps, each
-fed the query the call before returned, over the same store.
+"""Repeated calls: calls of one compiled stage that differ only in their first arguments (chained steps).
 
-A stage call keys its arguments' shapes (twice for a stage compiled in the background: the tiered stage's key
-and the compiled stage's), finds the direct call for that key and rebuilds all its inputs (the store's caches,
-the weights it holds, the sizes), about 30 us a call on a CPU beside a small draft's 160 us step. A
-:class:`RepeatedCall` does that once, for the arguments of a call that ran already: each later call puts in
-only the arguments that change, after checking they have the shapes and strides of the first (a mismatch
-returns None, and the caller makes the stage's own call). It exists only where that first call went to
-Inductor's graph function directly (:mod:`~saguaro.lower.direct_call`): not while a tiered stage still runs
-eager for these shapes, not through dynamo, not under CUDA graphs."""
+A :class:`RepeatedCall` rebuilds a call's inputs once and puts in only the changed arguments each call,
+skipping the shape key and the direct call's rebuild (docs/measurements/2026-12-06-draft-chain.md). It
+exists only where that call went to Inductor's graph function directly (:mod:`~saguaro.lower.direct_call`).
+"""
 
 from __future__ import annotations
 
@@ -16,15 +11,16 @@ import torch
 
 
 class RepeatedCall:
-    """``call(*changed)``: the stage on ``args`` with its first ``len(changed)`` arguments replaced; None when one
-    of them differs in shape or strides from the one it replaces. ``counted``: a callable run on each call (the
-    stages' call counts)."""
+    """``call(*changed)``: the stage on ``args``, its first ``len(changed)`` replaced; None when one differs
+    in shape or strides. ``counted``: called on each call (the stages' call counts)."""
 
     def __init__(self, direct, args, varying: int, counted):
         self.boxed, self.counted = direct.boxed, counted
         self.applies = direct.applies  # whether this thread's global state is still the recorded call's
         self.inputs = direct.boxed_inputs(args)
-        self.replaced = [(j, i) for j, i in direct._arguments if i < varying]  # (input position, argument position)
+        self.replaced = [
+            (j, i) for j, i in direct._arguments if i < varying
+        ]  # (input position, argument position)
         self.layouts = [(a.shape, a.stride()) for a in args[:varying]]
 
     def __call__(self, *changed):
@@ -39,9 +35,8 @@ class RepeatedCall:
 
 
 def repeated_call(stage, args, varying: int) -> RepeatedCall | None:
-    """A :class:`RepeatedCall` of ``stage`` (a ``CompiledStage``, or a ``TieredStage`` whose compiled form serves
-    these shapes) for calls like ``stage(*args)``, its first ``varying`` arguments changing; None where the call
-    does not go to Inductor's graph function directly."""
+    """A :class:`RepeatedCall` of ``stage`` (a ``CompiledStage``, or a ``TieredStage`` compiled for these
+    shapes) for calls like ``stage(*args)``; None where the call does not go to Inductor's graph directly."""
     tiered = stage if hasattr(stage, "compiled_calls") else None
     if tiered is not None:
         if tiered._positions.key(args) not in tiered._ready:

@@ -1,23 +1,11 @@
-"""Tiered compilation (``compile="background"``): a stage runs at once in its eager form (the stage
-GraphModule itself, the eager backend) while one background thread compiles it with Inductor for the
-shapes of that call (:mod:`saguaro.lower.compile_thread`); once that compile has finished, calls with
-those shapes run the compiled form.
+"""Tiered compilation (``compile="background"``): a stage runs eager while Inductor compiles it behind.
 
-Both forms compute the same function of the same graph, so greedy tokens do not depend on which one
-ran (the tests check each against the target's greedy tokens); a sampled generation may switch forms
-mid-run, so seeded sampling reproduces its tokens only with ``compile="blocking"``.
-
-The compile thread never sees the live tensors: a stage writes its KV caches in place, so the thread
-runs the compiled function on scratch arguments with the same shapes, strides, dtypes and aliasing
-(the written inputs allocated zeroed in the thread, the others cloned when the compile is queued). It
-replays the calling thread's grad and inference modes and intra-op thread count, which dynamo guards
-on, so the compiled form later runs the live call without compiling again.
-
-Measured on torch 2.13 (CPU): dynamo's frame hook is per thread, so the caller's eager calls of the
-same GraphModule run untraced while the worker compiles it (100k eager calls during one compile, no
-graph captured from them), and the caller's compiled calls of one shape run on while the worker
-compiles another. ``torch.compiler.is_compiling()`` is a process-wide flag, though: the caller's eager
-code reads True while a compile runs (Saguaro's stage code never asks).
+A :class:`TieredStage` runs its GraphModule for shapes not compiled yet and queues a :class:`CompileJob` on
+the compile thread (:mod:`saguaro.lower.compile_thread`); once done, those shapes run compiled. Both forms
+compute the same graph (greedy tokens are the same; a sampled generation may switch forms mid-run, so a seed
+reproduces only with ``compile="blocking"``). The thread never sees live tensors: it runs on scratch
+arguments of the same layout (:func:`scratch_args`) under the caller's :func:`call_modes`. It relies on
+dynamo's frame hook being per thread (docs/measurements/2026-12-07-figures-from-passes-lower.md).
 """
 
 from __future__ import annotations
@@ -35,16 +23,13 @@ log = logging.getLogger(__name__)
 
 
 def call_modes() -> tuple:
-    """The calling thread's state dynamo guards on that a compile thread must replay: inference mode,
-    grad mode and intra-op threads (SSD's lanes run with one)."""
+    """The caller's state dynamo guards on: inference mode, grad mode, intra-op threads."""
     return torch.is_inference_mode_enabled(), torch.is_grad_enabled(), torch.get_num_threads()
 
 
 def shape_key(args, read=None) -> tuple:
-    """What a compiled form depends on besides the graph: :func:`call_modes`, each tensor's sizes,
-    strides, dtype and device and which earlier argument it is (the same tensor passed twice, as
-    ``limit = positions``), and each other argument (a float's type only: dynamo does not specialise
-    floats); of the arguments at positions ``read`` (default all, see :class:`KeyPositions`)."""
+    """What a compiled form depends on: :func:`call_modes`, and per argument of ``read`` (default all) a
+    tensor's sizes, strides, dtype, device and first position (aliasing), else its value (a float's type)."""
     seen: dict = {}
     key = list(call_modes())
     for i in range(len(args)) if read is None else read:
@@ -57,9 +42,8 @@ def shape_key(args, read=None) -> tuple:
 
 
 class KeyPositions:
-    """The argument positions a stage's :func:`shape_key` reads: all but the inputs it writes (the KV
-    caches, two per layer, whose sizes follow from the slot tables' ``[B, S]``) after the first of them.
-    A stage call pays for its key, and a deep model has many caches."""
+    """The positions a stage's :func:`shape_key` reads: all but the written inputs (the KV caches, sized by
+    the slot tables) after the first of them."""
 
     def __init__(self, written):
         self.written = frozenset(written)
@@ -69,15 +53,15 @@ class KeyPositions:
         read = self._by_count.get(len(args))
         if read is None:
             first = min(self.written, default=None)
-            read = self._by_count[len(args)] = tuple(i for i in range(len(args))
-                                                     if i not in self.written or i == first)
+            read = self._by_count[len(args)] = tuple(
+                i for i in range(len(args)) if i not in self.written or i == first
+            )
         return shape_key(args, read)
 
 
 @dataclass(frozen=True)
 class Blank:
-    """An input the stage writes in place (a KV cache): allocated zeroed in the compile thread, since
-    its values only feed the attention of a throwaway call."""
+    """A written input (a KV cache) of a compile job, made zeroed in the compile thread."""
 
     shape: torch.Size
     stride: tuple
@@ -91,8 +75,7 @@ class Blank:
 
 
 def clone_like(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` with its strides and storage offset (an expanded view too: the storage it reads
-    is copied and viewed alike), an inference tensor exactly when ``t`` is one."""
+    """A copy of ``t`` with its strides and storage offset (an expanded view too), inference as ``t`` is."""
     with torch.inference_mode(t.is_inference()):
         copy = t.clone()  # preserve_format: a dense tensor keeps its strides
         if copy.stride() != t.stride() or copy.storage_offset() != t.storage_offset():
@@ -102,15 +85,17 @@ def clone_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def scratch_args(args, written) -> list:
-    """The arguments the compile thread runs a stage on: a :class:`Blank` for each input it writes
-    (positions ``written``), a clone of every other tensor; an argument repeated is one copy."""
+    """A compile's arguments: a :class:`Blank` per ``written`` input, a clone of each other tensor (once)."""
     copies: dict = {}
     out = []
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             if id(a) not in copies:
-                copies[id(a)] = (Blank(a.shape, a.stride(), a.dtype, a.device, a.is_inference()) if i in written
-                                 else clone_like(a))
+                copies[id(a)] = (
+                    Blank(a.shape, a.stride(), a.dtype, a.device, a.is_inference())
+                    if i in written
+                    else clone_like(a)
+                )
             a = copies[id(a)]
         out.append(a)
     for device in {a.device for a in out if isinstance(a, torch.Tensor) and a.is_cuda}:
@@ -129,11 +114,10 @@ def materialise(args: list) -> list:
 
 @dataclass
 class CompileJob:
-    """One stage and shape key to compile, with the scratch arguments and the caller's
-    :func:`call_modes`. ``helper``: where a compile helper stands with it (``""`` not sent, ``"sent"``,
-    ``"done"``: Inductor's caches now hold it, ``"failed"``), see :mod:`saguaro.lower.compile_helper`."""
+    """One stage and shape key to compile, on scratch ``args`` under ``modes``; ``helper``: ``""``,
+    ``"sent"``, ``"done"`` or ``"failed"`` (:mod:`saguaro.lower.compile_helper`)."""
 
-    stage: "TieredStage"
+    stage: TieredStage
     key: tuple
     args: list
     modes: tuple
@@ -163,14 +147,17 @@ class CompileJob:
 
 
 class TieredStage:
-    """A stage lowered both ways: ``compiled`` (a :class:`~saguaro.lower.lowering.CompiledStage`) for
-    the argument shapes it has compiled, ``gm`` (eager) for the others while ``compiler`` compiles them.
-    ``eager_calls`` and ``compiled_calls`` count which form ran; ``written`` are the positions of the
-    inputs the stage writes in place. With ``blocking`` set (``Program.compile_blocking``) a new shape
-    compiles on the caller's thread instead, and runs compiled."""
+    """A stage run ``compiled`` (a :class:`~saguaro.lower.lowering.CompiledStage`) for the shape keys it has
+    compiled, ``gm`` eager for the others while ``compiler`` compiles them; ``blocking``
+    (``Program.compile_blocking``): new shapes compile on the caller's thread."""
 
-    def __init__(self, gm: torch.fx.GraphModule, compiled, name: str, compiler: BackgroundCompiler, written=()):
-        self.gm, self.compiled, self.name, self.compiler = gm, compiled, name, compiler
+    def __init__(
+        self, gm: torch.fx.GraphModule, compiled, name: str, compiler: BackgroundCompiler, written=()
+    ):
+        self.gm = gm
+        self.compiled = compiled
+        self.name = name
+        self.compiler = compiler
         self.written = frozenset(written)
         self._positions = KeyPositions(self.written)
         self.eager_calls = 0
@@ -181,8 +168,8 @@ class TieredStage:
         self._lock = threading.Lock()
         self.blocking = False  # set by compile_blocking(): a new shape compiles on the caller's thread
 
-    compile_s = property(lambda self: self.compiled.compile_s, doc="the first compile's seconds (None before)")
-    repeated = repeated_call  # later calls like one whose shapes run compiled (lower/repeated_call.py), or None
+    compile_s = property(lambda self: self.compiled.compile_s, doc="the first compile's seconds, or None")
+    repeated = repeated_call  # a RepeatedCall where these shapes run compiled, else None
     output_code = property(lambda self: self.compiled.output_code, doc="what Inductor generated (kernel_log)")
 
     def __call__(self, *args):
@@ -213,9 +200,12 @@ class TieredStage:
             self._queued.discard(key)
 
     def failed_for(self, key: tuple, exc: BaseException) -> None:
-        """Keep these shapes eager (the key stays queued: never compiled again); warn on the first failure."""
+        """Keep these shapes eager for good; warn on the first failure."""
         self._failures += 1
         if self._failures == 1:
-            log.warning("background compile of stage %s failed (%s: %s); it keeps running eager for those shapes",
-                        self.name, type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "")
-
+            log.warning(
+                "background compile of stage %s failed (%s: %s); it keeps running eager for those shapes",
+                self.name,
+                type(exc).__name__,
+                str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+            )

@@ -1,10 +1,8 @@
-"""Pass: give the captured graph a flat positional signature.
+"""Pass ``flatten_signature``: the captured graph called with flat positional inputs, returning a tuple.
 
-Requires: a GraphModule from ``ExportedProgram.module()`` (pytree in/out specs).
-Guarantees: the same nodes; called as ``gm(input_ids, positions, write_slots, query_branch,
-query_limit, slot_pos, slot_branch, *k_caches, *v_caches)`` and returning a tuple. Later passes can
-then append inputs and outputs, and calls skip pytree flattening.
-Contract (:mod:`~saguaro.passes.base.graph_pass`): requires nothing; guarantees ``flat_signature``.
+``ExportedProgram.module()``'s pytree specs, pre-hooks and input guards are removed (a flat graph is left
+as it is): called as ``gm(input_ids, positions, write_slots, query_branch, query_limit, slot_pos,
+slot_branch, *k_caches, *v_caches)``. Requires nothing; guarantees ``flat_signature``.
 """
 
 from __future__ import annotations
@@ -32,15 +30,20 @@ def flatten_signature(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
-    log.info("flatten_signature: %d placeholders, %d guard calls removed",
-             sum(n.op == "placeholder" for n in gm.graph.nodes), len(guards))
+    log.info(
+        "flatten_signature: %d placeholders, %d guard calls removed",
+        sum(n.op == "placeholder" for n in gm.graph.nodes),
+        len(guards),
+    )
     return gm
 
 
 class FlattenSignature(GraphPass):
     name = "flatten_signature"
     requires = frozenset()
-    requires_nothing_because = "any GraphModule: export's pytree signature is replaced, a flat one is left as is"
+    requires_nothing_because = (
+        "any GraphModule: export's pytree signature is replaced, a flat one is left as is"
+    )
     guarantees = frozenset({FLAT_SIGNATURE})
 
     def run(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

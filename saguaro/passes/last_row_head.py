@@ -1,20 +1,10 @@
-"""Pass: the LM head over the last row only, where the stage reads only the last row's logits.
+"""Pass ``last_row_head``: the LM head over the last row only, where the stage reads only that row's logits.
 
-A prefill of ``T`` prompt tokens (and a draft's step fed two tokens) returns the last row's logits, or a token
-drawn from them, yet the captured graph computes the head over every row: ``T x V x H`` multiply-adds, of
-which ``T - 1`` rows are dropped (the default pair's draft: 38 % of its prefill's work; its target: 13 %).
-``transformers`` asks the same of its models with ``logits_to_keep``.
-
-Requires: a stage graph whose epilogue is spliced (``splice_epilogue`` marks the logits node,
-:data:`~saguaro.passes.splice_epilogue.LOGITS_NODE`).
-Guarantees: where every read of the logits is their last row (``logits[:, -1]``, as ``getitem`` or
-``aten.select``) and the logits come from an ``aten.linear`` over a ``[B, T, H]`` input through row-local
-operations only (a dtype conversion, an alias or clone, a scalar multiply or divide, ``tanh``: a family's
-logit scale and softcap), that linear reads ``x[:, -1:]``, so the logits are ``[B, 1, V]`` and their last row
-is the one the full head gave (each row's outputs are computed from that row alone, so the packed kernel and
-the reductions give the same bits; a BLAS GEMM may round otherwise for another row count). Any other graph is
-left as it was. Contract (:mod:`~saguaro.passes.base.graph_pass`): requires ``epilogue_spliced``; guarantees
-``head_last_row``.
+Where every read of the logits (:data:`~saguaro.passes.splice_epilogue.LOGITS_NODE`) is ``logits[:, -1]``
+and they come from an ``aten.linear`` over ``[B, T, H]`` through :data:`ROW_LOCAL` operations only, that
+linear reads ``x[:, -1:]`` (the last row bit for bit on the packed kernel, up to rounding on BLAS); other
+graphs are left. Requires ``epilogue_spliced``; guarantees ``head_last_row``. Measured:
+docs/measurements/2026-12-06-prefill-and-draft-feed.md.
 """
 
 from __future__ import annotations
@@ -33,9 +23,18 @@ log = logging.getLogger(__name__)
 
 aten, prims = torch.ops.aten, torch.ops.prims
 LINEAR = aten.linear.default
-ROW_LOCAL = {aten._to_copy.default, aten.to.dtype, prims.convert_element_type.default, aten.alias.default,
-             aten.clone.default, aten.tanh.default, aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar,
-             aten.div.Scalar}  # each output row from the same input row (a scalar operand at most)
+ROW_LOCAL = {
+    aten._to_copy.default,
+    aten.to.dtype,
+    prims.convert_element_type.default,
+    aten.alias.default,
+    aten.clone.default,
+    aten.tanh.default,
+    aten.mul.Tensor,
+    aten.div.Tensor,
+    aten.mul.Scalar,
+    aten.div.Scalar,
+}  # each output row from the same input row (a scalar operand at most)
 END = 9223372036854775807  # a slice to the end, as torch.export writes it
 
 
@@ -45,13 +44,13 @@ def _reads_last_row(user: torch.fx.Node) -> bool:
         return False
     if user.target is operator.getitem and len(user.args) == 2:
         index = user.args[1]
-        return (isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None) and index[1] == -1)
+        return isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None) and index[1] == -1
     return user.target is aten.select.int and tuple(user.args[1:]) == (1, -1)
 
 
 def _head(logits: torch.fx.Node) -> tuple[torch.fx.Node | None, list]:
-    """The linear the logits come from and the row-local nodes between (logits first); None when another
-    operation, or another reader of an intermediate value, stands between."""
+    """The linear the logits come from and the row-local nodes between (logits first); None when anything
+    else, or another reader of an intermediate value, stands between."""
     chain, node = [], logits
     while node.op == "call_function" and node.target not in (LINEAR, QUANTIZED_LINEAR):
         operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
@@ -63,8 +62,8 @@ def _head(logits: torch.fx.Node) -> tuple[torch.fx.Node | None, list]:
 
 
 def _last_row_value(node: torch.fx.Node):
-    """``node``'s ``val`` metadata for its last row alone ``[B, 1, ...]``: a fake tensor sliced, or a graph file's
-    :class:`~saguaro.capture.graph_file.TensorSpec` with that shape; None when it has none of rank 3."""
+    """``node``'s ``val`` (a fake tensor or a graph file's ``TensorSpec``) for its last row ``[B, 1, ...]``;
+    None when it has none of rank 3."""
     value = node.meta.get("val")
     if isinstance(value, TensorSpec) and len(value.shape) == 3:
         return value._replace(shape=(value.shape[0], 1, value.shape[2]))
@@ -79,10 +78,12 @@ def last_row_head(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return gm
     head, chain = _head(logits)
     x = head.args[0] if head is not None else None
-    # the later passes read the head's input rank from its value metadata: without one, they would skip the head
+    # later passes read the head input's rank from its value metadata: without one they would skip the head
     value = _last_row_value(x) if isinstance(x, torch.fx.Node) else None
     if value is None:
-        log.debug("last_row_head: the logits do not come from a linear over [B, T, H] rows of known shape; left")
+        log.debug(
+            "last_row_head: the logits do not come from a linear over [B, T, H] rows of known shape; left"
+        )
         return gm
     with gm.graph.inserting_before(head):
         last = gm.graph.call_function(aten.slice.Tensor, (x, 1, -1, END))  # [B, 1, H]

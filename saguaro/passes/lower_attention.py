@@ -1,41 +1,13 @@
-"""Pass: choose how each ``saguaro::attention`` node runs on the stage's backend.
+"""Pass ``lower_attention``: each ``saguaro::attention`` node in the form the backend runs.
 
-Requires: a stage graph (mask specialised, epilogue spliced: this is the last pass, and its graph
-goes to the backend) with the flat signature of ``flatten_signature`` (``"flex"`` reads the mask
-inputs by name, and the masks' layer kinds from ``specialize_attention``'s metadata). Contract
-(:mod:`~saguaro.passes.base.graph_pass`): requires ``flat_signature``, ``stage_mask`` and
-``epilogue_spliced``; guarantees ``attention_lowered``.
-Guarantees, by ``implementation``:
-
-* ``"op"``: the nodes stay the ``saguaro::attention`` (or ``saguaro::attention_variants``) custom
-  op (the eager backend: one opaque, mutating node per layer that the reference kernel runs).
-* ``"inline"``: each node becomes the op's own math as plain tensor code: the KV write as an
-  ``index_put_`` into the store's caches, then the masked attention of
-  :func:`~saguaro.capture.attention_op.attention_reference` (with the layer's logit softcap and
-  sinks, when its family has them). A compiler sees through it: Inductor fuses the KV write, the
-  cast, the softcap and the sink column into its kernels, writes the caches in place (its
-  re-inplacing of ``index_put``), and drops the Python custom-op dispatch that costs more per layer
-  than the attention itself on a small model. Outputs and cache contents equal the op's.
-* ``"reduce"`` (Inductor on CPU, AR's target stages): as ``"inline"``, the attention itself as products and
-  sums Inductor compiles into its own reductions rather than an SDPA call (:func:`attention_reduced`);
-  outputs equal the op's up to float rounding.
-* ``"kernel"`` (Inductor on CPU, the decode stages that attend a few rows: SD's verify, the draft's step): as
-  ``"inline"``, the attention itself as the ``saguaro_kernels::masked_attention`` C++ op
-  (:mod:`~saguaro.tensor_math.masked_attention`), which reads only the slots the mask leaves visible, instead
-  of an SDPA call (:func:`attention_kernel`); outputs equal the op's up to float rounding. Float32 only (other
-  dtypes, softcap and sinks keep the inline math).
-* ``"flex"`` (opt-in, meant for Inductor on CUDA): the KV write as for ``"inline"``, then
-  FlexAttention over the store under a block mask built once per forward per layer kind (full,
-  sliding window, chunk: read from ``meta["saguaro_mask"]`` of the node that yields the layer's
-  additive mask, which ``specialize_attention`` sets; ``window`` for masks without it), inside the
-  graph, from the stage's integer inputs (slot positions and branches, query positions, branches
-  and fork points) with the same rule as the additive mask. The softcap is a ``score_mod``; sinks
-  rescale the output by ``sigmoid(lse - sink)``, the sink's share of the softmax. All ``MQ`` branch
-  queries of a row sit in one query block, so each block of the shared prefix is read once for
-  every branch, and blocks no query may see (other rows' scratch, unused capacity, outside a
-  window) are skipped. The additive-mask constructions become dead and are removed. Outputs equal
-  the op's up to float rounding (another summation order); the first layer's cache writes are
-  equal, later layers' carry that rounding.
+By ``implementation`` (:data:`IMPLEMENTATIONS`, picked by :mod:`saguaro.lower.kernel_choice`): ``"op"`` keeps
+the op; ``"inline"`` is its math in the graph (the KV write an ``index_put_``, then ``attention_reference``),
+equal to the op; ``"reduce"`` and ``"kernel"`` are ``"inline"`` with another attention
+(:func:`attention_reduced`, :func:`attention_kernel`); ``"flex"`` writes the KV, then FlexAttention under a
+block mask built in the graph per layer kind (``meta["saguaro_mask"]``, else ``window``), the additive masks
+removed. The last three equal the op up to rounding. Requires ``flat_signature``, ``stage_mask`` and
+``epilogue_spliced``; guarantees ``attention_lowered``. ``PassError`` for a graph without attention nodes, a
+node of another arity, or (flex) a missing :data:`MASK_INPUTS`; ``ValueError`` for an unknown form.
 """
 
 from __future__ import annotations
@@ -46,7 +18,11 @@ import torch
 
 from saguaro.capture.attention_op import ATTENTION_OP, ATTENTION_OPS, attention_reference, kind_allows
 from saguaro.passes.base.graph_pass import (
-    ATTENTION_LOWERED, EPILOGUE_SPLICED, FLAT_SIGNATURE, STAGE_MASK, GraphPass,
+    ATTENTION_LOWERED,
+    EPILOGUE_SPLICED,
+    FLAT_SIGNATURE,
+    STAGE_MASK,
+    GraphPass,
 )
 from saguaro.passes.base.graph_splice import PassError, keeps_mutations
 
@@ -91,14 +67,11 @@ def attention_inline(
     return attention_reference(query, k_cache, v_cache, bias, scale, softcap, sinks)
 
 
-def attention_reduced(query, key, value, k_cache, v_cache, write_slots, bias, scale: float, softcap: float = 0.0,
-                      sinks=None) -> torch.Tensor:  # the arguments (and their shapes) of attention_inline
-    """The op as ``"inline"`` lowers it, its attention as products and sums that Inductor compiles into its own
-    reductions (the logits over the slots, the softmax, the values weighted over the slots) instead of an SDPA
-    call: for a stage of one query row per head, where SDPA's CPU kernel spends most of its time in its BLAS
-    calls' set-up rather than in reading the store (``benchmarks/README.md``). The query is laid out in memory
-    once first, else Inductor recomputes its rotation for every slot. Softcap and sinks take the op's math
-    (:func:`attention_inline`). Returns ``[B, H, T, D]``; equal to the op's up to float rounding."""
+def attention_reduced(
+    query, key, value, k_cache, v_cache, write_slots, bias, scale: float, softcap: float = 0.0, sinks=None
+) -> torch.Tensor:  # the arguments (and their shapes) of attention_inline
+    """``"inline"`` with the attention as products and sums Inductor reduces itself, not SDPA (whose CPU
+    kernel spends a one-query call in BLAS set-up); softcap, sinks: as ``"inline"``. ``[B, H, T, D]``."""
     from saguaro.passes.linear_as_reduction import force_stride_order
 
     if softcap != 0.0 or sinks is not None:
@@ -114,11 +87,11 @@ def attention_reduced(query, key, value, k_cache, v_cache, write_slots, bias, sc
     return out.reshape(B, H, T, D).to(query.dtype).contiguous()
 
 
-def attention_kernel(query, key, value, k_cache, v_cache, write_slots, bias, scale: float, softcap: float = 0.0,
-                     sinks=None) -> torch.Tensor:  # the arguments (and their shapes) of attention_inline
-    """The op as ``"inline"`` lowers it, its attention as the ``saguaro_kernels::masked_attention`` op (the query
-    groups of a KV head folded into its rows, as :func:`~saguaro.capture.attention_op.attention_reference`
-    folds them for SDPA). Returns ``[B, H, T, D]``; equal to the op's up to float rounding."""
+def attention_kernel(
+    query, key, value, k_cache, v_cache, write_slots, bias, scale: float, softcap: float = 0.0, sinks=None
+) -> torch.Tensor:  # the arguments (and their shapes) of attention_inline
+    """``"inline"`` with the attention as ``saguaro_kernels::masked_attention`` (query groups folded into
+    rows); softcap, sinks or not float32: :func:`attention_inline`. ``[B, H, T, D]``."""
     float32 = all(t.dtype == torch.float32 for t in (query, k_cache, v_cache, bias))
     if softcap != 0.0 or sinks is not None or not float32:
         return attention_inline(query, key, value, k_cache, v_cache, write_slots, bias, scale, softcap, sinks)
@@ -140,8 +113,7 @@ def flex_block_mask(
     window: int,
     chunk: int = 0,
 ):
-    """The FlexAttention ``BlockMask`` of the additive mask's rule for one layer kind
-    (:func:`~saguaro.capture.attention_op.build_attention_mask`), shared by every head."""
+    """The FlexAttention ``BlockMask`` of ``build_attention_mask``'s rule for one layer kind, every head."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, T = write_slots.shape
@@ -177,23 +149,35 @@ def attention_flex(
     write_kv(key, value, k_cache, v_cache, write_slots)
     score_mod = None
     if softcap != 0.0:
+
         def score_mod(score, b, h, q, kv):  # scores arrive scaled, before the mask: HF's order
             return torch.tanh(score / softcap) * softcap
+
     gqa = query.shape[1] != k_cache.shape[1]
     if sinks is None:
-        out = flex_attention(query, k_cache, v_cache, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                             enable_gqa=gqa)
+        out = flex_attention(
+            query, k_cache, v_cache, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa
+        )
         return out.contiguous()
-    out, aux = flex_attention(query, k_cache, v_cache, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                              enable_gqa=gqa, return_aux=AuxRequest(lse=True))  # lse: [B, H, T]
+    out, aux = flex_attention(
+        query,
+        k_cache,
+        v_cache,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=gqa,
+        return_aux=AuxRequest(lse=True),
+    )  # lse: [B, H, T]
     keep = torch.sigmoid(aux.lse - sinks.to(aux.lse.dtype)[None, :, None])  # [B, H, T]: 1 - the sink's share
     return (out * keep[..., None].to(out.dtype)).contiguous()
 
 
 def check_implementation(implementation: str) -> None:
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r} is not allowed: choose one of "
-                         f"{', '.join(IMPLEMENTATIONS)}")
+        raise ValueError(
+            f"implementation={implementation!r} is not allowed: choose one of {', '.join(IMPLEMENTATIONS)}"
+        )
 
 
 def lower_attention(gm: torch.fx.GraphModule, implementation: str, window: int = 0) -> torch.fx.GraphModule:
@@ -206,26 +190,33 @@ def lower_attention(gm: torch.fx.GraphModule, implementation: str, window: int =
         return gm
     for node in nodes:
         if len(node.args) != OP_ARGS[node.target] or node.kwargs:
-            raise PassError(f"lower_attention: FX node {node.name!r} has {len(node.args)} positional and "
-                            f"{len(node.kwargs)} keyword arguments, expected {OP_ARGS[node.target]} and 0")
+            raise PassError(
+                f"lower_attention: FX node {node.name!r} has {len(node.args)} positional and "
+                f"{len(node.kwargs)} keyword arguments, expected {OP_ARGS[node.target]} and 0"
+            )
     if implementation in ("inline", "reduce", "kernel"):
-        target = {"inline": attention_inline, "reduce": attention_reduced, "kernel": attention_kernel}[implementation]
+        target = {"inline": attention_inline, "reduce": attention_reduced, "kernel": attention_kernel}[
+            implementation
+        ]
         for node in nodes:  # same arguments, same result (reduce, kernel: up to rounding), same cache writes
             node.target = target
     else:
         inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
         missing = [name for name in MASK_INPUTS if name not in inputs]
         if missing:
-            raise PassError(f"lower_attention(flex): the graph has no input(s) {missing} to build the block mask "
-                            "from (run flatten_signature first)")
+            raise PassError(
+                f"lower_attention(flex): the graph has no input(s) {missing} to build the block mask "
+                "from (run flatten_signature first)"
+            )
         block_masks = {}  # (window, chunk) -> its block mask node: one per layer kind per forward
         for node in nodes:
             kind = node.args[6].meta.get("saguaro_mask", {"window": window, "chunk": 0})
             key = (kind["window"], kind["chunk"])
             if key not in block_masks:
                 with gm.graph.inserting_before(nodes[0]):
-                    block_masks[key] = gm.graph.call_function(flex_block_mask,
-                                                              (*(inputs[n] for n in MASK_INPUTS), *key))
+                    block_masks[key] = gm.graph.call_function(
+                        flex_block_mask, (*(inputs[n] for n in MASK_INPUTS), *key)
+                    )
             node.target = attention_flex
             node.args = (*node.args[:6], block_masks[key], *node.args[7:])
         gm.graph.eliminate_dead_code(is_impure_node=keeps_mutations)  # the additive masks are unused now
@@ -236,8 +227,7 @@ def lower_attention(gm: torch.fx.GraphModule, implementation: str, window: int =
 
 
 class LowerAttention(GraphPass):
-    """The pass lowering to ``implementation``; ``window`` is the captured model's sliding window, for
-    masks without layer-kind metadata."""
+    """The pass to ``implementation``; ``window``: the model's sliding window, for masks without metadata."""
 
     name = "lower_attention"
     requires = frozenset({FLAT_SIGNATURE, STAGE_MASK, EPILOGUE_SPLICED})

@@ -1,18 +1,10 @@
-"""Pass: each linear layer's weight quantized, weight-only, to int8 or int4 (``SaguaroConfig.weights``).
+"""Pass ``quantize_weights``: each linear's weight quantized, weight-only, to int8 or int4.
 
-Rewrites every ``aten.linear(x, W, b)`` whose weight is a 2-D floating attribute of the module (the LM head
-included) as ``saguaro::quantized_linear(x, packed, scales, N, b)`` over ``W`` quantized by
-:func:`~saguaro.tensor_math.quantized_linear.quantize` and held once as the packed kernel's panels
-(``saguaro_quantized_*`` buffers of the module). The float weights no linear reads any more are dropped from
-the graph module (a tied embedding keeps its table: the lookup reads it). It runs on the base graph, once per
-model, so every stage reads the same quantized weights: the quantized model is the one whose outputs the
-stages reproduce (AR, SD and SSD agree with each other token for token, greedy; sampling keeps the quantized
-target's distribution). ``pack_linears`` then runs the op on the packed kernel; elsewhere it is its aten
-decomposition.
-
-Requires: nothing (each linear is replaced by its quantized form). Guarantees: ``weights_quantized``. Raises
-``PassError`` on a graph that is already quantized, and ``ValueError`` (from ``quantize``) for a group size
-that does not divide a weight's width.
+Every ``aten.linear`` over a 2-D floating weight attribute (the LM head too) becomes
+``saguaro::quantized_linear(x, packed, scales, N, b)`` over the weight quantized and packed; float weights no
+longer read are dropped. Run once on the base graph: every stage reads the same weights. Requires nothing;
+guarantees ``weights_quantized``. ``PassError`` on a graph quantized already or with no linear to quantize;
+``ValueError`` for an unknown ``kind`` or a group size that does not divide a width.
 """
 
 from __future__ import annotations
@@ -26,7 +18,11 @@ from saguaro.passes.base.graph_splice import PassError, drop_unread_attributes, 
 from saguaro.passes.narrow_weights import SAGUARO_PREFIX
 from saguaro.tensor_math.huge_pages import on_huge_pages
 from saguaro.tensor_math.quantized_linear import (
-    DEFAULT_INT4_GROUP, QUANTIZED_BITS, QUANTIZED_LINEAR, pack_quantized, quantize,
+    DEFAULT_INT4_GROUP,
+    QUANTIZED_BITS,
+    QUANTIZED_LINEAR,
+    pack_quantized,
+    quantize,
 )
 
 log = logging.getLogger(__name__)
@@ -36,23 +32,23 @@ ATTRIBUTE_PREFIX = SAGUARO_PREFIX + "quantized_"
 
 
 def group_for(kind: str, width: int, group: int | None) -> int | None:
-    """The group size a ``kind`` weight of ``width`` columns is quantized with: ``group`` when given; else one
-    scale per output column for int8, :data:`DEFAULT_INT4_GROUP` for int4 (the whole row where that does not
-    divide the width)."""
+    """The group size of a ``kind`` weight of ``width`` columns: ``group`` if given; else per output column
+    for int8, :data:`DEFAULT_INT4_GROUP` for int4 where it divides ``width`` (else the whole row)."""
     if group is not None or kind == "int8":
         return group
     return DEFAULT_INT4_GROUP if width % DEFAULT_INT4_GROUP == 0 else None
 
 
 def quantize_weights(gm: torch.fx.GraphModule, kind: str, group: int | None = None) -> torch.fx.GraphModule:
-    """Quantize every linear weight of ``gm`` to ``kind`` (``"int8"`` or ``"int4"``), ``group`` ``k`` a scale
-    (None: :func:`group_for`'s default); returns ``gm``."""
+    """Quantize every linear weight of ``gm`` to ``kind``, ``group`` ``k`` a scale; returns ``gm``."""
     if kind not in QUANTIZED_BITS:
         raise ValueError(f"quantize_weights: weights={kind!r}; allowed: {', '.join(QUANTIZED_BITS)}")
     graph = gm.graph
     if any(n.op == "call_function" and n.target is QUANTIZED_LINEAR for n in graph.nodes):
-        raise PassError("quantize_weights: the graph is already quantized (it holds saguaro::quantized_linear "
-                        "nodes); quantize a model once")
+        raise PassError(
+            "quantize_weights: the graph is already quantized (it holds saguaro::quantized_linear "
+            "nodes); quantize a model once"
+        )
     done: dict = {}  # weight attribute -> (packed name, scales name)
     count, held = 0, 0
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target is LINEAR]:
@@ -66,8 +62,10 @@ def quantize_weights(gm: torch.fx.GraphModule, kind: str, group: int | None = No
             try:
                 q, scales = quantize(weight, bits, group_for(kind, k, group))
             except ValueError as exc:
-                raise ValueError(f"weights={kind!r}, weight_group_size={group!r} cannot quantize "
-                                 f"{weight_node.target} [{n}, {k}]: {exc}") from None
+                raise ValueError(
+                    f"weights={kind!r}, weight_group_size={group!r} cannot quantize "
+                    f"{weight_node.target} [{n}, {k}]: {exc}"
+                ) from None
             packed, packed_scales = (on_huge_pages(t) for t in pack_quantized(q, scales, bits))
             base = ATTRIBUTE_PREFIX + weight_node.target.replace(".", "_")
             for name, tensor in ((base, packed), (base + "_scales", packed_scales)):
@@ -84,8 +82,10 @@ def quantize_weights(gm: torch.fx.GraphModule, kind: str, group: int | None = No
         replace_node(graph, node, out)
         count += 1
     if count == 0:
-        raise PassError(f"quantize_weights: weights={kind!r} found no linear layer over a floating weight "
-                        "attribute to quantize")
+        raise PassError(
+            f"quantize_weights: weights={kind!r} found no linear layer over a floating weight "
+            "attribute to quantize"
+        )
     for node in list(graph.nodes):
         if node.op == "get_attr" and not node.users:
             graph.erase_node(node)
@@ -93,15 +93,22 @@ def quantize_weights(gm: torch.fx.GraphModule, kind: str, group: int | None = No
     dropped = drop_unread_attributes(gm, [name for name in done if name not in read])
     graph.lint()
     gm.recompile()
-    log.info("quantize_weights: %d linears to %s, %.1f MiB held, %.1f MiB of float weights dropped", count, kind,
-             held / 2**20, dropped / 2**20)
+    log.info(
+        "quantize_weights: %d linears to %s, %.1f MiB held, %.1f MiB of float weights dropped",
+        count,
+        kind,
+        held / 2**20,
+        dropped / 2**20,
+    )
     return gm
 
 
 class QuantizeWeights(GraphPass):
     name = "quantize_weights"
     requires = frozenset()
-    requires_nothing_because = "each linear node is replaced by its own quantized definition, whatever surrounds it"
+    requires_nothing_because = (
+        "each linear node is replaced by its own quantized definition, whatever surrounds it"
+    )
     guarantees = frozenset({WEIGHTS_QUANTIZED})
 
     def __init__(self, kind: str, group: int | None = None):

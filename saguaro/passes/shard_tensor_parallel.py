@@ -1,32 +1,10 @@
-"""Pass: split a captured model's weights across the ranks of a tensor-parallel group (Megatron style).
+"""Pass ``shard_tensor_parallel``: one rank's slice of a captured model's weights (Megatron style).
 
-Each rank of a group of ``world`` ranks keeps its own slice of every projection and runs the same
-graph on it:
-
-* attention: ``q_proj``, ``k_proj``, ``v_proj`` **column-parallel** (rank ``r`` keeps query heads
-  ``[r·H/N, (r+1)·H/N)`` and KV heads ``[r·Hkv/N, (r+1)·Hkv/N)``: HF orders a GQA group's query heads
-  next to each other, so a rank's query heads read only its own KV heads), ``o_proj`` **row-parallel**;
-* MLP: ``gate_proj``, ``up_proj`` column-parallel (``I/N`` rows each), ``down_proj`` row-parallel;
-* after each row-parallel projection, **one all-reduce** (sum) over the group, as the functional
-  collective ``_c10d_functional.all_reduce`` + ``wait_tensor`` (what
-  ``torch.distributed._functional_collectives.all_reduce`` traces to), so Inductor compiles it; a
-  row-parallel bias is added once, after the all-reduce;
-* embeddings, norms and the LM head replicated: every rank computes the whole logits ``[B, T, V]``,
-  so the stage epilogues (verification, sampling) run unchanged and agree on every rank (an
-  all-reduce gives every rank the same sum, bit for bit, on gloo and NCCL).
-
-The attention node itself needs no change: its shapes follow its inputs (``H/N`` query heads and
-``Hkv/N`` KV heads; HF reshapes with ``-1`` heads), its mask's query-group count ``H/Hkv`` is the same
-on every rank, and the KV store of each rank holds its own heads (the runtime allocates it from the
-local spec, :func:`local_spec`).
-
-Requires: ``no_runtime_checks`` (export's tensor-metadata assertions would state unsharded sizes) and
-``flat_signature`` (the base pipeline's graph, from which every stage graph is copied, so every stage
-of the model is sharded once). Guarantees ``tensor_parallel``. Head counts (and the MLP width) that do
-not divide by ``world`` raise ``CaptureError`` naming them; a matrix parameter the pass cannot place (a
-fused ``qkv_proj``, MoE experts) raises ``PassError`` naming its FX node. The ``val`` metadata of nodes
-after a sharded projection keeps describing unsharded shapes; nothing after this pass reads it (a
-compiling backend traces the graph again).
+Rank ``r`` of ``world`` keeps block ``r`` of each of :data:`PROJECTIONS` (q/k/v, gate/up column-parallel; o,
+down row-parallel, each followed by a functional ``all_reduce`` + ``wait_tensor``, then its bias); the rest
+is replicated, so every rank computes the whole logits. ``val`` metadata keeps unsharded shapes. Requires
+``no_runtime_checks`` and ``flat_signature``; guarantees ``tensor_parallel``. ``CaptureError`` for head
+counts or an MLP width ``world`` does not divide; ``PassError`` for a matrix it cannot place.
 """
 
 from __future__ import annotations
@@ -47,21 +25,30 @@ log = logging.getLogger(__name__)
 LINEAR = torch.ops.aten.linear.default
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
-MATMUL_OPS = {LINEAR, torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.matmul.default,
-              torch.ops.aten.addmm.default, torch.ops.aten.einsum.default}
+MATMUL_OPS = {
+    LINEAR,
+    torch.ops.aten.mm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.matmul.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.einsum.default,
+}
 # parameter path suffix → (role, what one rank's slice counts: "heads", "kv_heads" or "mlp")
 PROJECTIONS = {
-    "self_attn.q_proj": ("column", "heads"), "self_attn.k_proj": ("column", "kv_heads"),
-    "self_attn.v_proj": ("column", "kv_heads"), "self_attn.o_proj": ("row", "heads"),
-    "mlp.gate_proj": ("column", "mlp"), "mlp.up_proj": ("column", "mlp"), "mlp.down_proj": ("row", "mlp"),
+    "self_attn.q_proj": ("column", "heads"),
+    "self_attn.k_proj": ("column", "kv_heads"),
+    "self_attn.v_proj": ("column", "kv_heads"),
+    "self_attn.o_proj": ("row", "heads"),
+    "mlp.gate_proj": ("column", "mlp"),
+    "mlp.up_proj": ("column", "mlp"),
+    "mlp.down_proj": ("row", "mlp"),
 }
 _PARAM = re.compile(r"(?:^|\.)(" + "|".join(re.escape(p) for p in PROJECTIONS) + r")\.(weight|bias)$")
 
 
 @dataclass(frozen=True)
 class Shard:
-    """One rank's place in a tensor-parallel group: ``rank`` of ``world``, the collectives over the
-    process group named ``group_name`` (``ProcessGroup.group_name``)."""
+    """One rank's place in a tensor-parallel group: ``rank`` of ``world``, collectives over ``group_name``."""
 
     rank: int
     world: int
@@ -70,13 +57,21 @@ class Shard:
 
 def check_divisible(spec: ModelSpec, world: int) -> None:
     """Raise ``CaptureError`` naming the head counts of ``spec`` that do not divide by ``world``."""
-    bad = [f"{name}={count}" for name, count in (("num_attention_heads", spec.num_heads),
-                                                 ("num_key_value_heads", spec.num_kv_heads)) if count % world]
+    bad = [
+        f"{name}={count}"
+        for name, count in (
+            ("num_attention_heads", spec.num_heads),
+            ("num_key_value_heads", spec.num_kv_heads),
+        )
+        if count % world
+    ]
     if bad:
-        raise CaptureError(f"{spec.model_class}: tensor_parallel={world} splits attention heads across ranks, but "
-                           f"{' and '.join(bad)} {'does' if len(bad) == 1 else 'do'} not divide by {world}; "
-                           f"choose a tensor_parallel that divides both "
-                           f"({spec.num_heads} query heads, {spec.num_kv_heads} KV heads)")
+        raise CaptureError(
+            f"{spec.model_class}: tensor_parallel={world} splits attention heads across ranks, but "
+            f"{' and '.join(bad)} {'does' if len(bad) == 1 else 'do'} not divide by {world}; "
+            f"choose a tensor_parallel that divides both "
+            f"({spec.num_heads} query heads, {spec.num_kv_heads} KV heads)"
+        )
 
 
 def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
@@ -86,7 +81,7 @@ def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
 
 
 class ShardTensorParallel(GraphPass):
-    """The pass over one captured model's base graph, for one rank (see the module docstring)."""
+    """The pass for one rank; ``ValueError`` for a rank outside the group, ``CaptureError`` as above."""
 
     name = "shard_tensor_parallel"
     requires = frozenset({NO_RUNTIME_CHECKS, FLAT_SIGNATURE})
@@ -116,12 +111,15 @@ def shard_tensor_parallel(gm: torch.fx.GraphModule, spec: ModelSpec, shard: Shar
         if found is None:
             if node is lm_head or not _reads_matrix_param(gm, node):
                 continue
-            raise PassError(f"shard_tensor_parallel: node {node.name} ({node.target}) multiplies by the parameter "
-                            f"{path or '?'}, which the pass cannot place (it splits "
-                            f"{', '.join(PROJECTIONS)}); this model cannot run tensor-parallel")
+            raise PassError(
+                f"shard_tensor_parallel: node {node.name} ({node.target}) multiplies by the parameter "
+                f"{path or '?'}, which the pass cannot place (it splits "
+                f"{', '.join(PROJECTIONS)}); this model cannot run tensor-parallel"
+            )
         if node.target is not LINEAR:
-            raise PassError(f"shard_tensor_parallel: node {node.name} uses {path} through {node.target}, "
-                            "not aten.linear")
+            raise PassError(
+                f"shard_tensor_parallel: node {node.name} uses {path} through {node.target}, not aten.linear"
+            )
         role, unit = PROJECTIONS[found.group(1)]
         dim = 0 if role == "column" else 1  # weight [out, in]: column-parallel splits out, row-parallel in
         parts = _parts(spec, unit, get_attribute(gm, weight.target).shape[dim], node, shard.world)
@@ -135,7 +133,12 @@ def shard_tensor_parallel(gm: torch.fx.GraphModule, spec: ModelSpec, shard: Shar
         _all_reduce_after(gm, node, shard.group_name)
     gm.graph.lint()
     gm.recompile()
-    log.info("shard_tensor_parallel: rank %d of %d, %d row-parallel all-reduces", shard.rank, shard.world, len(rows))
+    log.info(
+        "shard_tensor_parallel: rank %d of %d, %d row-parallel all-reduces",
+        shard.rank,
+        shard.world,
+        len(rows),
+    )
     return gm
 
 
@@ -153,15 +156,16 @@ def _reads_matrix_param(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
 
 
 def _parts(spec: ModelSpec, unit: str, width: int, node: torch.fx.Node, world: int) -> int:
-    """How many equal blocks the split dimension (``width`` long) holds: heads, KV heads, or MLP neurons
-    (the MLP width must divide by ``world``, else ``CaptureError``)."""
+    """The equal blocks of the split dimension: heads, KV heads or MLP neurons (else ``CaptureError``)."""
     if unit == "heads":
         return spec.num_heads
     if unit == "kv_heads":
         return spec.num_kv_heads
     if width % world:
-        raise CaptureError(f"{spec.model_class}: tensor_parallel={world} splits the MLP, but its width "
-                           f"(intermediate_size={width}, node {node.name}) does not divide by {world}")
+        raise CaptureError(
+            f"{spec.model_class}: tensor_parallel={world} splits the MLP, but its width "
+            f"(intermediate_size={width}, node {node.name}) does not divide by {world}"
+        )
     return width
 
 
@@ -170,8 +174,10 @@ def _slice(gm, node: torch.fx.Node, role: str, parts: int, shard: Shard, dim: in
     full = get_attribute(gm, node.target)
     size = full.shape[dim]
     if size % parts or parts % shard.world:
-        raise PassError(f"shard_tensor_parallel: {node.target} ({role}-parallel, node {node.name}) has {size} "
-                        f"along dim {dim}, not a multiple of {parts} blocks for {shard.world} ranks")
+        raise PassError(
+            f"shard_tensor_parallel: {node.target} ({role}-parallel, node {node.name}) has {size} "
+            f"along dim {dim}, not a multiple of {parts} blocks for {shard.world} ranks"
+        )
     step = size // shard.world
     local = full.narrow(dim, shard.rank * step, step).contiguous().clone()  # owned: the full one can go
     _set(gm, node.target, torch.nn.Parameter(local, requires_grad=False))

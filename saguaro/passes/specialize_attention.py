@@ -1,16 +1,9 @@
-"""Pass: turn the generic attention mask node into the stage's own mask construction.
+"""Pass ``specialize_attention``: each generic mask node replaced by the stage kind's own construction.
 
-Requires: one ``saguaro::attention_mask`` node per distinct layer kind (full, sliding window, chunk),
-each shared by the ``saguaro::attention`` nodes of its layers.
-Guarantees: every mask node is replaced by the stage kind's construction for its layer kind,
-inlined as plain tensor ops: ``causal`` (prefill, verify, glue, step: shared slots up to the query,
-no branch inputs read) or ``tree`` (fork point and branch ids: prefix + glue up to ``P0 + j``, then
-the branch's own tokens), both narrowed by the layer kind's window or chunk. Outputs equal the
-generic masks' on inputs the stage receives. The node that now yields each mask carries
-``meta["saguaro_mask"] = {"window", "chunk"}`` (``lower_attention``'s flex lowering reads it). On
-CPU the attention op stays the reference implementation.
-Contract (:mod:`~saguaro.passes.base.graph_pass`): requires ``generic_mask``, which it invalidates;
-guarantees ``stage_mask``.
+Each ``saguaro::attention_mask`` becomes inlined ``causal_bias`` or ``tree_bias`` of ``kind``
+(:mod:`saguaro.capture.attention_op`), equal on the stage's inputs, its node marked ``meta["saguaro_mask"]``.
+Requires ``generic_mask`` (invalidated); guarantees ``stage_mask``. ``PassError`` for a graph without mask
+nodes or another arity; ``ValueError`` for an unknown ``kind``.
 """
 
 from __future__ import annotations
@@ -37,19 +30,39 @@ def specialize_attention(gm: torch.fx.GraphModule, kind: str) -> torch.fx.GraphM
     check_kind(kind)
     masks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is MASK_OP]
     if not masks:
-        raise PassError("specialize_attention: no saguaro::attention_mask node in the graph (already specialised?)")
+        raise PassError(
+            "specialize_attention: no saguaro::attention_mask node in the graph (already specialised?)"
+        )
     for node in masks:
         if len(node.args) != 10:
-            raise PassError(f"specialize_attention: FX node {node.name!r} has {len(node.args)} arguments, expected 10")
-        write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch, window, chunk, groups, dtype = \
-            node.args
+            raise PassError(
+                f"specialize_attention: FX node {node.name!r} has {len(node.args)} arguments, expected 10"
+            )
+        (
+            write_slots,
+            query_pos,
+            query_branch,
+            query_limit,
+            slot_pos,
+            slot_branch,
+            window,
+            chunk,
+            groups,
+            dtype,
+        ) = node.args
         constants = dict(window=window, chunk=chunk, groups=groups, dtype=dtype)
         if kind == "causal":
-            new = inline_function(gm, causal_bias, [write_slots, query_pos, slot_pos, slot_branch], node,
-                                  **constants)
+            new = inline_function(
+                gm, causal_bias, [write_slots, query_pos, slot_pos, slot_branch], node, **constants
+            )
         else:
-            new = inline_function(gm, tree_bias, [write_slots, query_pos, query_branch, query_limit, slot_pos,
-                                                  slot_branch], node, **constants)
+            new = inline_function(
+                gm,
+                tree_bias,
+                [write_slots, query_pos, query_branch, query_limit, slot_pos, slot_branch],
+                node,
+                **constants,
+            )
         new.meta["saguaro_mask"] = {"window": int(window), "chunk": int(chunk)}
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

@@ -1,11 +1,8 @@
-"""Pass: remove export's runtime metadata assertions and dtype conversions that convert nothing.
+"""Pass ``strip_runtime_checks``: export's metadata assertions and no-op dtype conversions removed.
 
-Requires: a GraphModule from :func:`saguaro.capture.capture` (export's training IR), whose
-``aten._assert_tensor_metadata`` nodes re-check dtypes the capture already fixed and whose
-``aten.to.dtype`` nodes often convert a tensor to the dtype it already has (HF's RMSNorm upcasts).
-Guarantees: the same outputs, bit for bit; every removed ``to`` had an input of the target dtype
-(read from the node's ``val`` metadata), and its users now read that input directly.
-Contract (:mod:`~saguaro.passes.base.graph_pass`): requires nothing; guarantees ``no_runtime_checks``.
+Unused ``aten._assert_tensor_metadata`` nodes are erased; each ``aten.to.dtype`` whose input already has the
+dtype (its ``val`` metadata) is bypassed. Same outputs bit for bit.
+Requires nothing; guarantees ``no_runtime_checks``.
 """
 
 from __future__ import annotations
@@ -45,8 +42,11 @@ def strip_runtime_checks(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             removed_conversions += 1
     gm.graph.lint()
     gm.recompile()
-    log.info("strip_runtime_checks: removed %d metadata assertions and %d no-op conversions", removed_asserts,
-             removed_conversions)
+    log.info(
+        "strip_runtime_checks: removed %d metadata assertions and %d no-op conversions",
+        removed_asserts,
+        removed_conversions,
+    )
     return gm
 
 

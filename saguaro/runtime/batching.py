@@ -1,28 +1,10 @@
-"""Continuous batching at round granularity: a :class:`BatchSession` holds the rows of a running batch (their
-token buffers, both KV stores and, sampled, one ``torch.Generator`` per row) and, between rounds, lets rows
-join and leave it. ``saguaro serve``'s scheduler runs one per temperature (``saguaro.serve``).
+"""Continuous batching at round granularity: a :class:`BatchSession` lets rows join and leave a running
+batch between rounds; ``saguaro serve``'s scheduler runs one per temperature.
 
-- :meth:`BatchSession.join` prefills a request alone, exactly as ``program.generate`` does for that prompt
-  (batch 1, the same padded prompt and store capacity, its own generator seeded as ``generate`` seeds it),
-  decides its first token, then puts its row where a row that ended or left since the last round was
-  (:mod:`saguaro.runtime.batching_in_place`), else splices it into the running batch (``SequenceBatch.gathered``,
-  ``KVStore.take_rows``: slots a row never used are empty, as in a fresh store; the batch's tensors come
-  from the runners' pools, so each batch size and capacity keeps its addresses and its CUDA graphs).
-- :meth:`BatchSession.step` runs one round of every row: AR's step (or its greedy round stage), or SD's
-  ``k`` draft steps and one verify, the very functions ``generate``'s rounds call
-  (``runtime/decode/ar.py``, ``sd.py``). Sampled, each row draws its uniforms from its own generator in
-  the order it would alone (``tensor_math.verification.uniforms``), so a seeded request gets the tokens
-  ``generate`` gives it with that seed whoever its batch mates are; greedy rows are the target's greedy
-  tokens (a row attends to its own slots only; left padding and empty slots are masked).
-- A row whose request ended (EOS, its ``max_new_tokens``: the host keeps each row's budget and cuts the
-  round's tokens there) or that :meth:`BatchSession.leave` names is dropped before the next round: the
-  rows kept are copied into buffers and stores of their batch size, narrowed to the capacity they need.
-
-Mode ``ssd`` (:mod:`saguaro.runtime.batching_ssd`): the draft lane's server changes its rows between rounds as
-the session does (``join_rows``, ``keep_rows``); a round is ``ssd_round``, as in ``generate``. The first row is
-planned as ``generate`` plans it alone: the rounds may run SD (``run`` says which, ``why`` why); a lane failure
-leaves the rows to SD, exactly. Greedy and unseeded sampled rows only: the draft lane draws from one generator
-per batch, so only alone (``generate``) does a seeded request get its seed's tokens; ``join`` refuses a seed.
+Invariant: each row gets the tokens ``generate`` gives its request alone. ``join`` prefills it alone as
+``generate`` would; ``step`` runs the decoders' own round functions, each sampled row drawing from its own
+generator. Mode ``ssd`` (:mod:`saguaro.runtime.batching_ssd`) takes greedy and unseeded sampled rows only.
+Design: docs/design.md, ``runtime/batching.py``.
 """
 
 from __future__ import annotations
@@ -38,7 +20,7 @@ from saguaro.core.stages import TARGET_ROUND
 from saguaro.runtime.base.inputs import validate_call
 from saguaro.runtime.base.sequences import SequenceBatch
 from saguaro.runtime.base.state import DecodeState
-from saguaro.runtime.base.stats import Counters, since
+from saguaro.runtime.base.stats import Counters, seconds_since
 from saguaro.runtime.batching_in_place import free_slot, replace_row
 from saguaro.runtime.batching_ssd import SessionLane, rows_to_sd
 from saguaro.runtime.decode.ar import round_by_step, round_in_graph
@@ -51,8 +33,8 @@ SESSION_MODES = ("ar", "sd", "ssd")
 
 @dataclass(frozen=True)
 class RowTokens:
-    """What one row gained: ``row`` (the id :meth:`BatchSession.join` gave), its ``new_tokens`` (cut at its
-    ``max_new_tokens``), and ``finished`` (EOS or its budget reached: the row leaves before the next round)."""
+    """What one row gained: ``row`` (the id :meth:`BatchSession.join` gave), its ``new_tokens`` (cut at
+    its ``max_new_tokens``), and ``finished`` (EOS or budget: it leaves before the next round)."""
 
     row: int
     new_tokens: list
@@ -70,26 +52,32 @@ class _Row:
 
 
 class BatchSession:
-    """The running batch of one ``temperature`` in ``mode`` ``ar``, ``sd`` or ``ssd`` (default: the program's mode)
-    over a :class:`~saguaro.runtime.program.Program`. Each call holds the Program's lock, so ``generate``
-    calls of other threads run between rounds. One thread drives a session (the server's scheduler)."""
+    """The running batch of one ``temperature`` in ``mode`` ``ar``, ``sd`` or ``ssd`` (default: the
+    program's) over a :class:`~saguaro.runtime.program.Program`. Each call holds the Program's lock, so
+    other threads' ``generate`` calls run between rounds. One thread drives a session."""
 
     def __init__(self, program, temperature: float = 0.0, mode: str | None = None):
         mode = mode or program.config.mode
         if mode not in SESSION_MODES:
-            raise ValueError(f"mode={mode!r} is not allowed for a batch session: choose one of "
-                             f"{', '.join(SESSION_MODES)}")
+            raise ValueError(
+                f"mode={mode!r} is not allowed for a batch session: choose one of {', '.join(SESSION_MODES)}"
+            )
         if mode == "sd" and program.draft is None:
             raise ValueError("mode='sd' needs a local draft model; compile with draft=... or use mode='ar'")
         if mode == "ssd" and program.lanes is None:
-            raise ValueError("mode='ssd' needs a draft model (local or a draft server); compile with draft=...")
+            raise ValueError(
+                "mode='ssd' needs a draft model (local or a draft server); compile with draft=..."
+            )
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
             raise ValueError(f"temperature={temperature!r} is not allowed: it must be a finite number >= 0")
-        self.program, self.mode, self.temperature = program, mode, float(temperature)
-        self.run, self.why = mode, f"mode {mode} asked"  # the rounds run (ssd: as planned at the first row)
+        self.program = program
+        self.mode = mode
+        self.temperature = float(temperature)
+        self.run = mode  # the rounds run (ssd: as planned at the first row), and why
+        self.why = f"mode {mode} asked"
         self.lanes_failed = 0  # ssd: lanes that failed under this session (its rows went on with SD)
         self.ssd = SessionLane(program, self) if mode == "ssd" else None
-        self.counters = Counters(program.config.k)  # the last round's (accepted lengths, time): bounded memory
+        self.counters = Counters(program.config.k)  # the last round's only: bounded memory
         self.rows: list[_Row] = []
         self.state: DecodeState | None = None
         self.joined = self.left_early = 0  # rows spliced in; rows dropped before their end (leave)
@@ -104,39 +92,57 @@ class BatchSession:
         return len(self.rows)
 
     def join(self, prompt_ids, max_new_tokens: int, seed: int | None = None) -> RowTokens:
-        """Prefill ``prompt_ids`` (a list or ``[T]`` / ``[1, T]`` tensor) alone and decide its first token;
-        unless that ends it, the row runs in the batch's next round. ``seed``: as ``generate``'s (None at
-        temperature > 0: drawn from torch's global generator; mode ``ssd`` takes none there: a seeded sampled
-        request runs alone, through ``generate``). Raises ``ValueError`` as ``generate`` would."""
+        """Prefill ``prompt_ids`` (a list, ``[T]`` or ``[1, T]``) alone and decide its first token; unless
+        that ends it, the row runs in the next round. ``seed``: as ``generate``'s (mode ``ssd`` sampled takes
+        none). Raises ``ValueError`` as ``generate`` would."""
         program = self.program
-        ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) else torch.tensor([list(prompt_ids)], device="cpu")  # as a caller of generate gives it
+        ids = prompt_ids
+        if not isinstance(ids, torch.Tensor):  # as a caller of generate gives it
+            ids = torch.tensor([list(prompt_ids)], device="cpu")
         with program._lock, torch.inference_mode():
-            _, ids, mask, eos_ids = validate_call(program, ids, max_new_tokens, self.temperature, "default", seed,
-                                                  None, self.mode)
+            _, ids, mask, eos_ids = validate_call(
+                program, ids, max_new_tokens, self.temperature, "default", seed, None, self.mode
+            )
             if ids.shape[0] != 1:
                 raise ValueError(f"join takes one prompt (input_ids [1, T]); got a batch of {ids.shape[0]}")
             if self.mode == "ssd" and self.temperature > 0 and seed is not None:
-                raise ValueError(f"seed={seed!r}: a batch session in mode 'ssd' takes no seed at temperature > 0 "
-                                 "(the draft lane draws from one generator per batch); run a seeded request alone "
-                                 "with generate")
+                raise ValueError(
+                    f"seed={seed!r}: a batch session in mode 'ssd' takes no seed at temperature > 0 "
+                    "(the draft lane draws from one generator per batch); run a seeded request alone "
+                    "with generate"
+                )
             padded_ids, padded_mask = program.shapes.pad_prompt(ids, mask, program.pad_token_id)
             generator = base = None
             if self.temperature > 0:  # as generate seeds its generator
-                base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long, device="cpu"))
+                base = (
+                    seed
+                    if seed is not None
+                    else int(torch.randint(2**62, (), dtype=torch.long, device="cpu"))
+                )
                 generator = torch.Generator(device=program.target.spec.device).manual_seed(base)
-            T, capacity = padded_ids.shape[1], program._store_capacity(padded_ids.shape[1], max_new_tokens)
+            T = padded_ids.shape[1]
+            capacity = program._store_capacity(T, max_new_tokens)
             slot = free_slot(self, capacity)  # a gone row's place, taken in place; else the batch is rebuilt
             if slot is None:
                 self._drop_leaving()
             if self.mode == "ssd" and not self.rows:  # the first row: planned as generate plans it alone
-                plan = self.ssd.plan_first((padded_ids, padded_mask, max_new_tokens, eos_ids, self.temperature), base)
+                plan = self.ssd.plan_first(
+                    (padded_ids, padded_mask, max_new_tokens, eos_ids, self.temperature), base
+                )
                 self.run, self.why = plan.run, plan.why
             program.prepare(self.run, self.temperature)
-            seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, program.pad_token_id)
+            seqs = SequenceBatch(
+                padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, program.pad_token_id
+            )
             draft = program.draft if self.run == "sd" else None
-            alone = DecodeState(seqs, program.target.new_store(1, capacity),
-                                draft.new_store(1, capacity) if draft is not None else None, self.temperature,
-                                generator, program.config.k)
+            alone = DecodeState(
+                seqs,
+                program.target.new_store(1, capacity),
+                draft.new_store(1, capacity) if draft is not None else None,
+                self.temperature,
+                generator,
+                program.config.k,
+            )
             with self._lanes_context():
                 first = prefill(program.target, draft, alone)
                 for runner in filter(None, (program.target, draft)):
@@ -147,9 +153,16 @@ class BatchSession:
                     replace_row(self, slot, row, alone)
                 elif not finished:
                     self._splice(row, alone)
-                    if self.run == "ssd":  # the lane takes it before the next round: its first token goes out now
-                        self.ssd.pending.append((program._draft_spec(padded_ids, padded_mask, max_new_tokens,
-                                                                     eos_ids, self.temperature, base), first))
+                    # the lane takes it before the next round: its first token goes out now
+                    if self.run == "ssd":
+                        self.ssd.pending.append(
+                            (
+                                program._draft_spec(
+                                    padded_ids, padded_mask, max_new_tokens, eos_ids, self.temperature, base
+                                ),
+                                first,
+                            )
+                        )
         return RowTokens(row.id, [int(first[0])], finished)
 
     def leave(self, row: int) -> None:
@@ -172,7 +185,8 @@ class BatchSession:
                 with self._lanes_context():
                     self._flush_lane()
                     if self.run == "ssd" and not self.ssd.holds():
-                        self._lane_lost(None)  # a generate call took the lane: this round and the next are SD's
+                        # a generate call took the lane: this round and the next are SD's
+                        self._lane_lost(None)
                     if self.run == "ssd":
                         self._on_lane(self.ssd.round, state)
                         return self._hand_out(state.seqs)
@@ -188,9 +202,9 @@ class BatchSession:
                 self.counters.rounds += 1
             else:
                 draft_tokens, draft_probs = draft_speculation(program.draft, state)
-                self.counters.draft_s += since(started)
+                self.counters.draft_s += seconds_since(started)
                 decided = verify_and_commit(program.target, state, draft_tokens, draft_probs).decided
-            self.counters.end_round(since(started), decided)
+            self.counters.end_round(seconds_since(started), decided)
             return self._hand_out(seqs)
 
     def _hand_out(self, seqs: SequenceBatch) -> list[RowTokens]:
@@ -201,13 +215,16 @@ class BatchSession:
         window = [[] for _ in self.rows]
         if width > 0:
             device = seqs.tokens.device
-            index = torch.tensor([row.emitted for row in self.rows], device=device)[:, None] + torch.arange(
-                width, device=device)[None, :]  # [B, width]
+            index = (
+                torch.tensor([row.emitted for row in self.rows], device=device)[:, None]
+                + torch.arange(width, device=device)[None, :]
+            )  # [B, width]
             window = seqs.tokens.gather(1, index.clamp_max(seqs.tokens.shape[1] - 1)).tolist()
         out = []
         for row, tokens, length, on in zip(self.rows, window, lengths, active):
-            new = tokens[:length - row.emitted][:row.budget - row.generated]
-            row.emitted, row.generated = length, row.generated + len(new)
+            new = tokens[: length - row.emitted][: row.budget - row.generated]
+            row.emitted = length
+            row.generated += len(new)
             finished = not on or row.generated >= row.budget
             if finished:
                 self._ended.add(row.id)
@@ -224,44 +241,56 @@ class BatchSession:
         if not self._leaving and not self._ended:
             return
         gone = self._leaving | self._ended
-        keep, before = [i for i, r in enumerate(self.rows) if r.id not in gone], len(self.rows)
+        keep = [i for i, r in enumerate(self.rows) if r.id not in gone]
+        before = len(self.rows)
         if not keep:
             self.rows, self.state, self._launch = [], None, None
         elif len(keep) < len(self.rows):
             rows = [self.rows[i] for i in keep]
-            self._set(rows, [(self.state, keep)], max(r.capacity for r in rows))  # raises: the rows stay marked
+            # where this raises, the rows stay marked
+            self._set(rows, [(self.state, keep)], max(r.capacity for r in rows))
         self.left_early += len(self._leaving - self._ended)
         self._leaving, self._ended = set(), set()
         if self.run == "ssd" and len(keep) < before:
             self._ssd_keep(keep)
 
     def _set(self, rows: list, parts: list, capacity: int) -> None:
-        """The running batch is now ``rows``: the rows of ``parts`` (``(DecodeState, row indices or None)``)
-        gathered into buffers and stores of ``capacity`` slots taken from the runners' pools, so the batch's
-        tensors have the addresses that batch size and capacity had before (CUDA graphs replay)."""
+        """Make ``rows`` the running batch: the rows of ``parts`` (``(DecodeState, row indices or None)``)
+        gathered into pooled buffers and stores of ``capacity`` slots (a size met again: its addresses)."""
         program = self.program
         capacity = program.shapes.capacity(capacity)
-        seqs = SequenceBatch.gathered([(state.seqs, keep) for state, keep in parts], capacity, capacity,
-                                      program.target.seq_pool)
+        seqs = SequenceBatch.gathered(
+            [(state.seqs, keep) for state, keep in parts], capacity, capacity, program.target.seq_pool
+        )
         device = seqs.tokens.device
-        indexed = [(state, None if keep is None else torch.tensor(keep, dtype=torch.long, device=device))
-                   for state, keep in parts]
+        indexed = [
+            (state, None if keep is None else torch.tensor(keep, dtype=torch.long, device=device))
+            for state, keep in parts
+        ]
         target = program.target.new_store(len(rows), capacity).take_rows(
-            [(state.target_store, keep) for state, keep in indexed])
+            [(state.target_store, keep) for state, keep in indexed]
+        )
         draft = None
         if self.run == "sd":
             draft = program.draft.new_store(len(rows), capacity).take_rows(
-                [(state.draft_store, None if keep is None else keep.to(state.draft_store.slot_pos.device))
-                 for state, keep in indexed])
+                [
+                    (state.draft_store, None if keep is None else keep.to(state.draft_store.slot_pos.device))
+                    for state, keep in indexed
+                ]
+            )
         generators = [r.generator for r in rows] if self.temperature > 0 else None
         self.state = DecodeState(seqs, target, draft, self.temperature, generators, program.config.k)
         self.rows, self._launch = rows, None
 
-    # --- mode ssd (runtime/batching_ssd.py) -------------------------------------------------------------------
+    # --- mode ssd (runtime/batching_ssd.py) ---------------------------------------------------------------
 
     def _lanes_context(self):
-        """Where SSD's work runs (``LaneOwner.ssd_context``, as in ``generate``); elsewhere nothing changes."""
-        return self.program.lanes.ssd_context(self.program.target.spec.device) if self.run == "ssd" else nullcontext()
+        """Where SSD's work runs (``LaneOwner.ssd_context``, as in ``generate``); else a null context."""
+        return (
+            self.program.lanes.ssd_context(self.program.target.spec.device)
+            if self.run == "ssd"
+            else nullcontext()
+        )
 
     def _flush_lane(self) -> None:
         """The rows that joined since the last round join the lane's batch, in order (the first opens it)."""
@@ -283,7 +312,7 @@ class BatchSession:
             self._on_lane(self.ssd.keep, keep)
 
     def _on_lane(self, work, *args) -> None:
-        """``work(*args)`` on the lane; a lane failure leaves the rows to SD (what a round committed stays)."""
+        """``work(*args)`` on the lane; a lane failure leaves the rows to SD (committed rounds stay)."""
         try:
             work(*args)
         except DraftLaneError as exc:

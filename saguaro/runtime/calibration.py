@@ -1,24 +1,15 @@
-"""Costs measured before an SSD generation, outside its timed rounds (and its trace).
+"""Costs measured before an SSD generation, outside its timed rounds and its trace, once per lane and shape.
 
-The target's verify alone, with the draft lane idle: SSD's ideal is a round that costs just that, so
-``overlap_efficiency`` is measured against it (during SSD rounds the verify shares the machine with
-the draft lane and slows down). And the draft lane's warm-up: every stage shape the generation may
-use called once (a compiling backend compiles them now, not inside a round or against the lane's
-timeout), then the planner's stage costs measured: each stage alone first, then the verify and the
-lane's build timed while both run, for each candidate tree, and those contended costs are the ones the
-planner charges (a round's build runs against its verify). Both once per lane and shape.
+- :func:`time_verify_alone`: the target's verify with the lane idle, SSD's ideal round (what
+  ``overlap_efficiency`` is measured against).
+- :meth:`Calibration.ready`: the lane's warm-up (every stage shape called once, so compiles happen here),
+  then the planner's costs: each stage alone, then the verify and each build timed while both run.
+- :meth:`Calibration.run_as_sd`: whether an SSD generation runs as SD, per lane, batch and sampling (any
+  capacity); SSD measured slower is measured again after :data:`REMEASURE_EVERY` generations, the interval
+  doubling up to :data:`REMEASURE_MOST`.
 
-Every time here is the device's (:class:`~saguaro.runtime.base.timing.Stopwatch`): on CUDA two events
-on the stream the stage runs on, waited for alone, so timing the verify never waits for the draft
-lane's stream (nor the lane for it), and the planner and ``sd_when_faster`` compare GPU times.
-
-And whether an SSD generation runs as SD (:meth:`Calibration.run_as_sd`), per lane, batch and
-sampled-or-greedy, not per store capacity: an SSD generation's mean round over the SD round timed alone
-for its shape is a ratio that holds across prompt lengths, so a new capacity reuses the verdict instead
-of the planner's prior and a measuring SSD generation. Where SSD measured slower, SSD runs again after
-:data:`REMEASURE_EVERY` generations run as SD, then after twice as many each time it measures slower
-again, up to :data:`REMEASURE_MOST` (about 1 generation in 33 at most spent exploring); SSD measured
-faster runs SSD at once and starts the interval again.
+Every time is the device's (:class:`~saguaro.runtime.base.timing.Stopwatch`): on CUDA, events on the
+stage's own stream, so timing one side never waits for the other's.
 """
 
 from __future__ import annotations
@@ -35,11 +26,17 @@ REPEATS = 3
 
 
 @torch.inference_mode()
-def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, temperature: float,
-                      vocab_size: int, repeats: int = REPEATS) -> float:
-    """Seconds of one ``target.verify`` call at this batch, store capacity and temperature (the least of
-    ``repeats`` calls: the machine's own noise only ever adds time). On CUDA the device time on the
-    target's current stream; only that stream's events are waited for, not a lane building meanwhile."""
+def time_verify_alone(
+    target: ModelRunner,
+    batch: int,
+    capacity: int,
+    k: int,
+    temperature: float,
+    vocab_size: int,
+    repeats: int = REPEATS,
+) -> float:
+    """Seconds of one ``target.verify`` at this batch, capacity and temperature: the least of ``repeats``
+    calls (noise only adds time), device time on the target's current stream."""
     device = target.spec.device
     store = target.new_store(batch, capacity)
     # distinct, contiguous tensors, as the rounds pass them: an aliased or expanded argument would make
@@ -48,15 +45,21 @@ def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, te
     slots = positions.clone()  # [B, k+1]
     ids = torch.zeros(batch, k + 1, dtype=torch.long, device=device)
     draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=device)  # [B, k]
-    stage = TARGET_VERIFY.at(temperature)
+    stage = TARGET_VERIFY.for_temperature(temperature)
     extra = (draft_tokens,)
     if temperature == 0 and target.provides(TARGET_VERIFY_ROUND):  # the verify the greedy rounds run
-        stage, extra = TARGET_VERIFY_ROUND, (draft_tokens, *_sequence_buffers(batch, capacity, k, vocab_size, device))
+        stage = TARGET_VERIFY_ROUND
+        extra = (draft_tokens, *_sequence_buffers(batch, capacity, k, vocab_size, device))
     if temperature > 0:
         probs = torch.full((batch, k, vocab_size), 1.0 / vocab_size, device=device)  # [B, k, V]
         uniforms = torch.full((batch, k + 1), 0.5, device=device)
-        extra = (draft_tokens, probs, torch.tensor(1.0 / temperature, device=device), uniforms[:, :k],
-                 uniforms[:, k])
+        extra = (
+            draft_tokens,
+            probs,
+            torch.tensor(1.0 / temperature, device=device),
+            uniforms[:, :k],
+            uniforms[:, k],
+        )
     best = float("inf")
     for _ in range(repeats):
         watch = Stopwatch(device)
@@ -68,11 +71,14 @@ def time_verify_alone(target: ModelRunner, batch: int, capacity: int, k: int, te
 def _sequence_buffers(batch: int, capacity: int, k: int, vocab_size: int, device) -> tuple:
     """Stand-ins for the sequence buffers the greedy round stage takes (tokens, lengths, finished, padding,
     EOS table, end), of the rounds' shapes and dtypes: rows of ``k + 2`` tokens, none finished."""
-    return (torch.zeros(batch, capacity, dtype=torch.long, device=device),  # [B, S]
-            torch.full((batch,), k + 2, dtype=torch.long, device=device),  # [B]
-            torch.zeros(batch, dtype=torch.bool, device=device), torch.zeros(batch, dtype=torch.long, device=device),
-            torch.zeros(vocab_size, dtype=torch.bool, device=device),  # [V]
-            torch.tensor(capacity - k - 2, dtype=torch.long, device=device))  # []
+    return (
+        torch.zeros(batch, capacity, dtype=torch.long, device=device),  # [B, S]
+        torch.full((batch,), k + 2, dtype=torch.long, device=device),  # [B]
+        torch.zeros(batch, dtype=torch.bool, device=device),
+        torch.zeros(batch, dtype=torch.long, device=device),
+        torch.zeros(vocab_size, dtype=torch.bool, device=device),  # [V]
+        torch.tensor(capacity - k - 2, dtype=torch.long, device=device),  # []
+    )
 
 
 REMEASURE_EVERY = 32  # SSD measured slower: SSD runs again after this many generations run as SD ...
@@ -81,15 +87,22 @@ WARM_UP_TIMEOUT_S = 3600.0  # compiling every draft stage shape may take minutes
 
 
 @torch.inference_mode()
-def time_sd_round(target: ModelRunner, draft: ModelRunner, batch: int, target_capacity: int, draft_capacity: int,
-                  k: int, temperature: float) -> float:
-    """Seconds of an SD round timed alone, with the caller's threads: one verify and ``k`` draft steps
-    (each the least of :data:`REPEATS`), on stores of the capacities the generation uses; device time,
-    each model's on its own device's current stream."""
+def time_sd_round(
+    target: ModelRunner,
+    draft: ModelRunner,
+    batch: int,
+    target_capacity: int,
+    draft_capacity: int,
+    k: int,
+    temperature: float,
+) -> float:
+    """Seconds of an SD round timed alone on the caller's threads: one verify and ``k`` draft steps (each
+    the least of :data:`REPEATS`) on stores of the generation's capacities; each model's device time."""
     device = draft.spec.device
     store = draft.new_store(batch, draft_capacity)
-    ids, positions, slots = (torch.zeros(batch, 1, dtype=torch.long, device=device) for _ in range(3))  # [B, 1]
-    stage = DRAFT_CHAIN if temperature == 0 and draft.provides(DRAFT_CHAIN) else DRAFT_STEP.at(temperature)  # SD's
+    ids, positions, slots = (torch.zeros(batch, 1, dtype=torch.long, device=device) for _ in range(3))
+    chained = temperature == 0 and draft.provides(DRAFT_CHAIN)
+    stage = DRAFT_CHAIN if chained else DRAFT_STEP.for_temperature(temperature)  # SD's
     extra = ()
     if temperature > 0:
         extra = (torch.tensor(1.0 / temperature, device=device), torch.full((batch,), 0.5, device=device))
@@ -98,7 +111,8 @@ def time_sd_round(target: ModelRunner, draft: ModelRunner, batch: int, target_ca
         watch = Stopwatch(device)
         draft.run(stage, store, ids, positions, slots, *extra)
         best = min(best, watch.stop().seconds)
-    return time_verify_alone(target, batch, target_capacity, k, temperature, target.spec.vocab_size) + k * best
+    verify = time_verify_alone(target, batch, target_capacity, k, temperature, target.spec.vocab_size)
+    return verify + k * best
 
 
 class Calibration:
@@ -106,10 +120,12 @@ class Calibration:
     (lane, batch, sampled)."""
 
     def __init__(self, target: ModelRunner, draft: ModelRunner | None, k: int):
-        self.target, self.draft, self.k = target, draft, k
+        self.target = target
+        self.draft = draft
+        self.k = k
         self._costs: dict = {}
         self._sd_round_s: dict = {}
-        self._ssd_over_sd: dict = {}  # verdict key -> the last SSD generation's mean round / its SD round alone
+        self._ssd_over_sd: dict = {}  # verdict key -> last SSD generation's mean round / SD's round alone
         self._planned_sd: dict = {}  # verdict key -> SSD generations run as SD since SSD was last measured
         self._sd_warmed: set = set()  # (padded ids' shape, max_new_tokens, sampled) whose SD shapes ran once
         self._seen_shapes: set = set()  # compile="background": shapes SSD asked for (deferred_for_compiles)
@@ -126,12 +142,9 @@ class Calibration:
         return (id(lane), spec.input_ids.shape[0], spec.temperature > 0)
 
     def run_as_sd(self, verdict: tuple, prior_pays: bool) -> bool:
-        """Whether an SSD generation with this :meth:`verdict_key` should run as SD: by the last SSD
-        generation's mean round over an SD round of its shape timed alone (above 1: SD), or before any,
-        by the planner's prior estimate (``prior_pays``: SSD). After :data:`REMEASURE_EVERY` generations
-        run as SD, one runs SSD again, so the choice follows the machine; each time SSD measures slower
-        again the interval doubles (up to :data:`REMEASURE_MOST`), so a machine where SSD never pays
-        spends ever fewer generations on it. SSD measured faster: SSD, and the interval starts again."""
+        """Whether an SSD generation of this :meth:`verdict_key` runs as SD: before any measurement, unless
+        ``prior_pays``; after, while SSD's last mean round over SD's alone is above 1 and the remeasure
+        interval (counted here) runs."""
         ratio = self._ssd_over_sd.get(verdict)
         if ratio is None:
             return not prior_pays
@@ -153,8 +166,8 @@ class Calibration:
         return self._ssd_over_sd.get(verdict)
 
     def record_ssd(self, verdict: tuple, round_s: list, sd_round_s: float | None) -> None:
-        """The rounds of an SSD generation with this :meth:`verdict_key` (seconds each), against
-        ``sd_round_s``, an SD round of the generation's shape timed alone (None: no local SD, no verdict)."""
+        """Record an SSD generation's rounds (seconds each) against ``sd_round_s``, its shape's SD round
+        timed alone (None: no local SD, no verdict)."""
         if round_s and sd_round_s:
             self._ssd_over_sd[verdict] = sum(round_s) / len(round_s) / sd_round_s
 
@@ -180,26 +193,27 @@ class Calibration:
         """An SD round timed alone with the caller's threads, once per shape (:func:`time_sd_round`)."""
         key = (batch, target_capacity, draft_capacity, temperature > 0)
         if key not in self._sd_round_s:
-            self._sd_round_s[key] = time_sd_round(self.target, self.draft, batch, target_capacity, draft_capacity,
-                                                  self.k, temperature)
+            self._sd_round_s[key] = time_sd_round(
+                self.target, self.draft, batch, target_capacity, draft_capacity, self.k, temperature
+            )
         return self._sd_round_s[key]
 
     def ready(self, lane, spec, target_capacity: int) -> tuple:
-        """``(verify_alone_s, plan_costs)`` for a generation like ``spec`` (a ``GenerateSpec``; the target's
-        store holds ``target_capacity`` slots) on ``lane``,
-        warming the lane up first if this shape is new. ``plan_costs`` is None without a planner. A lane
-        failure raises ``DraftLaneError``."""
+        """``(verify_alone_s, plan_costs)`` for a generation like ``spec`` on ``lane`` (the target's store of
+        ``target_capacity``), warming the lane up for a new shape; ``plan_costs`` None without a planner.
+        Raises ``DraftLaneError`` when the lane fails."""
         batch, temperature = spec.input_ids.shape[0], spec.temperature
         key = self._costs_key(lane, spec)
         if key not in self._costs:
-            verify = lambda repeats=REPEATS: time_verify_alone(  # noqa: E731
-                self.target, batch, target_capacity, self.k, temperature, self.target.spec.vocab_size, repeats)
+            verify = lambda repeats=REPEATS: time_verify_alone(
+                self.target, batch, target_capacity, self.k, temperature, self.target.spec.vocab_size, repeats
+            )
             for timed_again in (False, True):
                 alone = verify()
                 costs = copy.deepcopy(lane.warm_up(spec, spec.input_ids[:, -1], timeout_s=WARM_UP_TIMEOUT_S))
                 if timed_again or self.target.wait_compiled(timeout=0):
                     break
-                self.target.wait_compiled()  # compile="background": what ran eager was timed; once more, compiled
+                self.target.wait_compiled()  # background compiles: eager stages were timed; again, compiled
             if costs is not None:  # both sides of a round timed while both run: the verify and each build
                 for budget in sorted(costs.tree_s) + [0]:
                     for _ in range(2):

@@ -16,23 +16,32 @@ from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import SaguaroError
 from saguaro.core.schedule import critical_path, expected_overlap, round_schedule
 from saguaro.core.stages import ROUND_STAGES, TARGET_SCORE, TARGET_VERIFY_LOGITS, stages_for
-from saguaro.runtime.calibration import Calibration
-from saguaro.runtime.generation_plan import GenerationPlan, plan_call, plan_stats
-from saguaro.runtime.decode import DECODERS
-from saguaro.runtime.decode.prefill import prefill
-from saguaro.runtime.draft.server import GenerateSpec
 from saguaro.runtime.base.inputs import checked_controls, validate_call
-from saguaro.runtime.lanes.owner import LaneOwner
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.sequences import SequenceBatch
 from saguaro.runtime.base.state import DecodeState
-from saguaro.runtime.base.stats import Counters, since, summarize
+from saguaro.runtime.base.stats import Counters, seconds_since, summarize
 from saguaro.runtime.base.trace import GenerationTrace
+from saguaro.runtime.calibration import Calibration
+from saguaro.runtime.decode import DECODERS
+from saguaro.runtime.decode.prefill import prefill
+from saguaro.runtime.draft.server import GenerateSpec
+from saguaro.runtime.generation_plan import GenerationPlan, grammar_plan, plan_call, plan_stats
+from saguaro.runtime.lanes.owner import LaneOwner
 from saguaro.runtime.scoring import ScoreOutput, score
 from saguaro.runtime.streaming import TokenStream, check_not_reading, first_round_tells, streaming
 
 log = logging.getLogger(__name__)
-STAGE_OPTIONS = {"k", "backend", "compile", "attention", "linears", "narrow_weights", "draft_device", "cuda_graphs"}
+STAGE_OPTIONS = {
+    "k",
+    "backend",
+    "compile",
+    "attention",
+    "linears",
+    "narrow_weights",
+    "draft_device",
+    "cuda_graphs",
+}
 
 
 @dataclass
@@ -46,15 +55,27 @@ class GenerateOutput:
 
 
 class Program:
-    """A compiled pair. ``generate`` decodes in the configured mode; ``mode=`` overrides it per call.
+    """A compiled pair: ``generate`` decodes in the configured mode, ``mode=`` overrides it per call.
 
-    Thread safety: ``generate`` and ``close`` may be called from several threads; calls are served one
-    at a time (not necessarily in the order they arrive) under one lock that a Program shares with the
-    Programs ``reconfigure`` and ``variant`` derive from it (they share its compiled stages).
+    Thread-safe: calls are served one at a time, in no set order, under one lock shared with the Programs
+    ``reconfigure`` and ``variant`` derive from it (they share its compiled stages).
     """
 
-    def __init__(self, config: SaguaroConfig, target: ModelRunner, draft: ModelRunner | None, pad_token_id: int,
-                 eos_token_id, shapes, remote_draft=None, exporter=None, lock=None):
+    # the decoder of each mode; runtime.decode.reference.reference_decoders(config): the reference rounds
+    decoders: dict = DECODERS
+
+    def __init__(
+        self,
+        config: SaguaroConfig,
+        target: ModelRunner,
+        draft: ModelRunner | None,
+        pad_token_id: int,
+        eos_token_id,
+        shapes,
+        remote_draft=None,
+        exporter=None,
+        lock=None,
+    ):
         self.config = config
         self.target = target
         self.draft = draft
@@ -74,7 +95,7 @@ class Program:
         """The lane SSD uses (see :func:`saguaro.runtime.lanes.owner.lane_kind`)."""
         return self.lanes.kind if self.lanes is not None else "thread"
 
-    def variant(self, **changes) -> "Program":
+    def variant(self, **changes) -> Program:
         """Like :meth:`reconfigure`, but kept: the same changes give the same Program (and draft lane)."""
         key = tuple(sorted((k, repr(v)) for k, v in changes.items()))
         with self._lock:
@@ -82,29 +103,36 @@ class Program:
                 self._variants[key] = self.reconfigure(**changes)
             return self._variants[key]
 
-    def reconfigure(self, **changes) -> "Program":
-        """A Program over the same captured and lowered stages with some options changed.
-
-        Only runtime options may change (mode, fallback, fan-out, saguaro_c, lane, lane timeout); ``k``, ``backend``,
-        ``compile``, ``attention``, ``linears``, ``narrow_weights``, ``draft_device``, ``cuda_graphs`` shape the stages.
-        """
+    def reconfigure(self, **changes) -> Program:
+        """A Program over the same stages with runtime options changed; ``ValueError`` for a
+        :data:`STAGE_OPTIONS` one (it shapes the stages: compile again)."""
         if fixed := set(changes) & STAGE_OPTIONS:
             raise ValueError(f"{sorted(fixed)} cannot change after compile; call saguaro.compile again")
-        return Program(replace(self.config, **changes), self.target, self.draft, self.pad_token_id,
-                       self.eos_token_id, self.shapes, self.remote_draft, self.exporter, self._lock)
+        return Program(
+            replace(self.config, **changes),
+            self.target,
+            self.draft,
+            self.pad_token_id,
+            self.eos_token_id,
+            self.shapes,
+            self.remote_draft,
+            self.exporter,
+            self._lock,
+        )
 
     def export(self, path, **options):
-        """Write this program to the directory ``path``: its stages compiled ahead of time, each model's weights
-        once, a manifest with every file's sha256 (``saguaro.load(path)`` loads it). Options: ``modes``,
-        ``sampling``, ``native``, ``max_batch``, ``tokenizer``, ``announce`` (``artifact.export.export_program``)."""
+        """Write this program to the directory ``path`` for ``saguaro.load``; ``options``: those of
+        :func:`~saguaro.artifact.export.export_program`. ``SaguaroError`` for a loaded program."""
         if self.exporter is None:
-            raise SaguaroError("this program cannot be exported: it was not made by saguaro.compile (a loaded "
-                               "program holds no captured graphs); export the compiled program")
+            raise SaguaroError(
+                "this program cannot be exported: it was not made by saguaro.compile (a loaded "
+                "program holds no captured graphs); export the compiled program"
+            )
         return self.exporter(self, path, **options)
 
     def close(self) -> None:
-        """Stop the draft lane (thread or process) and the background compile thread of this program and of
-        its variants. A program starts them again if used again (and tries again a lane that could not start)."""
+        """Stop the draft lanes and background compiles of this program and its variants; a later call starts
+        them again (and retries a lane that could not start)."""
         check_not_reading(self._lock)
         with self._lock:
             self._close()
@@ -114,11 +142,11 @@ class Program:
             variant._close()
         if self.lanes is not None:
             self.lanes.close()
-        self.target.stop_compiling()  # compile="background": one compile thread serves the target and the draft
+        self.target.stop_compiling()  # one compile thread serves the target and the draft
 
     def compile_blocking(self) -> None:
-        """``compile="background"`` made blocking, what compiled kept: wait for the queued compiles; then each
-        new stage or shape compiles on the calling thread before it runs (``make demo``'s timed table)."""
+        """Turn ``compile="background"`` blocking: wait for the queued compiles, then compile each new stage
+        or shape on the calling thread before it runs."""
         for runner in filter(None, (self.target, self.draft)):
             runner.compile_blocking()
         with self._lock:
@@ -126,8 +154,10 @@ class Program:
                 program.config = replace(program.config, compile="blocking")
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
-        """Wait for ``compile="background"``'s queued stage compiles: True once done, False after ``timeout`` s."""
-        return all(runner.wait_compiled(timeout) for runner in (self.target, self.draft) if runner is not None)
+        """Wait for the queued background compiles: True once done, False after ``timeout`` seconds."""
+        return all(
+            runner.wait_compiled(timeout) for runner in (self.target, self.draft) if runner is not None
+        )
 
     @property
     def max_length(self) -> int:
@@ -146,8 +176,10 @@ class Program:
         """The draft's fork / rank width (the server's, for a remote draft only)."""
         return self.draft.width if self.draft is not None else self.remote_draft.width
 
-    without_lane = property(lambda self: "sd" if self.draft is not None else "ar",
-                            doc="What SSD runs when no lane serves it: SD, or AR where the only draft is remote.")
+    @property
+    def without_lane(self) -> str:
+        """What SSD runs when no lane serves it: SD, or AR where the only draft is remote."""
+        return "sd" if self.draft is not None else "ar"
 
     @property
     def max_branches(self) -> int:
@@ -164,65 +196,108 @@ class Program:
             capacity += self.config.k * self.max_branches
         return self.shapes.capacity(capacity)
 
-    def generate(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id="default",
-                 seed: int | None = None, attention_mask=None, mode: str | None = None,
-                 trace=None, streamer=None, on_round=None, plan: GenerationPlan | None = None,
-                 controls=None) -> GenerateOutput:
-        """Decode ``max_new_tokens`` after ``input_ids [B, T]`` (left-padded, ``attention_mask``) in
-        ``mode`` (default: the configured one). ``trace``: a path to write a Chrome trace-event JSON
-        timeline of this call to (Perfetto, chrome://tracing), or True to keep it only in ``out.trace``
-        (see :mod:`saguaro.runtime.base.trace`). Concurrent calls wait for each other (one lock per Program);
-        ``seed=None`` draws the seed from torch's global generator, advancing it as a sampling call of
-        ``transformers`` does, without reseeding it. ``streamer``: a ``transformers`` streamer fed each
-        round's tokens (batch 1); ``on_round``: called with each round's ``RoundTokens`` (see
-        :mod:`saguaro.runtime.streaming`); ``plan``: what :meth:`plan` made for this very call (None: planned here);
-        ``controls``: a :class:`~saguaro.tensor_math.logits_processing.SamplingControls` (``top_k``, ``top_p``,
-        ``min_p``, penalties, ``logit_bias``) every token is decided under, exactly in every mode (None: the
-        temperature alone)."""
-        check_not_reading(self._lock)  # from inside a program.stream loop of this Program: it holds the lock
-        with streaming(streamer, on_round, input_ids) as emitter, self._lock:
-            return self._generate(input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode,
-                                  trace, emitter, plan, controls)
+    def generate(
+        self,
+        input_ids,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        eos_token_id="default",
+        seed: int | None = None,
+        attention_mask=None,
+        mode: str | None = None,
+        trace=None,
+        streamer=None,
+        on_round=None,
+        plan: GenerationPlan | None = None,
+        controls=None,
+    ) -> GenerateOutput:
+        """Decode ``max_new_tokens`` after ``input_ids [B, T]`` (left-padded per ``attention_mask``).
 
-    def plan(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id="default",
-             seed: int | None = None, attention_mask=None, mode: str | None = None) -> GenerationPlan:
-        """What ``generate`` with these arguments runs, planned as it plans (SSD: the lane warmed up for a new shape,
-        the verdict taken and counted); ``generate(..., plan=it)`` runs exactly that. Sampled: ``seed`` required."""
+        ``mode``: None for the configured one. ``seed=None`` draws the seed from torch's global generator,
+        advancing it. ``trace``: a path, or True, for a Chrome trace in ``out.trace``. ``streamer``: a
+        ``transformers`` streamer (batch 1). ``on_round``: called with each ``RoundTokens``. ``plan``: what
+        :meth:`plan` made for this very call (else ``ValueError``). ``controls``: ``SamplingControls`` every
+        token is decided under, exactly in every mode. Returns a :class:`GenerateOutput`; each argument in
+        full: docs/api.md, ``program.generate``."""
+        check_not_reading(self._lock)  # raises inside this Program's stream loop, which holds the lock
+        with streaming(streamer, on_round, input_ids) as emitter, self._lock:
+            return self._generate(
+                input_ids,
+                max_new_tokens,
+                temperature,
+                eos_token_id,
+                seed,
+                attention_mask,
+                mode,
+                trace,
+                emitter,
+                plan,
+                controls,
+            )
+
+    def plan(
+        self,
+        input_ids,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        eos_token_id="default",
+        seed: int | None = None,
+        attention_mask=None,
+        mode: str | None = None,
+    ) -> GenerationPlan:
+        """What ``generate`` with these arguments runs (SSD: the lane warmed up, the verdict taken, counted);
+        ``generate(..., plan=it)`` runs exactly that. ``ValueError`` for a sampled call without ``seed``."""
         if temperature > 0 and seed is None:
             raise ValueError("plan() of a sampled call needs its seed (temperature > 0, seed=None)")
         with self._lock, torch.inference_mode():
-            mode, ids, mask, eos_ids = validate_call(self, input_ids, max_new_tokens, temperature, eos_token_id,
-                                                     seed, attention_mask, mode)
+            mode, ids, mask, eos_ids = validate_call(
+                self, input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode
+            )
             padded_ids, padded_mask = self.shapes.pad_prompt(ids, mask, self.pad_token_id)
             call = (padded_ids, padded_mask, max_new_tokens, eos_ids, temperature)
             return replace(plan_call(self, mode, call, seed), made_for=_call_key(mode, call, seed))
 
     def score(self, input_ids, attention_mask=None, top: int = 0) -> ScoreOutput:
-        """The target's log-probabilities of the tokens of ``input_ids [B, T]`` (left-padded, ``attention_mask``),
-        each given the tokens before it (float32 log-softmax of its raw logits: no temperature, no sampling
-        control), and at each position the ``top`` most likely tokens: :func:`saguaro.runtime.scoring.score`
-        (its contract and errors; a ``ConfigError`` where the program cannot score: a loaded artifact). Served
-        one call at a time with ``generate`` (the Program's lock)."""
+        """The target's log-probabilities of ``input_ids [B, T]``'s tokens and the ``top`` likeliest at each
+        position: :func:`saguaro.runtime.scoring.score` (contract and errors), under the Program's lock."""
         check_not_reading(self._lock)
         with self._lock, torch.inference_mode():
             return score(self, input_ids, attention_mask, top)
 
     @property
     def can_score(self) -> bool:
-        """Whether :meth:`score` can run: the target's builder offers its stage (a loaded artifact does not)."""
+        """Whether :meth:`score` can run: the target's builder offers its stage (a loaded one does not)."""
         return self.target.provides(TARGET_SCORE)
 
+    @property
+    def can_control(self) -> bool:
+        """Whether ``generate(controls=...)`` can run in this program's mode: AR decides on the host, SD's and
+        SSD's rounds need the target's ``target.verify_logits`` stage (a loaded artifact has none)."""
+        return self.config.mode == "ar" or self.target.provides(TARGET_VERIFY_LOGITS)
+
     def stream(self, input_ids, **options) -> TokenStream:
-        """:meth:`generate` (the same arguments) as an iterator of each round's decided tokens
-        (``RoundTokens``: ``new_tokens``, one list per row, and ``finished [B]``); ``.output`` is generate's
-        result once it has ended. See :mod:`saguaro.runtime.streaming` (threads, Ctrl-C, closing early)."""
+        """:meth:`generate` (the same arguments) as an iterator of each round's ``RoundTokens``; ``.output``
+        is generate's result once it has ended (:mod:`saguaro.runtime.streaming`)."""
         return TokenStream(self, input_ids, options, self._lock)
 
     @torch.inference_mode()
-    def _generate(self, input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode, trace,
-                  on_round=None, plan=None, controls=None):
-        mode, input_ids, attention_mask, eos_ids = validate_call(self, input_ids, max_new_tokens, temperature,
-                                                                 eos_token_id, seed, attention_mask, mode)
+    def _generate(
+        self,
+        input_ids,
+        max_new_tokens,
+        temperature,
+        eos_token_id,
+        seed,
+        attention_mask,
+        mode,
+        trace,
+        on_round=None,
+        plan=None,
+        controls=None,
+    ):
+        mode, input_ids, attention_mask, eos_ids = validate_call(
+            self, input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode
+        )
         B, T = input_ids.shape
         controls = checked_controls(controls, self.target.spec.vocab_size)
         if controls is not None and mode != "ar" and self.target.provides(TARGET_VERIFY_LOGITS):
@@ -232,56 +307,113 @@ class Program:
         if temperature > 0:  # one generator per lane (the draft lane's is seeded base + 1)
             base = seed if seed is not None else int(torch.randint(2**62, (), dtype=torch.long, device="cpu"))
             generator = torch.Generator(device=self.target.spec.device).manual_seed(base)
-        # before the trace and the clock start: a new shape warms the lane up (and SD's shapes, warm_sd_shapes)
+        # before the trace and the clock start: a new shape warms the lane up (and SD's, warm_sd_shapes)
         call = (padded_ids, padded_mask, max_new_tokens, eos_ids, temperature)
+        if controls is not None and controls.grammar is not None:  # SSD's lane cannot carry it: SD's rounds
+            plan = grammar_plan(self, mode, plan, temperature, _call_key(mode, call, base))
         if plan is None:
             plan = plan_call(self, mode, call, base)
         elif plan.made_for != _call_key(mode, call, base):
-            raise ValueError("plan= was made by plan() for another call (mode, prompt, mask, max_new_tokens, "
-                             "temperature, seed or eos_token_id differ): plan this call, or leave plan=None")
+            raise ValueError(
+                "plan= was made by plan() for another call (mode, prompt, mask, max_new_tokens, "
+                "temperature, seed or eos_token_id differ): plan this call, or leave plan=None"
+            )
         runners = [self.target] + ([self.draft] if plan.run == "sd" else [])
         with GenerationTrace(trace, runners, plan.lane if plan.run == "ssd" else None) as tracing:
             start = time.perf_counter()
-            state = self._decode(plan, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, generator,
-                                 tracing.recorder, first_round_tells(runners, on_round), controls=controls)
-            wall = since(start) - state.counters.stream_s  # the time a streaming reader held the rounds: not ours
-        sequences = state.seqs.result()[:, padded_ids.shape[1] - T:]  # without the bucket's padding columns
+            state = self._decode(
+                plan,
+                padded_ids,
+                padded_mask,
+                max_new_tokens,
+                eos_ids,
+                temperature,
+                generator,
+                tracing.recorder,
+                first_round_tells(runners, on_round),
+                controls=controls,
+            )
+            # less the time a streaming reader held the rounds
+            wall = seconds_since(start) - state.counters.stream_s
+        sequences = state.seqs.result()[:, padded_ids.shape[1] - T :]  # without the bucket's padding columns
         new_tokens = sum(state.seqs.host_lengths) - B * state.seqs.prompt_len  # the host view: no read
-        stats = summarize(state.counters, plan.mode, new_tokens, B, wall, self.lane_kind,
-                          self._schedule_stats(temperature > 0) if plan.mode == "ssd" else None)
-        stats |= plan_stats(plan, (self.target, self.draft))  # ran_as "sd" with mode "ssd": the planner chose SD
+        stats = summarize(
+            state.counters,
+            plan.mode,
+            new_tokens,
+            B,
+            wall,
+            self.lane_kind,
+            self._schedule_stats(temperature > 0) if plan.mode == "ssd" else None,
+        )
+        stats |= plan_stats(plan, (self.target, self.draft))  # ran_as "sd" in mode "ssd": planned SD
         if plan.mode == "ssd":
             stats["planned_sd"] = plan.planned_sd  # True: the planner measured that no tree pays here, SD ran
             if plan.run == "ssd" and not state.counters.lane_failures:
-                self.calibration.record_ssd(self.calibration.verdict_key(plan.lane, plan.spec), state.counters.round_s,
-                                            plan.sd_round_s)
-        return GenerateOutput(sequences=sequences, stats=stats, counters=state.counters,
-                              trace=tracing.finish(stats))
+                self.calibration.record_ssd(
+                    self.calibration.verdict_key(plan.lane, plan.spec),
+                    state.counters.round_s,
+                    plan.sd_round_s,
+                )
+        return GenerateOutput(
+            sequences=sequences, stats=stats, counters=state.counters, trace=tracing.finish(stats)
+        )
 
-    def _draft_spec(self, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base) -> GenerateSpec:
+    def _draft_spec(
+        self, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature, base
+    ) -> GenerateSpec:
         capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens, tree=True)
-        return GenerateSpec(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id,
-                            float(temperature), None if base is None else base + 1)
+        return GenerateSpec(
+            padded_ids,
+            padded_mask,
+            max_new_tokens,
+            capacity,
+            eos_ids,
+            self.pad_token_id,
+            float(temperature),
+            None if base is None else base + 1,
+        )
 
-    def _decode(self, plan: GenerationPlan, padded_ids, padded_mask, max_new_tokens, eos_ids, temperature,
-                generator, recorder, on_round=None, *, controls=None) -> DecodeState:
+    def _decode(
+        self,
+        plan: GenerationPlan,
+        padded_ids,
+        padded_mask,
+        max_new_tokens,
+        eos_ids,
+        temperature,
+        generator,
+        recorder,
+        on_round=None,
+        *,
+        controls=None,
+    ) -> DecodeState:
         B = padded_ids.shape[0]
-        # the target's store never holds a tree, nor does the draft's of SD rounds: an SSD generation run as SD
-        # has SD's shapes, its draft steps attending over SD's slots only, not over SSD's tree scratch too
-        # (warm_sd_shapes ran them before; no speed-up measured on the default pair: benchmarks/README.md)
-        capacity, pool = self._store_capacity(padded_ids.shape[1], max_new_tokens), self.target.seq_pool
-        seqs = SequenceBatch(padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id, pool)
+        # the target's store never holds a tree, nor does the draft's of SD rounds: an SSD generation run as
+        # SD has SD's shapes, its draft steps attending over SD's slots only, not SSD's tree scratch too
+        capacity = self._store_capacity(padded_ids.shape[1], max_new_tokens)
+        pool = self.target.seq_pool
+        seqs = SequenceBatch(
+            padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, self.pad_token_id, pool
+        )
         state = DecodeState(
-            seqs=seqs, target_store=self.target.new_store(B, capacity),
+            seqs=seqs,
+            target_store=self.target.new_store(B, capacity),
             draft_store=self.draft.new_store(B, capacity) if plan.run == "sd" else None,
-            temperature=float(temperature), generator=generator, k=self.config.k, recorder=recorder,
-            on_round=on_round, controls=controls)
+            temperature=float(temperature),
+            generator=generator,
+            k=self.config.k,
+            recorder=recorder,
+            on_round=on_round,
+            controls=controls,
+        )
         if plan.calibrated is not None:  # SSD's ideal round: the verify alone (also for SSD run as SD)
             state.counters.verify_alone_s = plan.calibrated[0]
         ssd = plan.run == "ssd"
-        with self.lanes.ssd_context(self.target.spec.device) if ssd else nullcontext():  # a priority stream on GPU
+        lane_context = self.lanes.ssd_context(self.target.spec.device) if ssd else nullcontext()
+        with lane_context:  # a priority stream on GPU
             first = prefill(self.target, self.draft, state)
-            DECODERS[plan.run](self.target, self.draft, state, plan, first)
+            self.decoders[plan.run](self.target, self.draft, state, plan, first)
         if ssd and state.counters.lane_failures:
             self.lanes.drop()  # a lane that failed mid-generation is not reused
         return state
@@ -292,7 +424,9 @@ class Program:
         return self.round_schedule(self.config.mode, sampled=False)
 
     def round_schedule(self, mode: str, sampled: bool):
-        costs = dict(self.target.stage_cost_s) | (dict(self.draft.stage_cost_s) if self.draft is not None else {})
+        costs = dict(self.target.stage_cost_s) | (
+            dict(self.draft.stage_cost_s) if self.draft is not None else {}
+        )
         return round_schedule(mode, self.config.k, sampled=sampled, costs=costs)
 
     def runner(self, model: str) -> ModelRunner:
@@ -308,15 +442,26 @@ class Program:
                 runner.stage(stage if runner.provides(stage) else ROUND_STAGES.get(stage, stage))
 
     def _schedule_stats(self, sampled: bool) -> dict:
-        """Critical path and expected overlap of the SSD round DAG, costed with this program's measured
-        stage times (the draft's default costs when a process lane measured them elsewhere)."""
+        """Critical path and expected overlap of the SSD round DAG, costed with the measured stage times."""
         g = self.round_schedule("ssd", sampled)
         path, length = critical_path(g)
-        return {"critical_path": path, "critical_path_ms": 1000 * length, "expected_overlap": expected_overlap(g)}
+        return {
+            "critical_path": path,
+            "critical_path_ms": 1000 * length,
+            "expected_overlap": expected_overlap(g),
+        }
 
 
 def _call_key(mode: str, call: tuple, base) -> tuple:
-    """What ``generate(plan=...)`` checks: ``mode``, seed ``base``, every argument in ``call`` (``plan_call``'s)."""
+    """What ``generate(plan=...)`` checks: ``mode``, seed ``base`` and every argument in ``call``."""
     padded_ids, padded_mask, max_new_tokens, eos_ids, temperature = call
-    return (mode, tuple(padded_ids.shape), tuple(padded_ids.flatten().tolist()), tuple(padded_mask.flatten().tolist()),
-            max_new_tokens, tuple(eos_ids), float(temperature), base)
+    return (
+        mode,
+        tuple(padded_ids.shape),
+        tuple(padded_ids.flatten().tolist()),
+        tuple(padded_mask.flatten().tolist()),
+        max_new_tokens,
+        tuple(eos_ids),
+        float(temperature),
+        base,
+    )

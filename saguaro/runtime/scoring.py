@@ -1,11 +1,7 @@
-"""Scoring: the target's log-probabilities of a sequence's own tokens, every position in one call
-(``Program.score``).
+"""Scoring (``Program.score``): the target's log-probabilities of a sequence's own tokens, in one call.
 
-One call of the ``target.score`` stage (:data:`~saguaro.core.stages.TARGET_SCORE`: the logits of every position,
-``[B, T, V]``) over a fresh target store, as the prefill fills one (a token's slot is its index, left padding at
-position -1, masked), then the float32 log-softmax of those logits: the target's raw distribution, before any
-temperature or sampling control, in every mode (speculation never changes it), as ``transformers`` gives it
-(``torch.log_softmax(model(ids).logits.float(), -1)``). What ``saguaro serve`` answers ``logprobs`` with.
+One ``target.score`` stage call over a fresh store, then the float32 log-softmax of its logits: the target's
+raw distribution in every mode, as ``torch.log_softmax(model(ids).logits.float(), -1)`` gives it.
 """
 
 from __future__ import annotations
@@ -21,32 +17,27 @@ from saguaro.runtime.base.inputs import checked_prompt
 
 @dataclass
 class ScoreOutput:
-    """What :func:`score` returns, on the target's device.
+    """What :func:`score` returns, on the target's device; NaN (ids: -1) at each row's first real token
+    and on its left padding."""
 
-    ``token_logprobs [B, T]`` float32: ``log p(input_ids[b, t] | input_ids[b, :t])`` at each position ``t`` after
-    a row's first real token; NaN at that first token (nothing precedes it) and on its left padding.
-    ``top_ids [B, T, top]`` long and ``top_logprobs [B, T, top]`` float32: at each such position the ``top`` most
-    likely tokens given the tokens before it and their log-probabilities, the most likely first; -1 and NaN
-    where ``token_logprobs`` is NaN."""
-
-    token_logprobs: torch.Tensor
-    top_ids: torch.Tensor
-    top_logprobs: torch.Tensor
+    token_logprobs: torch.Tensor  # [B, T] float32: log p(input_ids[b, t] | input_ids[b, :t])
+    top_ids: torch.Tensor  # [B, T, top] long: the top likeliest tokens at t, the likeliest first
+    top_logprobs: torch.Tensor  # [B, T, top] float32: their log-probabilities
 
 
 def score(program, input_ids, attention_mask=None, top: int = 0) -> ScoreOutput:
-    """Score ``input_ids [B, T]`` (or ``[T]``; left-padded as ``attention_mask`` says) with ``program``'s target.
+    """Score ``input_ids [B, T]`` (or ``[T]``, left-padded per ``attention_mask``) with the target.
 
-    The caller holds the program's lock under ``torch.inference_mode()`` (:meth:`Program.score` does). Raises a
-    ``ValueError`` naming the value for input ``generate`` refuses too (not an integer tensor, empty, all-padding
-    rows, right padding, ids outside the vocabulary, more tokens than ``program.max_length``) and for ``top``
-    outside ``0..V``; a :class:`~saguaro.core.errors.ConfigError` where the target's builder does not offer the
-    stage (a loaded artifact holds only the stages it exported)."""
+    The caller holds the program's lock under ``torch.inference_mode()``. ``ValueError`` for input
+    ``generate`` refuses too and for ``top`` outside ``0..V``; ``ConfigError`` where the target's builder
+    lacks the stage (a loaded artifact)."""
     target = program.target
     if not target.provides(TARGET_SCORE):
-        raise ConfigError(f"this program cannot score tokens: its target has no {TARGET_SCORE.qualified} stage (a "
-                          "program loaded from an artifact holds only the stages it exported); logprobs need a "
-                          "program made by saguaro.compile")
+        raise ConfigError(
+            f"this program cannot score tokens: its target has no {TARGET_SCORE.qualified} stage (a "
+            "program loaded from an artifact holds only the stages it exported); logprobs need a "
+            "program made by saguaro.compile"
+        )
     vocab = target.spec.vocab_size
     if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= vocab:
         raise ValueError(f"top={top!r} is not allowed: it must be an int 0..{vocab} (the vocabulary size)")
@@ -55,16 +46,19 @@ def score(program, input_ids, attention_mask=None, top: int = 0) -> ScoreOutput:
         raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")
     B, T = ids.shape
     if T > program.max_length:
-        raise ValueError(f"input_ids hold {T} tokens; this program scores at most {program.max_length} "
-                         "(KV capacity / the models' max_position_embeddings)")
-    padded_ids, padded_mask = program.shapes.pad_prompt(ids, mask, program.pad_token_id)  # the lowering's buckets
+        raise ValueError(
+            f"input_ids hold {T} tokens; this program scores at most {program.max_length} "
+            "(KV capacity / the models' max_position_embeddings)"
+        )
+    padded_ids, padded_mask = program.shapes.pad_prompt(ids, mask, program.pad_token_id)  # into a bucket
     P = padded_ids.shape[1]
     index = torch.arange(P, device=ids.device).expand(B, P)  # [B, P]: a token's slot is its index
     padding = (padded_mask == 0).sum(dim=1)  # [B]
     positions = (index - padding[:, None]).clamp_min(-1)  # [B, P]: -1 on padding, masked once written
     store = target.new_store(B, program.shapes.capacity(P))
     (logits,) = target.run(TARGET_SCORE, store, padded_ids, positions, index)  # [B, P, V]
-    logprobs = torch.log_softmax(logits[:, P - T:].float(), dim=-1)  # [B, T, V], the bucket's columns dropped
+    # [B, T, V], the bucket's columns dropped
+    logprobs = torch.log_softmax(logits[:, P - T :].float(), dim=-1)
     before = logprobs[:, :-1]  # [B, T-1, V]: the distribution of the token at t = 1..T-1
     real = mask.bool()
     scored = torch.zeros_like(real)  # [B, T]: a real token with a real token before it
@@ -73,7 +67,7 @@ def score(program, input_ids, attention_mask=None, top: int = 0) -> ScoreOutput:
     token_logprobs[:, 1:] = before.gather(-1, ids[:, 1:, None]).squeeze(-1)
     token_logprobs.masked_fill_(~scored, float("nan"))
     top_ids = torch.full((B, T, top), -1, dtype=torch.long, device=ids.device)  # [B, T, top]
-    top_logprobs = torch.full((B, T, top), float("nan"), dtype=torch.float32, device=ids.device)  # [B, T, top]
+    top_logprobs = torch.full((B, T, top), float("nan"), dtype=torch.float32, device=ids.device)
     if top and T > 1:
         values, best = before.topk(top, dim=-1)  # [B, T-1, top], the most likely first
         top_logprobs[:, 1:], top_ids[:, 1:] = values, best

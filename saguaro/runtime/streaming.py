@@ -1,29 +1,9 @@
-"""Streaming: the tokens of each round, handed out as soon as the round has decided them.
+"""Streaming: each round's tokens, handed out as soon as the round has decided them.
 
-Every decoder calls :meth:`~saguaro.runtime.base.state.DecodeState.round_committed` once a round's
-tokens are appended and its clock stopped (the prefill too, for the first token). On that hook:
-
-- ``program.generate(..., on_round=f)`` calls ``f(RoundTokens)`` on the generating thread, each round;
-- ``program.generate(..., streamer=s)`` feeds a ``transformers`` streamer (``TextStreamer``,
-  ``TextIteratorStreamer``, any object with ``put`` and ``end``) as ``transformers.generate`` does:
-  ``s.put(input_ids [1, T])`` first, then ``s.put(tokens [1, n])`` per round (``n`` in ``1..k+1``), and
-  ``s.end()`` when generate returns or raises (so a ``TextIteratorStreamer`` reader never waits
-  forever). Batch 1 only, as in ``transformers``: a batch raises ``ValueError``;
-- ``program.stream(input_ids, ...)`` (the same arguments as ``generate``) returns a :class:`TokenStream`.
-
-A :class:`TokenStream` runs ``generate`` on a worker thread in strict turns with its reader, like a
-generator: the generation advances only while the reader waits in ``next()``, and pauses after each
-round until the reader asks for the next one. So the first round is handed out before later rounds
-run, and the reader's own time never overlaps the generation (``stats["stream_s"]`` is not counted in
-``wall_s``). Exceptions raised by the generation are raised by ``next()``. Closing the stream early
-(``close()``, leaving a ``with`` block, dropping the iterator, or a Ctrl-C while ``next()`` waits)
-stops the generation at its next round boundary: :class:`StreamClosed` unwinds ``generate`` there as an
-interrupt would (the draft lane settles and stays usable, the Program's lock is released), and
-``close`` waits for the worker thread to end. The worker holds the Program's lock until then, so
-another thread's call of the same Program waits for the stream, and a call from the reader's own thread
-(which would wait forever) raises ``SaguaroError``. Prefer ``with program.stream(...) as s:``: without it,
-an exception in the reader's loop leaves the stream paused (holding the lock) until the iterator is
-garbage-collected, which a traceback that holds its frame delays.
+Every decoder calls ``DecodeState.round_committed`` once a round's tokens are appended (the prefill too).
+That hook feeds ``generate``'s ``on_round`` and ``streamer``, and :class:`TokenStream`, which runs
+``generate`` on a worker thread in strict turns with its reader and holds the Program's lock until it ends.
+The contract a user sees in full: docs/api.md, "Streaming: program.stream".
 """
 
 from __future__ import annotations
@@ -43,11 +23,9 @@ _READING: dict = {}  # (id of a Program's lock, thread id) -> how many of its st
 
 @dataclass(frozen=True)
 class RoundTokens:
-    """The tokens one round decided. ``round``: 0 for the prefill's first token, then 1, 2, ...;
-    ``new_tokens``: one list of token ids per row of ``input_ids`` (``B`` lists), the tokens that row
-    gained in this round (up to ``k + 1``; empty for a row that had finished); ``finished [B]``: the row
-    has ended (EOS or ``max_new_tokens``) with this round or before. A row's prompt followed by all its
-    lists is its row of ``generate``'s sequences (before the padding of shorter rows)."""
+    """The tokens one round decided: ``round`` (0: the prefill's), ``new_tokens`` (``B`` lists of up to
+    ``k + 1`` ids, empty once a row finished) and ``finished [B]``. A row's prompt and all its lists make its
+    row of ``generate``'s sequences."""
 
     round: int
     new_tokens: list
@@ -66,13 +44,15 @@ class RoundEmitter:
     def __call__(self, seqs) -> None:
         lengths = seqs.host_lengths  # the round's own read (AR: read here, then reused by its next check)
         emitted = self.emitted or [seqs.prompt_len] * len(lengths)
-        width = max(length - done for length, done in zip(lengths, emitted))  # k + 1 at most, unless a round was missed
+        # k + 1 at most, unless a round was missed
+        width = max(length - done for length, done in zip(lengths, emitted))
         new = [[] for _ in lengths]
         if width > 0:
             device = seqs.tokens.device
-            index = (torch.tensor(emitted, device=device)[:, None] + torch.arange(width, device=device)[None, :])
+            starts = torch.tensor(emitted, device=device)[:, None]
+            index = starts + torch.arange(width, device=device)[None, :]
             window = seqs.tokens.gather(1, index.clamp_max(seqs.tokens.shape[1] - 1)).tolist()  # [B, width]
-            new = [row[:length - done] for row, done, length in zip(window, emitted, lengths)]
+            new = [row[: length - done] for row, done, length in zip(window, emitted, lengths)]
         self.emitted = lengths
         chunk = RoundTokens(self.rounds, new, [not active for active in seqs.host_active])
         self.rounds += 1
@@ -84,14 +64,21 @@ class StreamerFeed:
 
     def __init__(self, streamer, input_ids):
         if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
-            raise ValueError(f"streamer={type(streamer).__name__} is not allowed: give a transformers streamer "
-                             "(an object with put(token_ids) and end(), e.g. TextStreamer)")
-        prompt = input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(input_ids, device="cpu")
+            raise ValueError(
+                f"streamer={type(streamer).__name__} is not allowed: give a transformers streamer "
+                "(an object with put(token_ids) and end(), e.g. TextStreamer)"
+            )
+        prompt = (
+            input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(input_ids, device="cpu")
+        )
         prompt = prompt[None] if prompt.dim() == 1 else prompt
         if prompt.dim() == 2 and prompt.shape[0] != 1:
-            raise ValueError(f"streamer= takes one sequence, as in transformers (input_ids [1, T]); got a batch of "
-                             f"{prompt.shape[0]}: use program.stream(...) to stream a batch")
-        self.streamer, self.prompt = streamer, prompt.detach().cpu()
+            raise ValueError(
+                f"streamer= takes one sequence, as in transformers (input_ids [1, T]); got a batch of "
+                f"{prompt.shape[0]}: use program.stream(...) to stream a batch"
+            )
+        self.streamer = streamer
+        self.prompt = prompt.detach().cpu()
 
     def __call__(self, chunk: RoundTokens) -> None:
         if chunk.round == 0:
@@ -101,17 +88,18 @@ class StreamerFeed:
 
 
 def check_not_reading(lock) -> None:
-    """Refuse a call of the Program that owns ``lock`` from a thread reading one of its streams: the
-    stream holds the lock until it ends, so the call would wait forever."""
+    """``SaguaroError`` for a call of the Program owning ``lock`` from a thread reading one of its streams
+    (the stream holds the lock until it ends: the call would wait forever)."""
     if _READING.get((id(lock), threading.get_ident())):
-        raise SaguaroError("this thread is reading a program.stream of this Program, which holds it until the "
-                           "stream ends: finish or close() the stream first (or call from another thread)")
+        raise SaguaroError(
+            "this thread is reading a program.stream of this Program, which holds it until the "
+            "stream ends: finish or close() the stream first (or call from another thread)"
+        )
 
 
 def first_round_tells(runners, on_round):
-    """The round hook of one generation: tells each runner once that its first round is out
-    (``ModelRunner.first_tokens_out``: a background compiler held until the first text starts), then
-    feeds ``on_round`` (None: not streaming) every round."""
+    """The round hook of one generation: calls each runner's ``first_tokens_out`` once, at the first round,
+    and ``on_round`` (None: not streaming) at every round."""
     untold = list(runners)
 
     def hook(seqs):
@@ -119,6 +107,7 @@ def first_round_tells(runners, on_round):
             untold.pop().first_tokens_out()
         if on_round is not None:
             on_round(seqs)
+
     return hook
 
 
@@ -181,39 +170,47 @@ class _Turns:
 
 
 def _generate_in_turns(program, input_ids, options: dict, turns: _Turns, cuda_stream) -> None:
-    """The worker thread's body (it holds no reference to the :class:`TokenStream`, so dropping the
-    stream closes it)."""
+    """The worker thread's body; it holds no reference to its :class:`TokenStream`, so dropping it closes."""
     try:
         with torch.cuda.stream(cuda_stream) if cuda_stream is not None else nullcontext():
-            out = program.generate(input_ids, on_round=lambda chunk: turns.hand_over(("round", chunk)), **options)
+            out = program.generate(
+                input_ids, on_round=lambda chunk: turns.hand_over(("round", chunk)), **options
+            )
     except StreamClosed:
         return
-    except BaseException as exc:  # noqa: BLE001 - raised again by the reader's next()
+    except BaseException as exc:
         turns.hand_over(("error", exc), last=True)
         return
     turns.hand_over(("done", out), last=True)
 
 
 class TokenStream:
-    """An iterator of :class:`RoundTokens`, one per round, from ``program.stream(input_ids, ...)``;
-    ``output`` is ``generate``'s :class:`~saguaro.runtime.program.GenerateOutput` once it has ended (None
-    before, and after an early ``close``). A context manager: leaving the block closes it. The generation
-    starts at the first ``next()``; see the module's docstring for threads, Ctrl-C and closing early."""
+    """An iterator of :class:`RoundTokens`, one per round, starting the generation at the first ``next()``.
+
+    ``output``: ``generate``'s result once it has ended (None before, and after an early ``close``). A context
+    manager: leaving the block closes it."""
 
     def __init__(self, program, input_ids, options: dict, lock=None):
         if "on_round" in options:
-            raise ValueError("stream() hands each round to its iterator: on_round= is generate's (not stream's)")
+            raise ValueError(
+                "stream() hands each round to its iterator: on_round= is generate's (not stream's)"
+            )
         inspect.signature(program.generate).bind(input_ids, **options)  # a wrong name: TypeError now
         device = program.target.spec.device
         cuda_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None  # the reader's
         self._turns = _Turns()
-        self._thread = threading.Thread(target=_generate_in_turns, name="saguaro-stream", daemon=True,
-                                        args=(program, input_ids, options, self._turns, cuda_stream))
+        self._thread = threading.Thread(
+            target=_generate_in_turns,
+            name="saguaro-stream",
+            daemon=True,
+            args=(program, input_ids, options, self._turns, cuda_stream),
+        )
         self._ended = False
-        self._lock, self._reader = lock, None  # the Program's lock; (its id, the reading thread's id)
+        self._lock = lock  # the Program's
+        self._reader = None  # (id of the lock, id of the reading thread)
         self.output = None
 
-    def __iter__(self) -> "TokenStream":
+    def __iter__(self) -> TokenStream:
         return self
 
     def __next__(self) -> RoundTokens:
@@ -241,22 +238,26 @@ class TokenStream:
 
     def close(self) -> None:
         """Stop the generation at its next round boundary and wait for its thread to end (not while the
-        interpreter is exiting: a daemon thread may never run again then, so the wait could never end)."""
+        interpreter exits: a daemon thread may never run again then)."""
         self._ended = True
         self._turns.close()
-        if (self._thread.ident is not None and self._thread is not threading.current_thread()
-                and not sys.is_finalizing()):
+        if (
+            self._thread.ident is not None
+            and self._thread is not threading.current_thread()
+            and not sys.is_finalizing()
+        ):
             self._thread.join()
         self._stop_reading()
 
     def _stop_reading(self) -> None:
-        if self._reader is not None:  # once per stream: the key is shared by the thread's streams of the Program
+        # once per stream: the key is shared by the thread's streams of the Program
+        if self._reader is not None:
             left = _READING.pop(self._reader, 1) - 1
             if left:
                 _READING[self._reader] = left
             self._reader = None
 
-    def __enter__(self) -> "TokenStream":
+    def __enter__(self) -> TokenStream:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -265,5 +266,5 @@ class TokenStream:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown: the worker is a daemon thread
+        except Exception:
             pass

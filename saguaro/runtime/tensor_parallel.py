@@ -1,26 +1,12 @@
 """Tensor-parallel programs under ``torch.distributed``: ranks ``0..N-1`` run the target's shards, rank
-``N`` holds the draft (``saguaro.compile(target, draft, tensor_parallel=N)``, launched with ``torchrun
---nproc-per-node N+1``).
+``N`` holds the draft (``tensor_parallel=N``, launched with ``torchrun --nproc-per-node N+1``).
 
-Every rank runs the same script (SPMD) and calls ``generate`` with the same arguments. A target rank
-runs an ordinary :class:`~saguaro.runtime.program.Program` over its shard (the ``shard_tensor_parallel``
-pass put one all-reduce over the target group after each row-parallel projection, so each stage call
-is a collective of the target ranks). Each target rank decides every token itself from the same
-replicated logits, so the ranks stay in step without exchanging tokens: an all-reduce hands every rank
-the same sum, bit for bit, and sampling draws the same numbers on every rank (one seed, agreed here
-before the call, one generator per rank). SD drafts on the target ranks (the draft replicated there:
-it is small, and its tokens are the same on every rank). After the call rank 0 broadcasts the
-sequences to every rank; target ranks check that theirs are equal (``SaguaroError`` if the ranks
-diverged) and the draft rank returns them.
-
-SSD's draft lane is the rank lane (:mod:`saguaro.runtime.lanes.rank`): the draft rank serves the
-speculation server during each SSD call. The rounds are SSD's always (``sd_when_faster`` is off on the
-target ranks: the choice by measured time would need every rank to agree on one measurement); the
-draft rank's planner still picks each round's tree from the verify times rank 0 reports.
-
-On CUDA each rank must hold its model on its own device (``cuda:LOCAL_RANK``) before ``compile``; the
-process group's default backends are then NCCL for CUDA tensors and gloo for CPU ones (written for
-NCCL, run only with gloo on CPU so far).
+Every rank runs the same script and calls ``generate`` with the same arguments; on CUDA each holds its model
+on ``cuda:LOCAL_RANK`` before ``compile``. Each target rank decides every token itself from the replicated
+logits (one seed, agreed by rank 0), so the ranks stay in step without exchanging tokens; rank 0's sequences
+are broadcast at the end, and a rank whose own differ raises ``SaguaroError``. SD drafts on the target ranks;
+SSD's lane is the draft rank (:mod:`saguaro.runtime.lanes.rank`) and its rounds are always SSD's. Written
+for NCCL, run only with gloo on CPU so far.
 """
 
 from __future__ import annotations
@@ -33,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from saguaro.core.errors import ConfigError, SaguaroError
+from saguaro.runtime.base.wire import Channel
 from saguaro.runtime.lanes import rank as rank_lane
 from saguaro.runtime.lanes.owner import register_lane
-from saguaro.runtime.base.wire import Channel
 from saguaro.runtime.program import GenerateOutput
 
 log = logging.getLogger(__name__)
@@ -66,22 +52,32 @@ def join_ranks(tensor_parallel: int, device: torch.device) -> Ranks:
     """This rank's :class:`Ranks`, the process group initialised from ``torchrun``'s environment when it
     is not yet; every rank must call it (it makes the target group, a collective)."""
     if not dist.is_available():
-        raise ConfigError(f"tensor_parallel={tensor_parallel} needs torch.distributed, which this torch lacks")
+        raise ConfigError(
+            f"tensor_parallel={tensor_parallel} needs torch.distributed, which this torch lacks"
+        )
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            raise ConfigError(f"tensor_parallel={tensor_parallel} needs torch.distributed with "
-                              f"{tensor_parallel + 1} ranks: launch with torchrun --nproc-per-node "
-                              f"{tensor_parallel + 1} (or call torch.distributed.init_process_group first)")
+            raise ConfigError(
+                f"tensor_parallel={tensor_parallel} needs torch.distributed with "
+                f"{tensor_parallel + 1} ranks: launch with torchrun --nproc-per-node "
+                f"{tensor_parallel + 1} (or call torch.distributed.init_process_group first)"
+            )
         dist.init_process_group()  # the default backends: gloo for CPU tensors, NCCL for CUDA ones
     world = dist.get_world_size()
     if world != tensor_parallel + 1:
-        raise ConfigError(f"tensor_parallel={tensor_parallel} is not allowed here: the job has {world} ranks, and "
-                          f"it needs {tensor_parallel + 1} ({tensor_parallel} target ranks and one draft rank)")
+        raise ConfigError(
+            f"tensor_parallel={tensor_parallel} is not allowed here: the job has {world} ranks, and "
+            f"it needs {tensor_parallel + 1} ({tensor_parallel} target ranks and one draft rank)"
+        )
     rank = dist.get_rank()
     group = dist.new_group(list(range(tensor_parallel)))  # every rank takes part in making each group
     pairs = tuple(dist.new_group([r, tensor_parallel]) for r in range(tensor_parallel))
-    log.info("tensor parallel: rank %d of %d (%s)", rank, world, "draft" if rank == tensor_parallel else "target")
-    return Ranks(rank, tensor_parallel, group if rank < tensor_parallel else None, pairs, torch.device(device))
+    log.info(
+        "tensor parallel: rank %d of %d (%s)", rank, world, "draft" if rank == tensor_parallel else "target"
+    )
+    return Ranks(
+        rank, tensor_parallel, group if rank < tensor_parallel else None, pairs, torch.device(device)
+    )
 
 
 def agree_seed(ranks: Ranks, temperature: float, seed: int | None) -> int | None:
@@ -98,45 +94,61 @@ def agree_seed(ranks: Ranks, temperature: float, seed: int | None) -> int | None
 def share_sequences(ranks: Ranks, sequences: torch.Tensor | None) -> torch.Tensor:
     """Rank 0's ``sequences [B, L]`` on every rank (``None`` on the draft rank); a target rank whose own
     differ raises ``SaguaroError``."""
-    shape = torch.tensor(list(sequences.shape) if sequences is not None else [0, 0], dtype=torch.long,
-                         device=ranks.device)
+    shape = torch.tensor(
+        list(sequences.shape) if sequences is not None else [0, 0], dtype=torch.long, device=ranks.device
+    )
     dist.broadcast(shape, src=0)
     received = torch.empty(tuple(shape.tolist()), dtype=torch.long, device=ranks.device)
     if ranks.rank == 0:
         received.copy_(sequences)
     dist.broadcast(received, src=0)
     if sequences is not None and not torch.equal(received.to(sequences.device), sequences):
-        raise SaguaroError(f"tensor parallel: rank {ranks.rank}'s tokens differ from rank 0's (the target ranks "
-                           "diverged)")
+        raise SaguaroError(
+            f"tensor parallel: rank {ranks.rank}'s tokens differ from rank 0's (the target ranks diverged)"
+        )
     return received
 
 
 class TensorParallelProgram:
-    """A target rank's program: its :class:`~saguaro.runtime.program.Program` over the target's shard,
-    the seed agreed and the sequences shared around each ``generate``. Other attributes are the
-    Program's."""
+    """A target rank's program: its shard's :class:`~saguaro.runtime.program.Program`, the seed agreed and
+    the sequences shared around each ``generate``; other attributes are the Program's."""
 
     def __init__(self, program, ranks: Ranks):
-        self.program, self.ranks = program, ranks
+        self.program = program
+        self.ranks = ranks
         self.link = None
         if program.lanes is not None:  # SSD's lane: the draft rank, over this rank's pair group
             spec = program.target.spec
-            self.link = rank_lane.RankLink(ranks.rank, ranks.pairs[ranks.rank], ranks.device, spec.vocab_size,
-                                           program.config.k)
-            register_lane(rank_lane.KIND, lambda owner: rank_lane.RankLane(owner.remote_draft), falls_back_to=None,
-                          shares_host=False)
+            self.link = rank_lane.RankLink(
+                ranks.rank, ranks.pairs[ranks.rank], ranks.device, spec.vocab_size, program.config.k
+            )
+            register_lane(
+                rank_lane.KIND,
+                lambda owner: rank_lane.RankLane(owner.remote_draft),
+                falls_back_to=None,
+                shares_host=False,
+            )
             program.lanes.remote_draft = self.link  # what the rank lane starts from
             program.lanes.configured_kind = program.lanes.kind = rank_lane.KIND
 
-    def generate(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id="default",
-                 seed: int | None = None, attention_mask=None, mode: str | None = None, trace=None):
-        """``Program.generate`` on every target rank, the same tokens everywhere; ``stats["rank"]`` names
-        this rank."""
+    def generate(
+        self,
+        input_ids,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        eos_token_id="default",
+        seed: int | None = None,
+        attention_mask=None,
+        mode: str | None = None,
+        trace=None,
+    ):
+        """``Program.generate`` on every target rank, the same tokens everywhere; ``stats["rank"]``: ours."""
         ssd = (mode or self.program.config.mode) == "ssd"
         seed = agree_seed(self.ranks, temperature, seed)
         try:
-            out = self.program.generate(input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask,
-                                        mode, trace)
+            out = self.program.generate(
+                input_ids, max_new_tokens, temperature, eos_token_id, seed, attention_mask, mode, trace
+            )
         finally:
             if ssd and self.link is not None:
                 try:
@@ -149,13 +161,16 @@ class TensorParallelProgram:
         return out
 
     def export(self, path, **options):
-        raise SaguaroError("a tensor-parallel program cannot be exported yet: export a program compiled "
-                           "without tensor_parallel")
+        raise SaguaroError(
+            "a tensor-parallel program cannot be exported yet: export a program compiled "
+            "without tensor_parallel"
+        )
 
     def stream(self, input_ids, **options):
         # not the Program's: its worker would generate on this rank alone (no agreed seed, no end of call)
-        raise SaguaroError("program.stream is not built for tensor_parallel=N yet (nor generate(streamer=)): "
-                           "use generate")
+        raise SaguaroError(
+            "program.stream is not built for tensor_parallel=N yet (nor generate(streamer=)): use generate"
+        )
 
     def __getattr__(self, name):
         return getattr(self.program, name)
@@ -166,12 +181,25 @@ class DraftRankProgram:
     SSD use), serves SSD calls, and returns the sequences the target ranks decided."""
 
     def __init__(self, config, ranks: Ranks, make_server, vocab_size: int):
-        self.config, self.ranks, self.make_server, self.vocab_size = config, ranks, make_server, vocab_size
-        self.server, self.seq = None, 0  # seq: the last rank-lane message number (counted across calls)
+        self.config = config
+        self.ranks = ranks
+        self.make_server = make_server
+        self.vocab_size = vocab_size
+        self.server = None
+        self.seq = 0  # the last rank-lane message number (counted across calls)
         self.channels = [Channel(pair, peer=0, device=ranks.device) for pair in ranks.pairs]
 
-    def generate(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, eos_token_id="default",
-                 seed: int | None = None, attention_mask=None, mode: str | None = None, trace=None):
+    def generate(
+        self,
+        input_ids,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        eos_token_id="default",
+        seed: int | None = None,
+        attention_mask=None,
+        mode: str | None = None,
+        trace=None,
+    ):
         """Take part in the call the target ranks run with the same arguments; their sequences."""
         mode = mode or self.config.mode
         agree_seed(self.ranks, temperature, seed)
@@ -179,8 +207,11 @@ class DraftRankProgram:
         if mode == "ssd":
             if self.server is None:
                 self.server = self.make_server()
-            last = rank_lane.serve_generation(self.server, self.channels, self.vocab_size, self.config.k, self.seq)
-            stats["requests"], self.seq = last - self.seq - 1, last  # BYE not counted
+            last = rank_lane.serve_generation(
+                self.server, self.channels, self.vocab_size, self.config.k, self.seq
+            )
+            stats["requests"] = last - self.seq - 1  # BYE not counted
+            self.seq = last
         return GenerateOutput(sequences=share_sequences(self.ranks, None), stats=stats)
 
     def close(self) -> None:

@@ -18,14 +18,16 @@ import time
 import torch
 
 log = logging.getLogger(__name__)
+_said_grammar_runs_sd: list = []  # logged once per process: a grammar request in mode ssd runs SD's rounds
 
 
 def runs_alone(program, sampling) -> bool:
     """Whether ``sampling`` (a request's) runs alone rather than joining its temperature's batch session of
     ``program``: with sampling controls (a batch session decides by the temperature alone), or seeded and
     sampled in mode ``ssd`` (planned first, :func:`plan_alone`)."""
-    return sampling.controls is not None or \
-        (program.config.mode == "ssd" and sampling.temperature > 0 and sampling.seed is not None)
+    return sampling.controls is not None or (
+        program.config.mode == "ssd" and sampling.temperature > 0 and sampling.seed is not None
+    )
 
 
 def plan_alone(scheduler, job):
@@ -34,9 +36,10 @@ def plan_alone(scheduler, job):
     s = job.sampling
     try:
         ids = torch.tensor([s.prompt_ids], dtype=torch.long)  # [1, T]
-        return scheduler.program.plan(ids, max_new_tokens=s.max_tokens, temperature=s.temperature, seed=s.seed,
-                                      **eos_option(s))
-    except Exception as exc:  # noqa: BLE001 - one failed request must not stop the server
+        return scheduler.program.plan(
+            ids, max_new_tokens=s.max_tokens, temperature=s.temperature, seed=s.seed, **eos_option(s)
+        )
+    except Exception as exc:
         log.exception("planning a request run alone failed")
         job.fail(exc)
         return None
@@ -51,12 +54,29 @@ def run_alone(scheduler, job, plan=None) -> None:
     """Decode ``job`` alone (with ``plan``, from :func:`plan_alone`), handing out its tokens round by round; a
     failure fails the job, not the server."""
     program, metrics, s = scheduler.program, scheduler.metrics, job.sampling
+    if (
+        getattr(s.controls, "grammar", None) is not None
+        and program.config.mode == "ssd"
+        and not _said_grammar_runs_sd
+    ):
+        _said_grammar_runs_sd.append(True)
+        log.info(
+            "structured output (response_format, tools) runs with SD's rounds in mode ssd: the draft lane cannot "
+            "carry the grammar's state through its tree (the tokens are the same; usage.saguaro.ran_as says sd)"
+        )
     try:
         ids = torch.tensor([s.prompt_ids], dtype=torch.long)  # [1, T]
         metrics.batch_started()
         held = []  # logprobs asked: the rounds' tokens, handed out once the stream has ended (it holds the program)
-        with program.stream(ids, max_new_tokens=s.max_tokens, temperature=s.temperature, seed=s.seed,
-                            plan=plan, controls=s.controls, **eos_option(s)) as stream:
+        with program.stream(
+            ids,
+            max_new_tokens=s.max_tokens,
+            temperature=s.temperature,
+            seed=s.seed,
+            plan=plan,
+            controls=s.controls,
+            **eos_option(s),
+        ) as stream:
             last = time.perf_counter()
             for chunk in stream:
                 now = time.perf_counter()
@@ -79,9 +99,11 @@ def run_alone(scheduler, job, plan=None) -> None:
             job.take(new, finished, time.perf_counter(), metrics, scheduler.eos, announce=False)
         if stream.output is not None:
             metrics.batch_done(stream.output.stats, stream.output.counters)
-            job.figures.generation(stream.output.stats.get("ran_as", program.config.mode), stream.output.counters)
+            job.figures.generation(
+                stream.output.stats.get("ran_as", program.config.mode), stream.output.counters
+            )
         job.finish()
         scheduler.check_lane(1)
-    except Exception as exc:  # noqa: BLE001 - one failed request must not stop the server
+    except Exception as exc:
         log.exception("a request run alone failed")
         job.fail(exc)

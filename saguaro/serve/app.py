@@ -18,10 +18,18 @@ from starlette.routing import Route
 
 from saguaro.serve.errors import ServerErrors, error_response, http_error_handlers
 from saguaro.serve.metrics import Metrics
-from saguaro.serve.requests import (MAX_BODY_BYTES, Limits, RequestError, UnknownFields, chat_request,
-                                    completion_request, parse_json)
+from saguaro.serve.requests import (
+    MAX_BODY_BYTES,
+    Limits,
+    RequestError,
+    UnknownFields,
+    chat_request,
+    completion_request,
+    parse_json,
+)
 from saguaro.serve.responses import Reply
 from saguaro.serve.scheduler import Scheduler
+from saguaro.serve.structured import Structured
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")  # open without the key unless --auth-health (probes, Prometheus scrapes)
@@ -31,12 +39,16 @@ async def read_body(request) -> bytes:
     """The body, refused with 413 as soon as it passes :data:`MAX_BODY_BYTES` (before reading the rest)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise RequestError(f"the request body is {declared} bytes; at most {MAX_BODY_BYTES} are allowed", None, 413)
+        raise RequestError(
+            f"the request body is {declared} bytes; at most {MAX_BODY_BYTES} are allowed", None, 413
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise RequestError(f"the request body is over {MAX_BODY_BYTES} bytes, the most allowed", None, 413)
+            raise RequestError(
+                f"the request body is over {MAX_BODY_BYTES} bytes, the most allowed", None, 413
+            )
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -46,13 +58,30 @@ class Service:
     (``default_max_tokens``: None, the room the prompt leaves) and the key (``auth_health``: also on
     :data:`OPEN_PATHS`)."""
 
-    def __init__(self, program, tokenizer, model: str, max_batch: int, max_queue: int, api_key: str | None = None,
-                 default_max_tokens: int | None = None, auth_health: bool = False):
+    def __init__(
+        self,
+        program,
+        tokenizer,
+        model: str,
+        max_batch: int,
+        max_queue: int,
+        api_key: str | None = None,
+        default_max_tokens: int | None = None,
+        auth_health: bool = False,
+    ):
         self.tokenizer, self.model, self.api_key, self.auth_health = tokenizer, model, api_key, auth_health
         self.metrics = Metrics()
         self.scheduler = Scheduler(program, self.metrics, max_batch, max_queue)
-        self.limits = Limits(program.max_length, program.target.spec.vocab_size, default_max_tokens,
-                             scores=bool(getattr(program, "can_score", False)))
+        self.structured = Structured(tokenizer, program.target.spec.vocab_size, program.eos_token_id)
+        self.structured.warm()  # reads the tokenizer for grammars in the background
+        self.limits = Limits(
+            program.max_length,
+            program.target.spec.vocab_size,
+            default_max_tokens,
+            scores=bool(getattr(program, "can_score", False)),
+            controls=bool(getattr(program, "can_control", True)),
+            structured=self.structured,
+        )
         self.unknown = UnknownFields()
         self.started = time.time()
 
@@ -83,8 +112,9 @@ class Service:
         except RequestError as exc:
             return self.error(exc)
         if asked.stream:
-            return StreamingResponse(self._streamed(reply), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                self._streamed(reply), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
         return await self._whole(request, reply)
 
     async def _whole(self, request, reply: Reply):
@@ -134,16 +164,33 @@ def build_app(service: Service) -> Starlette:
         return await service.generate(request, chat=True)
 
     async def models(request):
-        return JSONResponse({"object": "list", "data": [{"id": service.model, "object": "model",
-                                                         "created": int(service.started), "owned_by": "saguaro"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": service.model,
+                        "object": "model",
+                        "created": int(service.started),
+                        "owned_by": "saguaro",
+                    }
+                ],
+            }
+        )
 
     async def health(request):
-        return JSONResponse({"status": "ok", "queue_depth": service.scheduler.queue_depth,
-                             "running": service.scheduler.running})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "queue_depth": service.scheduler.queue_depth,
+                "running": service.scheduler.running,
+            }
+        )
 
     async def metrics(request):
-        text = service.metrics.text(service.scheduler.queue_depth, service.scheduler.running,
-                                    service.scheduler.lane_failures)
+        text = service.metrics.text(
+            service.scheduler.queue_depth, service.scheduler.running, service.scheduler.lane_failures
+        )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @contextlib.asynccontextmanager
@@ -154,12 +201,18 @@ def build_app(service: Service) -> Starlette:
         finally:  # uvicorn has stopped accepting and waited for the open responses: end the scheduler
             await asyncio.get_running_loop().run_in_executor(None, service.scheduler.stop)
 
-    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-                            Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)],
-                     lifespan=lifespan, exception_handlers=http_error_handlers(service.metrics),
-                     middleware=[Middleware(ServerErrors, metrics=service.metrics),
-                                 Middleware(KeyCheck, service=service)])
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models),
+            Route("/health", health),
+            Route("/metrics", metrics),
+        ],
+        lifespan=lifespan,
+        exception_handlers=http_error_handlers(service.metrics),
+        middleware=[Middleware(ServerErrors, metrics=service.metrics), Middleware(KeyCheck, service=service)],
+    )
 
 
 class KeyCheck:
@@ -171,11 +224,19 @@ class KeyCheck:
         self.app, self.service = app, service
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.service.needs_key(scope.get("path", "")) and \
-                not self.service.authorized(Headers(scope=scope)):
-            response = self.service.error(RequestError(
-                "missing or wrong API key: send the header Authorization: Bearer KEY", None, 401,
-                "authentication_error"))
+        if (
+            scope["type"] == "http"
+            and self.service.needs_key(scope.get("path", ""))
+            and not self.service.authorized(Headers(scope=scope))
+        ):
+            response = self.service.error(
+                RequestError(
+                    "missing or wrong API key: send the header Authorization: Bearer KEY",
+                    None,
+                    401,
+                    "authentication_error",
+                )
+            )
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -70,7 +70,9 @@ class Continuous:
         ``ssd``) the seeded sampled ones, planned before they run. While a batch runs SSD's rounds on the lane, a
         seeded request waits for its rows to end, and no request behind it is taken meanwhile."""
         scheduler = self.scheduler
-        if scheduler.program.config.mode != "ssd" and not any(job.sampling.controls is not None for job in scheduler.waiting):
+        if scheduler.program.config.mode != "ssd" and not any(
+            job.sampling.controls is not None for job in scheduler.waiting
+        ):
             return scheduler.take_waiting(most), []
         scheduler.take_waiting(0)  # drops the requests whose client left
         lane_busy = any(session.size and session.run == "ssd" for session in self.sessions.values())
@@ -121,18 +123,21 @@ class Continuous:
         session = self.sessions.get(key)
         try:
             if session is None:
-                session = self.sessions[key] = BatchSession(scheduler.program_for(sampling), sampling.temperature,
-                                                            mode)
+                session = self.sessions[key] = BatchSession(
+                    scheduler.program_for(sampling), sampling.temperature, mode
+                )
             if not session.size:
                 scheduler.metrics.batch_started()  # a batch starts when its first row joins
             first = session.join(sampling.prompt_ids, sampling.max_tokens, seed=sampling.seed)
-        except Exception as exc:  # noqa: BLE001 - one failed request must not stop the server
+        except Exception as exc:
             log.exception("a request's prefill failed")
             job.fail(exc)
             return
         job.figures.ran_as.add(session.run)
         # the session cuts each row at its max_tokens as the job does: a job done here is a row that never joined
-        if not job.take(first.new_tokens, first.finished, time.perf_counter(), scheduler.metrics, scheduler.eos):
+        if not job.take(
+            first.new_tokens, first.finished, time.perf_counter(), scheduler.metrics, scheduler.eos
+        ):
             self.jobs[(key, first.row)] = job
 
     def _prompt_only(self, job) -> None:
@@ -145,7 +150,7 @@ class Continuous:
         started = time.perf_counter()
         try:
             results = session.step()
-        except Exception as exc:  # noqa: BLE001 - one failed batch must not stop the server
+        except Exception as exc:
             log.exception("a round of %d row(s) failed", session.size)
             for row in [row for row in self.jobs if row[0] == key]:
                 self.jobs.pop(row).fail(exc)
@@ -160,14 +165,18 @@ class Continuous:
             metrics.cache(session.counters)
             scheduler.check_lane(len(results))
         decided = session.counters.accepted_lengths
-        decided = decided if len(decided) == len(results) else [None] * len(results)  # [rows], in results' order
+        decided = (
+            decided if len(decided) == len(results) else [None] * len(results)
+        )  # [rows], in results' order
         lookups = row_lookups(session, results)
         for i, got in enumerate(results):
             job = self.jobs.get((key, got.row))
             if job is None or job.done:
                 continue
             job.figures.round(session.run, decided[i], lookups[i] if lookups is not None else None)
-            if job.take(got.new_tokens, got.finished, now, metrics, scheduler.eos):  # and the row ends with it
+            if job.take(
+                got.new_tokens, got.finished, now, metrics, scheduler.eos
+            ):  # and the row ends with it
                 del self.jobs[(key, got.row)]
         with scheduler.cond:  # the rows that ended make room at once (admission counts running rows)
             scheduler.running = len(self.jobs)
@@ -185,7 +194,9 @@ def row_lookups(session: BatchSession, results: list) -> list | None:
     if not counters.lookups:  # every row ended in this round: none was looked up
         return [(False, False)] * len(results)
     speculation = session.ssd.speculation if session.ssd is not None else None
-    looked = list(session.state.seqs.host_active) if session.state is not None else []  # [rows], after the round
+    looked = (
+        list(session.state.seqs.host_active) if session.state is not None else []
+    )  # [rows], after the round
     if speculation is None or not len(speculation.source) == len(looked) == len(results):
         return None
     hit = [on and code == HIT for on, code in zip(looked, speculation.source)]

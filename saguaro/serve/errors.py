@@ -27,17 +27,30 @@ def error_response(exc: RequestError) -> JSONResponse:
 
 def http_error_handlers(metrics) -> dict:
     """Starlette's ``exception_handlers`` for the router's 404 and 405, counted in ``metrics`` by status."""
+
     async def not_found(request, exc: HTTPException):
         metrics.count_request(404)
-        return error_response(RequestError(f"no route {request.method} {request.url.path}; this server serves "
-                                           f"{ROUTES}", None, 404, "not_found_error"))
+        return error_response(
+            RequestError(
+                f"no route {request.method} {request.url.path}; this server serves {ROUTES}",
+                None,
+                404,
+                "not_found_error",
+            )
+        )
 
     async def wrong_method(request, exc: HTTPException):
         metrics.count_request(405)
         allowed = (exc.headers or {}).get("Allow", "")
-        return error_response(RequestError(f"{request.method} is not allowed on {request.url.path}; use "
-                                           f"{allowed or 'another method'}", None, 405, "invalid_request_error",
-                                           {"Allow": allowed} if allowed else None))
+        return error_response(
+            RequestError(
+                f"{request.method} is not allowed on {request.url.path}; use {allowed or 'another method'}",
+                None,
+                405,
+                "invalid_request_error",
+                {"Allow": allowed} if allowed else None,
+            )
+        )
 
     return {404: not_found, 405: wrong_method}
 
@@ -67,15 +80,17 @@ class ServerErrors:
 
         try:
             await self.app(scope, receive, sending)
-        except Exception as exc:  # noqa: BLE001 - one failed request must not stop the server
+        except Exception as exc:
             log.exception("unhandled error answering %s %s", scope.get("method"), scope.get("path"))
             self.metrics.count_request(500)
-            error = RequestError(f"internal server error: {type(exc).__name__}: {exc}", None, 500, "server_error")
+            error = RequestError(
+                f"internal server error: {type(exc).__name__}: {exc}", None, 500, "server_error"
+            )
             try:
                 if not state["started"]:
                     await error_response(error)(scope, receive, send)
                 elif not state["ended"]:
                     tail = f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n" if state["stream"] else ""
                     await send({"type": "http.response.body", "body": tail.encode(), "more_body": False})
-            except Exception:  # noqa: BLE001 - the client has gone: nothing to answer
+            except Exception:
                 log.debug("could not answer the unhandled error: the connection is gone", exc_info=True)

@@ -61,8 +61,11 @@ def combined(figures: list) -> dict:
     if not figures:
         return {}
     ran_as = sorted(set().union(*(f.ran_as for f in figures)))
-    out = {"mode": figures[0].mode, "ran_as": ",".join(ran_as) if ran_as else None,
-           "rounds": sum(f.rounds for f in figures)}
+    out = {
+        "mode": figures[0].mode,
+        "ran_as": ",".join(ran_as) if ran_as else None,
+        "rounds": sum(f.rounds for f in figures),
+    }
     decided_rounds = sum(f.decided_rounds for f in figures)
     if decided_rounds:
         out["mean_accepted_length"] = sum(f.decided for f in figures) / decided_rounds

@@ -52,7 +52,10 @@ def token_logprobs(program, ids: list, start: int, top: int) -> list:
     ``top`` alternatives each, scored by ``program`` (``Program.score``: on the thread that owns the program)."""
     out = program.score(torch.tensor([ids], dtype=torch.long), top=top)
     values = out.token_logprobs[0, start:].tolist()  # [n]
-    best_ids, best_values = out.top_ids[0, start:].tolist(), out.top_logprobs[0, start:].tolist()  # [n, top] each
+    best_ids, best_values = (
+        out.top_ids[0, start:].tolist(),
+        out.top_logprobs[0, start:].tolist(),
+    )  # [n, top] each
     entries = []
     for token, value, best, best_value in zip(ids[start:], values, best_ids, best_values):
         if math.isnan(value):
@@ -81,12 +84,16 @@ class TokenTexts:
 
 def chat_logprobs(entries: list, text_of: TokenTexts) -> dict:
     """Chat's ``logprobs`` object of ``entries`` (generated tokens: each has a logprob)."""
+
     def one(token: int, logprob) -> dict:
         text = text_of(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(t, v) for t, v in e.top or ()]}
-                        for e in entries]}
+    return {
+        "content": [
+            one(e.token, e.logprob) | {"top_logprobs": [one(t, v) for t, v in e.top or ()]} for e in entries
+        ]
+    }
 
 
 def completion_logprobs(entries: list, text_of: TokenTexts, offset: int = 0) -> tuple[dict, int]:

@@ -27,7 +27,11 @@ class Histogram:
         for bound, n in zip(self.buckets, self.counts):
             running += n
             out.append(f'{name}_bucket{{le="{bound}"}} {running}')
-        out += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+        out += [
+            f'{name}_bucket{{le="+Inf"}} {self.count}',
+            f"{name}_sum {self.sum}",
+            f"{name}_count {self.count}",
+        ]
         return out
 
 
@@ -36,7 +40,9 @@ class Metrics:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.requests: dict[str, int] = {}  # by HTTP status ("200", "400", ...), and "cancelled" (client left)
+        self.requests: dict[
+            str, int
+        ] = {}  # by HTTP status ("200", "400", ...), and "cancelled" (client left)
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.accepted_sum = 0.0  # accepted draft tokens over the rounds that verified a speculation
@@ -103,27 +109,41 @@ class Metrics:
         with self.lock:
             lines = ["# TYPE saguaro_requests_total counter"]
             lines += [f'saguaro_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
-            lines += ["# TYPE saguaro_prompt_tokens_total counter", f"saguaro_prompt_tokens_total {self.prompt_tokens}",
-                      "# TYPE saguaro_completion_tokens_total counter",
-                      f"saguaro_completion_tokens_total {self.completion_tokens}",
-                      "# TYPE saguaro_queue_depth gauge", f"saguaro_queue_depth {queue_depth}",
-                      "# TYPE saguaro_running_requests gauge", f"saguaro_running_requests {running}",
-                      "# TYPE saguaro_batches_total counter", f"saguaro_batches_total {self.batches}",
-                      "# TYPE saguaro_accepted_length_sum counter", f"saguaro_accepted_length_sum {self.accepted_sum}",
-                      "# TYPE saguaro_accepted_length_rounds counter",
-                      f"saguaro_accepted_length_rounds {self.accepted_rounds}",
-                      "# TYPE saguaro_mean_accepted_length gauge",
-                      f"saguaro_mean_accepted_length {self.accepted_sum / max(self.accepted_rounds, 1)}",
-                      "# TYPE saguaro_ssd_cache_hits_total counter", f"saguaro_ssd_cache_hits_total {self.cache_hits}",
-                      "# TYPE saguaro_ssd_cache_lookups_total counter",
-                      f"saguaro_ssd_cache_lookups_total {self.cache_lookups}",
-                      "# TYPE saguaro_ssd_cache_hit_rate gauge",
-                      f"saguaro_ssd_cache_hit_rate {self.cache_hits / max(self.cache_lookups, 1)}",
-                      "# TYPE saguaro_draft_lane_failures_total counter",
-                      f"saguaro_draft_lane_failures_total {lane_failures}"]
+            lines += [
+                "# TYPE saguaro_prompt_tokens_total counter",
+                f"saguaro_prompt_tokens_total {self.prompt_tokens}",
+                "# TYPE saguaro_completion_tokens_total counter",
+                f"saguaro_completion_tokens_total {self.completion_tokens}",
+                "# TYPE saguaro_queue_depth gauge",
+                f"saguaro_queue_depth {queue_depth}",
+                "# TYPE saguaro_running_requests gauge",
+                f"saguaro_running_requests {running}",
+                "# TYPE saguaro_batches_total counter",
+                f"saguaro_batches_total {self.batches}",
+                "# TYPE saguaro_accepted_length_sum counter",
+                f"saguaro_accepted_length_sum {self.accepted_sum}",
+                "# TYPE saguaro_accepted_length_rounds counter",
+                f"saguaro_accepted_length_rounds {self.accepted_rounds}",
+                "# TYPE saguaro_mean_accepted_length gauge",
+                f"saguaro_mean_accepted_length {self.accepted_sum / max(self.accepted_rounds, 1)}",
+                "# TYPE saguaro_ssd_cache_hits_total counter",
+                f"saguaro_ssd_cache_hits_total {self.cache_hits}",
+                "# TYPE saguaro_ssd_cache_lookups_total counter",
+                f"saguaro_ssd_cache_lookups_total {self.cache_lookups}",
+                "# TYPE saguaro_ssd_cache_hit_rate gauge",
+                f"saguaro_ssd_cache_hit_rate {self.cache_hits / max(self.cache_lookups, 1)}",
+                "# TYPE saguaro_draft_lane_failures_total counter",
+                f"saguaro_draft_lane_failures_total {lane_failures}",
+            ]
             lines += ["# TYPE saguaro_rows_left_early_total counter"]
-            lines += [f'saguaro_rows_left_early_total{{reason="{r}"}} {n}' for r, n in sorted(self.rows_left.items())]
-            for name, hist in (("saguaro_round_seconds", self.round_s), ("saguaro_ttft_seconds", self.ttft_s),
-                               ("saguaro_batch_rows", self.batch_rows)):
+            lines += [
+                f'saguaro_rows_left_early_total{{reason="{r}"}} {n}'
+                for r, n in sorted(self.rows_left.items())
+            ]
+            for name, hist in (
+                ("saguaro_round_seconds", self.round_s),
+                ("saguaro_ttft_seconds", self.ttft_s),
+                ("saguaro_batch_rows", self.batch_rows),
+            ):
                 lines += [f"# TYPE {name} histogram", *hist.lines(name)]
             return "\n".join(lines) + "\n"

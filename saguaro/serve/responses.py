@@ -6,7 +6,9 @@ once and every choice's completion tokens, and carries the request's speculation
 (``usage["saguaro"]``, :mod:`saguaro.serve.figures`). A choice that asks for logprobs carries them, OpenAI's chat or
 legacy completions shape (:mod:`saguaro.serve.logprobs`), whole or a chunk's tokens' in each chunk (a chunk goes
 out for new logprobs even where its text is held back); with ``echo`` a streamed completion's prompt text goes out
-with the prompt's logprobs, in the first chunk after them.
+with the prompt's logprobs, in the first chunk after them. A chat choice with a tool choice that constrains it
+(:mod:`saguaro.serve.tools`) is parsed into ``tool_calls`` (``finish_reason`` ``tool_calls`` where it ended with
+calls), streamed as OpenAI streams them (:class:`~saguaro.serve.tools.ToolCallStream`).
 
 A request's ``timeout`` counts from its arrival: past it, its jobs leave (their rows are freed at the next
 round) and :meth:`Reply.events` raises a 408 :class:`RequestError`: a whole answer is a 408, a stream ends with
@@ -23,6 +25,7 @@ from saguaro.serve.figures import combined
 from saguaro.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from saguaro.serve.requests import Request, RequestError, Sampling
 from saguaro.serve.scheduler import Job
+from saguaro.serve.tools import ToolCallStream, parse_tool_calls
 
 
 class Answer:
@@ -43,6 +46,7 @@ class Answer:
         self.logprobs_sent = 0  # of logprobs, already in a chunk
         self.prompt_sent = False  # prompt_logprobs in a chunk
         self.offset = 0  # a streamed completion's text_offset so far
+        self.tool_stream = ToolCallStream() if sampling.tools is not None else None  # parses tool calls
 
     @property
     def sampling(self) -> Sampling:
@@ -71,7 +75,7 @@ class Answer:
         if room > 0:
             self.logprobs += self._pending[:room]
             del self._pending[:room]
-        del self.logprobs[len(self.tokens):]
+        del self.logprobs[len(self.tokens) :]
 
     def on(self, kind: str, value) -> str:
         """One event of the job; the text that may go out now ('' for none: while unfinished, the characters that
@@ -97,7 +101,7 @@ class Answer:
         else:
             held = max((len(s) for s in self.sampling.stop), default=1) - 1  # could begin a stop string
             end = max(len(self.text.rstrip("\ufffd")) - held, self.sent)
-        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
 
 
@@ -106,7 +110,9 @@ class Reply:
     read from one queue (filled from the scheduler's thread through ``loop``), within its ``timeout`` from
     ``arrived`` (``time.monotonic()``). ``chat``: chat shapes. ``error``: the :class:`RequestError` it ended with."""
 
-    def __init__(self, request: Request, tokenizer, model: str, chat: bool, loop, arrived: float | None = None):
+    def __init__(
+        self, request: Request, tokenizer, model: str, chat: bool, loop, arrived: float | None = None
+    ):
         self.request, self.model, self.chat, self.loop = request, model, chat, loop
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -131,7 +137,11 @@ class Reply:
 
     def usage(self) -> dict:
         prompt, completion = self.request.prompt_tokens, sum(len(a.tokens) for a in self.answers)
-        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
         figures = combined([job.figures for job in self.jobs])
         return usage | ({"saguaro": figures} if figures else {})
 
@@ -145,12 +155,16 @@ class Reply:
             return await self.queue.get()
         try:
             return await asyncio.wait_for(self.queue.get(), self.deadline - time.monotonic())
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise self._timed_out() from None
 
     def _timed_out(self) -> RequestError:
-        return RequestError(f"the request ran past its timeout of {self.request.timeout:g} s and was cancelled",
-                            "timeout", 408, "timeout")
+        return RequestError(
+            f"the request ran past its timeout of {self.request.timeout:g} s and was cancelled",
+            "timeout",
+            408,
+            "timeout",
+        )
 
     async def events(self):
         """``(answer, text, ended)`` as the choices' tokens come (``ended``: that choice has just finished), until
@@ -169,9 +183,19 @@ class Reply:
             self.leave("timeout" if exc.status == 408 else "request failed")
             raise
 
-    def _choice(self, answer: Answer, text: str | None, finish, whole: bool, logprobs: dict | None = None) -> dict:
+    def _choice(
+        self, answer: Answer, text: str | None, finish, whole: bool, logprobs: dict | None = None
+    ) -> dict:
         if self.chat:
-            body = {"message": {"role": "assistant", "content": text}} if whole else {"delta": {"content": text}}
+            body = (
+                {"message": {"role": "assistant", "content": text}} if whole else {"delta": {"content": text}}
+            )
+            if whole and answer.sampling.tools is not None:
+                content, calls = parse_tool_calls(text)
+                body = {"message": {"role": "assistant", "content": content}}
+                if calls:
+                    body["message"]["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
             return {"index": answer.index, **body, "logprobs": logprobs, "finish_reason": finish}
         return {"index": answer.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
@@ -189,7 +213,7 @@ class Reply:
         prompt, with the prompt's logprobs) and the logprobs not sent yet (None: not asked, or none new)."""
         if answer.sampling.logprobs is None:
             return "", None
-        prefix, entries = "", answer.logprobs[answer.logprobs_sent:]
+        prefix, entries = "", answer.logprobs[answer.logprobs_sent :]
         answer.logprobs_sent = len(answer.logprobs)
         if answer.prompt_logprobs is not None and not answer.prompt_sent:
             answer.prompt_sent = True
@@ -207,35 +231,73 @@ class Reply:
 
     def _object(self, choices: list, whole: bool) -> dict:
         kind = ("chat.completion" if whole else "chat.completion.chunk") if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     async def whole(self) -> dict:
         """The whole answer's body; raises ``RequestError`` (500 on a failure, 408 past the timeout)."""
         async for _ in self.events():
             pass
-        choices = [self._choice(a, (a.sampling.prompt_text if a.sampling.echo else "") + a.text, a.finish_reason,
-                                True, self._whole_logprobs(a)) for a in self.answers]
+        choices = [
+            self._choice(
+                a,
+                (a.sampling.prompt_text if a.sampling.echo else "") + a.text,
+                a.finish_reason,
+                True,
+                self._whole_logprobs(a),
+            )
+            for a in self.answers
+        ]
         return {**self._object(choices, True), "usage": self.usage()}
 
     async def sse(self):
         """The body of a streamed answer: ``data: {chunk}`` lines, the last ``data: [DONE]``."""
+
         def line(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
         for a in self.answers:
             if self.chat:
-                yield line(self._object([{"index": a.index, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}], False))
+                yield line(
+                    self._object(
+                        [
+                            {
+                                "index": a.index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                        False,
+                    )
+                )
             elif self._echoes_first(a):
                 yield line(self._object([self._choice(a, a.sampling.prompt_text, None, False)], False))
         try:
             async for answer, text, ended in self.events():
                 prefix, logprobs = self._chunk_logprobs(answer)
-                if text or prefix or logprobs is not None:
-                    yield line(self._object([self._choice(answer, prefix + text, None, False, logprobs)], False))
+                if answer.tool_stream is not None:  # content and tool-call deltas of the text released so far
+                    deltas = answer.tool_stream.deltas(answer.text[: answer.sent], ended)
+                    for i, delta in enumerate(deltas or ([{"content": ""}] if logprobs is not None else [])):
+                        chunk = self._choice(answer, None, None, False, logprobs if i == 0 else None)
+                        chunk["delta"] = delta
+                        yield line(self._object([chunk], False))
+                elif text or prefix or logprobs is not None:
+                    yield line(
+                        self._object([self._choice(answer, prefix + text, None, False, logprobs)], False)
+                    )
                 if ended:
-                    last = self._object([self._choice(answer, None if self.chat else "", answer.finish_reason,
-                                                      False)], False)
+                    finish = answer.finish_reason
+                    if answer.tool_stream is not None and answer.tool_stream.called and finish == "stop":
+                        finish = "tool_calls"
+                    last = self._object(
+                        [self._choice(answer, None if self.chat else "", finish, False)], False
+                    )
                     if self.chat:
                         last["choices"][0]["delta"] = {}
                     yield line(last)

@@ -80,7 +80,7 @@ class Job:
         is reached the job is done, and ``done`` is sent (``announce=False``: later, by :meth:`finish`). Returns
         whether the job is done; False also where scoring failed (the job fails, and leaves: its row is freed at
         the next round). ``eos``: the program's end-of-sequence ids (none count with ``ignore_eos``)."""
-        new = new[:self.sampling.max_tokens - len(self.tokens)]
+        new = new[: self.sampling.max_tokens - len(self.tokens)]
         if new:
             if self.first_token_s is None:
                 self.first_token_s = now - self.arrived
@@ -92,7 +92,7 @@ class Job:
         if s.logprobs is not None and unscored and (ends or self.scores_each_round):
             try:
                 self.send(("logprobs", self._score()))
-            except Exception as exc:  # noqa: BLE001 - one failed request must not stop the server
+            except Exception as exc:
                 log.exception("scoring a request's tokens for its logprobs failed")
                 self.fail(exc)
                 self.leave = self.leave or "logprobs failed"
@@ -115,7 +115,9 @@ class Job:
         echo = s.echo and not self._prompt_scored
         start = 0 if echo else len(s.prompt_ids) + self._scored
         entries = self.scorer(s.prompt_ids + self.tokens, start, s.logprobs)
-        prompt, tokens = (entries[:len(s.prompt_ids)], entries[len(s.prompt_ids):]) if echo else (None, entries)
+        prompt, tokens = (
+            (entries[: len(s.prompt_ids)], entries[len(s.prompt_ids) :]) if echo else (None, entries)
+        )
         self._prompt_scored, self._scored = self._prompt_scored or echo, len(self.tokens)
         return Scored(tokens, prompt)
 
@@ -179,16 +181,25 @@ class Scheduler:
         jobs running and waiting would pass ``max_batch + max_queue``."""
         most = self.max_batch + self.max_queue
         if len(jobs) > most:
-            raise RequestError(f"the request asks for {len(jobs)} choices (n times its prompts); this server runs at "
-                               f"most {most} at once (--max-batch {self.max_batch} + --max-queue {self.max_queue})",
-                               "n")
+            raise RequestError(
+                f"the request asks for {len(jobs)} choices (n times its prompts); this server runs at "
+                f"most {most} at once (--max-batch {self.max_batch} + --max-queue {self.max_queue})",
+                "n",
+            )
         with self.cond:
             if self.closing:
-                raise RequestError("the server is shutting down and takes no new requests", None, 503, "unavailable")
+                raise RequestError(
+                    "the server is shutting down and takes no new requests", None, 503, "unavailable"
+                )
             if self.running + len(self.waiting) + len(jobs) > most:
-                raise RequestError(f"the server is full ({self.running} running, --max-batch {self.max_batch}; "
-                                   f"{len(self.waiting)} waiting, --max-queue {self.max_queue}); retry later", None,
-                                   429, "rate_limit_exceeded", {"Retry-After": str(RETRY_AFTER_S)})
+                raise RequestError(
+                    f"the server is full ({self.running} running, --max-batch {self.max_batch}; "
+                    f"{len(self.waiting)} waiting, --max-queue {self.max_queue}); retry later",
+                    None,
+                    429,
+                    "rate_limit_exceeded",
+                    {"Retry-After": str(RETRY_AFTER_S)},
+                )
             for job in jobs:
                 job.figures.mode = self.program.config.mode
                 job.scorer = self.score
@@ -238,8 +249,11 @@ class Scheduler:
     def check_lane(self, rows: int) -> None:
         if self.lane_failures > self._lane_failures_seen:
             self._lane_failures_seen = self.lane_failures
-            log.warning("the draft lane failed during a batch of %d request(s); its rounds finished exactly with SD "
-                        "(the next SSD batch starts a new lane) and the server keeps serving", rows)
+            log.warning(
+                "the draft lane failed during a batch of %d request(s); its rounds finished exactly with SD "
+                "(the next SSD batch starts a new lane) and the server keeps serving",
+                rows,
+            )
 
     def _loop(self) -> None:
         from saguaro.serve.continuous import Continuous

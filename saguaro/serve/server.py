@@ -40,11 +40,26 @@ def read_api_key(path) -> str | None:
     return key
 
 
+def read_chat_template(path) -> str | None:
+    """The text of ``--chat-template FILE`` (None: the tokenizer's own template)."""
+    if path is None:
+        return None
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--chat-template {str(path)!r} is not a file: give a Jinja chat template file")
+    text = file.read_text()
+    if not text.strip():
+        raise ConfigError(f"--chat-template {str(path)!r} is empty: write the template in it")
+    return text
+
+
 def check_address(host: str, api_key: str | None) -> None:
     """A host other than loopback needs a key: without one, anyone who reaches it could use the models."""
     if not is_loopback(host) and api_key is None:
-        raise ConfigError(f"--host {host!r} is not a loopback address: serving it needs --api-key-file (every "
-                          "request must then carry Authorization: Bearer KEY); or serve on 127.0.0.1")
+        raise ConfigError(
+            f"--host {host!r} is not a loopback address: serving it needs --api-key-file (every "
+            "request must then carry Authorization: Bearer KEY); or serve on 127.0.0.1"
+        )
 
 
 class ReadyServer(uvicorn.Server):
@@ -57,7 +72,9 @@ class ReadyServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
-        if sig == signal.SIGTERM:  # uvicorn raises a caught signal again once drained: SIGTERM drained exits 0
+        if (
+            sig == signal.SIGTERM
+        ):  # uvicorn raises a caught signal again once drained: SIGTERM drained exits 0
             self._captured_signals.remove(sig)
 
     async def startup(self, sockets=None):
@@ -68,18 +85,38 @@ class ReadyServer(uvicorn.Server):
                 self.announce(self.config.host, self.port)
 
 
-def make_server(program, tokenizer, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
-                max_queue: int = 64, api_key: str | None = None, announce=None, log_level: str = "warning",
-                default_max_tokens: int | None = None, auth_health: bool = False):
+def make_server(
+    program,
+    tokenizer,
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_batch: int = 8,
+    max_queue: int = 64,
+    api_key: str | None = None,
+    announce=None,
+    log_level: str = "warning",
+    default_max_tokens: int | None = None,
+    auth_health: bool = False,
+):
     """``(ReadyServer, Service)``: a server not yet started (``server.run()`` serves until SIGTERM).
     ``default_max_tokens``: a request's ``max_tokens`` when it names none (None: the room its prompt leaves);
     ``auth_health``: ``/health`` and ``/metrics`` need the key too (else they are open)."""
     if tokenizer is None:
         raise ConfigError("saguaro serve needs a tokenizer (beside the target, or in the exported program)")
     check_address(host, api_key)
-    service = Service(program, tokenizer, model, max_batch, max_queue, api_key, default_max_tokens, auth_health)
-    config = uvicorn.Config(build_app(service), host=host, port=port, log_level=log_level, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=None)
+    service = Service(
+        program, tokenizer, model, max_batch, max_queue, api_key, default_max_tokens, auth_health
+    )
+    config = uvicorn.Config(
+        build_app(service),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=None,
+    )
     return ReadyServer(config, announce), service
 
 
@@ -96,4 +133,5 @@ def print_ready(model: str):
     def announce(host, port):
         sys.stdout.write(f"saguaro serve: {model} at http://{host}:{port}/v1 (Ctrl-C or SIGTERM to stop)\n")
         sys.stdout.flush()
+
     return announce

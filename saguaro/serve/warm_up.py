@@ -2,8 +2,7 @@
 
 With Inductor (``compile="blocking"``), a stage compiles on its first call with new shapes: the first request,
 then the first round at a batch size above one (Inductor compiles the batch size dynamic then, once), then
-the first sampled request, each wait for the compile, on this 2-core CPU 30-70 s apiece with a cold cache, while
-every other request waits behind it. The warm-up runs each kind of batch the scheduler (:mod:`saguaro.serve.
+the first sampled request, each wait for the compile while every other request waits behind it. The warm-up runs each kind of batch the scheduler (:mod:`saguaro.serve.
 continuous`) makes, through the same :class:`~saguaro.runtime.batching.BatchSession`: greedy and sampled, one
 row and then two; in mode ``ssd`` also a sampled batch of SD's rounds (where seeded requests planned SD go) and
 a seeded sampled request alone (``program.stream``, as :mod:`saguaro.serve.alone` runs one planned SSD). Prompt lengths and store capacities are compiled dynamic from the first
@@ -50,13 +49,23 @@ def warm_up(program, tokenizer, max_batch: int) -> float:
     started = time.perf_counter()
     prompts = warm_up_prompts(tokenizer, program.target.spec.vocab_size)
     for temperature in (0.0, SAMPLED_TEMPERATURE):
-        log.info("warm-up: %s rows, batch 1%s", "greedy" if temperature == 0 else "sampled",
-                 " and 2" if max_batch > 1 else "")
-        _batch(BatchSession(program, temperature), prompts[:2 if max_batch > 1 else 1])
-    if program.config.mode == "ssd":  # seeded sampled requests: planned SD, a batch of SD's rounds; SSD, alone
-        _batch(BatchSession(program, SAMPLED_TEMPERATURE, program.without_lane), prompts[:2 if max_batch > 1 else 1])
+        log.info(
+            "warm-up: %s rows, batch 1%s",
+            "greedy" if temperature == 0 else "sampled",
+            " and 2" if max_batch > 1 else "",
+        )
+        _batch(BatchSession(program, temperature), prompts[: 2 if max_batch > 1 else 1])
+    if (
+        program.config.mode == "ssd"
+    ):  # seeded sampled requests: planned SD, a batch of SD's rounds; SSD, alone
+        _batch(
+            BatchSession(program, SAMPLED_TEMPERATURE, program.without_lane),
+            prompts[: 2 if max_batch > 1 else 1],
+        )
         ids = torch.tensor([prompts[0]], dtype=torch.long)  # [1, T]
-        with program.stream(ids, max_new_tokens=WARM_UP_TOKENS, temperature=SAMPLED_TEMPERATURE, seed=0) as stream:
+        with program.stream(
+            ids, max_new_tokens=WARM_UP_TOKENS, temperature=SAMPLED_TEMPERATURE, seed=0
+        ) as stream:
             for _ in stream:
                 pass
     seconds = time.perf_counter() - started

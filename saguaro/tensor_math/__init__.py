@@ -1,3 +1,2 @@
-"""The tensor math of speculation, as plain functions of tensors: verification, sampling and the
-fork. The runtime calls them eagerly and the epilogue passes splice the very same functions into
-the stage graphs, so eager and compiled paths agree exactly. Imports nothing from Saguaro."""
+"""The tensor math of speculation as plain tensor functions, run eagerly and spliced into the stage graphs
+alike, so both paths agree exactly. Imports nothing from Saguaro."""

@@ -1,20 +1,13 @@
-"""AR's round after the target's step, as plain tensor functions: the greedy token appended to each
-row (:func:`append_token`, which :meth:`~saguaro.runtime.base.sequences.SequenceBatch.append_one` runs
-eagerly) and, spliced into the step's graph by ``splice_epilogue`` (stage ``target.round_greedy``), the
-whole round: append, then claim the next round's KV slot and return its query, so that an AR token is
-one stage call and one read of a count on the host.
-
-Inside a compiled graph the new ``lengths`` and ``finished`` are outputs, never written over their inputs:
-Inductor's C++ kernels may run a one-element statement on every thread of a parallel region, which is
-harmless for a write whose value does not depend on what it overwrites, and a race for ``lengths += 1``
-(measured: wrong tokens at two threads when the round updated them in place). The writes left in place
-(the token into its row, the slot's position and branch) store the same value however many threads run
-them, in whatever order: a row's token slot gets the new token or keeps its own, decided by the unwritten
-``lengths`` and ``finished``."""
+"""AR's greedy round after the step (``target.round_greedy``) and its append (eager: ``append_one``)."""
 
 from __future__ import annotations
 
 import torch
+
+# Inductor's C++ kernels may run a one-element statement on every thread of a parallel region, so every
+# in-place write here stores a value that does not depend on what it overwrites or on the threads' order,
+# and the new lengths and finished are returned, never written over their inputs (``lengths += 1`` raced:
+# wrong tokens at two threads).
 
 
 def append_token(
@@ -25,9 +18,8 @@ def append_token(
     is_eos: torch.Tensor,  # [B] bool: whether each token is an EOS token
     end: torch.Tensor | int,  # the length at which a row has its max_new_tokens ([] long, or an int)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append ``token`` to every row still active (not finished, shorter than ``end``): a row finishes at an
-    EOS token (kept) or when it reaches ``end``; finished rows keep their tokens. Writes ``tokens`` in place
-    and returns the new ``lengths [B]`` and ``finished [B]`` (``lengths`` and ``finished`` are not written)."""
+    """Append ``token`` to each active row (not finished, shorter than ``end``), in ``tokens`` in place; a row
+    finishes at an EOS (kept) or at ``end``. Returns the new ``lengths [B]`` and ``finished [B]``."""
     take = finished.logical_not() & (lengths < end)  # [B]
     dest = lengths.clamp_max(tokens.shape[1] - 1)[:, None]  # [B, 1]
     tokens.scatter_(1, dest, torch.where(take[:, None], token[:, None], tokens.gather(1, dest)))
@@ -46,15 +38,11 @@ def round_greedy(
     eos_table: torch.Tensor,  # [V] bool: True at the EOS token ids (one size per model, unlike the id list)
     end: torch.Tensor,  # [] long
 ):
-    """AR's round at temperature 0 after the step: the argmax token appended (:func:`append_token`), then
-    the next round's pending token claimed in the KV store (its slot is its index, its position the
-    index less the row's padding, branch 0: ``KVStore.claim``'s effect). Returns the next round's
-    ``input_ids``, ``positions`` and ``write_slots`` ``[B, 1]``, the new ``lengths`` and ``finished``
-    ``[B]`` and the number of active rows ``[]``. A finished row's query is its last token again, which
-    rewrites the same slot with the same values."""
+    """The argmax appended, then the pending token's slot claimed as ``KVStore.claim`` would. Returns the
+    next ``input_ids``, ``positions``, ``write_slots [B, 1]``, ``lengths``, ``finished [B]``, active rows."""
     token = logits[:, -1].argmax(dim=-1)  # [B]
     lengths, finished = append_token(tokens, lengths, finished, token, eos_table[token], end)
-    index = (lengths - 1)[:, None]  # [B, 1]: the pending token
+    index = (lengths - 1)[:, None]  # [B, 1]: the pending token (a finished row's last: rewritten as it was)
     positions = index - padding[:, None]  # [B, 1]
     slot_pos.scatter_(1, index, positions)
     slot_branch.scatter_(1, index, torch.zeros_like(index))

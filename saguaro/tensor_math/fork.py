@@ -9,8 +9,10 @@ def branch_layout(fan_out: list[int], device=None) -> tuple[torch.Tensor, torch.
     """For ``MQ = Σ F_j`` branches: the glue row ``j`` of each branch and its rank within the row."""
     rows = [j for j, f in enumerate(fan_out) for _ in range(f)]
     ranks = [r for f in fan_out for r in range(f)]
-    return (torch.tensor(rows, dtype=torch.long, device=device),  # [MQ]
-            torch.tensor(ranks, dtype=torch.long, device=device))  # [MQ]
+    return (
+        torch.tensor(rows, dtype=torch.long, device=device),  # [MQ]
+        torch.tensor(ranks, dtype=torch.long, device=device),
+    )  # [MQ]
 
 
 RANK_WIDTH = 64  # ranks beyond this are "not close"; fan-out per position is capped here too
@@ -23,9 +25,7 @@ def fork_with_ranks(
     branch_ranks: torch.Tensor,  # [MQ], each < width
     width: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fork fused into ``draft.glue``: ``candidates [B, MQ]`` and each row's top ``width``
-    tokens ``ranked [B, K+1, width]`` (speculated token excluded), from which the rank of the outcome
-    token is read later. Only these small tensors leave the graph."""
+    """``draft.glue``'s fork: ``candidates [B, MQ]``, ``ranked [B, K+1, width]`` (top, draft's excluded)."""
     # functional on purpose: the traced copy spliced into draft.glue must not rely on in-place views
     speculated = torch.nn.functional.one_hot(draft_tokens, glue_logits.shape[-1]).bool()  # [B, K, V]
     excluded = torch.cat([speculated, torch.zeros_like(speculated[:, :1])], dim=1)  # [B, K+1, V]; row K: none
@@ -34,7 +34,9 @@ def fork_with_ranks(
     return ranked[:, branch_rows, branch_ranks], ranked
 
 
-def ranks_from_ranked(ranked: torch.Tensor, accepted: torch.Tensor, outcome_tokens: torch.Tensor) -> torch.Tensor:
+def ranks_from_ranked(
+    ranked: torch.Tensor, accepted: torch.Tensor, outcome_tokens: torch.Tensor
+) -> torch.Tensor:
     """Rank of ``r'`` in row ``a`` of ``ranked [B, K+1, W]`` (``W`` when not among the top ``W``)."""
     B, _, W = ranked.shape
     row = ranked.gather(1, accepted[:, None, None].expand(B, 1, W)).squeeze(1)  # [B, W]
@@ -52,10 +54,7 @@ def saguaro_scaled(probs: torch.Tensor, top: torch.Tensor, c: torch.Tensor, widt
 
 
 def saguaro_distribution(probs: torch.Tensor, top: int, c: float) -> torch.Tensor:
-    """Saguaro sampling ``q'``: the top-``top`` probabilities of ``probs [..., V]`` times ``c``, renormalised.
-
-    The residual ``max(0, p − q')`` then concentrates on the cached (top) tokens.
-    """
+    """Saguaro sampling ``q'``: the top-``top`` of ``probs [..., V]`` times ``c``, renormalised."""
     if c >= 1.0 or top <= 0:
         return probs
     idx = probs.topk(min(top, probs.shape[-1]), dim=-1).indices

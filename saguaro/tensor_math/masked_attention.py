@@ -1,13 +1,5 @@
-"""The attention of a few query rows per KV head over a KV store, on a CPU: the op
-``torch.ops.saguaro_kernels.masked_attention(q [B, G, R, D], k [B, G, S, D], v [B, G, S, D], bias [B, 1, R, S],
-scale) -> [B, G, R, D]`` (``masked_attention.cpp``, built with the ``saguaro_kernels`` library by
-:mod:`~saguaro.tensor_math.packed_linear`).
-
-It computes ``softmax(q k^T * scale + bias) v`` as ``scaled_dot_product_attention`` does with an additive mask,
-reading only the slots the bias leaves visible (``-inf`` hides the others): decode stages attend a handful of
-rows to a store of mostly unused capacity, where SDPA's CPU kernel spends the call on per-block set-up (60 us
-for a verify's 6 rows over 256 slots against 15-25 us here). Equal to SDPA up to float rounding.
-"""
+"""A few query rows' attention on a CPU over only the slots a mask leaves visible (``masked_attention.cpp``):
+SDPA's result up to float rounding, faster (docs/measurements/2026-12-05-sd-round-on-the-cpu.md)."""
 
 from __future__ import annotations
 
@@ -23,7 +15,7 @@ def masked_attention(
     bias: torch.Tensor,  # [B, 1, R, S] float32 additive mask (-inf: hidden)
     scale: float,
 ) -> torch.Tensor:
-    """``softmax(q k^T * scale + bias) v``: ``[B, G, R, D]`` (a row that sees no slot gets zeros)."""
+    """``softmax(q k^T * scale + bias) v``, ``[B, G, R, D]`` (a row that sees no slot: zeros)."""
     return torch.ops.saguaro_kernels.masked_attention(q, k, v, bias, scale)
 
 

@@ -1,19 +1,6 @@
-"""Weight-only quantization of a linear layer: int8 (one scale per output column, or per group of ``k``) and
-int4 (a scale per group of ``k``), and the op ``torch.ops.saguaro.quantized_linear`` that multiplies by such a
-weight.
-
-Quantization is symmetric and round-to-nearest (:func:`quantize`): ``q = round(w / scale)``, the scale being a
-group's largest magnitude over the largest level (127 for int8, 7 for int4). A quantized weight is held as the
-packed kernel's panels (:func:`pack_quantized`; the layout ``packed_weights.h`` documents), once: its value is
-``float(q) * scale`` rounded once in float32 (:func:`dequantize`), whatever runs it.
-
-``saguaro::quantized_linear(x [..., K], packed, scales [P, G, 64], n, bias?) -> [..., n]`` in ``x``'s dtype is
-``(x.float() @ dequantize(...).T).to(x.dtype) + bias``. Its implementation is written in aten ops and
-registered as ``CompositeImplicitAutograd``, so eager stages run it as it is and torch.export / Inductor
-decompose it into those ops; ``pack_linears`` rewrites it into the packed C++ kernel
-(``saguaro_kernels::packed_linear_q``), which computes the same float32 sums in ``k`` order (equal up to the
-summation order of the eager product, bit for bit to the packed kernel over the dequantized weight).
-"""
+"""Weight-only int8 / int4 quantization as the packed kernel's panels, and the op ``quantized_linear``:
+``x`` times the weight ``float(q) * scale`` (:func:`dequantize`) whatever runs it, in aten ops (so export and
+Inductor decompose it) until ``pack_linears`` rewrites it into ``saguaro_kernels::packed_linear_q``."""
 
 from __future__ import annotations
 
@@ -29,18 +16,17 @@ _lib.define("quantized_linear(Tensor x, Tensor packed, Tensor scales, int n, Ten
 
 
 def quantize(weight: torch.Tensor, bits: int, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric weight-only quantization of ``weight [N, K]``: ``(q [N, K] int8, scales [N, K // group] float32)``
-    with ``q`` in ``-127 .. 127`` (8 bits) or ``-7 .. 7`` (4 bits) and ``weight ~ q * scale`` per group of
-    ``group`` consecutive ``k`` (None: the whole row, one scale per output column). Each scale is the group's
-    largest magnitude over the largest level, so ``q = round(weight / scale)`` never clips; a zero group gets
-    scale 1. Raises ``ValueError`` for other bits, or a group that does not divide ``K`` (or is odd, for int4)."""
+    """Symmetric round-to-nearest ``(q [N, K] int8, scales [N, K // group] float32)`` of ``weight [N, K]``, a
+    scale per ``group`` of ``k`` (None: per row): the group's largest magnitude over the top level, so ``q``
+    never clips (zero group: scale 1). ``ValueError``: other bits, a group not dividing K (or odd: int4)."""
     n, k = weight.shape
     if bits not in QUANTIZED_BITS.values():
         raise ValueError(f"quantize: bits={bits!r}; allowed: {sorted(QUANTIZED_BITS.values())}")
     group = k if group is None else group
     if isinstance(group, bool) or not isinstance(group, int) or group <= 0 or k % group:
-        raise ValueError(f"quantize: group size {group!r} does not divide the weight's width {k}; use a divisor of "
-                         f"{k}")
+        raise ValueError(
+            f"quantize: group size {group!r} does not divide the weight's width {k}; use a divisor of {k}"
+        )
     if bits == 4 and group % 2:
         raise ValueError(f"quantize: an int4 group size must be even, got {group}")
     top = 127 if bits == 8 else 7
@@ -60,10 +46,8 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def pack_quantized(q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q [N, K] int8, scales [N, G])`` from :func:`quantize` as the kernel's panels: ``(packed, scales)`` with
-    ``packed`` int8 ``[P, K, 64]`` (8 bits) or uint8 ``[P, ceil(K/2), 64]`` (4 bits: the low nibble of byte row
-    ``i`` is ``k = 2i``, the high ``2i+1``, each ``q + 8``), and ``scales`` float32 ``[P, G, 64]``,
-    ``P = ceil(N/64)`` (the columns past ``N``: weight 0, scale 1)."""
+    """:func:`quantize`'s output as panels (layout: ``packed_weights.h``): int8 ``[P, K, 64]`` or int4 uint8
+    ``[P, ceil(K/2), 64]``, and scales ``[P, G, 64]`` float32 (columns past ``N``: weight 0, scale 1)."""
     n, k = q.shape
     panels = -(-n // PANEL)
     with torch.no_grad():
@@ -80,7 +64,7 @@ def pack_quantized(q: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[to
 
 
 def unpacked_weight(packed: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The float32 weight ``[n, k]`` that panels ``(packed, scales)`` hold (:func:`pack_quantized`), in aten ops."""
+    """The float32 weight ``[n, k]`` of :func:`pack_quantized`'s ``(packed, scales)``, in aten ops."""
     if packed.dtype == torch.uint8:  # int4, two k rows a byte row
         low = (packed & 15).to(torch.int8) - 8
         high = (packed >> 4).to(torch.int8) - 8
@@ -88,7 +72,9 @@ def unpacked_weight(packed: torch.Tensor, scales: torch.Tensor, n: int, k: int) 
     else:
         q = packed
     groups = scales.shape[1]
-    wide = q.float().reshape(q.shape[0], groups, k // groups, PANEL) * scales[:, :, None, :]  # [P, G, K/G, 64]
+    wide = (
+        q.float().reshape(q.shape[0], groups, k // groups, PANEL) * scales[:, :, None, :]
+    )  # [P, G, K/G, 64]
     return wide.reshape(q.shape[0], k, PANEL).transpose(1, 2).reshape(-1, k)[:n]  # [n, K]
 
 
@@ -100,10 +86,12 @@ def _quantized_linear(x, packed, scales, n, bias=None):
 
 
 _lib.impl("quantized_linear", _quantized_linear, "CompositeImplicitAutograd")
-quantized_linear_decomposition = _quantized_linear  # the op in aten ops, for torch.export's run_decompositions
+quantized_linear_decomposition = (
+    _quantized_linear  # the op in aten ops, for torch.export's run_decompositions
+)
 QUANTIZED_LINEAR = torch.ops.saguaro.quantized_linear.default
 
 
 def quantized_linear(x, packed, scales, n, bias=None):
-    """``x [..., K]`` times the quantized weight ``(packed, scales)`` hold, transposed, plus ``bias``: ``[..., n]``."""
+    """``x [..., K]`` times the weight ``(packed, scales)`` hold, transposed, plus ``bias``: ``[..., n]``."""
     return torch.ops.saguaro.quantized_linear(x, packed, scales, n, bias)

@@ -1,6 +1,4 @@
-"""Sampling epilogues of the draft stages (``draft.step`` and ``draft.tree``): plain tensor
-functions that the ``splice_epilogue`` pass splices into the graphs, so a stage returns tokens and the
-distributions verification needs instead of logits."""
+"""The stages' logits epilogues (``splice_epilogue``): what leaves each graph instead of all its logits."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ def last_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def all_logits(logits: torch.Tensor) -> torch.Tensor:
-    """``target.verify_logits``: every position's logits ``[B, K+1, V]`` leave the graph (sampling controls
-    process them outside it)."""
+    """``target.verify_logits`` and ``target.score``: every position's logits leave the graph."""
     return logits
 
 
@@ -37,10 +34,15 @@ def tree_greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def tree_sampled(logits: torch.Tensor, inv_temperature: torch.Tensor, top: torch.Tensor, c: torch.Tensor,
-                 u: torch.Tensor, width: int):
-    """``draft.tree`` at temperature > 0 with Saguaro sampling: tokens drawn from ``q'`` (the top-``top``
-    probabilities times ``c``, renormalised) with ``u [B, MQ]``, and ``q' [B, MQ, V]`` itself."""
+def tree_sampled(
+    logits: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    top: torch.Tensor,
+    c: torch.Tensor,
+    u: torch.Tensor,
+    width: int,
+):
+    """``draft.tree`` at temperature > 0: tokens by ``u [B, MQ]`` from Saguaro's ``q' [B, MQ, V]``, and q'."""
     probs = torch.softmax(logits.float() * inv_temperature, dim=-1)
     scaled = saguaro_scaled(probs, top, c, width)
     return sample_inverse_cdf(scaled, u), scaled

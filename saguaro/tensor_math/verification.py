@@ -1,12 +1,4 @@
-"""Verification and sampling math: plain tensor functions, shared by the runtime and the passes.
-
-Exactness rules (``docs/design.md``, "Losslessness"):
-* temperature 0: accept the longest prefix of draft tokens equal to the target's argmax; the next
-  token is the target's argmax after it.
-* temperature > 0: accept ``x_i`` with probability ``min(1, p(x_i) / q(x_i))`` where ``q`` is the
-  distribution the proposal was actually drawn from (one-hot for a deterministic proposal); at the
-  first rejection resample from ``norm(max(0, p - q))``; on full acceptance sample a bonus from ``p``.
-"""
+"""Verification and sampling math for the runtime and the passes (rules: docs/design.md, Losslessness)."""
 
 from __future__ import annotations
 
@@ -23,10 +15,7 @@ def sample_tokens(
     temperature: float,
     generator,  # a torch.Generator, None, or a list of one generator per row
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Greedy argmax at temperature 0, else a draw from ``softmax(logits / T)``.
-
-    Returns ``tokens [B]`` and the distribution sampled from ``[B, V]`` (``None`` when greedy).
-    """
+    """``tokens [B]`` (argmax at temperature 0, else :func:`draw`) and the ``[B, V]`` drawn from, or None."""
     if temperature == 0.0:
         return logits.argmax(dim=-1), None
     probs = probabilities(logits, temperature)  # [B, V]
@@ -34,18 +23,16 @@ def sample_tokens(
 
 
 def draw(probs: torch.Tensor, generator) -> torch.Tensor:
-    """A token ``[B]`` from each row of ``probs [B, V]`` by ``torch.multinomial``; from a list of generators, row
-    ``b`` draws from ``generator[b]`` as it would in a batch of its own."""
+    """A token ``[B]`` per row of ``probs [B, V]`` by multinomial (a list: row b from ``generator[b]``)."""
     if isinstance(generator, (list, tuple)):
-        drawn = [torch.multinomial(probs[b:b + 1], 1, generator=g) for b, g in enumerate(generator)]
+        drawn = [torch.multinomial(probs[b : b + 1], 1, generator=g) for b, g in enumerate(generator)]
         return torch.cat(drawn).squeeze(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def uniforms(shape: tuple, generator, device) -> torch.Tensor:
-    """``torch.rand(shape)`` from ``generator``; from a list of generators, one per row (``shape[0]`` of
-    them), row ``b`` drawn from ``generator[b]`` as ``torch.rand(1, *shape[1:])``: what that row draws in a
-    batch of its own (continuous batching: ``runtime.batching``)."""
+    """``torch.rand(shape)`` from ``generator`` (a list of one per row: row ``b`` as ``generator[b]`` draws it
+    in a batch of its own; another count is a ``ValueError``)."""
     if isinstance(generator, (list, tuple)):
         if len(generator) != shape[0]:
             raise ValueError(f"{len(generator)} generators for {shape[0]} rows: give one generator per row")
@@ -54,8 +41,7 @@ def uniforms(shape: tuple, generator, device) -> torch.Tensor:
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Draw from ``probs [..., V]`` with uniforms ``u [...]`` in [0, 1): the first index whose CDF
-    exceeds ``u · total``. That index always has positive probability."""
+    """The first index of ``probs [..., V]`` whose CDF exceeds ``u · total``, ``u [...]`` in [0, 1); p > 0."""
     cdf = probs.cumsum(dim=-1)  # [..., V]
     threshold = u[..., None] * cdf[..., -1:]
     return (cdf <= threshold).sum(dim=-1).clamp_max(probs.shape[-1] - 1)
@@ -75,8 +61,7 @@ def verify_greedy(
 
 
 def verify_choice(choice: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification against the target's ``choice [B, K+1]`` at each position (the argmax, or the argmax
-    of processed logits): ``accepted [B]`` and ``next_token [B]``."""
+    """Greedy verification against the target's ``choice [B, K+1]`` (its argmax, processed or not)."""
     K = draft_tokens.shape[1]
     matches = (choice[:, :K] == draft_tokens).long()  # [B, K]
     accepted = matches.cumprod(dim=1).sum(dim=1)  # [B]
@@ -103,8 +88,7 @@ def verify_probabilities(
     accept_u: torch.Tensor,  # [B, K]
     resample_u: torch.Tensor,  # [B]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`verify_sampled`'s rule over the target's distributions ``p`` themselves: ``accepted [B]`` and
-    ``next_token [B]``."""
+    """:func:`verify_sampled`'s rule over the target's distributions ``p``: ``accepted``, ``next_token``."""
     K = draft_tokens.shape[1]
     q = draft_probs.float()
     p_x = p[:, :K].gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
@@ -121,10 +105,11 @@ def verify_probabilities(
     return accepted, sample_inverse_cdf(residual, resample_u)
 
 
-def outcome_tokens(draft_tokens: torch.Tensor, accepted: torch.Tensor, next_token: torch.Tensor) -> torch.Tensor:
-    """The tokens a round decides, ``[B, K+1]``: ``x_1..x_a`` then ``r'`` at index ``a`` (the rest is
-    filler that ``accepted + 1`` counts exclude). Traceable by ``torch.fx`` (no size read as a number): the
-    greedy round stage splices it (``tensor_math.verify_round``)."""
+def outcome_tokens(
+    draft_tokens: torch.Tensor, accepted: torch.Tensor, next_token: torch.Tensor
+) -> torch.Tensor:
+    """A round's decided tokens ``[B, K+1]``: ``x_1..x_a``, ``r'`` at ``a``, filler after; traceable by
+    ``torch.fx`` (no size read as a number: ``verify_round`` splices it)."""
     padded = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)  # [B, K+1]
     slots = torch.ones_like(padded[:1]).cumsum(dim=1) - 1  # [1, K+1]: 0 .. K
     return torch.where(slots == accepted[:, None], next_token[:, None], padded)
@@ -147,7 +132,9 @@ def verify_speculation(
     if temperature == 0.0:
         return verify_greedy(target_logits, draft_tokens)
     if draft_probs is None:
-        raise ValueError("draft_probs is required at temperature > 0: verification needs the proposal distribution")
+        raise ValueError(
+            "draft_probs is required at temperature > 0: verification needs the proposal distribution"
+        )
     B, K = draft_tokens.shape
     accept_u, resample_u = verification_uniforms(B, K, generator, target_logits.device)
     inv_t = torch.full((), 1.0 / temperature, device=target_logits.device)

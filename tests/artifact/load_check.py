@@ -13,8 +13,9 @@ import torch
 
 def main(spec: str) -> None:
     torch.set_num_threads(1)
-    import saguaro
     from torch._dynamo.utils import counters
+
+    import saguaro
     from tests.models import prompts
 
     runs = json.loads(spec)
@@ -26,14 +27,28 @@ def main(spec: str) -> None:
         program = programs[run["path"]]
         if run.get("lane"):
             program = program.variant(lane=run["lane"])
-        out = program.generate(ids, attention_mask=mask, max_new_tokens=12, mode=run["mode"],
-                               temperature=run["temperature"], seed=3, eos_token_id=None)
+        out = program.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=12,
+            mode=run["mode"],
+            temperature=run["temperature"],
+            seed=3,
+            eos_token_id=None,
+        )
         tokens.append(out.sequences.tolist())
     kinds = {path: {q: s.kind for q, s in p.target.built_stages.items()} for path, p in programs.items()}
     for p in programs.values():
         p.close()
-    print(json.dumps({"tokens": tokens, "counters": {k: dict(v) for k, v in counters.items()},
-                      "kinds": {path: sorted(set(v.values())) for path, v in kinds.items()}}))
+    print(
+        json.dumps(
+            {
+                "tokens": tokens,
+                "counters": {k: dict(v) for k, v in counters.items()},
+                "kinds": {path: sorted(set(v.values())) for path, v in kinds.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

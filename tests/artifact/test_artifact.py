@@ -38,8 +38,17 @@ def exported(tmp_path_factory):
     draft = truncated_draft(target)
     # a fixed tree: the planner's sampled plans follow each program's own warm-up costs, so a seed fixes the
     # tokens within one program, not across the original and the loaded one
-    program = saguaro.compile(target, draft, k=4, mode="sd", attention="inline", lane="thread", fan_out="geometric",
-                              backend="eager", sd_when_faster=False)
+    program = saguaro.compile(
+        target,
+        draft,
+        k=4,
+        mode="sd",
+        attention="inline",
+        lane="thread",
+        fan_out="geometric",
+        backend="eager",
+        sd_when_faster=False,
+    )
     program.export(root / "portable", native=False)
     program.export(root / "native", modes=["ar"], sampling=False)
     return target, program, root / "portable", root / "native"
@@ -47,8 +56,14 @@ def exported(tmp_path_factory):
 
 def run_loader(runs):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    done = subprocess.run([sys.executable, "-m", "tests.artifact.load_check", json.dumps(runs)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.artifact.load_check", json.dumps(runs)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -65,13 +80,22 @@ def test_loaded_program_generates_the_original_tokens_compiling_nothing(exported
     expected_greedy = reference_greedy(target, ids, mask, max_new_tokens=12)
     assert len(result["tokens"]) == len(runs)
     for run, tokens in zip(runs, result["tokens"]):
-        original = program.generate(ids, attention_mask=mask, max_new_tokens=12, mode=run["mode"],
-                                    temperature=run["temperature"], seed=3, eos_token_id=None).sequences
+        original = program.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=12,
+            mode=run["mode"],
+            temperature=run["temperature"],
+            seed=3,
+            eos_token_id=None,
+        ).sequences
         assert torch.equal(torch.tensor(tokens), original), f"loaded program diverged: {run}"
         if run["temperature"] == 0.0:
             assert torch.equal(torch.tensor(tokens), expected_greedy), f"diverged from transformers: {run}"
     assert result["kinds"] == {str(native): ["native"], str(portable): ["portable"]}
-    compiled = {k: v for k, v in result["counters"].items() if k in ("stats", "inductor", "aot_autograd") and v}
+    compiled = {
+        k: v for k, v in result["counters"].items() if k in ("stats", "inductor", "aot_autograd") and v
+    }
     assert not compiled, f"the loading process captured or compiled: {compiled}"
 
 
@@ -96,6 +120,7 @@ def no_native_loads(monkeypatch):
     def spy(*args):
         loads.append(args[0])
         return real(*args)
+
     monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", spy)
     return loads
 
@@ -105,7 +130,9 @@ def test_flipped_byte_in_a_stage_file_is_refused(exported, tmp_path, no_native_l
     artifact = copy_of(exported[3] if which == "native" else exported[2], tmp_path)
     name = "stages/target.prefill.pt2" if which == "native" else "stages/draft.glue.ep"
     flip_byte(artifact / name, 1000)
-    with pytest.raises(ArtifactError, match=rf"{name}: expected sha256 [0-9a-f]{{64}}, found [0-9a-f]{{64}}.*rebuild"):
+    with pytest.raises(
+        ArtifactError, match=rf"{name}: expected sha256 [0-9a-f]{{64}}, found [0-9a-f]{{64}}.*rebuild"
+    ):
         saguaro.load(artifact)
     assert no_native_loads == []
 
@@ -123,8 +150,11 @@ def test_manifest_naming_another_torch_is_refused(exported, tmp_path, no_native_
     manifest = json.loads((artifact / "manifest.json").read_text())
     manifest["environment"]["torch"] = "2.0.0"
     (artifact / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match=rf"environment.torch.*'2.0.0', found '{re.escape(torch.__version__)}'"
-                                            r".*rebuild=True"):
+    with pytest.raises(
+        ArtifactError,
+        match=rf"environment.torch.*'2.0.0', found '{re.escape(torch.__version__)}'"
+        r".*rebuild=True",
+    ):
         saguaro.load(artifact)
     assert no_native_loads == []
 
@@ -156,8 +186,11 @@ def test_a_stage_not_exported_is_named(exported, tmp_path):
     program = saguaro.load(artifact)
     ids, mask = prompts(1, 5)
     assert program.generate(ids, max_new_tokens=3, mode="sd").sequences.shape == (1, 8)
-    with pytest.raises(ArtifactError, match=r"stage target.verify_sampled was not exported \(modes \['ar', 'sd', "
-                                            r"'ssd'\], sampling False\)"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"stage target.verify_sampled was not exported \(modes \['ar', 'sd', "
+        r"'ssd'\], sampling False\)",
+    ):
         program.generate(ids, max_new_tokens=3, mode="sd", temperature=1.0, seed=0)
 
 
@@ -169,22 +202,31 @@ def test_the_inspector_shows_a_loaded_program_and_names_what_it_cannot(exported)
     try:
         inspector = saguaro.inspect(loaded)
         text = inspector.graph("target.verify_round_greedy", expand=True)  # greedy SD's verify and commit
-        assert "draft_tokens" in text and "eos_table" in text and "accept_u" not in text  # the greedy round's inputs
+        assert (
+            "draft_tokens" in text and "eos_table" in text and "accept_u" not in text
+        )  # the greedy round's inputs
         glue = inspector.stage_graph("draft.glue")
         outputs = next(n for n in reversed(glue.graph.nodes) if n.op == "output").args[0]
         assert len(outputs) == 2  # candidates, ranked
         layers = program.draft.spec.num_layers
         assert inspector.graph("draft.glue").count("call_module[target=submod_") == layers + 2
-        lanes = lambda text: [line.split("\t")[:2] for line in text.splitlines()]  # noqa: E731
+        lanes = lambda text: [line.split("\t")[:2] for line in text.splitlines()]
         assert lanes(inspector.schedule("ssd", format="text")) == lanes(
-            saguaro.inspect(program).schedule("ssd", format="text"))
-        for view in (lambda: inspector.passes("target.verify_round_greedy"),
-                     lambda: inspector.pass_diff("target.verify_round_greedy", "splice_epilogue")):
-            with pytest.raises(ValueError, match=r"stage target.verify_round_greedy: this program was loaded from .*no "
-                                                 r"captured graph, so the per-pass views .* cannot be shown"):
+            saguaro.inspect(program).schedule("ssd", format="text")
+        )
+        for view in (
+            lambda: inspector.passes("target.verify_round_greedy"),
+            lambda: inspector.pass_diff("target.verify_round_greedy", "splice_epilogue"),
+        ):
+            with pytest.raises(
+                ValueError,
+                match=r"stage target.verify_round_greedy: this program was loaded from .*no "
+                r"captured graph, so the per-pass views .* cannot be shown",
+            ):
                 view()
     finally:
         loaded.close()
+
 
 def test_inputs_outside_the_exported_ranges_are_refused(exported):
     program = saguaro.load(exported[3])
@@ -222,8 +264,14 @@ print("finished", flush=True)
 def test_export_killed_midway_leaves_nothing_loadable(tmp_path):
     dest = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    child = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(dest)], cwd=REPO, env=env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, str(dest)],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     lines = []
     for line in child.stdout:
         lines.append(line)
@@ -274,8 +322,11 @@ def test_weights_are_written_once_outside_the_packages(exported):
     names = zipfile.ZipFile(native / "stages/target.prefill.pt2").namelist()
     assert not [n for n in names if "/weights/" in n or "/constants/" in n or n.endswith(".bin")], names
     assert sorted(p.name for p in (native / "weights").iterdir()) == ["target.safetensors"]
-    assert set(manifest["files"]) == {p.relative_to(native).as_posix() for p in native.rglob("*")
-                                      if p.is_file() and p.name != "manifest.json"}
+    assert set(manifest["files"]) == {
+        p.relative_to(native).as_posix()
+        for p in native.rglob("*")
+        if p.is_file() and p.name != "manifest.json"
+    }
 
 
 @pytest.mark.heavy
@@ -283,15 +334,26 @@ def test_a_quantized_program_survives_export_and_load_in_a_fresh_process(tmp_pat
     """int4 weights (the nibble panels and their scales in the weights file, unpacked by the stages' aten form):
     the loaded program's greedy AR and SD give the original program's tokens, which are the quantized target's."""
     target = tiny_target("llama")
-    program = saguaro.compile(target, truncated_draft(target), k=3, mode="sd", attention="inline", lane="thread",
-                              backend="eager", sd_when_faster=False, weights="int4")
+    program = saguaro.compile(
+        target,
+        truncated_draft(target),
+        k=3,
+        mode="sd",
+        attention="inline",
+        lane="thread",
+        backend="eager",
+        sd_when_faster=False,
+        weights="int4",
+    )
     program.export(tmp_path / "int4", native=False, modes=["ar", "sd"], sampling=False)
     manifest = json.loads((tmp_path / "int4" / "manifest.json").read_text())
     assert manifest["config"]["weights"] == "int4"
     runs = [dict(path=str(tmp_path / "int4"), mode=m, temperature=0.0) for m in ("ar", "sd")]
     result = run_loader(runs)
     ids, mask = prompts(2, 7, seed=1, pad_rows={1: 2})
-    original = program.generate(ids, attention_mask=mask, max_new_tokens=12, mode="ar", eos_token_id=None).sequences
+    original = program.generate(
+        ids, attention_mask=mask, max_new_tokens=12, mode="ar", eos_token_id=None
+    ).sequences
     program.close()
     # the quantization shows: these seeded weights' int4 tokens are not the float target's
     assert not torch.equal(original, reference_greedy(target, ids, mask, max_new_tokens=12))

@@ -12,7 +12,9 @@ from tests.models import prompts, tiny_target, truncated_draft
 
 
 def _linear_bytes(model) -> int:
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return sum(
+        m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear)
+    )
 
 
 @pytest.mark.parametrize("weights", ["as-loaded", "int8"])

@@ -12,17 +12,24 @@ def timed(tokens: int, seconds: float, start: float) -> TimedPass:
 
 def test_a_row_reports_the_median_and_spread_of_its_passes():
     assert interleaved(["ar", "sd", "ssd"], 2) == ["ar", "sd", "ssd", "ar", "sd", "ssd"]
-    row = combine("hf", [timed(16, 2.0, 0.0), timed(16, 1.0, 5.0), timed(16, 4.0, 9.0)])  # 8, 16 and 4 tokens/s
+    row = combine(
+        "hf", [timed(16, 2.0, 0.0), timed(16, 1.0, 5.0), timed(16, 4.0, 9.0)]
+    )  # 8, 16 and 4 tokens/s
     assert row["tokens_per_s_reps"] == [8.0, 16.0, 4.0] and row["tokens_per_s"] == 8.0 and row["repeats"] == 3
     assert row["spread_pct"] == pytest.approx(100 * (16 - 4) / 8)
     assert row["new_tokens"] == 48 and row["wall_s"] == 7.0
     assert row["pass_times"] == [[0.0, 2.0], [5.0, 6.0], [9.0, 13.0]]
-    assert row["mean_accepted_len"] is None and row["round_ms_p50"] is None  # transformers rounds are not counted
+    assert (
+        row["mean_accepted_len"] is None and row["round_ms_p50"] is None
+    )  # transformers rounds are not counted
     alone = combine("sd", [timed(16, 2.0, 0.0)])
     assert alone["tokens_per_s"] == 8.0 and alone["spread_pct"] is None  # one pass: no spread
     rows = [row, alone]
     add_speedups(rows, ar=("ar",), sd=("sd",))
-    assert [r["speedup_vs_sd"] for r in rows] == [1.0, 1.0] and [r["speedup_vs_ar"] for r in rows] == [None, None]
+    assert [r["speedup_vs_sd"] for r in rows] == [1.0, 1.0] and [r["speedup_vs_ar"] for r in rows] == [
+        None,
+        None,
+    ]
 
 
 def test_the_rate_after_the_prefill_leaves_out_each_call_s_prefill_and_first_tokens():
@@ -43,7 +50,9 @@ def test_the_rate_after_the_prefill_leaves_out_each_call_s_prefill_and_first_tok
 def test_the_table_says_the_machine_was_busy_when_a_mode_s_passes_spread_over_25_percent():
     from saguaro.bench.report import BUSY_SPREAD_PCT, busy_note, busy_rows, format_table
 
-    quiet = combine("ar", [timed(16, 2.0, 0.0), timed(16, 2.2, 3.0), timed(16, 1.9, 6.0)])  # 8.0, 7.3, 8.4: 14 %
+    quiet = combine(
+        "ar", [timed(16, 2.0, 0.0), timed(16, 2.2, 3.0), timed(16, 1.9, 6.0)]
+    )  # 8.0, 7.3, 8.4: 14 %
     noisy = combine("ssd", [timed(16, 2.0, 1.0), timed(16, 1.0, 4.0), timed(16, 4.0, 7.0)])  # 150 %
     assert quiet["spread_pct"] < BUSY_SPREAD_PCT < noisy["spread_pct"]
     assert busy_rows([quiet]) == [] and busy_note([quiet]) is None

@@ -45,7 +45,7 @@ def test_the_default_pairs_bench_prompts_are_held_out_stdlib_text(tokenizer):
     root = dp.stdlib_root()
     for ids, origin in zip(prompts.ids, prompts.origins):
         path, line = origin.rsplit(":", 1)
-        source = "".join(x.rstrip() + "\n" for x in dp.read_source(root, path).splitlines()[int(line) - 1:])
+        source = "".join(x.rstrip() + "\n" for x in dp.read_source(root, path).splitlines()[int(line) - 1 :])
         text = tokenizer.decode(ids[0], skip_special_tokens=True)
         assert text.startswith(("def ", "class ")) and source.startswith(text), origin  # the file's own lines
         assert ids.shape[1] + params.max_new_tokens <= 256  # room for the tokens each row generates
@@ -60,13 +60,17 @@ def test_a_long_generation_gets_shorter_held_out_prompts(tokenizer):
     assert max(ids.shape[1] for ids in prompts.ids) <= 56
 
 
-def test_without_stdlib_sources_bench_says_it_uses_the_fixed_prompts(tokenizer, monkeypatch, tmp_path, caplog):
+def test_without_stdlib_sources_bench_says_it_uses_the_fixed_prompts(
+    tokenizer, monkeypatch, tmp_path, caplog
+):
     monkeypatch.setattr(dp, "stdlib_root", lambda: tmp_path)  # an interpreter shipped without its .py files
     with caplog.at_level(logging.WARNING, logger="saguaro.bench.prompts"):
         prompts = run_prompts(BenchParams(prompts=3), tokenizer, default_target(tokenizer))
     assert prompts.source == FIXED and "held-out stdlib sources are unavailable" in prompts.detail
     assert [r.levelno for r in caplog.records] == [logging.WARNING] and str(tmp_path) in caplog.text
-    assert [tokenizer.decode(ids[0], skip_special_tokens=True) for ids in prompts.ids] == list(DEFAULT_PROMPTS[:3])
+    assert [tokenizer.decode(ids[0], skip_special_tokens=True) for ids in prompts.ids] == list(
+        DEFAULT_PROMPTS[:3]
+    )
 
 
 def test_other_pairs_get_fixed_prompts_or_random_ids_and_say_why():
@@ -74,11 +78,14 @@ def test_other_pairs_get_fixed_prompts_or_random_ids_and_say_why():
     fixed = prompt_set(tok, 14, 128, seed=0, default_pair=False)  # a user's pair: no held-out text known
     assert fixed.source == FIXED and "default pair only" in fixed.detail
     assert [tok.decode(ids[0], skip_special_tokens=True) for ids in fixed.ids] == [
-        DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(14)]
+        DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(14)
+    ]
     random = prompt_set(None, 3, 50, seed=4, default_pair=True)  # no tokenizer: ids, whatever the pair
     assert random.source == RANDOM and "no tokenizer" in random.detail
     assert all(ids.shape == (1, 8) and int(ids.min()) >= 3 and int(ids.max()) < 50 for ids in random.ids)
-    assert all(torch.equal(a, b) for a, b in zip(random.ids, prompt_set(None, 3, 50, seed=4, default_pair=True).ids))
+    assert all(
+        torch.equal(a, b) for a, b in zip(random.ids, prompt_set(None, 3, 50, seed=4, default_pair=True).ids)
+    )
     assert not torch.equal(random.ids[0], prompt_set(None, 3, 50, seed=5, default_pair=True).ids[0])
 
 

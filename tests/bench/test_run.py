@@ -8,13 +8,23 @@ from saguaro.bench import run as bench_run
 from saguaro.bench.worker import BenchParams
 
 
-
-@pytest.mark.parametrize("script, code, said", [
-    ("import sys; sys.stderr.write('loading\\nValueError: no such folder\\n'); sys.exit(3)", 3,
-     "ValueError: no such folder"),  # dies before it is ready
-    ("import json, sys\nprint(json.dumps({'ready': True, 'setup_s': 73.25}), flush=True)\nsys.stdin.readline()\n"
-     "sys.stderr.write('killed mid-pass\\n'); sys.exit(9)", 9, "killed mid-pass"),  # dies in a timed pass
-], ids=["before-ready", "mid-pass"])
+@pytest.mark.parametrize(
+    "script, code, said",
+    [
+        (
+            "import sys; sys.stderr.write('loading\\nValueError: no such folder\\n'); sys.exit(3)",
+            3,
+            "ValueError: no such folder",
+        ),  # dies before it is ready
+        (
+            "import json, sys\nprint(json.dumps({'ready': True, 'setup_s': 73.25}), flush=True)\nsys.stdin.readline()\n"
+            "sys.stderr.write('killed mid-pass\\n'); sys.exit(9)",
+            9,
+            "killed mid-pass",
+        ),  # dies in a timed pass
+    ],
+    ids=["before-ready", "mid-pass"],
+)
 def test_a_row_process_that_dies_names_its_row_and_stderr(monkeypatch, script, code, said):
     monkeypatch.setattr(bench_run, "WORKER", ("-c", script))
     with pytest.raises(RuntimeError) as failed:

@@ -10,7 +10,7 @@ def table_column(out: str, name: str, count: int) -> list[str]:
     lines = out.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("mode "))
     end = lines[at].index(name) + len(name)
-    return [line[:end].split()[-1] for line in lines[at + 2:at + 2 + count]]
+    return [line[:end].split()[-1] for line in lines[at + 2 : at + 2 + count]]
 
 
 def check_timed_passes(rows: list[dict], repeats: int, out: str) -> None:
@@ -24,7 +24,9 @@ def check_timed_passes(rows: list[dict], repeats: int, out: str) -> None:
         reps = row["tokens_per_s_reps"]
         assert row["repeats"] == len(reps) == repeats, row
         assert row["tokens_per_s"] == statistics.median(reps), row
-        assert row["spread_pct"] == pytest.approx(100 * (max(reps) - min(reps)) / statistics.median(reps)), row
+        assert row["spread_pct"] == pytest.approx(100 * (max(reps) - min(reps)) / statistics.median(reps)), (
+            row
+        )
     assert table_column(out, "spread", len(rows)) == [f"{row['spread_pct']:.1f}%" for row in rows]
     # the rate after the prefill: each Saguaro row's median over its passes; "-" where a row has none
     decode = [row.get("decode_tokens_per_s") for row in rows]

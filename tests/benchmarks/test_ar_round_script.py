@@ -9,14 +9,16 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "parts"))
-import alternating  # noqa: E402
-import ar_round as script  # noqa: E402
+import alternating
+import ar_round as script
 
-from saguaro.core.stages import TARGET_ROUND, TARGET_STEP, TARGET_VERIFY, TARGET_VERIFY_ROUND  # noqa: E402
+from saguaro.core.stages import TARGET_ROUND, TARGET_STEP, TARGET_VERIFY, TARGET_VERIFY_ROUND
 
 
 def test_options_and_refusals():
-    args = alternating.checked(alternating.ab_parser("doc"), ["--threads", "1", "--passes", "3", "--json", "o.json"])
+    args = alternating.checked(
+        alternating.ab_parser("doc"), ["--threads", "1", "--passes", "3", "--json", "o.json"]
+    )
     assert (args.threads, args.passes, args.prompts, args.new, args.json) == (1, 3, 4, 128, "o.json")
     with pytest.raises(SystemExit):
         alternating.checked(alternating.ab_parser("doc"), ["--passes", "0"])
@@ -40,8 +42,11 @@ def test_passes_alternate_and_the_report_is_written(monkeypatch, tmp_path, capsy
 
     order = []
     state = {}
-    monkeypatch.setattr(linear_as_reduction, "timed_pass",
-                        lambda program, prompts, mode, new: (0.0, 10.0 if state["form"] == "a" else 15.0, ["x"]))
+    monkeypatch.setattr(
+        linear_as_reduction,
+        "timed_pass",
+        lambda program, prompts, mode, new: (0.0, 10.0 if state["form"] == "a" else 15.0, ["x"]),
+    )
     monkeypatch.setattr(linear_as_reduction, "equal_to_expected", lambda outputs, expected: outputs == ["x"])
 
     def use(form):
@@ -50,7 +55,16 @@ def test_passes_alternate_and_the_report_is_written(monkeypatch, tmp_path, capsy
 
     args = SimpleNamespace(passes=3, new=4, json=str(tmp_path / "r.json"))
     rates, exact = alternating.alternate(None, ("a", "b"), use, ("ar",), args, [], [])
-    assert exact and order == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-ups, then flipped every other pass
+    assert exact and order == [
+        "a",
+        "b",
+        "a",
+        "b",
+        "b",
+        "a",
+        "a",
+        "b",
+    ]  # warm-ups, then flipped every other pass
     rows = alternating.report(("a", "b"), ("ar",), rates, exact, args)
     assert rows[0]["a"] == 10.0 and rows[0]["b"] == 15.0
     assert "1.500" in capsys.readouterr().out

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "parts"))
-import direct_calls as script  # noqa: E402
+import direct_calls as script
 
 
 def test_options_and_refusals():
@@ -21,8 +21,10 @@ def test_options_and_refusals():
 def test_the_form_reaches_every_compiled_stage_of_both_models():
     compiled = [SimpleNamespace(direct_calls=True) for _ in range(3)]
     eager = object()  # an eager stage has no direct calls: left alone
-    program = SimpleNamespace(target=SimpleNamespace(built_stages={"prefill": compiled[0], "step": eager}),
-                              draft=SimpleNamespace(built_stages={"prefill": compiled[1], "step": compiled[2]}))
+    program = SimpleNamespace(
+        target=SimpleNamespace(built_stages={"prefill": compiled[0], "step": eager}),
+        draft=SimpleNamespace(built_stages={"prefill": compiled[1], "step": compiled[2]}),
+    )
     stages = script.compiled_stages(program)
     assert stages == compiled
     script.use_direct_calls(stages, False)

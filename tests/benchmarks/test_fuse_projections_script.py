@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "parts"))
-import fuse_projections as script  # noqa: E402
+import fuse_projections as script
 
 
 def test_help_names_the_command(capsys):
@@ -19,7 +19,9 @@ def test_help_names_the_command(capsys):
 
 
 def test_the_switch_sends_generate_to_the_named_program():
-    programs = {form: SimpleNamespace(generate=lambda *a, form=form, **k: (form, a, k)) for form in script.FORMS}
+    programs = {
+        form: SimpleNamespace(generate=lambda *a, form=form, **k: (form, a, k)) for form in script.FORMS
+    }
     switch = script.Switch(programs)
     assert switch.generate("ids", mode="ar") == ("apart", ("ids",), {"mode": "ar"})
     switch.form = "joined"
@@ -35,14 +37,17 @@ def test_the_joined_program_builds_its_stages_with_the_pass(monkeypatch):
     made = []
 
     def compile_stub(target, draft, **config):
-        runner = lambda: SimpleNamespace(build=SimpleNamespace(fuse_projections=None))  # noqa: E731
+        runner = lambda: SimpleNamespace(build=SimpleNamespace(fuse_projections=None))
         made.append(SimpleNamespace(target=runner(), draft=runner(), close=lambda: None, config=config))
         return made[-1]
 
     monkeypatch.setattr(saguaro, "compile", compile_stub)
     monkeypatch.setattr(linear_as_reduction, "pair_and_prompts", lambda count, new: ("t", "d", [], []))
-    monkeypatch.setattr(alternating, "alternate", lambda *a: ({(f, m): [1.0] for f in script.FORMS
-                                                               for m in ("ar", "sd")}, True))
+    monkeypatch.setattr(
+        alternating,
+        "alternate",
+        lambda *a: ({(f, m): [1.0] for f in script.FORMS for m in ("ar", "sd")}, True),
+    )
     assert script.main(["--passes", "1"]) == 0
     apart, joined = made
     assert apart.target.build.fuse_projections is None and apart.draft.build.fuse_projections is None

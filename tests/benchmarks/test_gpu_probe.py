@@ -26,13 +26,25 @@ K = 3  # the tiny scale's k
 
 
 def _command(tmp_path, *args):
-    return [sys.executable, str(SCRIPT), "--scale", "tiny", "--device", "cpu", "--out", str(tmp_path),
-            "--cache-dir", str(tmp_path / "cache"), *args]
+    return [
+        sys.executable,
+        str(SCRIPT),
+        "--scale",
+        "tiny",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        *args,
+    ]
 
 
 def _probe(tmp_path, *args):
-    done = subprocess.run(_command(tmp_path, *args), check=False, cwd=REPO, capture_output=True, text=True,
-                          timeout=280, env=ENV)
+    done = subprocess.run(
+        _command(tmp_path, *args), check=False, cwd=REPO, capture_output=True, text=True, timeout=280, env=ENV
+    )
     report_path = tmp_path / "gpu_probe.json"
     assert report_path.exists(), done.stdout[-2000:] + done.stderr[-3000:]
     return done, json.loads(report_path.read_text())
@@ -46,16 +58,22 @@ def _check_row(row: dict, mode: str, batch: int) -> None:
     assert row["bytes_per_round"] > 0 and row["bytes_per_token"] > 0
     assert 0 < row["roofline_share"] < 5  # on a CPU the tiny model sits in cache: past 1 is possible, not far
     assert isinstance(row["host_syncs_per_round"], int) and 0 <= row["host_syncs_per_round"] <= 2
-    assert row["host_syncs"]["rounds"] > 0 and row["host_syncs"]["where"]  # its own generation: SSD's rounds vary
+    assert (
+        row["host_syncs"]["rounds"] > 0 and row["host_syncs"]["where"]
+    )  # its own generation: SSD's rounds vary
     launches = row["launches_per_stage"]
     assert launches and all(isinstance(n, int) and n > 0 for n in launches.values())
-    assert "target.prefill" in launches and row["launches_source"] == ["aten operators of the stage graph (eager)"]
+    assert "target.prefill" in launches and row["launches_source"] == [
+        "aten operators of the stage graph (eager)"
+    ]
     if row["ran"] == "ssd":
         assert set(row["hits_by_position"]) == {str(i) for i in range(K + 1)}
         assert set(row["fallbacks"]) == {"neural", "fast"}
         assert 0.0 <= row["cache_hit_rate"] <= 1.0
     assert row["counted_ran"] in ("ar", "sd", "ssd")
-    if row["counted_ran"] == "ssd":  # the fan-outs: the counted generation's (the planner decides per generation)
+    if (
+        row["counted_ran"] == "ssd"
+    ):  # the fan-outs: the counted generation's (the planner decides per generation)
         assert row["fan_out_per_round"] and all(len(f) == K + 1 for f in row["fan_out_per_round"])
         assert sum(row["branches_per_round_counts"].values()) == row["fan_out_rounds"]
     if row["ran"] == "sd":
@@ -109,7 +127,10 @@ def test_each_speed_part_writes_every_row_field(name, speed_parts):
         assert rows["ssd"]["ran"] == rows["ssd"]["counted_ran"] == "ssd" and rows["ssd"]["lane"] == "thread"
         _check_row(rows["ssd_planner"], "ssd", 1)
         assert part["overlap"]["status"] == "ok" and part["overlap"]["rounds"] > 0
-        assert 0.0 <= part["overlap"]["hidden_fraction_host"] <= 1.0 and "CUDA-only" in part["overlap"]["cuda_events"]
+        assert (
+            0.0 <= part["overlap"]["hidden_fraction_host"] <= 1.0
+            and "CUDA-only" in part["overlap"]["cuda_events"]
+        )
     else:
         assert set(rows) == {"ar", "sd", "ssd_planner", "ssd"}
         for label, row in rows.items():
@@ -138,8 +159,14 @@ def test_exactness_part_checks_every_path_and_says_what_needs_cuda(tmp_path):
 def test_sigterm_to_a_part_keeps_what_it_measured(tmp_path):
     """The child of part B stalls after its first measured row (``--test-hang``); SIGTERM to it marks the part
     terminated and keeps the row, its trace, and the head of the part."""
-    parent = subprocess.Popen(_command(tmp_path, "--part", "B", "--isolate", "yes", "--test-hang", "--budget-s", "600"),
-                              cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    parent = subprocess.Popen(
+        _command(tmp_path, "--part", "B", "--isolate", "yes", "--test-hang", "--budget-s", "600"),
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     path, part, waited = tmp_path / "gpu_probe.json", {}, time.time()
     try:
         while time.time() - waited < 240 and parent.poll() is None:
@@ -155,7 +182,9 @@ def test_sigterm_to_a_part_keeps_what_it_measured(tmp_path):
             parent.kill()
     part = json.loads(path.read_text())["parts"]["B"]
     assert part["status"].startswith("terminated: SIGTERM"), out[-2000:]
-    measured = [row for row in part["rows"] if row["status"] == "ok"]  # graphs on is CUDA only: graphs off here
+    measured = [
+        row for row in part["rows"] if row["status"] == "ok"
+    ]  # graphs on is CUDA only: graphs off here
     assert [row["row"] for row in measured] == ["sd_graphs_off"]
     _check_row(measured[0], "sd", 1)
     assert part["bandwidth"]["gb_per_s"] > 0 and part["trace"]["file"]
@@ -169,8 +198,13 @@ def test_a_part_past_its_budget_gets_sigterm_then_sigkill(tmp_path):
     ignores = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
     args = argparse.Namespace(grace_s=1.0)
     for name, code in (("A", stops), ("B", ignores)):
-        report.update(("parts", name), {"status": "running", "rows": [{"row": "done", "status": "ok"},
-                                                                       {"row": "mid", "status": "running"}]})
+        report.update(
+            ("parts", name),
+            {
+                "status": "running",
+                "rows": [{"row": "done", "status": "ok"}, {"row": "mid", "status": "running"}],
+            },
+        )
         cli.run_child(name, args, report, budget=1.5, cmd=[sys.executable, "-c", code])
     parts = report.load()["parts"]
     assert parts["A"]["status"].startswith("terminated: its process stopped after SIGTERM")
@@ -190,16 +224,28 @@ def test_a_part_that_raises_is_recorded_with_its_traceback(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown where CUDA is absent")
 def test_cuda_without_a_gpu_is_refused_clearly(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--part", "A"], check=False, cwd=REPO,
-                          capture_output=True, text=True, timeout=120, env=ENV)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--part", "A"],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
     assert done.returncode != 0
     assert "--device cuda is not allowed here: CUDA is not available" in done.stderr
     assert not (tmp_path / "gpu_probe.json").exists()
 
 
-@pytest.mark.parametrize(("argv", "says"), [(["--part", "F"], "--part F is not allowed: choose from A, B, C, D, E"),
-                                            (["--acceptance", "1.5"], "--acceptance 1.5 is not allowed"),
-                                            (["--exactness", "fast"], "--exactness fast is not allowed")])
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--part", "F"], "--part F is not allowed: choose from A, B, C, D, E"),
+        (["--acceptance", "1.5"], "--acceptance 1.5 is not allowed"),
+        (["--exactness", "fast"], "--exactness fast is not allowed"),
+    ],
+)
 def test_bad_options_are_refused_naming_the_value(argv, says, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--device", "cpu", *argv])
@@ -247,6 +293,7 @@ def benchmark_compiled_module():
 
     def f(x):
         return (x.view(-1) * 2).reshape(2, 2).relu()
+
     gm = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.ones(4))
     assert counting.launches_in_graph(gm) == 2  # mul and relu; the views launch nothing
 

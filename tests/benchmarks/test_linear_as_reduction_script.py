@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "parts"))
-import linear_as_reduction  # noqa: E402
+import linear_as_reduction
 
 
 @pytest.mark.parametrize("compare", ["auto", "auto,auto", "gemm,auto,template"])

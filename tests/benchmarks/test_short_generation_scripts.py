@@ -8,15 +8,17 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "parts"))
-import alternating  # noqa: E402
-import draft_feed  # noqa: E402
-import prefill_linears  # noqa: E402
+import alternating
+import draft_feed
+import prefill_linears
 
-from saguaro.core.stages import DRAFT_CHAIN, DRAFT_PREFILL, TARGET_PREFILL  # noqa: E402
+from saguaro.core.stages import DRAFT_CHAIN, DRAFT_PREFILL, TARGET_PREFILL
 
 
-@pytest.mark.parametrize("script, command", [(prefill_linears, "prefill_linears.py --modes ar,sd"),
-                                             (draft_feed, "draft_feed.py --new 64")])
+@pytest.mark.parametrize(
+    "script, command",
+    [(prefill_linears, "prefill_linears.py --modes ar,sd"), (draft_feed, "draft_feed.py --new 64")],
+)
 def test_help_names_the_command_and_rates_count_the_prefill_unless_asked(script, command, capsys):
     with pytest.raises(SystemExit) as done:
         script.main(["--help"])
@@ -27,16 +29,27 @@ def test_the_harness_counts_the_prefill_on_request_and_runs_the_program_a_form_g
     import linear_as_reduction
 
     seen = []
-    monkeypatch.setattr(linear_as_reduction, "timed_pass",
-                        lambda program, prompts, mode, new: (seen.append(program) or 8.0, 10.0, ["x"]))
+    monkeypatch.setattr(
+        linear_as_reduction,
+        "timed_pass",
+        lambda program, prompts, mode, new: (seen.append(program) or 8.0, 10.0, ["x"]),
+    )
     monkeypatch.setattr(linear_as_reduction, "equal_to_expected", lambda outputs, expected: True)
     for with_prefill, rate in ((True, 8.0), (False, 10.0)):
         seen.clear()
         args = SimpleNamespace(passes=2, new=4, json=None, with_prefill=with_prefill)
-        rates, exact = alternating.alternate("main", ("a", "b"), lambda form: "other" if form == "b" else None,
-                                             ("ar",), args, [], [])
+        rates, exact = alternating.alternate(
+            "main", ("a", "b"), lambda form: "other" if form == "b" else None, ("ar",), args, [], []
+        )
         assert exact and rates[("a", "ar")] == [rate] * 2 and rates[("b", "ar")] == [rate] * 2
-        assert seen == ["main", "other", "main", "other", "other", "main"]  # a form's program, or the one given
+        assert seen == [
+            "main",
+            "other",
+            "main",
+            "other",
+            "other",
+            "main",
+        ]  # a form's program, or the one given
 
 
 class Runner:  # a ModelRunner's part the script uses: its builder, its built stages

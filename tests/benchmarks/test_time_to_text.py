@@ -7,25 +7,45 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "parts" / "time_to_text.py"
-CHILD = ("import os, sys, time\n"
-         "print('loading', flush=True); time.sleep(0.3)\n"
-         "print('--- Saguaro (ssd) completes', flush=True); print('', flush=True); time.sleep(0.4)\n"
-         "print('def f(x):', flush=True); time.sleep(0.2)\n"
-         "print(os.environ.get('TMPDIR', '-'), os.environ.get('SAGUARO_CACHE_DIR', '-'), flush=True)\n"
-         "sys.exit(int(sys.argv[1]))\n")
+CHILD = (
+    "import os, sys, time\n"
+    "print('loading', flush=True); time.sleep(0.3)\n"
+    "print('--- Saguaro (ssd) completes', flush=True); print('', flush=True); time.sleep(0.4)\n"
+    "print('def f(x):', flush=True); time.sleep(0.2)\n"
+    "print(os.environ.get('TMPDIR', '-'), os.environ.get('SAGUARO_CACHE_DIR', '-'), flush=True)\n"
+    "sys.exit(int(sys.argv[1]))\n"
+)
 
 
 def run(tmp_path, *options, code=0):
     out = tmp_path / "times.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out), *options, "--", sys.executable, "-c",
-                           CHILD, str(code)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--json",
+            str(out),
+            *options,
+            "--",
+            sys.executable,
+            "-c",
+            CHILD,
+            str(code),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return done, json.loads(out.read_text())
 
 
 def test_first_text_is_the_first_output_after_the_marker_line(tmp_path):
     done, times = run(tmp_path)
     assert done.returncode == 0, done.stderr
-    assert 0 <= times["first_output_s"] and times["first_output_s"] + 0.3 <= times["first_text_s"] < times["end_s"]
+    assert (
+        0 <= times["first_output_s"]
+        and times["first_output_s"] + 0.3 <= times["first_text_s"] < times["end_s"]
+    )
     # the blank line after the marker is not text; the child slept 0.3 s before the marker, 0.4 s after it
     assert times["first_text_s"] - times["first_output_s"] >= 0.65
     assert times["exit_code"] == 0 and "first text" in done.stdout and "def f(x):" in done.stdout

@@ -39,7 +39,9 @@ def other_weights(model, seed):
 
 def logits(captured):
     ids, *rest = example_inputs(captured.spec)
-    ids = torch.randint(captured.spec.vocab_size, ids.shape, generator=torch.Generator().manual_seed(0))  # [B, T]
+    ids = torch.randint(
+        captured.spec.vocab_size, ids.shape, generator=torch.Generator().manual_seed(0)
+    )  # [B, T]
     return captured.graph_module(ids, *rest)  # [B, T, V]
 
 
@@ -125,6 +127,7 @@ def disk(cache, tmp_path, monkeypatch):
 def no_export(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("torch.export ran")
+
     monkeypatch.setattr(torch.export, "export", refuse)
 
 
@@ -153,9 +156,12 @@ def test_a_foreign_or_damaged_entry_is_a_miss(disk, cache, caplog, monkeypatch):
     for damage in ("another fingerprint", "could not read"):
         cache.clear()
         exports = []
-        with monkeypatch.context() as patch, caplog.at_level(logging.INFO, logger="saguaro.capture.capture_files"):
+        with (
+            monkeypatch.context() as patch,
+            caplog.at_level(logging.INFO, logger="saguaro.capture.capture_files"),
+        ):
             export = torch.export.export
-            patch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or export(*a, **k))
+            patch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or export(*a, **k))  # noqa: B023
             captured = capture(other_weights(model, seed=4))
         assert exports == [1] and len(captured.graph_module.graph.nodes) > 0  # captured afresh
         assert damage in caplog.text

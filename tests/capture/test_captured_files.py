@@ -32,10 +32,14 @@ def test_the_files_give_the_same_graph_tensors_and_logits(tmp_path):
         captured = capture(model)
         source = CapturedSource.of(captured)
         description = source.save(str(tmp_path))
-        read = load_captured(json.loads(json.dumps(description)), torch.device("cpu"))  # as the draft process gets it
+        read = load_captured(
+            json.loads(json.dumps(description)), torch.device("cpu")
+        )  # as the draft process gets it
         assert read.spec == captured.spec
         expected = [line for line in captured.graph_module.code.splitlines() if "_guards_fn" not in line]
-        assert read.graph_module.code.splitlines() == expected  # export's input guard is not kept (graph_file)
+        assert (
+            read.graph_module.code.splitlines() == expected
+        )  # export's input guard is not kept (graph_file)
         original = dict(captured.graph_module.named_parameters(remove_duplicate=False))
         again = dict(read.graph_module.named_parameters(remove_duplicate=False))
         assert sorted(again) == sorted(original) and again  # parameters come back as parameters
@@ -45,11 +49,18 @@ def test_the_files_give_the_same_graph_tensors_and_logits(tmp_path):
             assert got is not None and got.dtype == tensor.dtype and torch.equal(got, tensor), name
         inputs = example_inputs(captured.spec)
         with torch.no_grad():
-            assert torch.equal(read.graph_module(*inputs), captured.graph_module(*example_inputs(captured.spec)))
+            assert torch.equal(
+                read.graph_module(*inputs), captured.graph_module(*example_inputs(captured.spec))
+            )
     assert description["aliases"] == {}  # gemma2's head is not tied
-    tied = load_captured(source_description(tied_draft(), tmp_path / "tied"), torch.device("cpu")).graph_module
-    names = [n for n, _ in tied.named_parameters(remove_duplicate=False) if n.endswith(("embed_tokens.weight",
-                                                                                    "lm_head.weight"))]
+    tied = load_captured(
+        source_description(tied_draft(), tmp_path / "tied"), torch.device("cpu")
+    ).graph_module
+    names = [
+        n
+        for n, _ in tied.named_parameters(remove_duplicate=False)
+        if n.endswith(("embed_tokens.weight", "lm_head.weight"))
+    ]
     assert len(names) == 2 and tied.get_parameter(names[0]) is tied.get_parameter(names[1])  # the tie holds
 
 
@@ -76,10 +87,17 @@ print(json.dumps({"layers": server.draft.spec.num_layers, "tokens": list(specula
 
 
 def test_a_draft_process_builds_its_server_and_speculates_without_transformers_or_dynamo(tmp_path):
-    description = dict(source_description(tied_draft(), tmp_path / "draft"), backend="eager", attention="auto",
-                       device="cpu")
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(description)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    description = dict(
+        source_description(tied_draft(), tmp_path / "draft"), backend="eager", attention="auto", device="cpu"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(description)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     # an eager draft calls the attention ops' kernels directly: a custom op's first call would import

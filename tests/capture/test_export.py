@@ -18,8 +18,17 @@ def run(captured, store, ids, start):
     B, T = ids.shape
     index = torch.arange(start, start + T).expand(B, T).contiguous()
     store.claim(index, index, torch.zeros_like(index))
-    return captured.graph_module(ids, index, index, torch.zeros_like(index), index, store.slot_pos,
-                                 store.slot_branch, store.k_caches, store.v_caches)
+    return captured.graph_module(
+        ids,
+        index,
+        index,
+        torch.zeros_like(index),
+        index,
+        store.slot_pos,
+        store.slot_branch,
+        store.k_caches,
+        store.v_caches,
+    )
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -31,7 +40,9 @@ def test_one_attention_node_per_layer_and_no_hf_cache(arch):
     # the op mutates the KV store in place: no functionalized copies of the caches
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     assert not any("auto_functionalized" in t or "copy_" in t for t in targets)
-    assert model.config._attn_implementation != "saguaro", "capture must restore the model's attention setting"
+    assert model.config._attn_implementation != "saguaro", (
+        "capture must restore the model's attention setting"
+    )
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -45,7 +56,9 @@ def test_logits_equal_hf_forward_across_calls(arch):
         got_prefill = run(captured, store, ids[:, :7], 0)  # KV written here must persist ...
         got_step = run(captured, store, ids[:, 7:10], 7)  # ... for these calls
         got_last = run(captured, store, ids[:, 10:], 10)
-    torch.testing.assert_close(torch.cat([got_prefill, got_step, got_last], 1), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.cat([got_prefill, got_step, got_last], 1), expected, rtol=1e-4, atol=1e-5
+    )
 
 
 def test_unsupported_module_raises_naming_the_class():

@@ -29,19 +29,32 @@ def test_every_architecture_comes_back_with_the_same_code_logits_and_metadata(no
         tensors = 0
         expected = [line for line in captured.code.splitlines() if "_guards_fn" not in line]
         assert read.code.splitlines() == expected, name
-        for before, after in zip((n for n in captured.graph.nodes if n.op != "call_module"), read.graph.nodes):
+        for before, after in zip(
+            (n for n in captured.graph.nodes if n.op != "call_module"), read.graph.nodes
+        ):
             val = before.meta.get("val")
             if isinstance(val, torch.Tensor):
-                assert after.meta["val"].dtype == val.dtype and len(after.meta["val"].shape) == val.dim(), after
+                assert after.meta["val"].dtype == val.dtype and len(after.meta["val"].shape) == val.dim(), (
+                    after
+                )
                 tensors += 1
             assert after.meta.get("nn_module_stack") == before.meta.get("nn_module_stack"), after
-        assert tensors > len(captured.graph.nodes) // 2, (name, tensors)  # export's fake tensors were compared
+        assert tensors > len(captured.graph.nodes) // 2, (
+            name,
+            tensors,
+        )  # export's fake tensors were compared
         with torch.no_grad():
             inputs = example_inputs(spec)
-            want = captured(*[x.clone() if isinstance(x, torch.Tensor) else [t.clone() for t in x] for x in inputs])
-            got = read(*[x.clone() if isinstance(x, torch.Tensor) else [t.clone() for t in x] for x in inputs])
-        assert torch.equal(torch.as_tensor(got[0] if isinstance(got, tuple) else got),
-                           torch.as_tensor(want[0] if isinstance(want, tuple) else want)), name
+            want = captured(
+                *[x.clone() if isinstance(x, torch.Tensor) else [t.clone() for t in x] for x in inputs]
+            )
+            got = read(
+                *[x.clone() if isinstance(x, torch.Tensor) else [t.clone() for t in x] for x in inputs]
+            )
+        assert torch.equal(
+            torch.as_tensor(got[0] if isinstance(got, tuple) else got),
+            torch.as_tensor(want[0] if isinstance(want, tuple) else want),
+        ), name
 
 
 def test_a_graph_calling_a_python_function_is_not_kept_and_says_which_node():
@@ -62,6 +75,9 @@ def test_a_graph_calling_a_python_function_is_not_kept_and_says_which_node():
 def test_a_file_of_another_version_is_refused():
     exported = torch.export.export(torch.nn.ReLU(), (torch.ones(2),)).module()
     data = json.loads(graph_file.dumps(exported))
-    assert graph_file.loads(json.dumps(data), torch.nn.ReLU())(torch.tensor([-1.0, 2.0])).tolist() == [0.0, 2.0]
+    assert graph_file.loads(json.dumps(data), torch.nn.ReLU())(torch.tensor([-1.0, 2.0])).tolist() == [
+        0.0,
+        2.0,
+    ]
     with pytest.raises(ValueError, match="version 99"):
         graph_file.loads(json.dumps({**data, "version": 99}), torch.nn.ReLU())

@@ -37,10 +37,14 @@ def test_unsupported_kinds_are_refused_naming_class_and_kind():
     with pytest.raises(CaptureError, match="Gemma3TextConfig: layer 1 has attention kind 'linear_attention'"):
         layer_kinds(config, 3)
     config = Qwen2Config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
-    with pytest.raises(CaptureError, match="Qwen2Config: layer 0 is sliding_attention but the config has no sliding"):
+    with pytest.raises(
+        CaptureError, match="Qwen2Config: layer 0 is sliding_attention but the config has no sliding"
+    ):
         layer_kinds(config, 2)  # use_sliding_window=False leaves no window
     config = tiny_family_config("gemma3", use_bidirectional_attention=True)
-    with pytest.raises(CaptureError, match="Gemma3TextConfig: use_bidirectional_attention=True is not causal"):
+    with pytest.raises(
+        CaptureError, match="Gemma3TextConfig: use_bidirectional_attention=True is not causal"
+    ):
         layer_kinds(config, 3)
 
 
@@ -58,7 +62,7 @@ def test_attention_variants_reach_the_op():
     """Layers with a softcap or sinks use the variants op; the others keep the plain op's short schema."""
     gemma2 = nodes(capture(tiny_family_target("gemma2")).graph_module, VARIANTS_OP)
     assert [n.args[8] for n in gemma2] == [1.0, 1.0]  # attn_logit_softcapping
-    assert all(n.args[7] == pytest.approx(24 ** -0.5) for n in gemma2)  # query_pre_attn_scalar, not head_dim
+    assert all(n.args[7] == pytest.approx(24**-0.5) for n in gemma2)  # query_pre_attn_scalar, not head_dim
     assert all(n.args[9] is None for n in gemma2)
     plain = capture(tiny_family_target("gemma3")).graph_module
     assert len(nodes(plain, ATTENTION_OP)) == 3 and not nodes(plain, VARIANTS_OP)
@@ -71,8 +75,17 @@ def run(captured, store, ids, start):
     B, T = ids.shape
     index = torch.arange(start, start + T).expand(B, T).contiguous()
     store.claim(index, index, torch.zeros_like(index))
-    return captured.graph_module(ids, index, index, torch.zeros_like(index), index, store.slot_pos,
-                                 store.slot_branch, store.k_caches, store.v_caches)
+    return captured.graph_module(
+        ids,
+        index,
+        index,
+        torch.zeros_like(index),
+        index,
+        store.slot_pos,
+        store.slot_branch,
+        store.k_caches,
+        store.v_caches,
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -83,8 +96,11 @@ def test_logits_equal_hf_forward_past_the_window(family):
     ids = torch.randint(3, 128, (2, 14), generator=torch.Generator().manual_seed(0))  # 14 > 3 windows
     with torch.no_grad():
         expected = model(ids).logits
-        got = [run(captured, store, ids[:, :7], 0), run(captured, store, ids[:, 7:8], 7),
-               run(captured, store, ids[:, 8:], 8)]  # KV written by one call persists for the next
+        got = [
+            run(captured, store, ids[:, :7], 0),
+            run(captured, store, ids[:, 7:8], 7),
+            run(captured, store, ids[:, 8:], 8),
+        ]  # KV written by one call persists for the next
     torch.testing.assert_close(torch.cat(got, 1), expected, rtol=1e-4, atol=1e-5)
 
 
@@ -101,7 +117,7 @@ def test_a_softcap_that_sdpa_drops_is_dropped_and_one_it_refuses_is_kept():
         model.config._attn_implementation_internal = "sdpa"
         try:
             as_loaded = model(ids).logits
-        except Exception:  # noqa: BLE001 - this transformers refuses a softcap under SDPA
+        except Exception:
             as_loaded = None
         captured = capture(model)
         store = KVStore(captured.spec, batch=2, capacity=16)
@@ -129,9 +145,12 @@ def test_llama4_temperature_tuning_limits_the_sequence_length():
 def test_families_outside_the_attention_interface_and_bidirectional_ones_are_refused():
     from transformers import FalconConfig, FalconForCausalLM
 
-    falcon = FalconForCausalLM(FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
-                                            vocab_size=128)).eval()
-    with pytest.raises(CaptureError, match="FalconForCausalLM does not route attention through .*AttentionInterface"):
+    falcon = FalconForCausalLM(
+        FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128)
+    ).eval()
+    with pytest.raises(
+        CaptureError, match="FalconForCausalLM does not route attention through .*AttentionInterface"
+    ):
         capture(falcon)
     with pytest.raises(CaptureError, match="use_bidirectional_attention=True is not causal"):
         capture(tiny_family_target("gemma3", use_bidirectional_attention=True))
@@ -148,7 +167,9 @@ def test_sinks_the_attention_call_does_not_pass_are_refused(monkeypatch, no_capt
 
     monkeypatch.setattr(hf_hook, "saguaro_attention_forward", without_sinks)  # capture registers it
     try:
-        with pytest.raises(CaptureError, match=r"GptOssAttention \(layer 0\) has attention sinks that its attention"):
+        with pytest.raises(
+            CaptureError, match=r"GptOssAttention \(layer 0\) has attention sinks that its attention"
+        ):
             capture(tiny_family_target("gpt_oss"))
     finally:
         monkeypatch.undo()

@@ -4,8 +4,8 @@ import networkx as nx
 import pytest
 
 import saguaro
-from saguaro.runtime.draft import tree
 from saguaro.core.schedule import DEFAULT_COST_S, critical_path, expected_overlap, lane_order, round_schedule
+from saguaro.runtime.draft import tree
 from tests.conftest import tiny_pair
 from tests.models import prompts
 
@@ -13,11 +13,20 @@ from tests.models import prompts
 def test_ssd_round_structure():
     g = round_schedule("ssd", 3)
     assert nx.is_directed_acyclic_graph(g)
-    assert lane_order(g, "draft") == ["draft.glue", "draft.tree.1", "draft.tree.2", "draft.tree.3", "fallback"]
+    assert lane_order(g, "draft") == [
+        "draft.glue",
+        "draft.tree.1",
+        "draft.tree.2",
+        "draft.tree.3",
+        "fallback",
+    ]
     assert lane_order(g, "target") == ["target.verify"]
     assert set(g.predecessors("match")) == {"target.verify", "draft.tree.3"}
     assert g.nodes["draft.glue"]["stage"].qualified == "draft.glue"
-    assert g.nodes["draft.tree.2"]["stage"].qualified == "draft.tree_greedy" and g.nodes["draft.tree.2"]["depth"] == 2
+    assert (
+        g.nodes["draft.tree.2"]["stage"].qualified == "draft.tree_greedy"
+        and g.nodes["draft.tree.2"]["depth"] == 2
+    )
     assert "a" in g.nodes["target.verify"]["outputs"]
 
 
@@ -53,18 +62,32 @@ def test_critical_path_and_overlap_follow_costs():
 def test_runtime_builds_in_schedule_order(monkeypatch):
     target, draft, _ = tiny_pair("llama")
     # a fixed tree (the planner's first rounds may build none)
-    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", fan_out="geometric", backend="eager", sd_when_faster=False)
+    program = saguaro.compile(
+        target,
+        draft,
+        k=3,
+        mode="ssd",
+        lane="thread",
+        fan_out="geometric",
+        backend="eager",
+        sd_when_faster=False,
+    )
     seen = []
     real_glue, real_depth = tree.TreeBuild.glue, tree.TreeBuild.depth
     monkeypatch.setattr(tree.TreeBuild, "glue", lambda self: (seen.append("draft.glue"), real_glue(self))[1])
-    monkeypatch.setattr(tree.TreeBuild, "depth",
-                        lambda self, d, stage: (seen.append(f"draft.tree.{d}"), real_depth(self, d, stage))[1])
+    monkeypatch.setattr(
+        tree.TreeBuild,
+        "depth",
+        lambda self, d, stage: (seen.append(f"draft.tree.{d}"), real_depth(self, d, stage))[1],
+    )
     ids, mask = prompts(1, 6, seed=1)
     out = program.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
     assert seen[:4] == ["draft.glue", "draft.tree.1", "draft.tree.2", "draft.tree.3"]
     # the stats read the program's schedule, costed with the stage times this generation measured
     g = program.schedule
-    assert g.nodes["draft.glue"]["cost"] != DEFAULT_COST_S and g.nodes["target.verify"]["cost"] != DEFAULT_COST_S
+    assert (
+        g.nodes["draft.glue"]["cost"] != DEFAULT_COST_S and g.nodes["target.verify"]["cost"] != DEFAULT_COST_S
+    )
     path, length = critical_path(g)
     assert out.stats["critical_path"] == path and path[-1] == "match"
     assert out.stats["critical_path_ms"] == pytest.approx(1000 * length)

@@ -40,32 +40,77 @@ def test_demo_prints_completion_table_and_bench_hint(demo_main, tiny_default_pai
     # the real-size table's pair: a second tiny pair standing in for seeded_pair's 1.1B one
     real = tiny_target("qwen2", logit_scale=4.0)
     shapes = []
-    monkeypatch.setitem(demo_main.__globals__, "seeded_pair",
-                        lambda shape: shapes.append(shape) or (real, truncated_draft(real), tiny_tokenizer()))
-    assert demo_main(["--prompt", "def f(x):", "--max-new-tokens", "6", "--prompts", "2", "--k", "3",
-                      "--backend", "eager", "--repeats", "2"]) == 0
+    monkeypatch.setitem(
+        demo_main.__globals__,
+        "seeded_pair",
+        lambda shape: shapes.append(shape) or (real, truncated_draft(real), tiny_tokenizer()),
+    )
+    assert (
+        demo_main(
+            [
+                "--prompt",
+                "def f(x):",
+                "--max-new-tokens",
+                "6",
+                "--prompts",
+                "2",
+                "--k",
+                "3",
+                "--backend",
+                "eager",
+                "--repeats",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "def f(x):" in out
     [rows, real_rows] = tables
     assert shapes == ["tinyllama-1.1b"]  # the default shape, built once
     assert [row["mode"] for row in rows] == [row["mode"] for row in real_rows] == ["ar", "sd", "ssd"]
     first, second = out.split("A pair of a size people run: the tinyllama-1.1b shape")
-    check_timed_passes(rows, 2, first)  # every mode warmed up, then ar, sd, ssd, ar, sd, ssd; median and spread
+    check_timed_passes(
+        rows, 2, first
+    )  # every mode warmed up, then ar, sd, ssd, ar, sd, ssd; median and spread
     check_timed_passes(real_rows, 2, second)
     assert "1 prompt x 40 tokens" in second and "eager stages over the packed kernel" in second
     gigabytes = sum(t.numel() * t.element_size() for t in real.parameters()) / 1e9
     assert f"({gigabytes:.1f} GB of weights)" in second
-    busy = [row["mode"] for row in rows if (row["spread_pct"] or 0) > 25]  # under the table when the machine was busy
-    assert ("The machine was busy" in first) == bool(busy) and all(mode in first.split("was busy")[-1] for mode in busy)
+    busy = [
+        row["mode"] for row in rows if (row["spread_pct"] or 0) > 25
+    ]  # under the table when the machine was busy
+    assert ("The machine was busy" in first) == bool(busy) and all(
+        mode in first.split("was busy")[-1] for mode in busy
+    )
     assert table_column(first, "vs SD", 3)[1] == "1.00x" and table_column(second, "vs SD", 3)[1] == "1.00x"
     assert all(re.fullmatch(r"[0-9.]+x", cell) for cell in table_column(out, "vs SD", 3))  # vs SD filled
     assert "make bench" in out and "saguaro bench --json bench.json" in out
 
 
 def test_demo_real_size_off_builds_no_second_pair(demo_main, tiny_default_pair, capsys, monkeypatch):
-    monkeypatch.setitem(demo_main.__globals__, "seeded_pair", lambda shape: pytest.fail("built a real-size pair"))
-    assert demo_main(["--max-new-tokens", "4", "--prompts", "1", "--k", "2", "--backend", "eager", "--repeats", "1",
-                      "--real-size", "off"]) == 0
+    monkeypatch.setitem(
+        demo_main.__globals__, "seeded_pair", lambda shape: pytest.fail("built a real-size pair")
+    )
+    assert (
+        demo_main(
+            [
+                "--max-new-tokens",
+                "4",
+                "--prompts",
+                "1",
+                "--k",
+                "2",
+                "--backend",
+                "eager",
+                "--repeats",
+                "1",
+                "--real-size",
+                "off",
+            ]
+        )
+        == 0
+    )
     assert "A pair of a size people run" not in capsys.readouterr().out
 
 

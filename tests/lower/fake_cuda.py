@@ -17,17 +17,17 @@ import torch
 
 
 class FakeStream:
-    def __init__(self, cuda: "FakeCuda", name: str, device=None, priority: int = 0):
+    def __init__(self, cuda: FakeCuda, name: str, device=None, priority: int = 0):
         self.cuda, self.name, self.device, self.priority = cuda, name, device, priority
         self.waited_on: list[str] = []
 
-    def wait_stream(self, other: "FakeStream") -> None:
+    def wait_stream(self, other: FakeStream) -> None:
         self.waited_on.append(other.name)
         self.cuda.events.append(("wait", self.name, other.name))
 
 
 class FakeGraph:
-    def __init__(self, cuda: "FakeCuda"):
+    def __init__(self, cuda: FakeCuda):
         self.cuda, self.kernels, self.replays = cuda, [], 0
 
     def replay(self) -> None:
@@ -58,7 +58,7 @@ class FakeCuda:
     def capturing(self, graph: FakeGraph | None) -> None:
         self._local.graph = graph
 
-    def install(self, monkeypatch) -> "FakeCuda":
+    def install(self, monkeypatch) -> FakeCuda:
         monkeypatch.setattr(torch.cuda, "Stream", self.new_stream)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.active)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -26,8 +26,12 @@ def graphed(program, device_type: str = "cuda", wrap=lambda fn, stage: fn) -> di
             fn = build(stage)
             if not captures_stage(stage):
                 return fn
-            graphs = GraphedStage(wrap(fn, stage), stage.qualified, mutated_inputs(build.stage_graph(stage)),
-                                  device_type=device_type)
+            graphs = GraphedStage(
+                wrap(fn, stage),
+                stage.qualified,
+                mutated_inputs(build.stage_graph(stage)),
+                device_type=device_type,
+            )
             made["stages"][stage.qualified] = graphs
             return graphs
 
@@ -36,10 +40,13 @@ def graphed(program, device_type: str = "cuda", wrap=lambda fn, stage: fn) -> di
             made["stores"].append((runner.name, batch, capacity, store.k_caches[0].data_ptr()))
             return store
 
-        def graphed_fn(fn, name, fixed):  # a function of several stages (SD's round), as CompiledStages.graphed
+        def graphed_fn(
+            fn, name, fixed
+        ):  # a function of several stages (SD's round), as CompiledStages.graphed
             # its stages run as themselves inside it, on a real device because its replay runs no Python
-            made["stages"][name] = GraphedStage(wrap(enclosing(fn), None), name, fixed, device_type=device_type,
-                                                encloses=True)
+            made["stages"][name] = GraphedStage(
+                wrap(enclosing(fn), None), name, fixed, device_type=device_type, encloses=True
+            )
             return made["stages"][name]
 
         wrapped.graphed = graphed_fn

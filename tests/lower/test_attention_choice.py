@@ -3,9 +3,17 @@ the tree stage of Inductor on CUDA behind FLEX_TREE_ON_CUDA, off until the GPU p
 
 import pytest
 
-from saguaro.core.stages import DRAFT_GLUE, DRAFT_STEP, DRAFT_TREE, STAGES, TARGET_ROUND, TARGET_STEP, TARGET_VERIFY
-from saguaro.lower import lowering
-from saguaro.lower.lowering import attention_implementation
+from saguaro.core.stages import (
+    DRAFT_GLUE,
+    DRAFT_STEP,
+    DRAFT_TREE,
+    STAGES,
+    TARGET_ROUND,
+    TARGET_STEP,
+    TARGET_VERIFY,
+)
+from saguaro.lower import kernel_choice
+from saguaro.lower.kernel_choice import attention_implementation
 from saguaro.passes.lower_attention import attention_flex, attention_inline
 from saguaro.passes.pipeline import build_stage
 from tests.passes.stage_helpers import base_graph, count
@@ -14,7 +22,9 @@ TREE = DRAFT_TREE.greedy.mask
 
 
 def test_auto_keeps_todays_choice_everywhere():
-    assert lowering.FLEX_TREE_ON_CUDA is False  # the one-line switch, once benchmarks/gpu_probe.py measures it
+    assert (
+        kernel_choice.FLEX_TREE_ON_CUDA is False
+    )  # the one-line switch, once benchmarks/gpu_probe.py measures it
     for stage in STAGES:
         for device in ("cpu", "cuda"):
             assert attention_implementation("eager", "auto", device, stage.mask) == "op"
@@ -25,16 +35,23 @@ def test_auto_keeps_todays_choice_everywhere():
 @pytest.mark.parametrize("requested", ["op", "inline", "flex"])
 def test_an_explicit_choice_is_kept_for_every_stage(requested):
     for stage in STAGES:
-        assert attention_implementation("inductor", requested, "cuda", stage.mask, flex_tree=True) == requested
+        assert (
+            attention_implementation("inductor", requested, "cuda", stage.mask, flex_tree=True) == requested
+        )
 
 
 def test_flex_tree_picks_flex_for_the_tree_stage_of_inductor_on_cuda_only(monkeypatch):
     assert attention_implementation("inductor", "auto", "cuda", TREE, flex_tree=True) == "flex"
-    assert attention_implementation("inductor", "auto", "cuda", TARGET_VERIFY.greedy.mask, flex_tree=True) == "inline"
+    assert (
+        attention_implementation("inductor", "auto", "cuda", TARGET_VERIFY.greedy.mask, flex_tree=True)
+        == "inline"
+    )
     assert attention_implementation("inductor", "auto", "cpu", TREE, flex_tree=True) == "inline"
     assert attention_implementation("eager", "auto", "cuda", TREE, flex_tree=True) == "op"
-    assert attention_implementation("inductor", "auto", "cuda", None, flex_tree=True) == "inline"  # no stage named
-    monkeypatch.setattr(lowering, "FLEX_TREE_ON_CUDA", True)  # what flipping the switch does
+    assert (
+        attention_implementation("inductor", "auto", "cuda", None, flex_tree=True) == "inline"
+    )  # no stage named
+    monkeypatch.setattr(kernel_choice, "FLEX_TREE_ON_CUDA", True)  # what flipping the switch does
     assert attention_implementation("inductor", "auto", "cuda", TREE) == "flex"
     assert attention_implementation("inductor", "auto", "cuda", TREE, flex_tree=False) == "inline"
 
@@ -52,7 +69,7 @@ def test_per_stage_choice_gives_flex_tree_graphs_and_inline_others():
 def test_auto_reduces_the_attention_of_ars_target_stages_on_cpu_only():
     """SDPA's CPU kernel spends a one-query call mostly in its BLAS set-up: AR's target stages compute the
     attention as Inductor's own reductions there; the draft's step, the verify and CUDA keep SDPA."""
-    assert lowering.REDUCED_ATTENTION == (TARGET_STEP, TARGET_ROUND)
+    assert kernel_choice.REDUCED_ATTENTION == (TARGET_STEP, TARGET_ROUND)
     for stage in STAGES:
         want = "reduce" if stage in (TARGET_STEP, TARGET_ROUND) else "inline"
         assert attention_implementation("inductor", "auto", "cpu", stage.mask, stage=stage) == want, stage
@@ -70,7 +87,9 @@ def test_reduce_requested_reduces_ars_target_stages_on_any_device_and_inlines_th
         want = "reduce" if stage in (TARGET_STEP, TARGET_ROUND) else "inline"
         for backend in ("inductor", "eager"):
             for device in ("cpu", "cuda"):
-                assert attention_implementation(backend, "reduce", device, stage.mask, stage=stage) == want, stage
+                assert attention_implementation(backend, "reduce", device, stage.mask, stage=stage) == want, (
+                    stage
+                )
 
 
 def test_reduce_is_an_allowed_option_and_an_unknown_one_names_them_all():
@@ -78,7 +97,9 @@ def test_reduce_is_an_allowed_option_and_an_unknown_one_names_them_all():
     from saguaro.core.errors import ConfigError
 
     assert SaguaroConfig(attention="reduce").attention == "reduce"
-    with pytest.raises(ConfigError, match="attention='reduced' is not allowed: choose one of auto, op, inline, flex, reduce"):
+    with pytest.raises(
+        ConfigError, match="attention='reduced' is not allowed: choose one of auto, op, inline, flex, reduce"
+    ):
         SaguaroConfig(attention="reduced")
 
 

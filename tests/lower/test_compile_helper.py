@@ -13,10 +13,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import saguaro
-from saguaro.lower import compile_helper
+from saguaro.lower import compile_helper, graph_transport
 from saguaro.lower.compile_helper import CompileHelper, read_message, write_message
 from saguaro.lower.compile_thread import BackgroundCompiler
-from saguaro.lower import graph_transport
 from saguaro.lower.graph_transport import EmptyTensor, pack_graph, unpack_graph
 from saguaro.passes.base.graph_splice import get_attribute
 from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
@@ -28,7 +27,9 @@ def stage_graph():
     program = saguaro.compile(target, mode="ar", backend="eager", attention="inline", linears="reduction")
     ids, mask = prompts(1, 5, seed=6)
     program.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
-    return next(fn for stage, fn in program.target.built_stages.items() if stage.qualified == "target.round_greedy")
+    return next(
+        fn for stage, fn in program.target.built_stages.items() if stage.qualified == "target.round_greedy"
+    )
 
 
 def test_a_stage_graph_travels_with_its_code_and_its_weights_as_metadata(monkeypatch):
@@ -141,7 +142,12 @@ def test_the_helper_takes_the_next_job_while_the_thread_compiles_and_its_jobs_co
     log = []
     compiler, helper = compiler_with_fake_helper()
     gate = threading.Event()
-    a, b, c, d = (FakeJob("a", log, gate), FakeJob("b", log), FakeJob("c", log), FakeJob("d", log, serves=False))
+    a, b, c, d = (
+        FakeJob("a", log, gate),
+        FakeJob("b", log),
+        FakeJob("c", log),
+        FakeJob("d", log, serves=False),
+    )
     compiler.submit(a)
     until(lambda: compiler._running is a)
     assert not helper.sent  # a lone job is the thread's
@@ -196,7 +202,9 @@ def test_a_helper_that_dies_fails_its_jobs_and_the_thread_compiles_them():
 
 
 @pytest.mark.heavy
-def test_a_helper_process_fills_the_caches_the_compile_thread_reads_and_tokens_stay_exact(monkeypatch, tmp_path):
+def test_a_helper_process_fills_the_caches_the_compile_thread_reads_and_tokens_stay_exact(
+    monkeypatch, tmp_path
+):
     monkeypatch.setenv(compile_helper.HELPER_ENV, "1")
     # an empty Inductor cache (the helper inherits it): a hit below can only be what the helper wrote
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
@@ -209,8 +217,11 @@ def test_a_helper_process_fills_the_caches_the_compile_thread_reads_and_tokens_s
     compiler = program.target.build.compiler
     done = []
     replied = compiler._helper_replied
-    monkeypatch.setattr(compiler, "_helper_replied", lambda job, ok, detail: (done.append((job.stage.name, ok)),
-                                                                               replied(job, ok, detail)))
+    monkeypatch.setattr(
+        compiler,
+        "_helper_replied",
+        lambda job, ok, detail: (done.append((job.stage.name, ok)), replied(job, ok, detail)),
+    )
     compiler._helper._on_reply = compiler._helper_replied
     hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
     try:
@@ -218,7 +229,9 @@ def test_a_helper_process_fills_the_caches_the_compile_thread_reads_and_tokens_s
         assert torch.equal(first.sequences, expected)
         assert program.wait_compiled(timeout=540)
         assert any(ok for _, ok in done), f"the helper compiled no stage: {done}"
-        assert counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"] > hits
+        assert (
+            counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"] > hits
+        )
         second = program.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, mode="sd")
         assert torch.equal(second.sequences, expected)
     finally:
@@ -237,7 +250,9 @@ def test_a_request_s_setup_functions_run_before_its_graph_is_read(monkeypatch):
     from saguaro.lower import compile_helper_main
 
     order = []
-    monkeypatch.setattr(compile_helper_main, "unpack_graph", lambda packed: order.append(list(SETUP_CALLS)) or 1 / 0)
+    monkeypatch.setattr(
+        compile_helper_main, "unpack_graph", lambda packed: order.append(list(SETUP_CALLS)) or 1 / 0
+    )
     SETUP_CALLS.clear()
     with pytest.raises(ZeroDivisionError):
         compile_helper_main.compile_request({"graph": None, "setup": (f"{__name__}:record_setup",)})

@@ -62,16 +62,26 @@ def test_a_program_holds_its_compiles_through_the_prefill_and_releases_them_at_t
         program.prepare("ar", 0.0)
         for fn in program.target.built_stages.values():
             fn.compiled = fn.gm  # the graph itself stands in for Inductor's form: no compile to wait for
-        prefill = next(fn for stage, fn in program.target.built_stages.items() if stage.qualified == "target.prefill")
+        prefill = next(
+            fn for stage, fn in program.target.built_stages.items() if stage.qualified == "target.prefill"
+        )
         eager = prefill.gm
 
         def watched(*args):  # the prefill runs eager while its compile waits, held
             seen.append(("prefill", compiler.held, compiler.pending))
             return eager(*args)
+
         prefill.gm = watched
-        out = program.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None,
-                               on_round=lambda chunk: seen.append(("round", compiler.held)))
-        assert seen[0] == ("prefill", True, 1) and seen[1] == ("round", False), seen  # its compile queued, held
+        out = program.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=3,
+            eos_token_id=None,
+            on_round=lambda chunk: seen.append(("round", compiler.held)),
+        )
+        assert seen[0] == ("prefill", True, 1) and seen[1] == ("round", False), (
+            seen
+        )  # its compile queued, held
         assert out.sequences.equal(reference_greedy(target, ids, mask, 3))
     finally:
         program.close()

@@ -12,10 +12,11 @@ from saguaro.lower.cuda_graphs import GraphedStage, difference
 from saguaro.lower.lowering import lower_graph
 from tests.lower.fake_cuda import FakeCuda, Kernelized
 
-
 # Dynamo reads the real torch.cuda while tracing: the fake one stands in only where there is none (a GPU machine
 # runs the real graphs in tests/runtime/test_host_syncs_gpu.py and the probe instead).
-NEEDS_NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="the fake torch.cuda conflicts with Dynamo on a real GPU")
+NEEDS_NO_CUDA = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the fake torch.cuda conflicts with Dynamo on a real GPU"
+)
 
 
 def writing_stage(cuda: FakeCuda, calls: list, bad_output: bool = False, bad_cache: bool = False):
@@ -60,8 +61,9 @@ def test_a_matching_first_replay_keeps_replaying_and_each_signature_is_checked_o
 def test_a_replay_that_differs_in_an_output_turns_the_stage_off(monkeypatch, caplog):
     cuda = FakeCuda().install(monkeypatch)
     calls = []
-    stage = GraphedStage(writing_stage(cuda, calls, bad_output=True), "target.verify_greedy", fixed=(1,),
-                         device_type="cpu")
+    stage = GraphedStage(
+        writing_stage(cuda, calls, bad_output=True), "target.verify_greedy", fixed=(1,), device_type="cpu"
+    )
     cache = torch.zeros(4)
     with caplog.at_level(logging.WARNING, logger="saguaro.lower.cuda_graphs"):
         outs = run(stage, cache, (1, 2, 3))
@@ -72,7 +74,10 @@ def test_a_replay_that_differs_in_an_output_turns_the_stage_off(monkeypatch, cap
     assert not stage._entries, "the graphs (and their memory) are dropped"
     why = "the first replay of its CUDA graph differs from the stage run without it: output 0 (3,) torch.float32"
     assert stage.graphs_off == why + ": 3 of 3 elements differ"
-    assert f"stage target.verify_greedy: {why}" in caplog.text and "runs without CUDA graphs from now on" in caplog.text
+    assert (
+        f"stage target.verify_greedy: {why}" in caplog.text
+        and "runs without CUDA graphs from now on" in caplog.text
+    )
     run(stage, torch.zeros(4), (4,))  # another signature: no graph either (the whole stage is off)
     assert stage.counts["warmups"] == 1 and stage.counts["passed"] == 2
 
@@ -90,14 +95,22 @@ def test_a_replay_that_differs_in_a_written_input_turns_the_stage_off_and_keeps_
 def test_difference_compares_bits_shapes_dtypes_and_counts():
     a = torch.tensor([0.0, float("nan"), 1.0])
     assert difference([a], [a.clone()], ["output 0"]) is None, "the same NaN bits are equal"
-    assert difference([a], [torch.tensor([-0.0, float("nan"), 1.0])], ["output 0"]) == \
-        "output 0 (3,) torch.float32: 1 of 3 elements differ"  # -0.0 is another bit pattern
+    assert (
+        difference([a], [torch.tensor([-0.0, float("nan"), 1.0])], ["output 0"])
+        == "output 0 (3,) torch.float32: 1 of 3 elements differ"
+    )  # -0.0 is another bit pattern
     assert difference([a], [a[:2]], ["x"]) == "x: (3,) torch.float32 instead of (2,) torch.float32"
     assert difference([a], [a.double()], ["x"]) == "x: (3,) torch.float32 instead of (3,) torch.float64"
     assert difference([torch.empty(0)], [torch.empty(0)], ["x"]) is None
     wide = torch.tensor([1, 2], dtype=torch.int64)
-    assert difference([wide], [torch.tensor([1, 2 + 2**40])], ["x"]) == "x (2,) torch.int64: 1 of 2 elements differ"
-    assert difference([torch.tensor(True)], [torch.tensor(False)], ["x"]) == "x () torch.bool: 1 of 1 elements differ"
+    assert (
+        difference([wide], [torch.tensor([1, 2 + 2**40])], ["x"])
+        == "x (2,) torch.int64: 1 of 2 elements differ"
+    )
+    assert (
+        difference([torch.tensor(True)], [torch.tensor(False)], ["x"])
+        == "x () torch.bool: 1 of 1 elements differ"
+    )
 
 
 def test_a_different_number_of_outputs_is_a_difference(monkeypatch):
@@ -111,8 +124,9 @@ def test_a_different_number_of_outputs_is_a_difference(monkeypatch):
     graphed = GraphedStage(Kernelized(stage, cuda), "draft.test", device_type="cpu")
     for _ in range(2):
         out = graphed(torch.ones(2))
-    assert len(out) == 2 and graphed.graphs_off.endswith("its CUDA graph differs from the stage run without it: "
-                                                         "1 outputs instead of 2")
+    assert len(out) == 2 and graphed.graphs_off.endswith(
+        "its CUDA graph differs from the stage run without it: 1 outputs instead of 2"
+    )
 
 
 @NEEDS_NO_CUDA
@@ -125,7 +139,9 @@ def test_dynamic_dims_reach_the_static_buffers_so_one_compile_serves_every_shape
         torch._dynamo.reset()
         counter = CompileCounter()
         compiled = torch.compile(lambda x: (x * 2,), backend=counter, fullgraph=True)
-        stage = GraphedStage(Kernelized(compiled, cuda), "draft.test", device_type="cpu", dynamic_dims=dynamic)
+        stage = GraphedStage(
+            Kernelized(compiled, cuda), "draft.test", device_type="cpu", dynamic_dims=dynamic
+        )
         for width in (5, 7, 9):
             for _ in range(3):  # warm-up (compiles), capture and check, replay
                 x = torch.arange(2.0 * width).view(2, width)
@@ -133,7 +149,9 @@ def test_dynamic_dims_reach_the_static_buffers_so_one_compile_serves_every_shape
         compiles[bool(dynamic)] = counter.frame_count
         assert stage.counts["captures"] == 3 and stage.counts["mismatches"] == 0
     torch._dynamo.reset()
-    assert compiles == {False: 2, True: 1}, "static: a compile, then dynamo's automatic dynamic one; marked: one"
+    assert compiles == {False: 2, True: 1}, (
+        "static: a compile, then dynamo's automatic dynamic one; marked: one"
+    )
 
 
 def test_lowered_inductor_stages_compile_dynamic_under_cuda_graphs_and_report_their_graphs():
@@ -143,7 +161,9 @@ def test_lowered_inductor_stages_compile_dynamic_under_cuda_graphs_and_report_th
     graph.output((graph.call_function(torch.mul, (x, 2)),))
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     stage = lower_graph(gm, "inductor", "draft.test", "cuda", cuda_graphs=True, dynamic_dims={0: (0,)})
-    assert stage.dynamic_dims == {0: (0,)} and stage.compiled.dynamic_dims == {0: (0,)}  # one compile, not static
+    assert stage.dynamic_dims == {0: (0,)} and stage.compiled.dynamic_dims == {
+        0: (0,)
+    }  # one compile, not static
     assert stage.graphs_off is None
     stage.compiled.mismatch = "why"
     assert stage.graphs_off == "why"
@@ -171,8 +191,13 @@ def test_a_graphed_compiled_stage_compiles_once_for_every_bucket_and_captures_pe
     torch._dynamo.reset()
     counter = CompileCounter()
     dims = {0: (1,), 1: (1,)}
-    graphs = GraphedStage(Kernelized(torch.compile(gm.forward, backend=counter, fullgraph=True), cuda), "draft.test",
-                          mutated_inputs(gm), device_type="cpu", dynamic_dims=dims)
+    graphs = GraphedStage(
+        Kernelized(torch.compile(gm.forward, backend=counter, fullgraph=True), cuda),
+        "draft.test",
+        mutated_inputs(gm),
+        device_type="cpu",
+        dynamic_dims=dims,
+    )
     stage = CompiledStage(gm, graphs, "draft.test", dims)
     assert graphs.fixed == {1} and not stage.direct_calls
     for length, capacity in ((5, 16), (7, 32), (9, 48)):
@@ -187,7 +212,9 @@ def test_a_graphed_compiled_stage_compiles_once_for_every_bucket_and_captures_pe
     assert graphs.counts["replays"] == 6 and stage.graphs_off is None
 
 
-def test_an_enclosing_stage_runs_its_stages_inside_its_graph_and_without_its_graph_they_keep_theirs(monkeypatch):
+def test_an_enclosing_stage_runs_its_stages_inside_its_graph_and_without_its_graph_they_keep_theirs(
+    monkeypatch,
+):
     cuda = FakeCuda().install(monkeypatch)
     inner = GraphedStage(writing_stage(cuda, []), "draft.test", fixed=(1,), device_type="cpu")
 

@@ -20,7 +20,7 @@ from tests.models import prompts, reference_greedy, tiny_target, truncated_draft
 OPTIONS = dict(k=3, backend="eager", fan_out="geometric", fallback="neural", lane="thread")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pair():
     target = tiny_target("llama", seed=5)
     return target, truncated_draft(target)
@@ -53,8 +53,12 @@ def test_graphed_generations_equal_target_generate_and_replay_across_generations
         return
     # SD: the k draft steps and the verify are one graph, captured once; its stages run inside it
     rounds = made["stages"][f"{ROUND_NAME} k=3"]
-    assert rounds.counts["captures"] == 1 and rounds.counts["checks"] == 1 and rounds.counts["mismatches"] == 0
-    assert rounds.counts["replays"] == last["rounds"] - 1, "every SD round but the first (its warm-up) replays"
+    assert (
+        rounds.counts["captures"] == 1 and rounds.counts["checks"] == 1 and rounds.counts["mismatches"] == 0
+    )
+    assert rounds.counts["replays"] == last["rounds"] - 1, (
+        "every SD round but the first (its warm-up) replays"
+    )
     assert verify.counts["captures"] == 0 and verify.counts["enclosed"] == last["rounds"] + 2
 
 
@@ -88,12 +92,15 @@ def test_graphed_ar_rounds_equal_the_ungraphed_program_and_replay_in_later_gener
         assert out.stats["graphs_off"] == {} and out.stats["plan"] == "mode ar asked"
     rounds = made["stages"][TARGET_ROUND.qualified]
     assert rounds.counts["captures"] == 1 and len(rounds._entries) == 1, "one graph for every generation"
-    assert rounds.counts["replays"] == 3 * 11 - 1 and rounds.counts["checks"] == 1  # all rounds but the warm-up
+    assert (
+        rounds.counts["replays"] == 3 * 11 - 1 and rounds.counts["checks"] == 1
+    )  # all rounds but the warm-up
     assert program.target.seq_pool.reused == 2, "the later generations took the first one's buffers"
     (pooled,) = program.target.seq_pool._free.values()  # the buffers, back in the pool
     (signature,) = rounds._entries
-    assert pooled.tokens.data_ptr() in {part[0] for part in signature[-1] if len(part) == 4}, \
+    assert pooled.tokens.data_ptr() in {part[0] for part in signature[-1] if len(part) == 4}, (
         "the token buffer the round writes in place is part of its graph's signature, at its fixed address"
+    )
 
 
 def _wrong_first_output(outputs):
@@ -107,22 +114,39 @@ def test_a_stage_whose_replay_differs_runs_ungraphed_and_the_stats_say_so(monkey
     cuda = FakeCuda().install(monkeypatch)
     program = saguaro.compile(target, draft, mode=mode, sd_when_faster=False, **OPTIONS)
     wrong = f"{ROUND_NAME} k=3" if mode == "sd" else TARGET_VERIFY.greedy.qualified
-    made = graphed(program, "cpu", lambda fn, stage: Kernelized(fn, cuda, _wrong_first_output if (
-        stage.qualified if stage is not None else f"{ROUND_NAME} k=3") == wrong else None))
+    made = graphed(
+        program,
+        "cpu",
+        lambda fn, stage: Kernelized(
+            fn,
+            cuda,
+            _wrong_first_output
+            if (stage.qualified if stage is not None else f"{ROUND_NAME} k=3") == wrong
+            else None,
+        ),
+    )
     ids, mask = prompts(2, 7, seed=3)
     expected = reference_greedy(target, ids, mask, max_new_tokens=14)
     with caplog.at_level("WARNING", logger="saguaro.lower.cuda_graphs"):
-        outs = [program.generate(ids, attention_mask=mask, max_new_tokens=14, eos_token_id=None) for _ in range(2)]
-    assert all(torch.equal(out.sequences, expected) for out in outs), "the check's call returns the right outputs"
+        outs = [
+            program.generate(ids, attention_mask=mask, max_new_tokens=14, eos_token_id=None) for _ in range(2)
+        ]
+    assert all(torch.equal(out.sequences, expected) for out in outs), (
+        "the check's call returns the right outputs"
+    )
     why = "the first replay of its CUDA graph differs from the stage run without it: output 0"
     asked = "mode sd asked" if mode == "sd" else "SSD on the thread lane"
     for out in outs:
         assert list(out.stats["graphs_off"]) == [wrong] and out.stats["graphs_off"][wrong].startswith(why)
-        assert out.stats["plan"].startswith(f"{asked}; {wrong} runs without CUDA graphs ({why}"), out.stats["plan"]
+        assert out.stats["plan"].startswith(f"{asked}; {wrong} runs without CUDA graphs ({why}"), out.stats[
+            "plan"
+        ]
     stages = made["stages"]
     assert stages[wrong].counts["mismatches"] == 1 and stages[wrong].counts["passed"] > 0
     others = [s for name, s in stages.items() if name != wrong and s.counts["captures"]]
-    assert others and all(s.counts["mismatches"] == 0 and s.counts["replays"] > s.counts["checks"] for s in others)
+    assert others and all(
+        s.counts["mismatches"] == 0 and s.counts["replays"] > s.counts["checks"] for s in others
+    )
     assert caplog.text.count(f"stage {wrong}: {why}") == 1
 
 
@@ -131,8 +155,10 @@ def test_the_sd_round_runs_stage_by_stage_when_sampled_traced_or_across_devices(
 
     from saguaro.runtime.decode.sd_graph import graphed_sd_round
 
-    target = SimpleNamespace(spec=SimpleNamespace(device=torch.device("cpu")),
-                             graphed=lambda *args: pytest.fail("no graph is asked for"))
+    target = SimpleNamespace(
+        spec=SimpleNamespace(device=torch.device("cpu")),
+        graphed=lambda *args: pytest.fail("no graph is asked for"),
+    )
     for temperature, recorder, device in ((0.8, None, "cpu"), (0.0, object(), "cpu"), (0.0, None, "meta")):
         draft = SimpleNamespace(spec=SimpleNamespace(device=torch.device(device)))
         state = SimpleNamespace(temperature=temperature, recorder=recorder)

@@ -24,7 +24,9 @@ def test_config_accepts_auto_true_false_and_defaults_to_auto(value):
 
 @pytest.mark.parametrize("value", [1, 0, "on", None, "AUTO"])
 def test_config_refuses_other_values(value):
-    with pytest.raises(ConfigError, match=rf"cuda_graphs={value!r} is not allowed: choose 'auto', True or False"):
+    with pytest.raises(
+        ConfigError, match=rf"cuda_graphs={value!r} is not allowed: choose 'auto', True or False"
+    ):
         SaguaroConfig(cuda_graphs=value)
 
 
@@ -41,7 +43,9 @@ def test_auto_is_on_on_cuda_only_and_follows_the_switch(monkeypatch):
 def test_true_off_cuda_is_a_config_error_naming_the_device():
     assert resolve_cuda_graphs(True, "cuda") is True and resolve_cuda_graphs(False, "cuda") is False
     assert resolve_cuda_graphs(False, "cpu") is False
-    with pytest.raises(ConfigError, match=r"cuda_graphs=True needs the models on a CUDA device, but they are on cpu"):
+    with pytest.raises(
+        ConfigError, match=r"cuda_graphs=True needs the models on a CUDA device, but they are on cpu"
+    ):
         resolve_cuda_graphs(True, torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"cuda_graphs='yes' is not allowed"):
         resolve_cuda_graphs("yes", "cuda")
@@ -66,7 +70,9 @@ def test_lower_graph_wraps_stages_in_graphs_only_on_cuda():
     assert lower_graph(gm, "eager", "draft.test", "cuda") is gm  # off by default
     eager = lower_graph(gm, "eager", "draft.test", "cuda", cuda_graphs=True)
     assert isinstance(eager, GraphedStage) and eager.fn is gm and eager.fixed == {1}
-    inductor = lower_graph(gm, "inductor", "draft.test", "cuda", cuda_graphs=True)  # compiles on first call only
+    inductor = lower_graph(
+        gm, "inductor", "draft.test", "cuda", cuda_graphs=True
+    )  # compiles on first call only
     assert isinstance(inductor, CompiledStage) and isinstance(inductor.compiled, GraphedStage)
     assert inductor.compiled.fixed == {1} and inductor.compiled.name == "draft.test"
     for backend in ("eager", "inductor"):
@@ -77,14 +83,18 @@ def test_lower_graph_wraps_stages_in_graphs_only_on_cuda():
 def test_inputs_off_the_device_pass_through(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: pytest.fail("no graph may be made for CPU inputs"))
     calls = []
-    stage = GraphedStage(lambda *a: calls.append(a) or (a[0] + 1,), "draft.test", fixed=(1,))  # device_type cuda
+    stage = GraphedStage(
+        lambda *a: calls.append(a) or (a[0] + 1,), "draft.test", fixed=(1,)
+    )  # device_type cuda
     x, cache = torch.ones(2), torch.zeros(2)
     for _ in range(3):
         (out,) = stage(x, cache)
         assert torch.equal(out, x + 1)
     assert all(c[0] is x and c[1] is cache for c in calls) and stage.counts["passed"] == 3
     assert stage.signature((1.0, 2)) is None  # no tensor at all
-    assert GraphedStage(lambda *a: a, "x", device_type="cpu").signature((torch.ones(1), [1])) is None  # unhashable
+    assert (
+        GraphedStage(lambda *a: a, "x", device_type="cpu").signature((torch.ones(1), [1])) is None
+    )  # unhashable
 
 
 def cache_stage(cuda: FakeCuda, log: list):
@@ -118,9 +128,20 @@ def test_warm_up_then_capture_then_replay_with_static_buffers(monkeypatch):
         outs.append(out)
     # 1st call: warm-up on the side stream; 2nd: capture (nothing runs), replay and check it against the
     # stage run without the graph; then replays only
-    assert stage.counts == {"passed": 0, "warmups": 1, "captures": 1, "replays": 3, "failed": 0, "evicted": 0,
-                            "checks": 1, "mismatches": 0, "enclosed": 0}
-    assert len(log) == 3, "the stage itself runs only to warm up, to be captured and for the first replay's check"
+    assert stage.counts == {
+        "passed": 0,
+        "warmups": 1,
+        "captures": 1,
+        "replays": 3,
+        "failed": 0,
+        "evicted": 0,
+        "checks": 1,
+        "mismatches": 0,
+        "enclosed": 0,
+    }
+    assert len(log) == 3, (
+        "the stage itself runs only to warm up, to be captured and for the first replay's check"
+    )
     static_x = log[0][0]
     assert log[1][0] is static_x and static_x is not xs[0] and static_x is not xs[1]  # a static buffer
     assert log[0][1] is cache and log[1][1] is cache  # written in place: never copied
@@ -129,8 +150,13 @@ def test_warm_up_then_capture_then_replay_with_static_buffers(monkeypatch):
     assert [out[0].item() for out in outs] == [2.5, 4.5, 6.5, 8.5], "outputs are clones, not the static ones"
     assert cuda.capture_kwargs[0]["capture_error_mode"] == "thread_local"
     assert cuda.capture_kwargs[0]["stream"] is stage._streams[torch.device("cpu")]
-    assert cuda.events[:5] == [("wait", "side", "current"), ("stream", "side"), ("wait", "current", "side"),
-                               ("device", "cpu"), ("capture", cuda.events[4][1], "side")]
+    assert cuda.events[:5] == [
+        ("wait", "side", "current"),
+        ("stream", "side"),
+        ("wait", "current", "side"),
+        ("device", "cpu"),
+        ("capture", cuda.events[4][1], "side"),
+    ]
 
 
 def test_signature_separates_shapes_constants_addresses_and_modes(monkeypatch):
@@ -156,7 +182,9 @@ def test_each_signature_has_its_own_graph_and_the_oldest_is_evicted(monkeypatch)
     for cache in caches:  # three stores: three signatures, each warmed up then captured
         for value in (1.0, 2.0):
             (out,) = stage(torch.full((2,), value), cache, 0.0)
-            assert torch.equal(out, torch.full((2,), 2 * value)) and torch.equal(cache[:2], torch.full((2,), value))
+            assert torch.equal(out, torch.full((2,), 2 * value)) and torch.equal(
+                cache[:2], torch.full((2,), value)
+            )
     assert stage.counts["captures"] == 3 and stage.counts["evicted"] == 1
     (out,) = stage(torch.full((2,), 5.0), caches[2], 0.0)  # still held: a replay
     assert stage.counts["replays"] == 4 and out[0].item() == 10.0
@@ -178,8 +206,11 @@ def test_a_failed_capture_falls_back_to_the_stage_for_that_signature(monkeypatch
     assert torch.device("cpu") not in stage._streams, "a failed capture's side stream is not used again"
     assert log[-1][0] is not None and log[-1][1] is cache
     assert "stage draft.test: CUDA graph capture failed (RuntimeError: operation not permitted" in caplog.text
-    assert stage.graphs_off == "capture failed for 1 shape(s): RuntimeError: operation not permitted when stream " \
-                               "is capturing"
+    assert (
+        stage.graphs_off
+        == "capture failed for 1 shape(s): RuntimeError: operation not permitted when stream "
+        "is capturing"
+    )
 
 
 def test_record_stream_is_skipped_for_tensors_off_cuda(monkeypatch):
@@ -188,7 +219,11 @@ def test_record_stream_is_skipped_for_tensors_off_cuda(monkeypatch):
     out = stage(torch.ones(2))  # a warm-up returns the stage's own (nested) outputs
     assert torch.equal(out[0], torch.full((2,), 3.0)) and out[2] == "label"
     again = stage(torch.ones(2))  # captured then replayed: clones keep the container types
-    assert isinstance(again, list) and isinstance(again[1], tuple) and torch.equal(again[1][0], torch.full((2,), 2.0))
+    assert (
+        isinstance(again, list)
+        and isinstance(again[1], tuple)
+        and torch.equal(again[1][0], torch.full((2,), 2.0))
+    )
     assert again[2] == "label" and cuda.capturing is None
 
 
@@ -200,7 +235,9 @@ def test_tensor_parallel_targets_graph_only_when_asked(monkeypatch):
     import saguaro.runtime.tensor_parallel as tensor_parallel
     from tests.models import tiny_target
 
-    compile_module = importlib.import_module("saguaro.compile")  # the module (saguaro.compile is the function)
+    compile_module = importlib.import_module(
+        "saguaro.compile"
+    )  # the module (saguaro.compile is the function)
     ranks = SimpleNamespace(is_draft=False, rank=0, target_group=SimpleNamespace(group_name="g"))
     seen = []
     monkeypatch.setattr(tensor_parallel, "join_ranks", lambda n, device: ranks)
@@ -208,7 +245,9 @@ def test_tensor_parallel_targets_graph_only_when_asked(monkeypatch):
     monkeypatch.setattr(compile_module, "compile_program", lambda t, d, cfg, shard: seen.append(cfg))
     target = tiny_target("llama")
     for asked in ("auto", True, False):
-        compile_module.compile_tensor_parallel(target, None, SaguaroConfig(tensor_parallel=2, cuda_graphs=asked))
+        compile_module.compile_tensor_parallel(
+            target, None, SaguaroConfig(tensor_parallel=2, cuda_graphs=asked)
+        )
     assert [cfg.cuda_graphs for cfg in seen] == [False, True, False]
     assert all(cfg.sd_when_faster is False for cfg in seen)
 

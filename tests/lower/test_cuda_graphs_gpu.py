@@ -18,11 +18,12 @@ from tests.models import prompts, tiny_target, truncated_draft
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
-OPTIONS = dict(k=3, fan_out="geometric", fallback="neural", lane="thread", sd_when_faster=False,
-               cuda_graphs=False)  # the reference is ungraphed; the graphed program is graphed by hand
+OPTIONS = dict(
+    k=3, fan_out="geometric", fallback="neural", lane="thread", sd_when_faster=False, cuda_graphs=False
+)  # the reference is ungraphed; the graphed program is graphed by hand
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pair():
     target = tiny_target("llama", seed=5).to("cuda")
     return target, truncated_draft(target).to("cuda")
@@ -45,7 +46,7 @@ def test_cuda_graphs_give_the_ungraphed_tokens(backend, mode, temperature):
     assert total["failed"] == 0, {name: s.counts for name, s in made["stages"].items()}
     assert total["captures"] > 0 and total["replays"] > total["captures"] and total["passed"] == 0
     assert total["mismatches"] == 0 and total["checks"] == total["captures"]
-    verify = made["stages"][TARGET_VERIFY.at(temperature).qualified]
+    verify = made["stages"][TARGET_VERIFY.for_temperature(temperature).qualified]
     if mode == "sd" and temperature == 0:  # the draft steps and the verify: one graph of the round
         assert made["stages"][f"{ROUND_NAME} k=3"].counts["captures"] == 1 and verify.counts["captures"] == 0
     else:
@@ -57,14 +58,21 @@ def test_sd_rounds_graph_as_one_replay_by_default_and_give_the_ungraphed_tokens(
     target, draft = pair()
     ids, mask = (t.to("cuda") for t in prompts(2, 7, seed=3, pad_rows={1: 2}))
     kwargs = dict(attention_mask=mask, max_new_tokens=14, eos_token_id=None)
-    want = saguaro.compile(target, draft, mode="sd", backend=backend, **OPTIONS).generate(ids, **kwargs).sequences
-    program = saguaro.compile(target, draft, mode="sd", backend=backend, k=3)  # cuda_graphs="auto": on on CUDA
+    want = (
+        saguaro.compile(target, draft, mode="sd", backend=backend, **OPTIONS)
+        .generate(ids, **kwargs)
+        .sequences
+    )
+    program = saguaro.compile(
+        target, draft, mode="sd", backend=backend, k=3
+    )  # cuda_graphs="auto": on on CUDA
     for _ in range(3):
         out = program.generate(ids, **kwargs)
         assert torch.equal(out.sequences, want) and out.stats["graphs_off"] == {}, out.stats["plan"]
     rounds = program.target._graphed[f"{ROUND_NAME} k=3"]
-    assert rounds.counts["captures"] == 1 and rounds.counts["mismatches"] == 0 and rounds.counts["replays"] > 10
-
+    assert (
+        rounds.counts["captures"] == 1 and rounds.counts["mismatches"] == 0 and rounds.counts["replays"] > 10
+    )
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
@@ -72,12 +80,16 @@ def test_ar_rounds_graph_by_default_and_give_the_ungraphed_tokens(backend):
     target, _ = pair()
     ids, mask = (t.to("cuda") for t in prompts(2, 7, seed=4, pad_rows={0: 3}))
     kwargs = dict(attention_mask=mask, max_new_tokens=14, eos_token_id=None)
-    want = saguaro.compile(target, None, mode="ar", backend=backend, cuda_graphs=False).generate(ids, **kwargs)
+    want = saguaro.compile(target, None, mode="ar", backend=backend, cuda_graphs=False).generate(
+        ids, **kwargs
+    )
     program = saguaro.compile(target, None, mode="ar", backend=backend)  # cuda_graphs="auto": on on CUDA
     for _ in range(3):
         out = program.generate(ids, **kwargs)
         assert torch.equal(out.sequences, want.sequences) and out.stats["graphs_off"] == {}, out.stats["plan"]
     stage = program.target.stage(TARGET_ROUND)
     rounds = stage if isinstance(stage, GraphedStage) else stage.compiled
-    assert rounds.counts["captures"] == 1 and rounds.counts["mismatches"] == 0 and rounds.counts["passed"] == 0
+    assert (
+        rounds.counts["captures"] == 1 and rounds.counts["mismatches"] == 0 and rounds.counts["passed"] == 0
+    )
     assert program.target.seq_pool.reused == 2

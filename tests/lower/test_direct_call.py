@@ -9,8 +9,16 @@ import pytest
 import torch
 from torch._inductor.output_code import CompiledFxGraph
 
-from saguaro.lower.direct_call import (CompiledEntry, DirectCall, RecordingInductor, direct_call, held_tensors,
-                                       inductor_graph, record_inner_calls, recording)
+from saguaro.lower.direct_call import (
+    CompiledEntry,
+    DirectCall,
+    RecordingInductor,
+    direct_call,
+    held_tensors,
+    inductor_graph,
+    record_inner_calls,
+    recording,
+)
 
 PLAIN = ((None, None), (None, None))  # a tensor input of static sizes and strides
 
@@ -57,8 +65,18 @@ def test_a_symbol_found_only_in_a_stride_is_read_from_the_stride():
     assert call is not None and call.sources[2] == (3, (1, 0))
 
 
-@pytest.mark.parametrize("case", ["two calls", "unknown tensor", "int without symbol", "symbol nowhere",
-                                  "outputs changed", "outputs not a tuple", "rebuilt differs"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "two calls",
+        "unknown tensor",
+        "int without symbol",
+        "symbol nowhere",
+        "outputs changed",
+        "outputs not a tuple",
+        "rebuilt differs",
+    ],
+)
 def test_calls_that_cannot_be_rebuilt_keep_dynamos_path(case):
     entry, args, inputs, raw, held = scenario()
     out, copies = tuple(raw), 1
@@ -79,7 +97,9 @@ def test_calls_that_cannot_be_rebuilt_keep_dynamos_path(case):
     assert direct_call([(entry, inputs, raw, None)] * copies, args, out, held) is None
 
 
-@pytest.mark.parametrize("case", ["passes through", "two inner calls", "other inputs", "other outputs", "none"])
+@pytest.mark.parametrize(
+    "case", ["passes through", "two inner calls", "other inputs", "other outputs", "none"]
+)
 def test_the_graphs_own_function_is_called_only_where_the_wrapper_passed_everything_through(case):
     entry, args, inputs, raw, held = scenario()
     entry.boxed = lambda given: [given[1] - 1]  # "Inductor's graph function": its inputs as a list
@@ -126,7 +146,9 @@ def test_the_inductor_graph_is_found_through_its_wrappers_and_records_its_calls(
     graph.compiled_fn_runner = None
     graph.current_callable = lambda inputs: [inputs[0] * 2]
 
-    def inner(*args):  # Inductor's graph behind wrappers: a closure, a partial, __wrapped__, an object's compiled_fn
+    def inner(
+        *args,
+    ):  # Inductor's graph behind wrappers: a closure, a partial, __wrapped__, an object's compiled_fn
         return graph.current_callable(list(args))
 
     class Holder:
@@ -141,7 +163,7 @@ def test_the_inductor_graph_is_found_through_its_wrappers_and_records_its_calls(
     other = CompiledFxGraph.__new__(CompiledFxGraph)
     other.compiled_fn_runner = None
     assert inductor_graph(lambda: None) is None
-    assert inductor_graph((lambda g, o: (lambda: (g, o)))(graph, other)) is None  # two graphs: none chosen
+    assert inductor_graph((lambda g, o: lambda: (g, o))(graph, other)) is None  # two graphs: none chosen
     own = graph.current_callable
     x = torch.ones(2)
     entry = CompiledEntry(torch.fx.symbolic_trace(lambda x: x), outer)
@@ -149,7 +171,7 @@ def test_the_inductor_graph_is_found_through_its_wrappers_and_records_its_calls(
     assert torch.equal(entry(x)[0], x * 2)  # not recording: passes through
     with recording() as calls:
         out = entry(x)
-    (recorded_entry, given, raw, inner_calls), = calls
+    ((recorded_entry, given, raw, inner_calls),) = calls
     assert recorded_entry is entry and raw is out and given == (x,) and len(inner_calls) == 1
     assert inner_calls[0][0][0] is x and inner_calls[0][1] is out
 

@@ -16,8 +16,11 @@ CAPTURED_INPUTS = 7  # input_ids, positions, write_slots, query_branch, query_li
 
 
 @pytest.mark.parametrize("attention", ["op", "inline", "flex"])
-@pytest.mark.parametrize("stage", [TARGET_VERIFY.greedy, DRAFT_GLUE, DRAFT_TREE.sampled, DRAFT_STEP.greedy],
-                         ids=lambda s: s.qualified)
+@pytest.mark.parametrize(
+    "stage",
+    [TARGET_VERIFY.greedy, DRAFT_GLUE, DRAFT_TREE.sampled, DRAFT_STEP.greedy],
+    ids=lambda s: s.qualified,
+)
 def test_the_kv_caches_are_the_mutated_inputs_of_every_stage_graph(stage, attention):
     _, captured = base_graph()
     gm = build_stage(captured.graph_module, stage, min(captured.spec.vocab_size, RANK_WIDTH), attention)

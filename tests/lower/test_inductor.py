@@ -35,7 +35,9 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
     PACKED = torch.ops.saguaro_kernels.packed_linear.default
     target = tiny_family_target("gemma2")
     draft = family_draft(target)
-    with torch.no_grad():  # bfloat16 values, as a bfloat16 checkpoint loaded as float32: narrow_weights holds them so
+    with (
+        torch.no_grad()
+    ):  # bfloat16 values, as a bfloat16 checkpoint loaded as float32: narrow_weights holds them so
         for p in (*target.parameters(), *draft.parameters()):
             p.copy_(p.bfloat16().float())
     ids, mask = prompts(2, 7, seed=2, pad_rows={1: 2})
@@ -43,21 +45,39 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
     expected = reference_greedy(target, ids, mask, new)
     # a fixed tree of 8 branches: one tree shape (the planner's sampled plans follow each program's own
     # measured costs), and SSD's draft store in SD's capacity bucket: one compile per stage and shape
-    options = dict(k=3, mode="ssd", lane="thread", fan_out="geometric", fan_out_budget=8, sd_when_faster=False)
+    options = dict(
+        k=3, mode="ssd", lane="thread", fan_out="geometric", fan_out_budget=8, sd_when_faster=False
+    )
     eager = saguaro.compile(target, draft, backend="eager", **options)
     compiled = saguaro.compile(target, draft, backend="inductor", **options)
     try:
         counters.clear()
         for mode in ("ar", "sd", "ssd"):
             want = eager.generate(ids, attention_mask=mask, max_new_tokens=new, mode=mode, eos_token_id=None)
-            got = compiled.generate(ids, attention_mask=mask, max_new_tokens=new, mode=mode, eos_token_id=None)
+            got = compiled.generate(
+                ids, attention_mask=mask, max_new_tokens=new, mode=mode, eos_token_id=None
+            )
             assert torch.equal(want.sequences, expected)
             assert torch.equal(got.sequences, want.sequences), f"inductor {mode} differs from eager"
         for mode in ("sd", "ssd"):  # the sampled stages too: same seed, same uniforms, same tokens
-            want = eager.generate(ids, attention_mask=mask, max_new_tokens=new, mode=mode, eos_token_id=None,
-                                  temperature=1.0, seed=0)
-            got = compiled.generate(ids, attention_mask=mask, max_new_tokens=new, mode=mode, eos_token_id=None,
-                                    temperature=1.0, seed=0)
+            want = eager.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                mode=mode,
+                eos_token_id=None,
+                temperature=1.0,
+                seed=0,
+            )
+            got = compiled.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                mode=mode,
+                eos_token_id=None,
+                temperature=1.0,
+                seed=0,
+            )
             assert torch.equal(got.sequences, want.sequences), f"inductor sampled {mode} differs from eager"
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
         # the tokens above came from calls past dynamo too: every stage learnt a direct call (direct_call.py),
@@ -76,30 +96,43 @@ def test_inductor_equals_eager_for_every_mode_without_graph_breaks():
         linears = [n for n in verify.graph.nodes if n.op == "call_function" and n.target is LINEAR]
         packed = [n for n in verify.graph.nodes if n.op == "call_function" and n.target is PACKED]
         prefill = compiled.target.stage(TARGET_PREFILL).gm
-        assert not linears and len(packed) == 4 * 2 + 1  # q/k/v joined, o, gate/up joined, down a layer; the LM head
+        assert (
+            not linears and len(packed) == 4 * 2 + 1
+        )  # q/k/v joined, o, gate/up joined, down a layer; the LM head
         assert not any(n.target is LINEAR for n in prefill.graph.nodes if n.op == "call_function")
         assert sum(1 for n in prefill.graph.nodes if n.target is PACKED) == len(packed)
         panels = {t.dtype for name, t in verify.named_buffers() if name.startswith(PANELS)}
-        assert panels and panels <= {torch.float16, torch.bfloat16}  # float16 first where a weight's values fit it
+        assert panels and panels <= {
+            torch.float16,
+            torch.bfloat16,
+        }  # float16 first where a weight's values fit it
         # the round's (one row) on the packed kernel too; the round and the prefill share the verify's panels
         step = compiled.target.stage(TARGET_ROUND).gm
         assert not any(n.target is LINEAR for n in step.graph.nodes if n.op == "call_function")
         assert sum(1 for n in step.graph.nodes if n.target is PACKED) == len(packed)
-        held = lambda gm: {t.data_ptr() for name, t in gm.named_buffers() if name.startswith(PANELS)}  # noqa: E731
+        held = lambda gm: {t.data_ptr() for name, t in gm.named_buffers() if name.startswith(PANELS)}
         assert held(step) == held(verify) == held(prefill)
         # saguaro inspect kernels: each stage's compile time, generated code files and kernel names
         rows = saguaro.inspect(compiled).kernels("ssd", warm=False)
         assert [r["stage"] for r in rows] == [s.qualified for s in stages_for("ssd", 0.0)]
         for row in rows:
             assert row["compile_s"] > 0 and row["files"] and all(os.path.exists(f) for f in row["files"]), row
-            assert row["kernel_count"] > 0 and all(k.startswith(("cpp_", "triton_")) for k in row["kernels"]), row
-        packed_rows = [r for r in rows if r["stage"] in (TARGET_VERIFY_ROUND.qualified, DRAFT_CHAIN.qualified)]
+            assert row["kernel_count"] > 0 and all(
+                k.startswith(("cpp_", "triton_")) for k in row["kernels"]
+            ), row
+        packed_rows = [
+            r for r in rows if r["stage"] in (TARGET_VERIFY_ROUND.qualified, DRAFT_CHAIN.qualified)
+        ]
         assert len(packed_rows) == 2  # SSD's verify and greedy drafting's chained step
-        for row in packed_rows:  # the packed kernel called from the C++ wrapper; Inductor's own kernels serial
+        for (
+            row
+        ) in packed_rows:  # the packed kernel called from the C++ wrapper; Inductor's own kernels serial
             code = "".join(open(f).read() for f in row["files"])
             assert "saguaro_kernels::packed_linear" in code and "#pragma omp" not in code, row
         prefill_row = next(r for r in rows if r["stage"] == TARGET_PREFILL.qualified)
-        code = "".join(open(f).read() for f in prefill_row["files"])  # T rows: its own kernels keep their threads
+        code = "".join(
+            open(f).read() for f in prefill_row["files"]
+        )  # T rows: its own kernels keep their threads
         assert "saguaro_kernels::packed_linear" in code and "#pragma omp" in code
     finally:
         eager.close()

@@ -19,7 +19,9 @@ def test_bucketed_rounds_up_to_a_multiple():
 def test_inductor_pads_prompts_and_capacities_to_buckets_and_eager_does_not():
     target = tiny_target("llama", seed=3)
     draft = truncated_draft(target)
-    inductor = saguaro.compile(target, draft, k=3, mode="sd", backend="inductor", sd_when_faster=False)  # nothing compiles yet
+    inductor = saguaro.compile(
+        target, draft, k=3, mode="sd", backend="inductor", sd_when_faster=False
+    )  # nothing compiles yet
     eager = saguaro.compile(target, draft, k=3, mode="sd", backend="eager", sd_when_faster=False)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [0, 0, 4, 5, 6, 7, 8]])
     mask = torch.tensor([[1] * 7, [0, 0, 1, 1, 1, 1, 1]])
@@ -36,14 +38,28 @@ def test_inductor_pads_prompts_and_capacities_to_buckets_and_eager_does_not():
 
 def test_the_varying_dimensions_of_each_stage_layout():
     layers = 2
-    prefill, verify = varying_dims(TARGET_PREFILL, 7 + 2 * layers), varying_dims(TARGET_VERIFY.greedy, 7 + 2 * layers
-                                                                                  + len(TARGET_VERIFY.greedy.inputs))
-    assert prefill == {**{i: (1,) for i in range(7)}, **{7 + i: (2,) for i in range(2 * layers)}}  # T, S; caches' S
-    assert verify == {5: (1,), 6: (1,), **{7 + i: (2,) for i in range(2 * layers)}}  # K+1 query tokens: static
+    prefill, verify = (
+        varying_dims(TARGET_PREFILL, 7 + 2 * layers),
+        varying_dims(TARGET_VERIFY.greedy, 7 + 2 * layers + len(TARGET_VERIFY.greedy.inputs)),
+    )
+    assert prefill == {
+        **{i: (1,) for i in range(7)},
+        **{7 + i: (2,) for i in range(2 * layers)},
+    }  # T, S; caches' S
+    assert verify == {
+        5: (1,),
+        6: (1,),
+        **{7 + i: (2,) for i in range(2 * layers)},
+    }  # K+1 query tokens: static
     tree = DRAFT_TREE.sampled  # inputs: inv_temperature, top, saguaro_c, u [B, MQ]
-    assert varying_dims(tree, 11 + 2 * layers) == {**{i: (1,) for i in range(7)},
-                                                    **{7 + i: (2,) for i in range(2 * layers)}, 10 + 2 * layers: (1,)}
-    glue = varying_dims(DRAFT_GLUE, 10 + 2 * layers)  # draft_tokens [B, K], branch_rows [MQ], branch_ranks [MQ]
+    assert varying_dims(tree, 11 + 2 * layers) == {
+        **{i: (1,) for i in range(7)},
+        **{7 + i: (2,) for i in range(2 * layers)},
+        10 + 2 * layers: (1,),
+    }
+    glue = varying_dims(
+        DRAFT_GLUE, 10 + 2 * layers
+    )  # draft_tokens [B, K], branch_rows [MQ], branch_ranks [MQ]
     assert 0 not in glue and glue[8 + 2 * layers] == (0,) and glue[9 + 2 * layers] == (0,)
     with pytest.raises(ArtifactError, match="8 inputs do not fit"):
         varying_dims(TARGET_PREFILL, 8)
@@ -60,8 +76,9 @@ def test_a_stage_compiles_once_for_every_prompt_bucket_and_kv_capacity():
     counters.clear()
     for length, new_tokens in ((5, 8), (2 * PROMPT_BUCKET - 3, 2 * CAPACITY_BUCKET - 30)):
         ids, mask = prompts(1, length, seed=length)
-        assert program._store_capacity(bucketed(length, PROMPT_BUCKET), new_tokens) == \
-            bucketed(bucketed(length, PROMPT_BUCKET) + new_tokens, CAPACITY_BUCKET)
+        assert program._store_capacity(bucketed(length, PROMPT_BUCKET), new_tokens) == bucketed(
+            bucketed(length, PROMPT_BUCKET) + new_tokens, CAPACITY_BUCKET
+        )
         out = program.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None)
         assert torch.equal(out.sequences, reference_greedy(target, ids, mask, new_tokens))
     assert counters["stats"]["unique_graphs"] == 2  # target.prefill and target.step

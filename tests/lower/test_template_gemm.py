@@ -29,8 +29,9 @@ def test_the_verify_runs_the_gemm_template_and_greedy_equals_generate():
     draft = truncated_draft(target)
     ids, mask = prompts(2, 7, seed=2, pad_rows={1: 2})
     expected = reference_greedy(target, ids, mask, 12)
-    program = saguaro.compile(target, draft, backend="inductor", k=3, mode="sd", linears="template",
-                              compile="blocking")
+    program = saguaro.compile(
+        target, draft, backend="inductor", k=3, mode="sd", linears="template", compile="blocking"
+    )
     try:
         for mode in ("sd", "ar"):
             out = program.generate(ids, attention_mask=mask, max_new_tokens=12, mode=mode, eos_token_id=None)
@@ -38,8 +39,10 @@ def test_the_verify_runs_the_gemm_template_and_greedy_equals_generate():
         verify = program.target.stage(TARGET_VERIFY_ROUND)  # what SD runs
         step = program.target.stage(TARGET_STEP)
         prefill = program.target.stage(TARGET_PREFILL)
-        assert verify.config_patch == TEMPLATE_GEMM_CONFIG and not step.config_patch and not prefill.config_patch
-        linears = lambda stage: sum(n.target is LINEAR for n in stage.gm.graph.nodes)  # noqa: E731
+        assert (
+            verify.config_patch == TEMPLATE_GEMM_CONFIG and not step.config_patch and not prefill.config_patch
+        )
+        linears = lambda stage: sum(n.target is LINEAR for n in stage.gm.graph.nodes)
         assert linears(verify) > 0 and linears(step) == 0  # the verify's GEMMs kept, the step's reduced
         assert _frozen_gemm_calls(verify) > 0 and _frozen_gemm_calls(step) == 0
         assert _frozen_gemm_calls(prefill) == 0

@@ -65,8 +65,12 @@ class Spy:
         return sum(thread == COMPILE_THREAD for thread, _ in self.calls)
 
     def storages(self, compile_thread: bool) -> set:
-        return {t.untyped_storage().data_ptr() for thread, tensors in self.calls
-                if (thread == COMPILE_THREAD) == compile_thread for t in tensors} - {0}
+        return {
+            t.untyped_storage().data_ptr()
+            for thread, tensors in self.calls
+            if (thread == COMPILE_THREAD) == compile_thread
+            for t in tensors
+        } - {0}
 
 
 def spy_on(program, mode: str, fail=(), gate=None) -> dict:
@@ -83,11 +87,15 @@ def spy_on(program, mode: str, fail=(), gate=None) -> dict:
 
 
 def test_compile_option_is_validated_and_fixed_after_compile():
-    with pytest.raises(ConfigError, match=r"compile='lazy' is not allowed: choose one of blocking, background"):
+    with pytest.raises(
+        ConfigError, match=r"compile='lazy' is not allowed: choose one of blocking, background"
+    ):
         SaguaroConfig(compile="lazy")
     with pytest.raises(ConfigError, match=r"compile=True is not allowed"):
         saguaro.compile(tiny_target("llama"), mode="ar", compile=True)
-    assert SaguaroConfig().compile == "blocking"  # benchmarks and seeded sampling: never eager-while-compiling
+    assert (
+        SaguaroConfig().compile == "blocking"
+    )  # benchmarks and seeded sampling: never eager-while-compiling
 
 
 @pytest.mark.timeout(600)  # two Inductor compiles of a tiny Llama, 10-40 s each on a loaded 2-core CPU
@@ -101,11 +109,14 @@ def test_ar_runs_eager_at_once_then_compiled_with_the_same_tokens():
         assert torch.equal(first.sequences, expected)
         before = tiers(program)
         assert set(before) == {TARGET_PREFILL.qualified, TARGET_ROUND.qualified}  # greedy AR's round
-        assert before[TARGET_PREFILL.qualified] == (1, 0)  # a new shape's first call never waits for a compile
+        assert before[TARGET_PREFILL.qualified] == (
+            1,
+            0,
+        )  # a new shape's first call never waits for a compile
         assert before[TARGET_ROUND.qualified][0] >= 1
         # the round is packed (pack_linears), its eager form the same graph: the kernel runs eager as fast
         step = program.target.stage(TARGET_ROUND)
-        linears = lambda gm: sum(n.target is LINEAR for n in gm.graph.nodes)  # noqa: E731
+        linears = lambda gm: sum(n.target is LINEAR for n in gm.graph.nodes)
         assert linears(step.gm) == 0 and step.gm is step.compiled.gm
         assert program.wait_compiled(timeout=540)
         graphs = counters["stats"]["unique_graphs"]
@@ -165,7 +176,11 @@ def test_ssd_runs_sd_while_its_stages_compile_then_times_ssd_on_compiled_stages(
         for _ in range(2):  # the shape's first call, then a call while compiles are still queued
             out = program.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None)
             assert torch.equal(out.sequences, expected)
-            assert (out.stats["ran_as"], out.stats["plan"], out.stats["planned_sd"]) == ("sd", COMPILING, False)
+            assert (out.stats["ran_as"], out.stats["plan"], out.stats["planned_sd"]) == (
+                "sd",
+                COMPILING,
+                False,
+            )
             assert program.lanes._client is None, "a lane started while SSD's costs could not be measured"
             assert not program.calibration._costs, "costs were measured on stages still compiling"
         gate.set()
@@ -209,7 +224,9 @@ def test_close_drops_queued_compiles_and_a_later_call_queues_them_again():
     program = saguaro.compile(target, mode="ar", backend="inductor", compile="background")
     gate = threading.Event()
     try:
-        forms = spy_on(program, "ar", gate=gate)  # the compile thread holds its first job until the gate opens
+        forms = spy_on(
+            program, "ar", gate=gate
+        )  # the compile thread holds its first job until the gate opens
         ids, mask = prompts(1, 7, seed=5)
         program.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None)
         assert not program.wait_compiled(timeout=0.05)
@@ -227,7 +244,10 @@ def test_close_drops_queued_compiles_and_a_later_call_queues_them_again():
         assert [compiled.compiles() for _, compiled in forms.values()] == [1, 0]
         program.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None)
         assert program.wait_compiled(timeout=60)
-        assert [compiled.compiles() for _, compiled in forms.values()] == [1, 1]  # the dropped one queued again
+        assert [compiled.compiles() for _, compiled in forms.values()] == [
+            1,
+            1,
+        ]  # the dropped one queued again
     finally:
         gate.set()
         program.close()
@@ -271,8 +291,16 @@ def test_saguaro_generate_compiles_in_the_background_unless_told_to_block(flags,
 
 def test_progress_draws_a_line_per_stage_until_the_text_starts():
     def event(kind, stage, seconds=0.0):
-        return logging.makeLogRecord({"levelno": logging.INFO, "levelname": "INFO", "msg": kind,
-                                      "compile_event": kind, "stage": stage, "seconds": seconds})
+        return logging.makeLogRecord(
+            {
+                "levelno": logging.INFO,
+                "levelname": "INFO",
+                "msg": kind,
+                "compile_event": kind,
+                "stage": stage,
+                "seconds": seconds,
+            }
+        )
 
     screen = io.StringIO()
     progress = CompileProgress(screen)
@@ -287,7 +315,9 @@ def test_progress_draws_a_line_per_stage_until_the_text_starts():
         progress.handle(event("done", "target.step", 2.0))
         progress.handle(event("start", "draft.prefill"))
         assert screen.getvalue() == drawn
-        summary = "inductor: compiled target.prefill in 12.3s, target.step in 2.0s; still compiling draft.prefill"
+        summary = (
+            "inductor: compiled target.prefill in 12.3s, target.step in 2.0s; still compiling draft.prefill"
+        )
         assert progress.summary() == summary
     finally:
         progress.close()

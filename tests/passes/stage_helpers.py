@@ -12,7 +12,7 @@ from saguaro.runtime.base.kv_store import KVStore
 from tests.models import tiny_target
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def base_graph():
     model = tiny_target("llama")
     captured = capture(model)
@@ -39,5 +39,15 @@ def call(gm, store, ids, index, *extra, branch=None, limit=None, slots=None):
     limit = index if limit is None else limit
     slots = index if slots is None else slots
     store.claim(slots, index, branch)
-    return gm(ids, index, slots, branch, limit, store.slot_pos, store.slot_branch, *store.k_caches,
-              *store.v_caches, *extra)
+    return gm(
+        ids,
+        index,
+        slots,
+        branch,
+        limit,
+        store.slot_pos,
+        store.slot_branch,
+        *store.k_caches,
+        *store.v_caches,
+        *extra,
+    )

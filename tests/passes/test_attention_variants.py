@@ -9,21 +9,30 @@ import pytest
 import torch
 
 from saguaro.capture import capture
-from saguaro.capture.attention_op import (ATTENTION_OP, MASK_OP, VARIANTS_OP, attention_kernel, attention_mask_kernel,
-                                          attention_variants_kernel, direct_kernel_calls)
+from saguaro.capture.attention_op import (
+    ATTENTION_OP,
+    MASK_OP,
+    VARIANTS_OP,
+    attention_kernel,
+    attention_mask_kernel,
+    attention_variants_kernel,
+    direct_kernel_calls,
+)
 from saguaro.passes import run_pipeline
 from saguaro.passes.lower_attention import attention_flex, attention_inline, flex_block_mask, lower_attention
 from saguaro.passes.specialize_attention import specialize_attention
 from saguaro.runtime.base.kv_store import KVStore
 from tests.models import WINDOW, tiny_family_target
 
-PROMPT = torch.tensor([[5, 9, 17, 33, 41, 8, 100, 23, 61, 70], [7, 7, 3, 90, 12, 44, 19, 120, 6, 31]])  # [2, 10]
+PROMPT = torch.tensor(
+    [[5, 9, 17, 33, 41, 8, 100, 23, 61, 70], [7, 7, 3, 90, 12, 44, 19, 120, 6, 31]]
+)  # [2, 10]
 GLUE = torch.tensor([[12, 77, 3, 64], [8, 8, 100, 5]])  # r, x_1..x_3 at positions 10..13
 BRANCHES = torch.tensor([[[40, 41], [50, 51]], [[60, 61], [70, 71]]])  # [B, branch, depth]
 FORK_ROWS = (0, 2)  # branch 1 forks after glue row 0 (x_0 = r), branch 2 after row 2 (x_2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def base(family):
     model = tiny_family_target(family)
     captured = capture(model)
@@ -42,8 +51,17 @@ def call(gm, store, ids, slots, positions, branch=None, limit=None):
     branch = torch.zeros_like(slots) if branch is None else branch
     limit = positions if limit is None else limit
     store.claim(slots, positions, branch)
-    return gm(ids, positions, slots, branch, limit, store.slot_pos, store.slot_branch, *store.k_caches,
-              *store.v_caches)[0]
+    return gm(
+        ids,
+        positions,
+        slots,
+        branch,
+        limit,
+        store.slot_pos,
+        store.slot_branch,
+        *store.k_caches,
+        *store.v_caches,
+    )[0]
 
 
 def span(start, length, batch=2):
@@ -77,7 +95,9 @@ def test_tree_branches_see_the_prefix_through_each_layers_window(family):
     model, _, _ = base(family)
     got, _ = tree_logits(family)
     for b, row in enumerate(FORK_ROWS):
-        sequence = torch.cat([PROMPT, GLUE[:, :row + 1], BRANCHES[:, b]], 1)  # the branch as a plain sequence
+        sequence = torch.cat(
+            [PROMPT, GLUE[:, : row + 1], BRANCHES[:, b]], 1
+        )  # the branch as a plain sequence
         assert sequence.shape[1] > 3 * WINDOW
         with torch.no_grad():
             expected = model(sequence).logits[:, -2:]  # [B, depth, V]
@@ -89,13 +109,17 @@ def test_specialized_masks_carry_their_kind_and_flex_builds_one_block_mask_per_k
     assert count(gm, MASK_OP) == 2
     for kind in ("causal", "tree"):
         special = specialize_attention(fresh(gm), kind)
-        kinds = {(n.args[6].meta["saguaro_mask"]["window"], n.args[6].meta["saguaro_mask"]["chunk"])
-                 for n in special.graph.nodes if n.op == "call_function" and n.target is ATTENTION_OP}
+        kinds = {
+            (n.args[6].meta["saguaro_mask"]["window"], n.args[6].meta["saguaro_mask"]["chunk"])
+            for n in special.graph.nodes
+            if n.op == "call_function" and n.target is ATTENTION_OP
+        }
         assert kinds == {(WINDOW, 0), (0, 0)} and count(special, MASK_OP) == 0
         flex = lower_attention(special, "flex")
         assert count(flex, flex_block_mask) == 2 and count(flex, attention_flex) == 3
-        windows = sorted(n.args[-2] for n in flex.graph.nodes
-                         if n.op == "call_function" and n.target is flex_block_mask)
+        windows = sorted(
+            n.args[-2] for n in flex.graph.nodes if n.op == "call_function" and n.target is flex_block_mask
+        )
         assert windows == [0, WINDOW]
 
 
@@ -126,9 +150,14 @@ def test_direct_kernel_calls_give_the_ops_results_bit_for_bit(family):
     _, gm, _ = base(family)  # the base graph: one mask op per layer kind, one attention op per layer
     ops = {op: count(gm, op) for op in (MASK_OP, ATTENTION_OP, VARIANTS_OP)}
     direct = direct_kernel_calls(gm)
-    kernels = {op: count(direct, kernel) for op, kernel in ((MASK_OP, attention_mask_kernel),
-                                                             (ATTENTION_OP, attention_kernel),
-                                                             (VARIANTS_OP, attention_variants_kernel))}
+    kernels = {
+        op: count(direct, kernel)
+        for op, kernel in (
+            (MASK_OP, attention_mask_kernel),
+            (ATTENTION_OP, attention_kernel),
+            (VARIANTS_OP, attention_variants_kernel),
+        )
+    }
     assert kernels == ops and sum(ops.values()) > 0
     assert {op: count(gm, op) for op in ops} == ops  # the graph given keeps its ops (inspector, exporter)
     assert all(count(direct, op) == 0 for op in ops)

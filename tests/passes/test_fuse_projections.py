@@ -13,23 +13,32 @@ from saguaro.capture import capture
 from saguaro.compile import CompiledStages
 from saguaro.core.stages import DRAFT_GLUE, TARGET_PREFILL, TARGET_STEP, TARGET_VERIFY
 from saguaro.passes import run_pipeline
-from saguaro.passes.fuse_projections import ATTRIBUTE_PREFIX, LINEAR, FuseProjections, fusion_applies, groups
 from saguaro.passes.base.graph_pass import PROJECTIONS_FUSED, copy_graph, record_of
 from saguaro.passes.base.graph_splice import PassError
+from saguaro.passes.fuse_projections import ATTRIBUTE_PREFIX, LINEAR, FuseProjections, fusion_applies, groups
 from saguaro.passes.linear_as_reduction import LinearAsReduction
 from saguaro.passes.narrow_weights import ATTRIBUTE_PREFIX as NARROW_PREFIX
 from saguaro.passes.pipeline import build_stage
 from saguaro.passes.shard_tensor_parallel import Shard, ShardTensorParallel
 from saguaro.runtime.base.kv_store import KVStore
-from tests.models import FAMILIES, family_draft, prompts, reference_greedy, tiny_family_target, tiny_target
-from tests.models import truncated_draft
+from tests.models import (
+    FAMILIES,
+    family_draft,
+    prompts,
+    reference_greedy,
+    tiny_family_target,
+    tiny_target,
+    truncated_draft,
+)
 from tests.passes.stage_helpers import call, count
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", *FAMILIES)
 # per family: the joined groups of one layer, by projection (Llama 4: its router reads what its shared expert
 # reads; GPT-OSS's experts are no aten.linear, its router reads alone)
-JOINED = {"llama4": [("q_proj", "k_proj", "v_proj"), ("router", "gate_proj", "up_proj")],
-          "gpt_oss": [("q_proj", "k_proj", "v_proj")]}
+JOINED = {
+    "llama4": [("q_proj", "k_proj", "v_proj"), ("router", "gate_proj", "up_proj")],
+    "gpt_oss": [("q_proj", "k_proj", "v_proj")],
+}
 LLAMA_LAYER = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
 
 
@@ -78,7 +87,11 @@ def test_each_family_joins_its_projections_and_the_reduction_stages_are_bit_equa
     buffers = joined_buffers(fused)
     assert len([name for name in buffers if not name.endswith("_bias")]) == len(want)
     for name, whole in buffers.items():  # each the parts' weights stacked (GPT-OSS, Qwen 2: biases too)
-        group = next(g for g in groups(base) if name.startswith(ATTRIBUTE_PREFIX + g[0].args[1].target.replace(".", "_")))
+        group = next(
+            g
+            for g in groups(base)
+            if name.startswith(ATTRIBUTE_PREFIX + g[0].args[1].target.replace(".", "_"))
+        )
         index = 2 if name.endswith("_bias") else 1
         parts = [base.get_parameter(n.args[index].target) for n in group]
         assert torch.equal(whole, torch.cat(parts))
@@ -87,7 +100,10 @@ def test_each_family_joins_its_projections_and_the_reduction_stages_are_bit_equa
         want_out = run_stage(build_stage(base, stage, 8, "op", linears="reduction"), captured.spec, stage)
         got = build_stage(base, stage, 8, "op", linears="reduction", fuse=True)
         assert record_of(got).ran[-2:] == ("fuse_projections", "linear_as_reduction")
-        assert all(torch.equal(a, b) for a, b in zip(run_stage(got, captured.spec, stage), want_out)), (arch, stage)
+        assert all(torch.equal(a, b) for a, b in zip(run_stage(got, captured.spec, stage), want_out)), (
+            arch,
+            stage,
+        )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "llama4"])
@@ -97,22 +113,46 @@ def test_greedy_with_the_pass_equals_generate_and_sampling_is_unchanged(arch):
     ids, mask = prompts(2, 7, seed=2, pad_rows={1: 2})
     expected = reference_greedy(target, ids, mask, 12)
     # a fixed tree of 8 branches: the planner's sampled plans would follow each program's measured costs
-    options = dict(backend="eager", k=3, mode="ssd", linears="reduction", sd_when_faster=False, lane="thread",
-                   fan_out="geometric", fan_out_budget=8)
+    options = dict(
+        backend="eager",
+        k=3,
+        mode="ssd",
+        linears="reduction",
+        sd_when_faster=False,
+        lane="thread",
+        fan_out="geometric",
+        fan_out_budget=8,
+    )
     programs = [saguaro.compile(target, draft, **options) for _ in range(2)]
     for runner in (programs[0].target, programs[0].draft):
-        runner.build.fuse_projections = True  # the joined program (off on a CPU by default), before any stage is built
+        runner.build.fuse_projections = (
+            True  # the joined program (off on a CPU by default), before any stage is built
+        )
     try:
         for mode in ("ar", "sd", "ssd"):  # the step; the verify and draft step; the glue and tree too
-            out = programs[0].generate(ids, attention_mask=mask, max_new_tokens=12, mode=mode, eos_token_id=None)
+            out = programs[0].generate(
+                ids, attention_mask=mask, max_new_tokens=12, mode=mode, eos_token_id=None
+            )
             assert torch.equal(out.sequences, expected), f"{arch} {mode}"
         for mode in ("sd", "ssd"):  # the sampled stages: bit-equal stages draw the same tokens
-            got, want = (p.generate(ids, attention_mask=mask, max_new_tokens=12, mode=mode, eos_token_id=None,
-                                    temperature=1.0, seed=0) for p in programs)
+            got, want = (
+                p.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=12,
+                    mode=mode,
+                    eos_token_id=None,
+                    temperature=1.0,
+                    seed=0,
+                )
+                for p in programs
+            )
             assert torch.equal(got.sequences, want.sequences), f"{arch} sampled {mode}"
         for stage in (TARGET_STEP, TARGET_VERIFY.greedy):  # eager: the GraphModule itself
             assert count(programs[0].target.stage(stage), LINEAR) == 0
-            assert joined_reads(programs[0].target.stage(stage)) and not joined_reads(programs[1].target.stage(stage))
+            assert joined_reads(programs[0].target.stage(stage)) and not joined_reads(
+                programs[1].target.stage(stage)
+            )
         assert joined_reads(programs[0].draft.stage(DRAFT_GLUE))
     finally:
         for program in programs:
@@ -157,34 +197,49 @@ def test_one_joined_copy_shared_by_every_stage_and_a_new_one_after_an_in_place_c
         q.mul_(2)
     again = joined_buffers(build_stage(captured.graph_module, TARGET_STEP, 8, "op", fuse=True))
     name = ATTRIBUTE_PREFIX + "model_model_layers_0_self_attn_q_proj_weight"
-    assert again[name] is not shared[name] and torch.equal(again[name][:q.shape[0]], q)
-    assert torch.equal(shared[name][:q.shape[0]] * 2, q)  # the stage built before keeps the copy it took
+    assert again[name] is not shared[name] and torch.equal(again[name][: q.shape[0]], q)
+    assert torch.equal(shared[name][: q.shape[0]] * 2, q)  # the stage built before keeps the copy it took
     assert all(again[n] is t for n, t in shared.items() if n != name)
 
 
 def test_with_narrow_weights_the_joined_copy_is_narrow_only_where_every_part_would_be():
-    model = tiny_target("llama", hidden=64)  # k and v [32, 64]: under narrow_weights' 4096 values, q [64, 64] not
+    model = tiny_target(
+        "llama", hidden=64
+    )  # k and v [32, 64]: under narrow_weights' 4096 values, q [64, 64] not
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.half().float())
     captured = base_of(model)
-    step = build_stage(captured.graph_module, TARGET_STEP, 8, "op", linears="reduction", narrow=True, fuse=True)
+    step = build_stage(
+        captured.graph_module, TARGET_STEP, 8, "op", linears="reduction", narrow=True, fuse=True
+    )
     dtypes = {name: t.dtype for name, t in joined_buffers(step).items()}
-    assert dtypes == {ATTRIBUTE_PREFIX + f"model_model_layers_{i}_mlp_gate_proj_weight": torch.float16 for i in (0, 1)}
+    assert dtypes == {
+        ATTRIBUTE_PREFIX + f"model_model_layers_{i}_mlp_gate_proj_weight": torch.float16 for i in (0, 1)
+    }
     # q/k/v would be held in float16 / float32 / float32 apart: left apart, as narrow_weights holds them
     assert count(step, torch.ops.aten.sum.dim_IntList) == 15 - 2  # one join per layer
     narrowed = {name for name, _ in step.named_buffers() if name.startswith(NARROW_PREFIX)}
-    assert not any("gate_proj" in n or "up_proj" in n for n in narrowed) and any("q_proj" in n for n in narrowed)
+    assert not any("gate_proj" in n or "up_proj" in n for n in narrowed) and any(
+        "q_proj" in n for n in narrowed
+    )
     plain = build_stage(captured.graph_module, TARGET_STEP, 8, "op", linears="reduction", narrow=True)
-    assert all(torch.equal(a, b) for a, b in zip(run_stage(step, captured.spec, TARGET_STEP),
-                                                  run_stage(plain, captured.spec, TARGET_STEP)))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            run_stage(step, captured.spec, TARGET_STEP), run_stage(plain, captured.spec, TARGET_STEP)
+        )
+    )
 
 
 def test_it_must_run_before_linear_as_reduction():
     captured = base_of(tiny_target("llama"))
     gm = build_stage(captured.graph_module, TARGET_STEP, 8, "op", linears="reduction")
-    with pytest.raises(PassError, match=r"^fuse_projections must run before linear_as_reduction, which leaves no "
-                                        r"aten.linear to join \(passes before it: .*linear_as_reduction\)$"):
+    with pytest.raises(
+        PassError,
+        match=r"^fuse_projections must run before linear_as_reduction, which leaves no "
+        r"aten.linear to join \(passes before it: .*linear_as_reduction\)$",
+    ):
         FuseProjections()(gm)
     assert LinearAsReduction.name in record_of(gm).ran
 
@@ -192,7 +247,9 @@ def test_it_must_run_before_linear_as_reduction():
 def test_where_the_pass_applies():
     for backend, device, linears in (("inductor", "cpu", "reduction"), ("eager", "cpu", "reduction")):
         assert fusion_applies(backend, device, linears, True)  # exact: where asked for
-        assert not fusion_applies(backend, device, linears) and not fusion_applies(backend, device, linears, False)
+        assert not fusion_applies(backend, device, linears) and not fusion_applies(
+            backend, device, linears, False
+        )
     for backend in ("inductor", "eager"):  # a BLAS GEMM on a CPU: not exact, never
         assert not fusion_applies(backend, "cpu", "gemm", True) and not fusion_applies(backend, "cpu", "gemm")
     assert fusion_applies("inductor", "cuda", "gemm") and fusion_applies("inductor", "cuda", "reduction")
@@ -204,7 +261,9 @@ def test_where_the_pass_applies():
         builder = CompiledStages("target", captured.graph_module, 8, backend, "auto", device, **kwargs)
         return "fuse_projections" in record_of(builder.stage_graph(stage)).ran
 
-    assert not fused("inductor", TARGET_STEP) and not fused("inductor", TARGET_VERIFY.greedy)  # slower on a CPU
+    assert not fused("inductor", TARGET_STEP) and not fused(
+        "inductor", TARGET_VERIFY.greedy
+    )  # slower on a CPU
     assert fused("inductor", TARGET_STEP, linears="reduction", fuse_projections=True)
     assert fused("inductor", TARGET_VERIFY.greedy, linears="reduction", fuse_projections=True)
     for stage in (TARGET_STEP, TARGET_VERIFY.greedy):  # "auto" packs them: pack_linears joins, not this pass
@@ -222,14 +281,18 @@ def test_a_tensor_parallel_rank_joins_its_own_slices():
     gm = build_stage(rank, TARGET_STEP, 8, "op", linears="reduction", fuse=True)
     assert record_of(gm).ran[-3:] == ("lower_attention", "fuse_projections", "linear_as_reduction")
     layer = "model.model.layers.0."
-    for projection, parts in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+    for projection, parts in (
+        ("self_attn", ("q_proj", "k_proj", "v_proj")),
+        ("mlp", ("gate_proj", "up_proj")),
+    ):
         for kind in ("weight", "bias") if projection == "self_attn" else ("weight",):
             name = ATTRIBUTE_PREFIX + f"{layer}{projection}.{parts[0]}.weight".replace(".", "_")
             name += "_bias" if kind == "bias" else ""
             want = torch.cat([rank.get_parameter(f"{layer}{projection}.{p}.{kind}") for p in parts])
             assert torch.equal(joined_buffers(gm)[name], want), name  # the rank's slices, half the rows
-            assert want.shape[0] * 2 == sum(captured.graph_module.get_parameter(
-                f"{layer}{projection}.{p}.{kind}").shape[0] for p in parts)
+            assert want.shape[0] * 2 == sum(
+                captured.graph_module.get_parameter(f"{layer}{projection}.{p}.{kind}").shape[0] for p in parts
+            )
 
 
 @pytest.mark.heavy
@@ -243,8 +306,16 @@ def test_inductor_stages_joined_are_bit_equal_to_the_unjoined_ones():
     for stage in (TARGET_STEP, TARGET_VERIFY.greedy):  # one row; K+1 rows
         results = []
         for fuse in (True, False):  # the linears as reductions (the verify's too), narrow_weights after
-            builder = CompiledStages("target", captured.graph_module, 8, "inductor", "auto", "cpu",
-                                     linears="reduction", fuse_projections=fuse)
+            builder = CompiledStages(
+                "target",
+                captured.graph_module,
+                8,
+                "inductor",
+                "auto",
+                "cpu",
+                linears="reduction",
+                fuse_projections=fuse,
+            )
             graph = builder.stage_graph(stage)
             assert bool(joined_reads(graph)) == fuse
             assert all(t.dtype == torch.float16 for t in joined_buffers(graph).values())

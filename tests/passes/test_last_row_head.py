@@ -43,8 +43,10 @@ def test_the_prefill_s_head_reads_the_last_row_and_gives_its_logits_bit_for_bit(
     ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(3))  # [B, T]
     positions = torch.arange(7).expand(2, 7).contiguous()
     results = []
-    for gm in (PackLinears(False)(copy_graph(captured.graph_module)),  # every row's logits [B, T, V]
-               build_stage(captured.graph_module, TARGET_PREFILL, 8, "op", linears="packed")):  # the last's [B, V]
+    for gm in (
+        PackLinears(False)(copy_graph(captured.graph_module)),  # every row's logits [B, T, V]
+        build_stage(captured.graph_module, TARGET_PREFILL, 8, "op", linears="packed"),
+    ):  # the last's [B, V]
         store = KVStore(captured.spec, 2, 16)
         with torch.no_grad():
             logits = call(gm, store, ids, positions)[0]
@@ -55,8 +57,12 @@ def test_the_prefill_s_head_reads_the_last_row_and_gives_its_logits_bit_for_bit(
     gemm = build_stage(captured.graph_module, TARGET_PREFILL, 8, "op")  # BLAS: equal up to rounding
     assert _sliced(gemm) == 1 and HEAD_LAST_ROW in record_of(gemm).facts
     with torch.no_grad():
-        torch.testing.assert_close(call(gemm, KVStore(captured.spec, 2, 16), ids, positions)[0],
-                                   model(ids).logits[:, -1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            call(gemm, KVStore(captured.spec, 2, 16), ids, positions)[0],
+            model(ids).logits[:, -1],
+            rtol=1e-4,
+            atol=1e-4,
+        )
 
 
 def test_only_the_stages_that_read_the_last_row_alone_are_trimmed():
@@ -86,9 +92,12 @@ def _spliced_graph(extra_reader: bool, between=None):
 def test_a_head_read_otherwise_is_left_alone_and_a_scaled_one_is_trimmed():
     x, weight = torch.randn(2, 5, 4), torch.randn(3, 4)
     # add: not among the operations it walks through
-    for extra_reader, between, trimmed in ((False, None, True), (True, None, False),
-                                           (False, torch.ops.aten.mul.Tensor, True),
-                                           (False, torch.ops.aten.add.Tensor, False)):
+    for extra_reader, between, trimmed in (
+        (False, None, True),
+        (True, None, False),
+        (False, torch.ops.aten.mul.Tensor, True),
+        (False, torch.ops.aten.add.Tensor, False),
+    ):
         gm = _spliced_graph(extra_reader, between)
         want = gm(x, weight)
         gm = last_row_head(gm)

@@ -9,14 +9,27 @@ import torch
 import saguaro
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError
-from saguaro.core.stages import STAGES, TARGET_PREFILL, TARGET_SCORE, TARGET_STEP, TARGET_VERIFY
-from saguaro.core.stages import FEW_ROW_FAMILIES, MULTI_ROW_FAMILIES
-from saguaro.lower.lowering import linear_implementation
+from saguaro.core.stages import (
+    FEW_ROW_FAMILIES,
+    MULTI_ROW_FAMILIES,
+    STAGES,
+    TARGET_PREFILL,
+    TARGET_SCORE,
+    TARGET_STEP,
+    TARGET_VERIFY,
+)
+from saguaro.lower.kernel_choice import linear_implementation
 from saguaro.passes.base.graph_pass import LINEARS_AS_REDUCTIONS, record_of
 from saguaro.passes.linear_as_reduction import LINEAR, LinearAsReduction
 from saguaro.passes.pipeline import build_stage
 from tests.models import (
-    FAMILIES, family_draft, prompts, reference_greedy, tiny_family_target, tiny_target, truncated_draft,
+    FAMILIES,
+    family_draft,
+    prompts,
+    reference_greedy,
+    tiny_family_target,
+    tiny_target,
+    truncated_draft,
 )
 from tests.passes.stage_helpers import base_graph, count
 
@@ -28,7 +41,9 @@ class Layers(torch.nn.Module):
         self.down = torch.nn.Linear(24, 16, bias=False)
 
     def forward(self, x):
-        return torch.view_as_real(torch.view_as_complex(self.down(torch.relu(self.up(x))).unflatten(-1, (-1, 2))))
+        return torch.view_as_real(
+            torch.view_as_complex(self.down(torch.relu(self.up(x))).unflatten(-1, (-1, 2)))
+        )
 
 
 @pytest.mark.parametrize("shape", [(16,), (3, 16), (2, 5, 16)])
@@ -61,7 +76,12 @@ def test_a_linear_of_unknown_rank_is_left_as_it_was(caplog):
 def test_the_few_row_stages_of_inductor_on_cpu_get_the_packed_kernel_by_default_and_this_pass_on_request():
     few = [s for s in STAGES if s.family in FEW_ROW_FAMILIES]
     assert {s.family for s in STAGES} - set(FEW_ROW_FAMILIES) == {"prefill", "score"} and few
-    for requested in ("auto", "packed", "template", "reduction"):  # a score's T rows: BLAS, whatever was asked
+    for requested in (
+        "auto",
+        "packed",
+        "template",
+        "reduction",
+    ):  # a score's T rows: BLAS, whatever was asked
         assert linear_implementation("inductor", requested, "cpu", TARGET_SCORE.family) == "gemm"
     assert {s.family for s in few} - set(MULTI_ROW_FAMILIES)  # one-row stages are among them
     for stage in few:  # one row (step, round, chain) and several (verify, glue, tree) alike: pack_linears
@@ -75,8 +95,12 @@ def test_the_few_row_stages_of_inductor_on_cpu_get_the_packed_kernel_by_default_
     for requested in ("auto", "packed", "template"):
         assert linear_implementation("inductor", requested, "cpu", TARGET_PREFILL.family) == "packed"
     assert linear_implementation("eager", "packed", "cpu", TARGET_PREFILL.family) == "packed"
-    for backend, requested, device in (("inductor", "reduction", "cpu"), ("inductor", "gemm", "cpu"),
-                                       ("eager", "auto", "cpu"), ("inductor", "auto", "cuda")):
+    for backend, requested, device in (
+        ("inductor", "reduction", "cpu"),
+        ("inductor", "gemm", "cpu"),
+        ("eager", "auto", "cpu"),
+        ("inductor", "auto", "cuda"),
+    ):
         assert linear_implementation(backend, requested, device, TARGET_PREFILL.family) == "gemm"
     _, captured = base_graph()
     step = build_stage(captured.graph_module, TARGET_STEP, 8, "op", linears="reduction")
@@ -86,19 +110,27 @@ def test_the_few_row_stages_of_inductor_on_cpu_get_the_packed_kernel_by_default_
 
 
 def test_template_takes_the_multi_row_stages_of_inductor_on_cpu_only():
-    assert set(MULTI_ROW_FAMILIES) == set(FEW_ROW_FAMILIES) - {"step", "round", "chain"}  # one row: steps and rounds
+    assert set(MULTI_ROW_FAMILIES) == set(FEW_ROW_FAMILIES) - {
+        "step",
+        "round",
+        "chain",
+    }  # one row: steps and rounds
     for stage in (s for s in STAGES if s.family in FEW_ROW_FAMILIES):
         template = linear_implementation("inductor", "template", "cpu", stage.family)
         # several rows per sequence: the GEMM template; a step's one row: the packed kernel, as "auto"
         assert template == ("template" if stage.family in MULTI_ROW_FAMILIES else "packed"), stage
         for backend, device in (("inductor", "cuda"), ("eager", "cpu")):  # elsewhere, as "auto"
-            assert (linear_implementation(backend, "template", device, stage.family)
-                    == linear_implementation(backend, "auto", device, stage.family)), (backend, device)
+            assert linear_implementation(backend, "template", device, stage.family) == linear_implementation(
+                backend, "auto", device, stage.family
+            ), (backend, device)
 
 
 def test_linears_must_name_an_implementation_and_is_fixed_after_compile():
-    with pytest.raises(ConfigError, match=r"linears='blas' is not allowed: choose one of auto, gemm, reduction, "
-                                          r"packed, template"):
+    with pytest.raises(
+        ConfigError,
+        match=r"linears='blas' is not allowed: choose one of auto, gemm, reduction, "
+        r"packed, template",
+    ):
         SaguaroConfig(linears="blas")
     program = saguaro.compile(tiny_target("llama"), mode="ar", backend="eager")
     with pytest.raises(ValueError, match=r"\['linears'\] cannot change after compile"):
@@ -111,8 +143,16 @@ def test_greedy_through_the_reductions_equals_generate(family):
     draft = family_draft(target) if family in FAMILIES else truncated_draft(target)
     ids, mask = prompts(2, 7, seed=2, pad_rows={1: 2})
     expected = reference_greedy(target, ids, mask, 12)
-    program = saguaro.compile(target, draft, backend="eager", k=3, mode="ssd", linears="reduction",
-                              sd_when_faster=False, lane="thread")
+    program = saguaro.compile(
+        target,
+        draft,
+        backend="eager",
+        k=3,
+        mode="ssd",
+        linears="reduction",
+        sd_when_faster=False,
+        lane="thread",
+    )
     try:
         for mode in ("ar", "ssd"):  # AR: the step; SSD: the step, verify, glue and tree
             out = program.generate(ids, attention_mask=mask, max_new_tokens=12, mode=mode, eos_token_id=None)

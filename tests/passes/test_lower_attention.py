@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from saguaro.capture.attention_op import ATTENTION_OP
+from saguaro.core.stages import stage_named
 from saguaro.passes.base.graph_splice import PassError
 from saguaro.passes.lower_attention import attention_flex, attention_inline, flex_block_mask, lower_attention
-from saguaro.core.stages import stage_named
 from saguaro.passes.pipeline import build_stage
 from tests.passes.stage_helpers import base_graph, call, count, prefilled_store
 
@@ -36,7 +36,7 @@ def test_flex_builds_one_block_mask_and_drops_the_additive_mask():
         flex = build_stage(captured.graph_module, stage, 8, attention="flex")
         assert count(flex, ATTENTION_OP) == 0 and count(flex, attention_flex) == 2
         assert count(flex, flex_block_mask) == 1  # one per forward, read by every layer
-        fills = lambda gm: sum(1 for n in gm.graph.nodes if "masked_fill" in str(n.target))  # noqa: E731
+        fills = lambda gm: sum(1 for n in gm.graph.nodes if "masked_fill" in str(n.target))
         assert fills(kept) >= 1 and fills(flex) == 0, "the dense additive mask is still built"
         assert len(flex.graph.nodes) < len(kept.graph.nodes)
 
@@ -50,8 +50,9 @@ def stage_results(stage, implementation):
     store = prefilled_store(captured.spec, PROMPT)
     if spec.mask == "tree":  # two branches forked after the prompt, one token deep
         ids, index = SPEC[:, :2], torch.tensor([[5, 6], [5, 6]])
-        out = call(gm, store, ids, index, branch=torch.tensor([[1, 2], [1, 2]]),
-                   limit=torch.tensor([[4, 4], [4, 4]]))
+        out = call(
+            gm, store, ids, index, branch=torch.tensor([[1, 2], [1, 2]]), limit=torch.tensor([[4, 4], [4, 4]])
+        )
     elif stage == "draft.glue":
         extra = (SPEC[:, 1:], torch.tensor([0, 1, 3]), torch.tensor([0, 0, 0]))
         out = call(gm, store, SPEC, spec_index(), *extra)
@@ -63,8 +64,9 @@ def stage_results(stage, implementation):
 
 
 @pytest.mark.parametrize("implementation", ["inline", "flex", "reduce"])
-@pytest.mark.parametrize("stage", ["target.verify_greedy", "draft.glue", "draft.tree_greedy", "draft.step_greedy",
-                                   "target.step"])
+@pytest.mark.parametrize(
+    "stage", ["target.verify_greedy", "draft.glue", "draft.tree_greedy", "draft.step_greedy", "target.step"]
+)
 def test_lowered_attention_gives_the_op_outputs_and_kv_writes(stage, implementation):
     op_out, op_caches = stage_results(stage, "op")
     out, caches = stage_results(stage, implementation)
@@ -87,8 +89,9 @@ def test_lowered_attention_gives_the_op_outputs_and_kv_writes(stage, implementat
 def test_lower_attention_rejects_unknown_implementations_and_lowered_graphs():
     _, captured = base_graph()
     gm = build_stage(captured.graph_module, stage_named("draft.step_greedy"), 8, attention="inline")
-    with pytest.raises(ValueError, match="implementation='flash' is not allowed: choose one of op, inline, flex, "
-                                         "reduce"):
+    with pytest.raises(
+        ValueError, match="implementation='flash' is not allowed: choose one of op, inline, flex, reduce"
+    ):
         lower_attention(copy.deepcopy(gm), "flash")
     with pytest.raises(PassError, match="no saguaro::attention node"):
         lower_attention(gm, "inline")
@@ -104,7 +107,16 @@ def test_programs_with_lowered_attention_give_the_reference_tokens(attention):
     draft = truncated_draft(target)
     ids, mask = prompts(2, 7, seed=2, pad_rows={1: 2})
     expected = reference_greedy(target, ids, mask, 10)
-    program = saguaro.compile(target, draft, k=3, mode="ssd", lane="thread", attention=attention, backend="eager", sd_when_faster=False)
+    program = saguaro.compile(
+        target,
+        draft,
+        k=3,
+        mode="ssd",
+        lane="thread",
+        attention=attention,
+        backend="eager",
+        sd_when_faster=False,
+    )
     try:
         for mode in ("ar", "sd", "ssd"):
             out = program.generate(ids, attention_mask=mask, max_new_tokens=10, mode=mode, eos_token_id=None)

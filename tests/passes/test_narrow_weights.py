@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import saguaro
+from saguaro.capture import capture
 from saguaro.compile import CompiledStages
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError
 from saguaro.core.stages import TARGET_PREFILL, TARGET_ROUND, TARGET_STEP, TARGET_VERIFY
-from saguaro.capture import capture
 from saguaro.passes import run_pipeline
 from saguaro.passes.base.graph_pass import WEIGHTS_NARROWED, record_of
 from saguaro.passes.narrow_weights import ATTRIBUTE_PREFIX, MIN_ELEMENTS, NarrowWeights, narrow_copy
@@ -40,8 +40,9 @@ class Mixed(torch.nn.Module):
 
     def forward(self, x):  # x [M, 64]
         h = torch.nn.functional.linear(x, self.w_half) + x @ self.w_half.t()
-        return torch.nn.functional.linear(torch.nn.functional.linear(torch.tanh(h), self.brain) * 1e-6, self.full), \
-            torch.nn.functional.linear(x, self.small)
+        return torch.nn.functional.linear(
+            torch.nn.functional.linear(torch.tanh(h), self.brain) * 1e-6, self.full
+        ), torch.nn.functional.linear(x, self.small)
 
 
 def narrow_attributes(gm) -> dict:
@@ -58,7 +59,9 @@ def test_exact_weights_are_held_narrow_and_outputs_are_equal_bit_for_bit():
         got = narrowed(x)
     held = narrow_attributes(narrowed)
     assert {name: t.dtype for name, t in held.items()} == {
-        ATTRIBUTE_PREFIX + "w_half": torch.float16, ATTRIBUTE_PREFIX + "brain": torch.bfloat16}
+        ATTRIBUTE_PREFIX + "w_half": torch.float16,
+        ATTRIBUTE_PREFIX + "brain": torch.bfloat16,
+    }
     assert torch.equal(held[ATTRIBUTE_PREFIX + "w_half"].float(), model.w_half)
     reads = {n.target for n in narrowed.graph.nodes if n.op == "get_attr"}
     assert reads == {*held, "full", "small"}  # the float32 and the small weight read as they were
@@ -73,8 +76,9 @@ def test_a_weight_read_by_two_nodes_has_one_narrow_copy():
     root.w = torch.nn.Parameter(torch.randn(64, 64).half().float())
     x = graph.placeholder("x")
     first, second = graph.get_attr("w"), graph.get_attr("w")
-    graph.output((graph.call_function(torch.matmul, (x, first)),
-                  graph.call_function(torch.matmul, (x, second))))
+    graph.output(
+        (graph.call_function(torch.matmul, (x, first)), graph.call_function(torch.matmul, (x, second)))
+    )
     gm = NarrowWeights()(torch.fx.GraphModule(root, graph))
     assert list(narrow_attributes(gm)) == [ATTRIBUTE_PREFIX + "w"]
     assert [n.target for n in gm.graph.nodes if n.op == "get_attr"] == [ATTRIBUTE_PREFIX + "w"] * 2
@@ -89,7 +93,9 @@ def test_a_weight_changed_in_place_gets_a_new_copy_in_stages_built_after():
     with torch.no_grad():
         weight.mul_(2)  # still float16 values, new ones
     second = narrow_copy(weight)
-    assert second is not first and torch.equal(second.float(), weight) and torch.equal(first.float() * 2, weight)
+    assert (
+        second is not first and torch.equal(second.float(), weight) and torch.equal(first.float() * 2, weight)
+    )
     with torch.no_grad():
         weight.add_(1 / 3)  # no longer float16 values
     assert narrow_copy(weight) is None
@@ -149,8 +155,17 @@ def test_inductor_narrowed_step_equals_the_float32_step_up_to_rounding_order():
     index = torch.full((2, 1), 5)  # [B, 1]
     results = []
     for narrow in (False, True):
-        builder = CompiledStages("target", captured.graph_module, 8, "inductor", "auto", "cpu",
-                                 linears="reduction", narrow_weights=narrow, fuse_projections=False)
+        builder = CompiledStages(
+            "target",
+            captured.graph_module,
+            8,
+            "inductor",
+            "auto",
+            "cpu",
+            linears="reduction",
+            narrow_weights=narrow,
+            fuse_projections=False,
+        )
         assert bool(narrow_attributes(builder.stage_graph(TARGET_STEP))) == narrow
         store = KVStore(captured.spec, 2, 64)
         with torch.no_grad():
@@ -173,8 +188,9 @@ def test_inductor_narrows_the_reduction_stages_only_and_only_when_asked():
     captured.graph_module = run_pipeline(captured.graph_module)
 
     def narrowed(backend, stage, narrow=True, linears="auto"):
-        builder = CompiledStages("target", captured.graph_module, 8, backend, "auto", "cpu", linears=linears,
-                                 narrow_weights=narrow)
+        builder = CompiledStages(
+            "target", captured.graph_module, 8, backend, "auto", "cpu", linears=linears, narrow_weights=narrow
+        )
         return bool(narrow_attributes(builder.stage_graph(stage)))
 
     assert narrowed("inductor", TARGET_STEP) and narrowed("inductor", TARGET_ROUND)

@@ -7,17 +7,32 @@ import pytest
 import torch
 
 import saguaro
-from saguaro.compile import CompiledStages
 from saguaro.capture import capture
-from saguaro.core.stages import (DRAFT_CHAIN, DRAFT_GLUE, DRAFT_STEP, DRAFT_TREE, TARGET_PREFILL, TARGET_ROUND,
-                                 TARGET_VERIFY, TARGET_VERIFY_ROUND)
+from saguaro.compile import CompiledStages
+from saguaro.core.stages import (
+    DRAFT_CHAIN,
+    DRAFT_GLUE,
+    DRAFT_STEP,
+    DRAFT_TREE,
+    TARGET_PREFILL,
+    TARGET_ROUND,
+    TARGET_VERIFY,
+    TARGET_VERIFY_ROUND,
+)
 from saguaro.passes import run_pipeline
 from saguaro.passes.base.graph_pass import LINEARS_PACKED, copy_graph, record_of
 from saguaro.passes.pack_linears import ATTRIBUTE_PREFIX, PackLinears, panels
 from saguaro.runtime.base.kv_store import KVStore
 from saguaro.tensor_math import packed_linear as pl
-from tests.models import FAMILIES, family_draft, prompts, reference_greedy, tiny_family_target, tiny_target, \
-    truncated_draft
+from tests.models import (
+    FAMILIES,
+    family_draft,
+    prompts,
+    reference_greedy,
+    tiny_family_target,
+    tiny_target,
+    truncated_draft,
+)
 from tests.passes.stage_helpers import call
 
 PACKED = torch.ops.saguaro_kernels.packed_linear.default if pl.available() else None
@@ -27,8 +42,20 @@ pytestmark = pytest.mark.skipif(not pl.available(), reason="the packed kernel co
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")  # tests.models.tiny_target's; FAMILIES: tiny_family_target's
 
 
-@pytest.mark.parametrize("rows, n, k", [(1, 48, 64), (1, 250, 70), (1, 1040, 24), (2, 97, 16), (2, 250, 70),
-                                        (6, 384, 96), (7, 100, 33), (13, 17, 200), (32, 64, 40)])
+@pytest.mark.parametrize(
+    "rows, n, k",
+    [
+        (1, 48, 64),
+        (1, 250, 70),
+        (1, 1040, 24),
+        (2, 97, 16),
+        (2, 250, 70),
+        (6, 384, 96),
+        (7, 100, 33),
+        (13, 17, 200),
+        (32, 64, 40),
+    ],
+)
 def test_the_kernel_gives_the_same_bits_from_any_panel_dtype_and_either_loop(rows, n, k):
     gen = torch.Generator().manual_seed(rows * n + k)
     x = torch.randn(rows, k, generator=gen)  # [M, K]
@@ -39,10 +66,12 @@ def test_the_kernel_gives_the_same_bits_from_any_panel_dtype_and_either_loop(row
         assert want.shape == (rows, n) and want.dtype == torch.float32
         assert torch.equal(pl.packed_linear(x, pl.pack(narrow), n), want)
         assert torch.equal(torch.ops.saguaro_kernels.packed_linear_scalar(x, pl.pack(narrow), n), want)
-        torch.testing.assert_close(want, x @ narrow.float().T, rtol=1e-5, atol=1e-4 * float(narrow.float().abs().max()))
+        torch.testing.assert_close(
+            want, x @ narrow.float().T, rtol=1e-5, atol=1e-4 * float(narrow.float().abs().max())
+        )
     panels = pl.pack(half)
     with pytest.raises(RuntimeError, match="packed must be a contiguous"):  # the right shape, strided
-        pl.packed_linear(x, torch.cat([panels, panels], 2)[..., :pl.PANEL], n)
+        pl.packed_linear(x, torch.cat([panels, panels], 2)[..., : pl.PANEL], n)
     with pytest.raises(RuntimeError, match="panel tensor of x's K"):
         pl.packed_linear(x, panels[:, :-1].contiguous(), n)
 
@@ -67,7 +96,9 @@ def test_narrow_panels_give_the_float32_panels_bits_on_each_family(family):
         assert held and set(held.values()) == ({torch.float16} if narrow else {torch.float32})
         assert sum(1 for n in gm.graph.nodes if n.target is PACKED) >= len(held)
         assert LINEARS_PACKED in record_of(gm).facts
-        ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(2))  # six rows: a verify's
+        ids = torch.randint(
+            3, 128, (2, 6), generator=torch.Generator().manual_seed(2)
+        )  # six rows: a verify's
         store = KVStore(captured.spec, 2, 16)
         with torch.no_grad():
             logits = call(gm, store, ids, torch.arange(6).expand(2, 6).contiguous())[0]
@@ -132,17 +163,28 @@ def test_inductor_packs_every_few_row_stage_and_the_prefill_under_auto():
     captured.graph_module = run_pipeline(captured.graph_module)
 
     def packed(backend, stage, linears="auto", narrow=True):
-        builder = CompiledStages("target", captured.graph_module, 8, backend, "auto", "cpu", linears=linears,
-                                 narrow_weights=narrow)
+        builder = CompiledStages(
+            "target", captured.graph_module, 8, backend, "auto", "cpu", linears=linears, narrow_weights=narrow
+        )
         gm = builder.stage_graph(stage)
         return {t.dtype for name, t in gm.named_buffers() if name.startswith(ATTRIBUTE_PREFIX)}
 
-    for stage in (TARGET_VERIFY.greedy, TARGET_VERIFY_ROUND, TARGET_VERIFY.sampled, DRAFT_GLUE, DRAFT_TREE.greedy,
-                  TARGET_ROUND, DRAFT_STEP.greedy, DRAFT_CHAIN):  # several rows and one alike
+    for stage in (
+        TARGET_VERIFY.greedy,
+        TARGET_VERIFY_ROUND,
+        TARGET_VERIFY.sampled,
+        DRAFT_GLUE,
+        DRAFT_TREE.greedy,
+        TARGET_ROUND,
+        DRAFT_STEP.greedy,
+        DRAFT_CHAIN,
+    ):  # several rows and one alike
         assert packed("inductor", stage) == {torch.float16}
     assert packed("inductor", TARGET_VERIFY.greedy, narrow=False) == {torch.float32}
     assert packed("inductor", TARGET_ROUND, linears="reduction") == set()  # on request: fused reductions
-    assert packed("inductor", TARGET_PREFILL) == {torch.float16}  # a prefill's T rows too (not its kernels serial)
+    assert packed("inductor", TARGET_PREFILL) == {
+        torch.float16
+    }  # a prefill's T rows too (not its kernels serial)
     assert not packed("inductor", TARGET_PREFILL, linears="reduction")  # there: BLAS
     assert not packed("inductor", TARGET_VERIFY.greedy, linears="template")
     assert not packed("eager", TARGET_VERIFY.greedy)  # eager keeps MKL unless asked
@@ -154,9 +196,14 @@ def test_the_program_s_weights_are_reported_and_packed_stages_hold_only_their_pa
     from saguaro.inspection.weights import format_weights
 
     target = _rounded(tiny_target("llama", hidden=128))
-    program = saguaro.compile(target, truncated_draft(target), k=3, mode="sd", backend="eager", linears="packed")
+    program = saguaro.compile(
+        target, truncated_draft(target), k=3, mode="sd", backend="eager", linears="packed"
+    )
     report = inspection.Inspector(program).weights(modes=("sd",))
-    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*target.parameters(), *target.buffers()]}
+    held = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in [*target.parameters(), *target.buffers()]
+    }
     loaded = sum(held.values())  # the target's float32 weights (and RoPE's buffers), shared
     target_forms = report["models"]["target"]["by_form"]
     assert target_forms["as loaded"] == loaded  # held once, by the captured graph (the prefill reads them)
@@ -181,7 +228,7 @@ def test_every_finite_float16_and_bfloat16_value_widens_exactly_in_both_loops():
     for dtype in (torch.float16, torch.bfloat16):
         values = bits.view(dtype)
         values = values[torch.isfinite(values.float())]
-        weight = values[:values.numel() // 16 * 16].reshape(-1, 16)  # [N, 16]
+        weight = values[: values.numel() // 16 * 16].reshape(-1, 16)  # [N, 16]
         n, eye = weight.shape[0], torch.eye(16)  # one-hot rows: each output is one weight value
         for op in (torch.ops.saguaro_kernels.packed_linear, torch.ops.saguaro_kernels.packed_linear_scalar):
             assert torch.equal(op(eye, pl.pack(weight), n), weight.float().T)
@@ -195,8 +242,15 @@ def test_float32_panels_built_in_inference_mode_are_left_alone_by_narrow_weights
     captured = capture(model)
     captured.graph_module = run_pipeline(captured.graph_module)
     with torch.inference_mode():  # as a stage built on a generation's first round
-        gm = build_stage(captured.graph_module, TARGET_VERIFY.greedy, 8, "op", linears="packed", narrow=True,
-                         narrow_panels=True)
+        gm = build_stage(
+            captured.graph_module,
+            TARGET_VERIFY.greedy,
+            8,
+            "op",
+            linears="packed",
+            narrow=True,
+            narrow_panels=True,
+        )
     held = {name: t for name, t in gm.named_buffers()}
     assert {t.dtype for name, t in held.items() if name.startswith(ATTRIBUTE_PREFIX)} == {torch.float32}
     assert not any(name.startswith(NARROW + ATTRIBUTE_PREFIX) for name in held)

@@ -16,7 +16,14 @@ from saguaro.passes.base.graph_splice import PassError
 from saguaro.passes.quantize_weights import ATTRIBUTE_PREFIX, QuantizeWeights, quantize_weights
 from saguaro.tensor_math import packed_linear as pl
 from saguaro.tensor_math.quantized_linear import QUANTIZED_LINEAR, dequantize, quantize
-from tests.models import family_draft, prompts, reference_greedy, tiny_family_target, tiny_target, truncated_draft
+from tests.models import (
+    family_draft,
+    prompts,
+    reference_greedy,
+    tiny_family_target,
+    tiny_target,
+    truncated_draft,
+)
 
 LINEAR = torch.ops.aten.linear.default
 
@@ -83,19 +90,26 @@ def test_the_draft_alone_can_be_quantized_and_the_users_model_is_untouched():
     assert all(torch.equal(p, before[name]) for name, p in draft.named_parameters())
 
 
-@pytest.mark.parametrize("config, match", [
-    (dict(weights="int3"), "weights='int3' is not allowed"),
-    (dict(draft_weights="fp8"), "draft_weights='fp8' is not allowed"),
-    (dict(weights="int8", weight_group_size=0), "weight_group_size=0 is not allowed"),
-])
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (dict(weights="int3"), "weights='int3' is not allowed"),
+        (dict(draft_weights="fp8"), "draft_weights='fp8' is not allowed"),
+        (dict(weights="int8", weight_group_size=0), "weight_group_size=0 is not allowed"),
+    ],
+)
 def test_bad_weight_options_are_refused_by_name(config, match):
     with pytest.raises(ConfigError, match=match):
         saguaro.compile(tiny_target("llama"), None, mode="ar", backend="eager", **config)
 
 
 def test_a_group_size_that_does_not_divide_a_width_names_the_weight():
-    with pytest.raises(ValueError, match=r"weight_group_size=48 cannot quantize .*q_proj.* \[64, 64\].*does not divide"):
-        saguaro.compile(tiny_target("llama"), None, mode="ar", backend="eager", weights="int8", weight_group_size=48)
+    with pytest.raises(
+        ValueError, match=r"weight_group_size=48 cannot quantize .*q_proj.* \[64, 64\].*does not divide"
+    ):
+        saguaro.compile(
+            tiny_target("llama"), None, mode="ar", backend="eager", weights="int8", weight_group_size=48
+        )
 
 
 @pytest.mark.heavy
@@ -114,5 +128,7 @@ def test_inductor_runs_quantized_weights_on_the_packed_kernel_and_stays_exact():
     assert graphs, "no stage graph to look at"
     for gm in graphs:  # every stage, the prefill's included, on the kernel
         targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-        assert torch.ops.saguaro_kernels.packed_linear_q.default in targets and QUANTIZED_LINEAR not in targets
+        assert (
+            torch.ops.saguaro_kernels.packed_linear_q.default in targets and QUANTIZED_LINEAR not in targets
+        )
     program.close()

@@ -11,7 +11,13 @@ from saguaro.passes import run_pipeline
 from saguaro.passes.base.graph_pass import TENSOR_PARALLEL, copy_graph, record_of
 from saguaro.passes.base.graph_splice import PassError
 from saguaro.passes.shard_tensor_parallel import (
-    ALL_REDUCE, LINEAR, WAIT, Shard, ShardTensorParallel, count_all_reduces, local_spec,
+    ALL_REDUCE,
+    LINEAR,
+    WAIT,
+    Shard,
+    ShardTensorParallel,
+    count_all_reduces,
+    local_spec,
 )
 from tests.models import tiny_target
 
@@ -58,17 +64,17 @@ def test_parameters_hold_the_ranks_slice(captured):
         for name, value in params.items():
             whole = full.get_parameter(name)
             if "q_proj.weight" in name or "q_proj.bias" in name:
-                assert torch.equal(value, whole[rank * q_rows:(rank + 1) * q_rows])
+                assert torch.equal(value, whole[rank * q_rows : (rank + 1) * q_rows])
             elif any(p in name for p in ("k_proj", "v_proj")):
-                assert torch.equal(value, whole[rank * kv_rows:(rank + 1) * kv_rows])
+                assert torch.equal(value, whole[rank * kv_rows : (rank + 1) * kv_rows])
             elif "o_proj.weight" in name:
-                assert torch.equal(value, whole[:, rank * q_rows:(rank + 1) * q_rows])
+                assert torch.equal(value, whole[:, rank * q_rows : (rank + 1) * q_rows])
             elif "down_proj.weight" in name:
                 half = whole.shape[1] // world
-                assert torch.equal(value, whole[:, rank * half:(rank + 1) * half])
+                assert torch.equal(value, whole[:, rank * half : (rank + 1) * half])
             elif "gate_proj" in name or "up_proj" in name:
                 half = whole.shape[0] // world
-                assert torch.equal(value, whole[rank * half:(rank + 1) * half])
+                assert torch.equal(value, whole[rank * half : (rank + 1) * half])
             else:  # embeddings, norms, LM head: replicated
                 assert value is whole or torch.equal(value, whole), name
     if arch == "qwen2":  # q/k/v biases are column-parallel too
@@ -79,7 +85,9 @@ def test_parameters_hold_the_ranks_slice(captured):
 def test_indivisible_head_counts_are_refused_naming_them(captured):
     _, model = captured
     spec = model.spec  # 4 query heads, 2 KV heads
-    with pytest.raises(CaptureError, match=r"num_attention_heads=4 and num_key_value_heads=2 do not divide by 3"):
+    with pytest.raises(
+        CaptureError, match=r"num_attention_heads=4 and num_key_value_heads=2 do not divide by 3"
+    ):
         ShardTensorParallel(spec, Shard(0, 3, "g"))
     with pytest.raises(CaptureError, match=r"num_key_value_heads=2 does not divide by 4"):
         local_spec(spec, 4)
@@ -89,9 +97,12 @@ def test_a_parameter_it_cannot_place_is_refused_naming_the_node(captured):
     _, model = captured
     gm = copy_graph(model.graph_module)
     node = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith("mlp.up_proj.weight"))
-    gm.register_parameter("fused_qkv", torch.nn.Parameter(gm.get_parameter(node.target).clone(),
-                                                          requires_grad=False))
+    gm.register_parameter(
+        "fused_qkv", torch.nn.Parameter(gm.get_parameter(node.target).clone(), requires_grad=False)
+    )
     node.target = "fused_qkv"
     user = next(iter(node.users))
-    with pytest.raises(PassError, match=rf"node {user.name} .* the parameter fused_qkv, which the pass cannot place"):
+    with pytest.raises(
+        PassError, match=rf"node {user.name} .* the parameter fused_qkv, which the pass cannot place"
+    ):
         ShardTensorParallel(model.spec, Shard(0, 2, "g"))(gm)

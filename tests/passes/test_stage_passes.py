@@ -31,8 +31,15 @@ def test_flat_signature_and_one_attention_node_per_layer():
     _, captured = base_graph()
     gm = captured.graph_module
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    assert names[:7] == ["input_ids", "positions", "write_slots", "query_branch", "query_limit", "slot_pos",
-                         "slot_branch"]
+    assert names[:7] == [
+        "input_ids",
+        "positions",
+        "write_slots",
+        "query_branch",
+        "query_limit",
+        "slot_pos",
+        "slot_branch",
+    ]
     assert count(gm, ATTENTION_OP) == 2 and count(gm, MASK_OP) == 1
 
 
@@ -53,7 +60,7 @@ def test_specialize_attention_rewrites_the_mask_node_and_keeps_results(kind):
     store = prefilled_store(captured.spec, PROMPT)
     logits = call(after, store, SPEC, spec_index())[0]  # [2, 4, V]
     with torch.no_grad():
-        expected = model(torch.cat([PROMPT, SPEC], 1)).logits[:, PROMPT.shape[1]:]  # [2, 4, V]
+        expected = model(torch.cat([PROMPT, SPEC], 1)).logits[:, PROMPT.shape[1] :]  # [2, 4, V]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
 
 
@@ -85,8 +92,9 @@ def test_tree_mask_equals_the_dense_mask_drawn_by_hand():
     for depth in (1, 2):
         slots = torch.tensor([[9, 10], [9, 10]]) + 2 * (depth - 1)  # [B, 2]
         store.claim(slots, fork + depth, branch)
-        bias = tree_bias(slots, fork + depth, branch, fork, store.slot_pos, store.slot_branch, 0, 1,
-                         torch.float32)  # [B, 1, 2, S]
+        bias = tree_bias(
+            slots, fork + depth, branch, fork, store.slot_pos, store.slot_branch, 0, 1, torch.float32
+        )  # [B, 1, 2, S]
         allowed = bias[:, 0, :, :13] == 0  # [B, 2, 13]
         for b in range(2):
             assert torch.equal(allowed[b], dense_tree_mask(depth)), f"row {b}, depth {depth}"
@@ -102,11 +110,12 @@ def test_tree_stage_equals_the_model_on_each_branch_sequence():
     call(captured.graph_module, store, SPEC, spec_index())  # the glue: r, x_1..x_3 in slots 5..8
     fork = torch.tensor([[5 + j for j in FORK_ROWS]] * 2)
     branch = torch.tensor([[1, 2], [1, 2]])
-    (tokens,) = call(tree, store, TREE_TOKENS, fork + 1, branch=branch, limit=fork,
-                     slots=torch.tensor([[9, 10], [9, 10]]))
+    (tokens,) = call(
+        tree, store, TREE_TOKENS, fork + 1, branch=branch, limit=fork, slots=torch.tensor([[9, 10], [9, 10]])
+    )
     for b in range(2):
         for beta, j in enumerate(FORK_ROWS):
-            sequence = torch.cat([PROMPT[b], SPEC[b, :j + 1], TREE_TOKENS[b, beta:beta + 1]])[None]
+            sequence = torch.cat([PROMPT[b], SPEC[b, : j + 1], TREE_TOKENS[b, beta : beta + 1]])[None]
             with torch.no_grad():
                 expected = model(sequence).logits[0, -1].argmax()
             assert int(tokens[b, beta]) == int(expected), f"row {b}, branch {beta + 1}"
@@ -158,20 +167,29 @@ def test_splice_fork_returns_candidates_and_ranked_rows():
                 assert int(candidates[b, i]) != int(SPEC[b, j + 1])
 
 
-STAGE_OF_EPILOGUE = {"last": TARGET_PREFILL, "step_greedy": DRAFT_STEP.greedy, "step_sampled": DRAFT_STEP.sampled}
+STAGE_OF_EPILOGUE = {
+    "last": TARGET_PREFILL,
+    "step_greedy": DRAFT_STEP.greedy,
+    "step_sampled": DRAFT_STEP.sampled,
+}
 
 
 @pytest.mark.parametrize("epilogue", ["last", "step_greedy", "step_sampled"])
 def test_splice_sampling_epilogues_equal_eager_functions(epilogue):
     model, captured = base_graph()
-    gm = splice_epilogue(specialize_attention(fresh(captured.graph_module), "causal"), STAGE_OF_EPILOGUE[epilogue])
+    gm = splice_epilogue(
+        specialize_attention(fresh(captured.graph_module), "causal"), STAGE_OF_EPILOGUE[epilogue]
+    )
     store = prefilled_store(captured.spec, PROMPT)
     extra = (torch.tensor(1.25), torch.tensor([0.3, 0.9])) if epilogue == "step_sampled" else ()
     got = call(gm, store, SPEC, spec_index(), *extra)
     with torch.no_grad():
         logits = model(torch.cat([PROMPT, SPEC], 1)).logits[:, 5:]
-    fn = {"last": sampling.last_logits, "step_greedy": sampling.step_greedy,
-          "step_sampled": sampling.step_sampled}[epilogue]
+    fn = {
+        "last": sampling.last_logits,
+        "step_greedy": sampling.step_greedy,
+        "step_sampled": sampling.step_sampled,
+    }[epilogue]
     expected = fn(logits, *extra)
     expected = expected if isinstance(expected, tuple) else (expected,)
     assert len(got) == len(expected)
@@ -191,8 +209,11 @@ def test_a_stage_graphs_code_is_generated_once_after_its_last_pass(monkeypatch):
     model, captured = base_graph()
     generated = []  # the graph of each python_code call
     real = torch.fx.Graph.python_code
-    monkeypatch.setattr(torch.fx.Graph, "python_code",
-                        lambda self, *args, **kwargs: (generated.append(self), real(self, *args, **kwargs))[1])
+    monkeypatch.setattr(
+        torch.fx.Graph,
+        "python_code",
+        lambda self, *args, **kwargs: (generated.append(self), real(self, *args, **kwargs))[1],
+    )
     gm = build_stage(captured.graph_module, TARGET_VERIFY.greedy, 8, attention="inline")
     assert sum(graph is gm.graph for graph in generated) == 1  # three passes rewrote it; its code came once
     store = prefilled_store(captured.spec, PROMPT)

@@ -26,10 +26,14 @@ def test_stage_graph_is_a_structured_trace_artifact():
     handler = Records()
     trace_log.addHandler(handler)  # what TORCH_TRACE=dir installs
     try:
-        gm = build_stage(builder.graph_module, TARGET_VERIFY.greedy, builder.width, attention=builder.attention)
+        gm = build_stage(
+            builder.graph_module, TARGET_VERIFY.greedy, builder.width, attention=builder.attention
+        )
     finally:
         trace_log.removeHandler(handler)
-    artifacts = [r for r in handler.records if r.metadata.get("artifact", {}).get("name", "").startswith("saguaro_")]
+    artifacts = [
+        r for r in handler.records if r.metadata.get("artifact", {}).get("name", "").startswith("saguaro_")
+    ]
     assert [r.metadata["artifact"]["name"] for r in artifacts] == ["saguaro_stage_target.verify_greedy"]
     payload = artifacts[0].payload
     assert "draft_tokens" in payload and payload.count("\n") >= len(gm.graph.nodes) - 5
@@ -44,8 +48,9 @@ def test_without_a_trace_folder_the_stage_text_is_not_made(monkeypatch):
     monkeypatch.setattr(trace_log, "handlers", [folderless])
     made = []
     real = torch.fx.GraphModule.print_readable
-    monkeypatch.setattr(torch.fx.GraphModule, "print_readable",
-                        lambda self, *a, **k: made.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(
+        torch.fx.GraphModule, "print_readable", lambda self, *a, **k: made.append(1) or real(self, *a, **k)
+    )
     build_stage(builder.graph_module, TARGET_VERIFY.greedy, builder.width, attention=builder.attention)
     assert made == []
     trace_log.addHandler(Records())

@@ -18,8 +18,17 @@ def run(gm, spec, ids):
     store = KVStore(spec, batch=ids.shape[0], capacity=16)
     index = torch.arange(ids.shape[1]).expand_as(ids).contiguous()
     store.claim(index, index, torch.zeros_like(index))
-    return gm(ids, index, index, torch.zeros_like(index), index, store.slot_pos, store.slot_branch, store.k_caches,
-              store.v_caches)
+    return gm(
+        ids,
+        index,
+        index,
+        torch.zeros_like(index),
+        index,
+        store.slot_pos,
+        store.slot_branch,
+        store.k_caches,
+        store.v_caches,
+    )
 
 
 def test_removes_asserts_and_noop_conversions_only():

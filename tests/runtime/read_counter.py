@@ -50,7 +50,7 @@ class FakeTimeline:
 class FakeEvent:
     """``torch.cuda.Event`` on a :class:`FakeTimeline`; a wait on an event not passed is recorded as a read."""
 
-    def __init__(self, counter: "ReadCounter", enable_timing: bool = False):
+    def __init__(self, counter: ReadCounter, enable_timing: bool = False):
         self.counter, self.number, self.at = counter, None, None
 
     def record(self, stream=None) -> None:
@@ -67,7 +67,7 @@ class FakeEvent:
         timeline = self.counter.timeline
         timeline.passed = max(timeline.passed, self.number)
 
-    def elapsed_time(self, end: "FakeEvent") -> float:
+    def elapsed_time(self, end: FakeEvent) -> float:
         return 1000.0 * (end.at - self.at)
 
 
@@ -83,8 +83,9 @@ class ReadCounter:
         self.caller = threading.current_thread()
         self._lock = threading.Lock()
 
-    def install(self, monkeypatch, count_rounds: bool = True, cuda_late_reads: bool = True,
-                fake_events: bool = True) -> "ReadCounter":
+    def install(
+        self, monkeypatch, count_rounds: bool = True, cuda_late_reads: bool = True, fake_events: bool = True
+    ) -> ReadCounter:
         """Patch the reading functions, the caller's ``Stopwatch`` (fake CUDA events) and, when
         ``count_rounds``, the target's round calls (each begins a round); ``cuda_late_reads``: see above.
         On a real GPU, ``fake_events=False`` (and ``cuda_late_reads=False``) keeps CUDA's own events and
@@ -95,7 +96,9 @@ class ReadCounter:
         for name in ("__getitem__", "__setitem__"):
             monkeypatch.setattr(torch.Tensor, name, self._masked(name, getattr(torch.Tensor, name)))
         if fake_events:
-            monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: FakeEvent(self, enable_timing))
+            monkeypatch.setattr(
+                torch.cuda, "Event", lambda enable_timing=False: FakeEvent(self, enable_timing)
+            )
             monkeypatch.setattr(timing.Stopwatch, "__init__", self._stopwatch(timing.Stopwatch.__init__))
         else:
             synchronize = torch.cuda.Event.synchronize
@@ -104,6 +107,7 @@ class ReadCounter:
                 if not event.query():
                     self.record("event.synchronize")
                 return synchronize(event)
+
             monkeypatch.setattr(torch.cuda.Event, "synchronize", counted_synchronize)
         if cuda_late_reads:
             monkeypatch.setattr(timing.LateRead, "__init__", self._late_read(timing.LateRead.__init__))
@@ -115,6 +119,7 @@ class ReadCounter:
                 if stage.model == "target" and stage.family in ROUND_FAMILIES and self._on_caller():
                     self.next_round()
                 return run(runner, stage, *args, **kwargs)
+
             monkeypatch.setattr(model_runner.ModelRunner, "run", counted_run)
         return self
 
@@ -133,6 +138,7 @@ class ReadCounter:
             watch.device, watch.stream = torch.device(device), "the caller's fake CUDA stream"
             watch._start = FakeEvent(counter, True)
             watch._start.record()
+
         return init
 
     def _late_read(self, original):
@@ -141,6 +147,7 @@ class ReadCounter:
         def init(late, device):
             original(late, device)
             late.cuda = late.cuda or counter._on_caller()  # the CUDA branch, on fake events and buffers
+
         return init
 
     def record(self, what: str) -> None:
@@ -163,6 +170,7 @@ class ReadCounter:
         def counted(*args, **kwargs):
             self.record(name)
             return original(*args, **kwargs)
+
         return counted
 
     def _masked(self, name, original):
@@ -171,6 +179,7 @@ class ReadCounter:
             if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
                 self.record(f"{name} with a boolean mask")  # a nonzero inside
             return original(tensor, index, *value)
+
         return indexed
 
     def per_round(self, rounds: int, kind: str = "sync", lane: str | None = None) -> list[int]:
@@ -184,5 +193,7 @@ class ReadCounter:
 
     def where(self) -> str:
         places = collections.Counter((kind, lane, what, where) for _, kind, lane, what, where in self.reads)
-        return "\n".join(f"  {n:4d} x {kind} {what} on the {lane} lane at {where}"
-                         for (kind, lane, what, where), n in places.most_common())
+        return "\n".join(
+            f"  {n:4d} x {kind} {what} on the {lane} lane at {where}"
+            for (kind, lane, what, where), n in places.most_common()
+        )

@@ -13,8 +13,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Ctrl-C as a terminal delivers it, however pytest was started: a process started in the background by a
 # non-interactive shell ignores SIGINT, and its children inherit that (a Ctrl-C test would then wait forever)
-BOOT = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-        "from saguaro.cli.main import main; sys.exit(main(sys.argv[1:]))")
+BOOT = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from saguaro.cli.main import main; sys.exit(main(sys.argv[1:]))"
+)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -24,8 +26,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def server_command(address: str, draft_dir, secret_file) -> list:
-    return [sys.executable, "-c", BOOT, "draft-server", "--listen", address, "--draft", str(draft_dir),
-            "--secret-file", str(secret_file), "--threads", "1"]
+    return [
+        sys.executable,
+        "-c",
+        BOOT,
+        "draft-server",
+        "--listen",
+        address,
+        "--draft",
+        str(draft_dir),
+        "--secret-file",
+        str(secret_file),
+        "--threads",
+        "1",
+    ]
 
 
 class ServerProcess:
@@ -37,15 +51,23 @@ class ServerProcess:
         self.lines: list[str] = []
         self.stderr_path = Path(secret_file).parent / "server.stderr"  # the stacks a forced stop writes
 
-    def start(self) -> "ServerProcess":
+    def start(self) -> ServerProcess:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         env.pop("SAGUARO_DRAFT_SECRET", None)
         with open(self.stderr_path, "a") as stderr:
-            self.process = subprocess.Popen(server_command(self.address, self.draft_dir, self.secret_file), cwd=ROOT,
-                                            env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                            stderr=stderr, text=True)
+            self.process = subprocess.Popen(
+                server_command(self.address, self.draft_dir, self.secret_file),
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                stderr=stderr,
+                text=True,
+            )
         self.lines = [self.process.stdout.readline().strip(), self.process.stdout.readline().strip()]
-        assert self.lines[1] == "ready", f"the draft server did not start: {self.lines} {self.stderr()[-3000:]}"
+        assert self.lines[1] == "ready", (
+            f"the draft server did not start: {self.lines} {self.stderr()[-3000:]}"
+        )
         return self
 
     @property

@@ -42,9 +42,19 @@ def test_round_epilogue_appends_and_claims_as_the_host_round_does(seed):
 
     lengths, finished = graph.lengths.clone(), graph.finished.clone()
     ids, positions, write_slots, new_lengths, new_finished, active = round_greedy(
-        logits, slot_pos, slot_branch, graph.tokens, graph.lengths, graph.finished, graph.padding,
-        graph.eos_table(vocab), graph.end)
-    assert torch.equal(graph.lengths, lengths) and torch.equal(graph.finished, finished)  # read, never written
+        logits,
+        slot_pos,
+        slot_branch,
+        graph.tokens,
+        graph.lengths,
+        graph.finished,
+        graph.padding,
+        graph.eos_table(vocab),
+        graph.end,
+    )
+    assert torch.equal(graph.lengths, lengths) and torch.equal(
+        graph.finished, finished
+    )  # read, never written
     assert torch.equal(graph.tokens, host.tokens) and torch.equal(new_lengths, host.lengths)
     assert torch.equal(new_finished, host.finished)
     assert torch.equal(slot_pos, host_pos) and torch.equal(slot_branch, host_branch)
@@ -55,8 +65,14 @@ def test_round_epilogue_appends_and_claims_as_the_host_round_does(seed):
 
 
 def test_eos_table_marks_the_eos_ids_within_the_vocabulary():
-    seqs = SequenceBatch(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), 4, 8,
-                         eos_token_ids=[2, 5, 40], pad_token_id=0)
+    seqs = SequenceBatch(
+        torch.ones(1, 2, dtype=torch.long),
+        torch.ones(1, 2, dtype=torch.long),
+        4,
+        8,
+        eos_token_ids=[2, 5, 40],
+        pad_token_id=0,
+    )
     assert seqs.eos_table(8).nonzero().flatten().tolist() == [2, 5]
 
 
@@ -70,8 +86,10 @@ def test_greedy_ar_runs_one_round_call_per_token_and_equals_the_step():
     runner.run = lambda stage, *args, **kwargs: calls.append(stage) or run(stage, *args, **kwargs)
     out = program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=EOS)
     expected = reference_greedy(target, ids, mask, 12, eos_token_id=EOS)
-    assert torch.equal(out.sequences[:, :expected.shape[1]], expected)
-    generated = out.sequences.shape[1] - ids.shape[1]  # the longest row's new tokens; the prefill gave the first
+    assert torch.equal(out.sequences[:, : expected.shape[1]], expected)
+    generated = (
+        out.sequences.shape[1] - ids.shape[1]
+    )  # the longest row's new tokens; the prefill gave the first
     assert calls[1:] == [TARGET_ROUND] * (generated - 1) and out.stats["rounds"] == generated - 1
     assert TARGET_STEP not in runner.built_stages
     calls.clear()
@@ -89,7 +107,9 @@ def test_ar_runs_one_round_past_an_eos_end_which_appends_nothing(round_stage):
     ids, mask = prompts(3, 7, pad_rows={1: 3})
     T = ids.shape[1]
     free = reference_greedy(target, ids, mask, 12)
-    eos = sorted({int(free[b, T + 2 + b]) for b in range(3)})  # row b ends by its (b+3)-th new token at the latest
+    eos = sorted(
+        {int(free[b, T + 2 + b]) for b in range(3)}
+    )  # row b ends by its (b+3)-th new token at the latest
     expected = reference_greedy(target, ids, mask, 12, eos_token_id=eos)
     program = saguaro.compile(target, None, mode="ar", backend="eager")
     runner, calls = program.target, []
@@ -101,7 +121,9 @@ def test_ar_runs_one_round_past_an_eos_end_which_appends_nothing(round_stage):
     assert torch.equal(out.sequences, expected)
     generated = expected.shape[1] - T
     assert generated <= 5  # every row ended by EOS, long before its budget
-    assert out.stats["rounds"] == generated - 1 and out.stats["new_tokens"] == int((expected[:, T:] != PAD).sum())
+    assert out.stats["rounds"] == generated - 1 and out.stats["new_tokens"] == int(
+        (expected[:, T:] != PAD).sum()
+    )
     assert calls[1:] == [TARGET_ROUND if round_stage else TARGET_STEP] * generated  # one past the end
 
 

@@ -15,11 +15,12 @@ from tests.models import prompts
 
 def solo(program, prompt, max_new_tokens, temperature=0.0, seed=None, mode=None):
     """The new tokens ``generate`` gives ``prompt`` alone, up to and with the first EOS."""
-    out = program.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                           mode=mode)
-    tokens = out.sequences[0, len(prompt):].tolist()
+    out = program.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, mode=mode
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
     eos = {program.eos_token_id} if isinstance(program.eos_token_id, int) else set(program.eos_token_id or ())
-    return next((tokens[:i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
+    return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
 
 
 def drive(session, requests, leave_at=None):
@@ -55,15 +56,20 @@ def drive(session, requests, leave_at=None):
 def test_greedy_rows_joining_and_leaving_equal_their_solo_output(arch, mode):
     _, _, program = tiny_program(arch, mode=mode)
     ids, _ = prompts(6, 12, seed=21)
-    requests = [(0, ids[0, :5].tolist(), 30, None), (0, ids[1, :12].tolist(), 9, None),
-                (2, ids[2, :3].tolist(), 20, None), (3, ids[3, :8].tolist(), 1, None),
-                (5, ids[4, :11].tolist(), 25, None), (7, ids[5, :6].tolist(), 40, None)]
+    requests = [
+        (0, ids[0, :5].tolist(), 30, None),
+        (0, ids[1, :12].tolist(), 9, None),
+        (2, ids[2, :3].tolist(), 20, None),
+        (3, ids[3, :8].tolist(), 1, None),
+        (5, ids[4, :11].tolist(), 25, None),
+        (7, ids[5, :6].tolist(), 40, None),
+    ]
     session = BatchSession(program)
     tokens, sizes = drive(session, requests, leave_at={5: 9})
     for i, (_, prompt, budget, _) in enumerate(requests):
         want = solo(program, prompt, budget)
         if i == 5:  # left after two rounds: what it got is the start of its solo output
-            assert 1 < len(tokens[i]) < len(want) and tokens[i] == want[:len(tokens[i])]
+            assert 1 < len(tokens[i]) < len(want) and tokens[i] == want[: len(tokens[i])]
         else:
             assert tokens[i] == want, i
     assert max(sizes) >= 3 and sizes[0] == 2  # rows did run together, and joined a running batch
@@ -75,8 +81,12 @@ def test_greedy_rows_joining_and_leaving_equal_their_solo_output(arch, mode):
 def test_seeded_sampled_rows_get_their_solo_tokens_whoever_their_batch_mates(mode):
     _, _, program = tiny_program("llama", mode=mode)
     ids, _ = prompts(4, 10, seed=22)
-    requests = [(0, ids[0, :6].tolist(), 24, 5), (1, ids[1, :10].tolist(), 18, 6), (1, ids[2, :4].tolist(), 20, 7),
-                (4, ids[3, :9].tolist(), 16, 5)]
+    requests = [
+        (0, ids[0, :6].tolist(), 24, 5),
+        (1, ids[1, :10].tolist(), 18, 6),
+        (1, ids[2, :4].tolist(), 20, 7),
+        (4, ids[3, :9].tolist(), 16, 5),
+    ]
     tokens, sizes = drive(BatchSession(program, temperature=0.9), requests)
     for i, (_, prompt, budget, seed) in enumerate(requests):
         assert tokens[i] == solo(program, prompt, budget, 0.9, seed), i
@@ -93,7 +103,9 @@ def test_a_session_serves_between_generate_calls_and_refuses_what_it_cannot_run(
     got = first.new_tokens
     while session.size:
         got += sum((r.new_tokens for r in session.step()), [])
-        assert session.counters.rounds == 1 and len(session.counters.accepted_lengths) == 1  # the last round's only
+        assert (
+            session.counters.rounds == 1 and len(session.counters.accepted_lengths) == 1
+        )  # the last round's only
     assert got == solo(program, [5, 6, 7], 6)
     with pytest.raises(ValueError, match="mode='tree' is not allowed for a batch session"):
         BatchSession(program, mode="tree")
@@ -119,8 +131,13 @@ def test_a_batch_size_met_again_takes_back_its_pooled_tensors(monkeypatch):
     for prompt in ([9, 10], [11, 12]):
         row = session.join(prompt, 8).row
         state = session.state
-        addresses.append((state.seqs.tokens.data_ptr(), state.target_store.k_caches[0].data_ptr(),
-                          state.draft_store.slot_pos.data_ptr()))
+        addresses.append(
+            (
+                state.seqs.tokens.data_ptr(),
+                state.target_store.k_caches[0].data_ptr(),
+                state.draft_store.slot_pos.data_ptr(),
+            )
+        )
         del state
         session.step()
         session.leave(row)

@@ -15,8 +15,11 @@ from tests.runtime.test_batch_session import solo
 def addresses(session) -> tuple:
     state = session.state
     stores = [s for s in (state.target_store, state.draft_store) if s is not None]
-    return (state.seqs.tokens.data_ptr(), *(s.k_caches[0].data_ptr() for s in stores),
-            *(s.slot_pos.data_ptr() for s in stores))
+    return (
+        state.seqs.tokens.data_ptr(),
+        *(s.k_caches[0].data_ptr() for s in stores),
+        *(s.slot_pos.data_ptr() for s in stores),
+    )
 
 
 def run_until_done(session, tokens, rows, rounds=200):
@@ -34,8 +37,12 @@ def test_a_row_joining_where_one_ended_takes_its_place_in_place(mode, temperatur
     _, _, program = tiny_program("llama", mode=mode)
     ids, _ = prompts(4, 12, seed=31)
     seeds = [11, 12, 13, 14] if temperature > 0 else [None] * 4
-    asks = [(ids[0, :9].tolist(), 3), (ids[1, :12].tolist(), 40), (ids[2, :5].tolist(), 30),
-            (ids[3, :7].tolist(), 24)]
+    asks = [
+        (ids[0, :9].tolist(), 3),
+        (ids[1, :12].tolist(), 40),
+        (ids[2, :5].tolist(), 30),
+        (ids[3, :7].tolist(), 24),
+    ]
     session = BatchSession(program, temperature=temperature)
     tokens, rows = {}, {}
     for i in range(3):
@@ -75,7 +82,7 @@ def test_a_row_that_left_early_is_replaced_and_counted():
     assert addresses(session) == before and session.left_early == 1 and session.size == 2
     run_until_done(session, tokens, rows)
     want = solo(program, *asks[0])
-    assert tokens[0] == want[:len(tokens[0])] and len(tokens[0]) < len(want)
+    assert tokens[0] == want[: len(tokens[0])] and len(tokens[0]) < len(want)
     for i in (1, 2):
         assert tokens[i] == solo(program, *asks[i]), i
 

@@ -16,16 +16,20 @@ from tests.runtime.test_lane_failure import failing_after
 
 def requests_of(seed: int) -> list:
     ids, _ = prompts(5, 12, seed=seed)
-    return [(0, ids[0, :5].tolist(), 24, None), (0, ids[1, :12].tolist(), 9, None),
-            (2, ids[2, :3].tolist(), 18, None), (3, ids[3, :8].tolist(), 1, None),
-            (4, ids[4, :11].tolist(), 20, None)]
+    return [
+        (0, ids[0, :5].tolist(), 24, None),
+        (0, ids[1, :12].tolist(), 9, None),
+        (2, ids[2, :3].tolist(), 18, None),
+        (3, ids[3, :8].tolist(), 1, None),
+        (4, ids[4, :11].tolist(), 20, None),
+    ]
 
 
 def check_solo(program, requests, tokens, left=()):
     for i, (_, prompt, budget, _) in enumerate(requests):
         want = solo(program, prompt, budget)
         if i in left:  # what a row that left got is the start of its solo output
-            assert 1 < len(tokens[i]) < len(want) and tokens[i] == want[:len(tokens[i])], i
+            assert 1 < len(tokens[i]) < len(want) and tokens[i] == want[: len(tokens[i])], i
         else:
             assert tokens[i] == want, i
 
@@ -89,7 +93,9 @@ def test_unseeded_sampled_rows_run_ssd_rounds_together():
     joined rows' ``probs`` concatenated onto the batch's), draws from its own generator on the target's side,
     and ends at its budget or EOS."""
     _, _, program = tiny_program("llama", mode="ssd", lane="thread", sd_when_faster=False)
-    torch.manual_seed(33)  # unseeded rows draw their seeds from torch's generator: as it stands after earlier tests,
+    torch.manual_seed(
+        33
+    )  # unseeded rows draw their seeds from torch's generator: as it stands after earlier tests,
     # rows could end early enough that never three ran together
     try:
         session = BatchSession(program, temperature=0.8)
@@ -105,13 +111,17 @@ def test_unseeded_sampled_rows_run_ssd_rounds_together():
 
 
 def test_a_draft_process_killed_mid_session_leaves_the_rows_to_sd_exactly():
-    _, _, program = tiny_program("llama", k=3, mode="ssd", lane="process", sd_when_faster=False, lane_timeout_s=30)
+    _, _, program = tiny_program(
+        "llama", k=3, mode="ssd", lane="process", sd_when_faster=False, lane_timeout_s=30
+    )
     try:
         requests = requests_of(34)[:3]
-        wanted = [solo(program, prompt, budget) for _, prompt, budget, _ in requests]  # and the lane's warm-up
+        wanted = [
+            solo(program, prompt, budget) for _, prompt, budget, _ in requests
+        ]  # and the lane's warm-up
         session = BatchSession(program)
         got = {}
-        for i, (_, prompt, budget, _) in enumerate(requests[:2]):
+        for _i, (_, prompt, budget, _) in enumerate(requests[:2]):
             first = session.join(prompt, budget)
             got[first.row] = list(first.new_tokens)
         for _ in range(2):

@@ -26,8 +26,9 @@ def solo_costs() -> StageCosts:
 
 def contended(verify_ms: float, glue_ms: float, tree_ms: dict) -> StageCosts:
     """What calibration measures while both run: the verify per branch count, and the builds."""
-    costs = solo_costs().under_contention(StageCosts(glue_s=glue_ms * 1e-3, tree_s={m: t * 1e-3 for m, t in
-                                                                                   tree_ms.items()}))
+    costs = solo_costs().under_contention(
+        StageCosts(glue_s=glue_ms * 1e-3, tree_s={m: t * 1e-3 for m, t in tree_ms.items()})
+    )
     for budget in BUDGETS:
         costs.observe_verify(budget, verify_ms * 1e-3 * (1 + 0.02 * budget))
     return costs
@@ -67,7 +68,9 @@ def test_whether_ssd_pays_over_sd_is_decided_with_the_contended_costs():
     assert "timed while both run, sharing one GPU" in why and "12.00 ms, timed alone" in why
     assert "the verify 7.00 ms" in why and "no tree, the glue only" in why  # M = 0: the build is the glue
     assert "the draft's build 1.50 ms" in why
-    tree = why_no_tree_pays(contended(6.5, 0.6, {4: 0.5, 8: 0.7}), 1e-3, K, CAP, "each on its share of the cores")
+    tree = why_no_tree_pays(
+        contended(6.5, 0.6, {4: 0.5, 8: 0.7}), 1e-3, K, CAP, "each on its share of the cores"
+    )
     assert "(8 branches: the verify 7.54 ms and the draft's build 2.70 ms" in tree
 
 
@@ -98,14 +101,25 @@ class FakeLane:
 def test_calibration_times_the_verify_against_each_build_and_keeps_the_contended_builds(monkeypatch):
     lane = FakeLane()
     # the verify takes 6 ms alone and 7 ms + 0.1 ms per branch while the lane builds
-    monkeypatch.setattr(calibration_module, "time_verify_alone", lambda *args: VERIFY_ALONE_S if lane.building is None
-                        else 7e-3 + 1e-4 * lane.building)
+    monkeypatch.setattr(
+        calibration_module,
+        "time_verify_alone",
+        lambda *args: VERIFY_ALONE_S if lane.building is None else 7e-3 + 1e-4 * lane.building,
+    )
     target = SimpleNamespace(wait_compiled=lambda timeout=None: True, spec=SimpleNamespace(vocab_size=16))
     spec = SimpleNamespace(input_ids=torch.zeros(1, 4, dtype=torch.long), capacity=64, temperature=0.0)
     alone, costs = Calibration(target, None, K).ready(lane, spec, 64)
     assert alone == VERIFY_ALONE_S
-    assert lane.log == ["warm_up", ("build", 4), ("build", 4), ("build", 8), ("build", 8), ("build", 0),
-                        ("build", 0), "plan_costs"]
+    assert lane.log == [
+        "warm_up",
+        ("build", 4),
+        ("build", 4),
+        ("build", 8),
+        ("build", 8),
+        ("build", 0),
+        ("build", 0),
+        "plan_costs",
+    ]
     assert costs.verify_s == pytest.approx({4: 7.4e-3, 8: 7.8e-3, 0: 7e-3})  # the verify against each build
     assert (costs.glue_s, costs.tree_s, costs.step_s) == (1.5e-3, {4: 4.0e-3, 8: 4.5e-3}, STEP_S)
     assert not ssd_pays(costs, VERIFY_ALONE_S + K * STEP_S, K, CAP)  # alone, the tree would have paid:
@@ -126,13 +140,17 @@ def test_a_generation_plans_with_the_contended_costs_and_says_why_in_words(monke
     from tests.models import prompts, reference_greedy
 
     target, draft, _ = tiny_pair("llama")
-    program = saguaro.compile(target, draft, k=K, mode="ssd", lane="thread", backend="eager")  # sd_when_faster
+    program = saguaro.compile(
+        target, draft, k=K, mode="ssd", lane="thread", backend="eager"
+    )  # sd_when_faster
     chosen = {"costs": contended(7.0, 1.5, {4: 4.0, 8: 4.5})}
-    monkeypatch.setattr(Calibration, "ready", lambda self, lane, spec, capacity: (VERIFY_ALONE_S, chosen["costs"]))
+    monkeypatch.setattr(
+        Calibration, "ready", lambda self, lane, spec, capacity: (VERIFY_ALONE_S, chosen["costs"])
+    )
     monkeypatch.setattr(Calibration, "sd_round_s", lambda self, *args: VERIFY_ALONE_S + K * STEP_S)
     ids, mask = prompts(1, 8, seed=7)
     expected = reference_greedy(target, ids, mask, 12)
-    generate = lambda: program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)  # noqa: E731
+    generate = lambda: program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
     try:
         as_sd = generate()
         chosen["costs"] = contended(6.5, 0.6, {4: 0.5, 8: 0.7})  # a mild contention: the tree pays
@@ -150,27 +168,40 @@ def test_a_generation_plans_with_the_contended_costs_and_says_why_in_words(monke
     assert as_sd.stats["plan"] == (
         "no tree pays here: SSD's best round (no tree, the glue only: the verify 7.00 ms and the draft's build "
         "1.50 ms, timed while both run, each on its share of the cores) is expected to decide 0.92x the tokens per "
-        "second of an SD round (12.00 ms, timed alone) (sd_when_faster=True)")
+        "second of an SD round (12.00 ms, timed alone) (sd_when_faster=True)"
+    )
     assert as_ssd.stats["ran_as"] == "ssd" and as_ssd.stats["plan"] == "SSD on the thread lane"
     assert measured.stats["ran_as"] == "sd" and measured.stats["plan"].startswith(
         "no tree pays here: the last SSD generation at this batch took 2.00x an SD round's time (12.00 ms, timed "
-        "alone)")
+        "alone)"
+    )
 
 
-@pytest.mark.parametrize("target, draft, shares_host, where", [
-    ("cuda:0", "cuda:0", True, "sharing one GPU"),  # the one-GPU case: the same words as on CPU, its figures
-    ("cuda:0", "cuda:1", True, "each on a device of its own"),  # draft_device
-    ("cuda:0", "cuda:0", False, "the draft on a machine of its own"),
-    ("cpu", "cpu", True, "each on its share of the cores"),
-])
+@pytest.mark.parametrize(
+    "target, draft, shares_host, where",
+    [
+        (
+            "cuda:0",
+            "cuda:0",
+            True,
+            "sharing one GPU",
+        ),  # the one-GPU case: the same words as on CPU, its figures
+        ("cuda:0", "cuda:1", True, "each on a device of its own"),  # draft_device
+        ("cuda:0", "cuda:0", False, "the draft on a machine of its own"),
+        ("cpu", "cpu", True, "each on its share of the cores"),
+    ],
+)
 def test_the_words_say_where_the_contended_costs_were_timed(target, draft, shares_host, where):
     from saguaro.runtime.generation_plan import _why_sd
 
     program = SimpleNamespace(
-        calibration=SimpleNamespace(ssd_over_sd=lambda verdict: None), lanes=SimpleNamespace(shares_host=shares_host),
+        calibration=SimpleNamespace(ssd_over_sd=lambda verdict: None),
+        lanes=SimpleNamespace(shares_host=shares_host),
         target=SimpleNamespace(spec=SimpleNamespace(device=torch.device(target))),
-        draft=SimpleNamespace(spec=SimpleNamespace(device=torch.device(draft))), config=SimpleNamespace(k=K),
-        draft_width=CAP)
+        draft=SimpleNamespace(spec=SimpleNamespace(device=torch.device(draft))),
+        config=SimpleNamespace(k=K),
+        draft_width=CAP,
+    )
     costs = contended(7.0, 1.5, {4: 4.0, 8: 4.5})
     assert _why_sd(program, ("verdict",), costs, 12e-3) == why_no_tree_pays(costs, 12e-3, K, CAP, where)
     assert f"timed while both run, {where})" in _why_sd(program, ("verdict",), costs, 12e-3)

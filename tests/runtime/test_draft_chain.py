@@ -25,15 +25,20 @@ def _drafted(runner, feed: int, chained: bool, k: int = 4):
     store = runner.new_store(2, 16)
     index = torch.arange(6).expand(2, 6).clone()  # [2, 6]: slots
     positions = (index - padding[:, None]).clamp_min(0)
-    runner(store, ids[:, :6 - feed], positions[:, :6 - feed], index[:, :6 - feed])  # the prefill's KV
-    tokens, probs = draft_decode(runner, store, ids[:, -feed:], index[:, -feed:], positions[:, -feed:], k, 0.0, None)
+    runner(store, ids[:, : 6 - feed], positions[:, : 6 - feed], index[:, : 6 - feed])  # the prefill's KV
+    tokens, probs = draft_decode(
+        runner, store, ids[:, -feed:], index[:, -feed:], positions[:, -feed:], k, 0.0, None
+    )
     runner.__dict__.pop("provides", None)
     assert probs is None
     return tokens, store
 
 
-@pytest.mark.parametrize("feed, together", [(1, True), (2, True), (2, False)],
-                         ids=["one token", "two tokens in one call", "two tokens, a catch-up call first"])
+@pytest.mark.parametrize(
+    "feed, together",
+    [(1, True), (2, True), (2, False)],
+    ids=["one token", "two tokens in one call", "two tokens, a catch-up call first"],
+)
 def test_chained_drafting_equals_the_steps_and_leaves_the_same_store(feed, together, monkeypatch):
     from saguaro.runtime.draft import decode
 
@@ -53,8 +58,9 @@ def test_chained_drafting_equals_the_steps_and_leaves_the_same_store(feed, toget
     assert torch.equal(chained_store.slot_branch, stepped_store.slot_branch)
     valid = stepped_store.slot_pos >= 0  # [B, S]
     assert int(valid[0].sum()) == 6 + 4 - 1  # the prompt and x_1..x_{k-1}
-    for ours, theirs in zip((*chained_store.k_caches, *chained_store.v_caches),
-                            (*stepped_store.k_caches, *stepped_store.v_caches)):
+    for ours, theirs in zip(
+        (*chained_store.k_caches, *chained_store.v_caches), (*stepped_store.k_caches, *stepped_store.v_caches)
+    ):
         assert torch.equal(ours.transpose(1, 2)[valid], theirs.transpose(1, 2)[valid])
     program.close()
 
@@ -65,10 +71,15 @@ def test_the_epilogue_claims_the_next_slot_and_nothing_past_the_store():
     slot_pos = torch.full((2, 4), -1)
     slot_branch = torch.full((2, 4), 7)
     positions, write_slots = torch.tensor([[1], [2]]), torch.tensor([[1], [3]])  # row 1 wrote the last slot
-    token, ids, next_positions, next_slots = chain_greedy(logits, positions, write_slots, slot_pos, slot_branch)
+    token, ids, next_positions, next_slots = chain_greedy(
+        logits, positions, write_slots, slot_pos, slot_branch
+    )
     assert token.tolist() == [3, 1] and ids.tolist() == [[3], [1]]
     assert next_positions.tolist() == [[2], [3]] and next_slots.tolist() == [[2], [4]]
-    assert slot_pos.tolist() == [[-1, -1, 2, -1], [-1, -1, -1, -1]]  # row 0's slot 2 claimed; row 1 past the end
+    assert slot_pos.tolist() == [
+        [-1, -1, 2, -1],
+        [-1, -1, -1, -1],
+    ]  # row 0's slot 2 claimed; row 1 past the end
     assert slot_branch.tolist() == [[7, 7, 0, 7], [7, 7, 7, 7]]
 
 
@@ -78,8 +89,9 @@ def test_compiled_chained_steps_after_the_first_reuse_its_inputs_and_stay_exact(
     target = tiny_target("llama")
     ids, mask = prompts(2, 7, seed=4, pad_rows={1: 2})
     expected = reference_greedy(target, ids, mask, 16)
-    program = saguaro.compile(target, truncated_draft(target, layers=2), k=3, mode="sd", backend="inductor",
-                              compile="blocking")
+    program = saguaro.compile(
+        target, truncated_draft(target, layers=2), k=3, mode="sd", backend="inductor", compile="blocking"
+    )
     served = []
     original = repeated_call.RepeatedCall.__call__
 
@@ -104,9 +116,13 @@ def test_compiled_chained_steps_after_the_first_reuse_its_inputs_and_stay_exact(
             assert torch.equal(out.sequences, expected)
             chain_runs.append(Counter(width for stage, width in by_run if stage is DRAFT_CHAIN))
         assert served and all(served)  # every later call of a chain reused the first's inputs
-        # and the later rounds' first calls too (ModelRunner.repeated_again: the same store's tensors): one call
+        # and the later rounds' first calls too (ModelRunner.kept_query_call: the same store's tensors): one call
         # of each query width ran (a round's first call feeds 2 tokens, or 1, in one call: feeds_together)
-        assert out.stats["rounds"] > 2 and set(chain_runs[1]) <= {1, 2} and max(chain_runs[1].values(), default=0) <= 1
+        assert (
+            out.stats["rounds"] > 2
+            and set(chain_runs[1]) <= {1, 2}
+            and max(chain_runs[1].values(), default=0) <= 1
+        )
         assert 2 in chain_runs[0]  # the first round fed its two tokens in one call
         stage = program.draft.stage(DRAFT_CHAIN)
         # the repeated calls are counted as the stage's
@@ -127,11 +143,17 @@ def test_a_repeated_call_puts_in_the_changed_arguments_and_refuses_another_layou
         return out
 
     # inputs: argument 0 (changes) and argument 2 (fixed); argument 1 unread
-    direct = SimpleNamespace(boxed=boxed, _arguments=[(0, 0), (1, 2)], boxed_inputs=lambda args: [args[0], args[2]],
-                             applies=lambda: True)
+    direct = SimpleNamespace(
+        boxed=boxed,
+        _arguments=[(0, 0), (1, 2)],
+        boxed_inputs=lambda args: [args[0], args[2]],
+        applies=lambda: True,
+    )
     calls = []
     fixed = torch.tensor([[1], [2]])
-    repeat = RepeatedCall(direct, (torch.zeros(2, 1, dtype=torch.long), None, fixed), 1, lambda: calls.append(1))
+    repeat = RepeatedCall(
+        direct, (torch.zeros(2, 1, dtype=torch.long), None, fixed), 1, lambda: calls.append(1)
+    )
     (out,) = repeat(torch.tensor([[3], [4]]))
     assert out.tolist() == [[31], [42]]
     (out,) = repeat(torch.tensor([[5], [6]]))  # the inputs again, though the last call cleared its list

@@ -12,7 +12,9 @@ NOISE = 0.3
 
 def test_every_speculation_is_the_drafts_greedy_continuation(monkeypatch):
     target = tiny_target("llama")
-    draft = truncated_draft(target, layers=2, noise=NOISE)  # the target, perturbed: rounds accept all k or fewer
+    draft = truncated_draft(
+        target, layers=2, noise=NOISE
+    )  # the target, perturbed: rounds accept all k or fewer
     program = saguaro.compile(target, draft, k=4, mode="sd", backend="eager", sd_when_faster=False)
     k = program.config.k
     rounds = []  # (committed ids [1, L], draft_feed, speculation [1, k])
@@ -33,4 +35,6 @@ def test_every_speculation_is_the_drafts_greedy_continuation(monkeypatch):
     assert 1 in feeds and 2 in feeds[1:], f"both feeds must occur after the first round: {feeds}"
     for committed, feed, tokens in rounds:
         expected = reference_greedy(draft, committed, torch.ones_like(committed), max_new_tokens=k)[:, -k:]
-        assert torch.equal(tokens, expected), f"feed {feed}: speculation {tokens} is not the draft's own {expected}"
+        assert torch.equal(tokens, expected), (
+            f"feed {feed}: speculation {tokens} is not the draft's own {expected}"
+        )

@@ -48,7 +48,10 @@ def test_one_unlucky_neural_round_does_not_lock_neural_out():
     assert after.count("neural") >= len(after) * EXPLORE_EVERY // (EXPLORE_EVERY + 1)
     for i, kind in enumerate(after):
         if kind == "fast":
-            assert after[i - EXPLORE_EVERY:i] == ["neural"] * EXPLORE_EVERY and after[i + 1:i + 2] in ([], ["neural"])
+            assert after[i - EXPLORE_EVERY : i] == ["neural"] * EXPLORE_EVERY and after[i + 1 : i + 2] in (
+                [],
+                ["neural"],
+            )
 
 
 def test_the_means_cover_a_window_of_recent_rounds():
@@ -89,8 +92,12 @@ def test_with_fixed_costs_the_choices_depend_on_the_outcomes_only():
         for i in range(40):
             kind = policy.choose()
             taken.append(kind)
-            fallback_round(policy, kind, 1 if (kind == "neural" and i == 0) else (5 if kind == "neural" else 2),
-                           neural_s=neural_s)
+            fallback_round(
+                policy,
+                kind,
+                1 if (kind == "neural" and i == 0) else (5 if kind == "neural" else 2),
+                neural_s=neural_s,
+            )
         runs.append(taken)
     assert runs[0] == runs[1]
     assert "fast" in runs[0] and runs[0][-EXPLORE_EVERY:].count("neural") >= EXPLORE_EVERY - 1

@@ -16,7 +16,7 @@ SAMPLES = 6000
 PROMPT = torch.tensor([[3, 7, 11, 4, 9, 13]])  # longer than the window
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def models():
     target = tiny_family_target("gemma2", vocab_size=VOCAB, logit_scale=12.0, seed=5)
     return target, family_draft(target)
@@ -31,29 +31,35 @@ def exact_joint(target, prefix: int = 0) -> torch.Tensor:
         logp = torch.log_softmax(target(seqs).logits.float(), dim=-1)  # [N, T+p+1, V]
     log_joint = logp[:, T + prefix]  # [N, V]: the last token's distribution
     for i in range(prefix + 1):
-        log_joint = log_joint + logp[:, T - 1 + i].gather(1, grid[:, i:i + 1])
+        log_joint = log_joint + logp[:, T - 1 + i].gather(1, grid[:, i : i + 1])
     joint = torch.exp(log_joint).reshape(-1, V, V)  # [V^prefix, V, V]
     return joint.sum(0)  # [V, V]
 
 
 def sampled_joint(program, first: int) -> tuple[torch.Tensor, dict]:
-    out = program.generate(PROMPT.expand(SAMPLES, -1), max_new_tokens=first + 2, temperature=1.0, seed=0,
-                           eos_token_id=None)
+    out = program.generate(
+        PROMPT.expand(SAMPLES, -1), max_new_tokens=first + 2, temperature=1.0, seed=0, eos_token_id=None
+    )
     a, b = out.sequences[:, -2], out.sequences[:, -1]
     return torch.bincount(a * VOCAB + b, minlength=VOCAB * VOCAB).reshape(VOCAB, VOCAB), out.stats
 
 
 def test_sd_sampling_matches_the_gemma2_joint_and_final_softcap_matters():
     target, draft = models()
-    counts, stats = sampled_joint(saguaro.compile(target, draft, k=2, mode="sd", backend="eager", sd_when_faster=False), first=0)
+    counts, stats = sampled_joint(
+        saguaro.compile(target, draft, k=2, mode="sd", backend="eager", sd_when_faster=False), first=0
+    )
     assert 1.0 < stats["mean_accepted_len"]
     assert chi_square_pvalue(counts, exact_joint(target)) > 1e-3
-    uncapped = tiny_family_target("gemma2", vocab_size=VOCAB, logit_scale=12.0, seed=5, final_logit_softcapping=None)
+    uncapped = tiny_family_target(
+        "gemma2", vocab_size=VOCAB, logit_scale=12.0, seed=5, final_logit_softcapping=None
+    )
     assert chi_square_pvalue(counts, exact_joint(uncapped)) < 1e-6, "the test cannot see final softcapping"
     # the prompt is longer than the window, and the window changes the joint: a target attending to the
     # whole prompt is rejected too
-    unwindowed = tiny_family_target("gemma2", vocab_size=VOCAB, logit_scale=12.0, seed=5,
-                                    layer_types=["full_attention"] * 2)
+    unwindowed = tiny_family_target(
+        "gemma2", vocab_size=VOCAB, logit_scale=12.0, seed=5, layer_types=["full_attention"] * 2
+    )
     assert chi_square_pvalue(counts, exact_joint(unwindowed)) < 1e-6, "the test cannot see the sliding window"
 
 
@@ -61,8 +67,17 @@ def test_sd_sampling_matches_the_gemma2_joint_and_final_softcap_matters():
 def test_ssd_cache_hits_sample_the_gemma2_joint():
     """``k = 1`` and every outcome cached: tokens 3 and 4 come from rounds served by cache hits."""
     target, draft = models()
-    program = saguaro.compile(target, draft, k=1, mode="ssd", lane="thread", fan_out=[VOCAB - 1, VOCAB],
-                              fallback="neural", backend="eager", sd_when_faster=False)
+    program = saguaro.compile(
+        target,
+        draft,
+        k=1,
+        mode="ssd",
+        lane="thread",
+        fan_out=[VOCAB - 1, VOCAB],
+        fallback="neural",
+        backend="eager",
+        sd_when_faster=False,
+    )
     try:
         counts, stats = sampled_joint(program, first=2)
     finally:

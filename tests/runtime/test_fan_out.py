@@ -9,8 +9,13 @@ from saguaro.runtime.draft.fan_out import OutcomeEstimator, geometric_fan_out, r
 
 
 @settings(max_examples=200, deadline=None)
-@given(alpha=st.floats(0.05, 0.98), rho=st.floats(0.1, 5.0), k=st.integers(1, 16), extra=st.integers(0, 60),
-       cap=st.integers(1, 40))
+@given(
+    alpha=st.floats(0.05, 0.98),
+    rho=st.floats(0.1, 5.0),
+    k=st.integers(1, 16),
+    extra=st.integers(0, 60),
+    cap=st.integers(1, 40),
+)
 def test_allocation_sums_to_budget_capped_and_non_increasing(alpha, rho, k, extra, cap):
     budget = min(k + 1 + extra, (k + 1) * cap)
     fan = geometric_fan_out(alpha, rho, k, budget, cap)

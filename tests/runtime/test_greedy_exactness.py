@@ -40,7 +40,9 @@ def test_eos_stops_one_sequence_early(arch_pair, mode):
     assert torch.equal(out.sequences, expected)
     generated = out.sequences[0, 7:]
     first = int((generated == eos).nonzero()[0])
-    assert first <= 3 and bool((generated[first + 1:] == 0).all()), "a finished row must be padded, never extended"
+    assert first <= 3 and bool((generated[first + 1 :] == 0).all()), (
+        "a finished row must be padded, never extended"
+    )
 
 
 def test_sd_accepts_draft_tokens(arch_pair):

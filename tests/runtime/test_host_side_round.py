@@ -14,10 +14,10 @@ def loop_fast_fallback(seqs: SequenceBatch, rows: list, k: int) -> torch.Tensor:
     """The fast fallback as it was, one row at a time on the host: the oracle."""
     proposals = []
     for row in rows:
-        context = seqs.tokens[row, :int(seqs.lengths[row])]
+        context = seqs.tokens[row, : int(seqs.lengths[row])]
         last = context[-1]
         earlier = (context[:-1] == last).nonzero().flatten()
-        follow = context[int(earlier[-1]) + 1:int(earlier[-1]) + 1 + k] if earlier.numel() else context[:0]
+        follow = context[int(earlier[-1]) + 1 : int(earlier[-1]) + 1 + k] if earlier.numel() else context[:0]
         proposals.append(torch.cat([follow, last.expand(k - follow.numel())]))
     return torch.stack(proposals) if proposals else torch.zeros(0, k, dtype=torch.long)
 
@@ -55,9 +55,13 @@ def test_host_match_equals_the_device_match(seed):
     rows = [j for j, f in enumerate(fan_out) for _ in range(f)]
     MQ = len(rows)
     candidates = torch.randint(0, V, (B, MQ), generator=gen)  # duplicates too: the first branch wins
-    cache = SpeculationCache(branch_rows=torch.tensor(rows), candidates=candidates,
-                             tokens=torch.zeros(B, MQ, K, dtype=torch.long), probs=None,
-                             ranked=torch.zeros(B, K + 1, 4, dtype=torch.long))
+    cache = SpeculationCache(
+        branch_rows=torch.tensor(rows),
+        candidates=candidates,
+        tokens=torch.zeros(B, MQ, K, dtype=torch.long),
+        probs=None,
+        ranked=torch.zeros(B, K + 1, 4, dtype=torch.long),
+    )
     cache.index_on_host(rows, candidates.tolist())
     for _ in range(20):
         accepted = torch.randint(0, K + 1, (B,), generator=gen)
@@ -72,10 +76,12 @@ def test_host_match_equals_the_device_match(seed):
 
 def test_the_host_view_follows_appends_with_one_read():
     ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
-    seqs = SequenceBatch(ids, torch.ones_like(ids), max_new_tokens=2, capacity=8, eos_token_ids=[9], pad_token_id=0)
+    seqs = SequenceBatch(
+        ids, torch.ones_like(ids), max_new_tokens=2, capacity=8, eos_token_ids=[9], pad_token_id=0
+    )
     assert seqs.host_active == [True, True] and seqs.host_lengths == [3, 3]  # no read: known at construction
     seqs.append(torch.tensor([[9, 1], [1, 2]]), torch.tensor([2, 1]))  # row 0 meets EOS
-    accepted, = seqs.read(torch.tensor([1, 0]))
+    (accepted,) = seqs.read(torch.tensor([1, 0]))
     assert accepted == [1, 0] and seqs.host_active == [False, True] and seqs.host_lengths == [4, 4]
     seqs.append(torch.tensor([[1], [2]]), torch.tensor([1, 1]))  # stale now: the next question reads
     assert seqs.all_finished() and seqs.host_lengths == [4, 5]
@@ -90,8 +96,10 @@ def test_append_one_equals_append_of_one_token(seed):
     ids = torch.randint(1, 6, (5, 4), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # a left-padded row
-    both = [SequenceBatch(ids, mask, max_new_tokens=6, capacity=8, eos_token_ids=[3, 5], pad_token_id=0)
-            for _ in range(2)]
+    both = [
+        SequenceBatch(ids, mask, max_new_tokens=6, capacity=8, eos_token_ids=[3, 5], pad_token_id=0)
+        for _ in range(2)
+    ]
     for _ in range(8):
         token = torch.randint(1, 7, (5,), generator=gen)
         both[0].append(token[:, None], torch.ones_like(token))

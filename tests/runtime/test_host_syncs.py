@@ -86,11 +86,14 @@ def test_an_sd_round_syncs_at_most_once(case, monkeypatch):
     def listed_run(stage, *args, **kwargs):  # through the class's run, which the read counter patches
         calls.append(stage)
         return type(runner).run(runner, stage, *args, **kwargs)
+
     monkeypatch.setattr(runner, "run", listed_run)
     out, counter = counted_generate(program, monkeypatch, **options)
     rounds = out.stats["rounds"]
     assert out.stats["mode"] == "sd" and rounds >= 4 and counter.round == rounds
-    assert (TARGET_VERIFY_ROUND in calls) == round_stage  # the greedy verify and commit in one stage call, or not
+    assert (
+        TARGET_VERIFY_ROUND in calls
+    ) == round_stage  # the greedy verify and commit in one stage call, or not
     sync = counter.per_round(rounds)
     report = f"sd {case}: syncs per round {sync}, {counter.setup()} before; where:\n{counter.where()}"
     print(report)
@@ -109,11 +112,13 @@ SSD_CASES = {
 @pytest.mark.parametrize("case", sorted(SSD_CASES))
 def test_an_ssd_round_reads_the_device_once_per_lane(case, monkeypatch):
     options = SSD_CASES[case]
-    _, _, program = tiny_program("llama", k=3, mode="ssd", lane="thread", fan_out="geometric",
-                                 fallback=options["fallback"])
+    _, _, program = tiny_program(
+        "llama", k=3, mode="ssd", lane="thread", fan_out="geometric", fallback=options["fallback"]
+    )
     ids, mask = prompts(3, 8, seed=2, pad_rows={1: 3})
-    call = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=None, temperature=options["temperature"],
-                seed=0)
+    call = dict(
+        attention_mask=mask, max_new_tokens=24, eos_token_id=None, temperature=options["temperature"], seed=0
+    )
     try:
         program.generate(ids, **call)  # the lane's warm-up and every stage's first call: not counted
         counter = ReadCounter().install(monkeypatch, count_rounds=False)
@@ -134,8 +139,10 @@ def test_an_ssd_round_reads_the_device_once_per_lane(case, monkeypatch):
     assert sum(stats["hits_by_position"].values()) > 0 and stats["fallbacks"][options["fallback"]] > 0
     per_round = counter.per_round(stats["rounds"])
     on_target = counter.per_round(stats["rounds"], lane="target")
-    report = (f"{case}: reads per round {per_round} (max {max(per_round)}), on the target lane {on_target}, "
-              f"{counter.setup()} before the first round; where:\n{counter.where()}")
+    report = (
+        f"{case}: reads per round {per_round} (max {max(per_round)}), on the target lane {on_target}, "
+        f"{counter.setup()} before the first round; where:\n{counter.where()}"
+    )
     print(report)
     assert max(per_round) <= MAX_READS_PER_ROUND, report
     assert max(on_target) <= 1, report  # the outcome; the verify's timing is read after it, never waited for

@@ -33,6 +33,7 @@ def strict(fn):
     def run(*args, **kwargs):
         with no_sync():
             return fn(*args, **kwargs)
+
     return run
 
 
@@ -52,7 +53,7 @@ def test_ar_rounds_on_cuda_queue_without_a_sync(temperature, round_stage, monkey
     call = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=None, temperature=temperature, seed=0)
     program.generate(ids, **call)  # every stage built
     for maker in ("round_in_graph", "round_by_step"):
-        monkeypatch.setattr(ar, maker, lambda *args, real=getattr(ar, maker): strict(real(*args)))
+        monkeypatch.setattr(ar, maker, lambda *args, real=getattr(ar, maker): strict(real(*args)))  # noqa: B008
     monkeypatch.setattr(LateRead, "post", strict(LateRead.post))
     counter = ReadCounter().install(monkeypatch, cuda_late_reads=False, fake_events=False)
     out = program.generate(ids, **call)
@@ -65,8 +66,11 @@ def test_ar_rounds_on_cuda_queue_without_a_sync(temperature, round_stage, monkey
         assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 24))
 
 
-@pytest.mark.parametrize("temperature,round_stage", [(0.0, True), (0.0, False), (1.0, False)],
-                         ids=["greedy-round", "greedy-verify", "sampled"])
+@pytest.mark.parametrize(
+    "temperature,round_stage",
+    [(0.0, True), (0.0, False), (1.0, False)],
+    ids=["greedy-round", "greedy-verify", "sampled"],
+)
 def test_sd_rounds_on_cuda_sync_once(temperature, round_stage, monkeypatch):
     target = tiny_target("llama", logit_scale=4.0).to("cuda")
     program = saguaro.compile(target, truncated_draft(target), mode="sd", k=3, backend="eager")
@@ -92,11 +96,15 @@ def test_sd_rounds_on_cuda_sync_once(temperature, round_stage, monkeypatch):
             counter.next_round()
             with no_sync():
                 return replay()
+
         return marked
+
     monkeypatch.setattr(sd, "graphed_sd_round", graphed_round)
     out = program.generate(ids, **call)
     monkeypatch.undo()
-    assert bool(graphed_rounds) == (temperature == 0)  # greedy rounds replay one graph; sampled, stage by stage
+    assert bool(graphed_rounds) == (
+        temperature == 0
+    )  # greedy rounds replay one graph; sampled, stage by stage
     rounds = out.stats["rounds"]
     assert counter.round == rounds and counter.per_round(rounds) == [1] * rounds, counter.where()
     if temperature == 0:

@@ -96,7 +96,10 @@ def test_dead_draft_process_finishes_with_sd():
 def test_auto_lane_is_the_process_lane_for_eager_on_cpu_and_the_thread_lane_for_inductor():
     target, draft, eager = tiny_pair("llama")  # compiled with the default lane ("auto")
     assert eager.reconfigure(mode="ssd").lane_kind == "process"
-    assert saguaro.compile(target, draft, mode="ssd", backend="inductor", sd_when_faster=False).lane_kind == "thread"
+    assert (
+        saguaro.compile(target, draft, mode="ssd", backend="inductor", sd_when_faster=False).lane_kind
+        == "thread"
+    )
     assert eager.reconfigure(mode="ssd", lane="thread").lane_kind == "thread"
 
 

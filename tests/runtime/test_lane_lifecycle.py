@@ -22,11 +22,11 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from saguaro.runtime.lanes.draft_files import RemoteDraft
 from saguaro.runtime.lanes import owner as lane_owner
 from saguaro.runtime.lanes import process as process_lane
 from saguaro.runtime.lanes import protocol
 from saguaro.runtime.lanes import thread as lanes
+from saguaro.runtime.lanes.draft_files import RemoteDraft
 from saguaro.runtime.program import Program
 from tests.conftest import tiny_pair
 from tests.models import prompts, reference_greedy
@@ -63,7 +63,9 @@ def draft_children(parent: int | None = None) -> set:
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
         entry_points = (process_lane.DRAFT_ENTRY_POINT.encode(), SILENT_ENTRY_POINT.encode())
-        if ppid == parent and (any(e in cmdline for e in entry_points) or process_state(int(entry.name)) == "Z"):
+        if ppid == parent and (
+            any(e in cmdline for e in entry_points) or process_state(int(entry.name)) == "Z"
+        ):
             found.add(int(entry.name))
     return found
 
@@ -142,14 +144,20 @@ def process_program():
 def script_run(request, tmp_path_factory):
     """The unguarded script, started at the module's first test when a selected test needs it (so it
     runs while the others do) and held after its three calls (it waits on stdin)."""
-    if not any(item.module is request.module and "unguarded" in item.fixturenames
-               for item in request.session.items):
+    if not any(
+        item.module is request.module and "unguarded" in item.fixturenames for item in request.session.items
+    ):
         yield None
         return
     marker = tmp_path_factory.mktemp("unguarded") / "marker.txt"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(marker), "--hold"], cwd=marker.parent,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(marker), "--hold"],
+        cwd=marker.parent,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     yield proc, marker
     if proc.poll() is None:
         proc.kill()
@@ -168,17 +176,20 @@ def test_concurrent_callers_get_the_ar_tokens(process_program, lane):
     target, program = process_program
     program = program if lane == "process" else program.variant(lane="thread")
     jobs = [prompts(1 + i % 2, 6 + i, seed=20 + i) for i in range(4)]
-    expected = [program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None, mode="ar")
-                for ids, mask in jobs]
+    expected = [
+        program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None, mode="ar")
+        for ids, mask in jobs
+    ]
     results, errors = {}, []
 
     def caller(i):
         try:
             for _ in range(2):
                 ids, mask = jobs[i]
-                results.setdefault(i, []).append(program.generate(ids, attention_mask=mask, max_new_tokens=16,
-                                                                  eos_token_id=None))
-        except Exception as exc:  # noqa: BLE001 - reported below
+                results.setdefault(i, []).append(
+                    program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
+                )
+        except Exception as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(jobs))]
@@ -191,7 +202,9 @@ def test_concurrent_callers_get_the_ar_tokens(process_program, lane):
     for i, outs in results.items():
         for out in outs:
             assert torch.equal(out.sequences, expected[i].sequences)
-            assert out.stats["mode"] == "ssd" and out.stats["lane"] == lane and out.stats["lane_failures"] == 0
+            assert (
+                out.stats["mode"] == "ssd" and out.stats["lane"] == lane and out.stats["lane_failures"] == 0
+            )
 
 
 def interrupt_points(lane: str) -> list:
@@ -199,11 +212,19 @@ def interrupt_points(lane: str) -> list:
     with a build running (during a verify), before a lookup, while the caller waits for the lane (the
     process lane: its request sent, the reply abandoned; the thread lane: the worker still building), and
     after a lookup was answered (before its hit or fallback is used)."""
-    waiting = ((process_lane, "send", 8, True, sent(protocol.Method.MATCH)) if lane == "process" else
-               (lanes.ThreadLane, "settle", 8, False, lambda self, *args: self._posted is not None))
+    waiting = (
+        (process_lane, "send", 8, True, sent(protocol.Method.MATCH))
+        if lane == "process"
+        else (lanes.ThreadLane, "settle", 8, False, lambda self, *args: self._posted is not None)
+    )
     client, anyone = protocol.DraftClient, lambda *args: True
-    return [(client, "start", 1, False, anyone), (client, "build", 3, True, anyone),
-            (client, "match", 5, False, anyone), waiting, (client, "match", 20, True, anyone)]
+    return [
+        (client, "start", 1, False, anyone),
+        (client, "build", 3, True, anyone),
+        (client, "match", 5, False, anyone),
+        waiting,
+        (client, "match", 20, True, anyone),
+    ]
 
 
 @pytest.mark.parametrize("lane", ["process", "thread"])
@@ -214,28 +235,35 @@ def test_ctrl_c_during_generate_leaves_the_lane_in_step(process_program, lane, m
     target, program = process_program
     program = program if lane == "process" else program.variant(lane="thread")
     ids, mask = prompts(2, 8, seed=31, pad_rows={0: 2})
-    expected = program.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, mode="ar").sequences
+    expected = program.generate(
+        ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, mode="ar"
+    ).sequences
     draft_lane = program.lanes.lane()
     threads = torch.get_num_threads()
     for owner, name, nth, after, when in interrupt_points(lane):
         with monkeypatch.context() as patch:
             fired = sigint_at(patch, owner, name, nth, after, when)
             # 200 tokens: at least 40 rounds (k=4), past every point above
-            stopped = interrupted(lambda: program.generate(ids, attention_mask=mask, max_new_tokens=200,
-                                                           eos_token_id=None))
+            stopped = interrupted(
+                lambda: program.generate(ids, attention_mask=mask, max_new_tokens=200, eos_token_id=None)
+            )
         assert fired == [name] and stopped, (name, nth, after, fired)
     if lane == "process":
         os.kill(draft_lane.lane.pid, signal.SIGINT)
     out = program.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None)
     assert torch.equal(out.sequences, expected)
-    assert out.stats["mode"] == "ssd" and out.stats["lane_failures"] == 0 and program.lanes.lane() is draft_lane
+    assert (
+        out.stats["mode"] == "ssd" and out.stats["lane_failures"] == 0 and program.lanes.lane() is draft_lane
+    )
     assert torch.get_num_threads() == threads
     if lane == "process":
         assert draft_children() == {draft_lane.lane.pid}
 
 
 @pytest.mark.parametrize("point", ["spawned", "init sent"])
-def test_ctrl_c_during_lane_start_up_leaves_no_child_and_no_files(process_program, monkeypatch, tmp_path, point):
+def test_ctrl_c_during_lane_start_up_leaves_no_child_and_no_files(
+    process_program, monkeypatch, tmp_path, point
+):
     """Interrupted once the draft process exists: before it was sent its description, or while the caller
     waits for it to build its server."""
     program = process_program[1].reconfigure()  # the same stages, a lane of its own (not started)
@@ -268,7 +296,9 @@ def test_a_lane_start_past_its_limit_gives_way_to_the_thread_lane_once(process_p
         second = program.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "no answer to start-up within 0.3s" in messages[0], messages
-    assert [w.filename for w in caught if issubclass(w.category, RuntimeWarning)] == [__file__]  # the caller's line
+    assert [w.filename for w in caught if issubclass(w.category, RuntimeWarning)] == [
+        __file__
+    ]  # the caller's line
     for out in (first, second):
         assert torch.equal(out.sequences, expected) and out.stats["lane"] == "thread"
         assert out.stats["mode"] == "ssd"
@@ -286,12 +316,21 @@ def test_a_draft_class_the_draft_process_cannot_import_uses_the_thread_lane(proc
     local = LocalDraft(draft.config).eval()
     local.load_state_dict(draft.state_dict())
     compiled = process_program[1]  # its stages, with the local class as the draft a draft process rebuilds
-    program = Program(compiled.config, compiled.target, compiled.draft, compiled.pad_token_id,
-                      compiled.eos_token_id, compiled.shapes, RemoteDraft(local, "eager", "auto"))
+    program = Program(
+        compiled.config,
+        compiled.target,
+        compiled.draft,
+        compiled.pad_token_id,
+        compiled.eos_token_id,
+        compiled.shapes,
+        RemoteDraft(local, "eager", "auto"),
+    )
     ids, mask = prompts(1, 6, seed=5)
     with pytest.warns(RuntimeWarning, match="LocalDraft is defined in a function body.*thread lane"):
         out = program.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None)
-    assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 10)) and out.stats["lane"] == "thread"
+    assert (
+        torch.equal(out.sequences, reference_greedy(target, ids, mask, 10)) and out.stats["lane"] == "thread"
+    )
     program.close()
 
 
@@ -307,7 +346,9 @@ def test_a_thread_lane_that_cannot_start_is_tried_once(process_program, monkeypa
     ids, mask = prompts(1, 6, seed=8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        outs = [program.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None) for _ in range(3)]
+        outs = [
+            program.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None) for _ in range(3)
+        ]
     assert len([w for w in caught if "no worker" in str(w.message)]) == 1 and len(attempts) == 1
     assert all(out.stats["mode"] == "sd" for out in outs)
     program.close()  # forgets the failure: the next call tries again
@@ -332,7 +373,9 @@ def test_a_lane_failure_mid_generation_warns_at_the_callers_line(process_program
         warnings.simplefilter("always")
         out = program.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
     assert [(w.filename, "draft device lost" in str(w.message)) for w in caught] == [(__file__, True)]
-    assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 8)) and out.stats["lane_failures"] == 1
+    assert (
+        torch.equal(out.sequences, reference_greedy(target, ids, mask, 8)) and out.stats["lane_failures"] == 1
+    )
     program.close()
 
 
@@ -342,8 +385,9 @@ def test_seed_none_draws_from_torch_without_reseeding_it():
 
     def run():
         torch.manual_seed(1234)
-        out = program.generate(ids, attention_mask=mask, max_new_tokens=12, temperature=1.0, seed=None,
-                               eos_token_id=None)
+        out = program.generate(
+            ids, attention_mask=mask, max_new_tokens=12, temperature=1.0, seed=None, eos_token_id=None
+        )
         return out.sequences, torch.rand(4)  # the user's own stream after the call
 
     (first, after_first), (second, after_second) = run(), run()
@@ -356,8 +400,10 @@ def test_a_script_without_main_guard_runs_once_and_gets_the_process_lane(unguard
     proc, marker, lines = unguarded
     calls, draft_pid = lines[:3], lines[3]["draft_pid"]
     assert marker.read_text().count("top level ran") == 1
-    assert all(c["mode"] == "ssd" and c["lane"] == "process" and c["lane_failures"] == 0 and c["exact"]
-               for c in calls), calls
+    assert all(
+        c["mode"] == "ssd" and c["lane"] == "process" and c["lane_failures"] == 0 and c["exact"]
+        for c in calls
+    ), calls
     assert draft_pid in draft_children(proc.pid)
 
 

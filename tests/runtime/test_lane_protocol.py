@@ -13,8 +13,8 @@ import torch
 from saguaro.core.config import MODES
 from saguaro.runtime.decode import DECODERS
 from saguaro.runtime.lanes import owner as lane_owner
-from saguaro.runtime.lanes.protocol import DraftLane, DraftLaneError, Method, check_methods
 from saguaro.runtime.lanes.process import ProcessLane, serve
+from saguaro.runtime.lanes.protocol import DraftLane, DraftLaneError, Method, check_methods
 from saguaro.runtime.lanes.thread import ThreadLane
 from tests.conftest import tiny_program
 from tests.models import prompts, reference_greedy
@@ -32,8 +32,9 @@ def test_a_server_without_a_lane_method_is_refused_at_once():
 def test_every_mode_has_a_decoder_and_the_lanes_satisfy_the_protocol():
     assert set(DECODERS) == set(MODES)
     members = {"kind", "recorder", "post", "call", "settle", "take_trace", "close"}
-    declared = set(DraftLane.__annotations__) | {n for n, v in vars(DraftLane).items()
-                                                 if callable(v) and not n.startswith("_")}
+    declared = set(DraftLane.__annotations__) | {
+        n for n, v in vars(DraftLane).items() if callable(v) and not n.startswith("_")
+    }
     assert declared == members
     for lane in (ThreadLane, ProcessLane):
         assert not members - set(dir(lane)), lane
@@ -42,7 +43,7 @@ def test_every_mode_has_a_decoder_and_the_lanes_satisfy_the_protocol():
 class _FakeServer:
     """Just enough of a SpeculationServer for the draft process's loop."""
 
-    class draft:  # noqa: N801 - the loop reads server.draft.recorder
+    class draft:
         recorder = None
 
     def open(self, spec):
@@ -90,7 +91,8 @@ def test_a_lane_kind_that_cannot_start_gives_way_down_the_registered_chain(monke
     program.close()
     assert attempts == ["process"]
     assert [str(w.message) for w in caught if "cannot start" in str(w.message)] == [
-        "saguaro: the process lane cannot start: no such device; SSD uses the thread lane instead until close()"]
+        "saguaro: the process lane cannot start: no such device; SSD uses the thread lane instead until close()"
+    ]
     assert out.stats["lane"] == "thread" and out.stats["mode"] == "ssd"
     assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 10))
 
@@ -105,16 +107,32 @@ def test_plan_costs_travel_over_the_remote_wire_as_the_warm_up_costs_do():
     """``plan_costs`` (the builds calibration timed against the verify) takes no argument and answers stage
     costs, or nothing without a planner; it came after every earlier one, which keep their numbers."""
     from saguaro.runtime.draft.planner import StageCosts
-    from saguaro.runtime.lanes.remote_messages import METHODS, Bounds, decode_args, decode_result, encode_args, \
-        encode_result
+    from saguaro.runtime.lanes.remote_messages import (
+        METHODS,
+        Bounds,
+        decode_args,
+        decode_result,
+        encode_args,
+        encode_result,
+    )
 
     assert METHODS.index(Method.PLAN_COSTS) == 10 and METHODS.index(Method.TRACE_TAKE) == 9
     bounds = Bounds(vocab=16, k=3, max_capacity=64)
     assert encode_args(Method.PLAN_COSTS, ()) == [] and decode_args(Method.PLAN_COSTS, [], bounds) == ()
     costs = StageCosts(glue_s=1.5e-3, step_s=None, tree_s={4: 4e-3, 8: 4.5e-3}, verify_s={0: 7e-3})
-    back = decode_result(Method.PLAN_COSTS, encode_result(Method.PLAN_COSTS, costs), bounds, torch.device("cpu"))
-    assert (back.glue_s, back.step_s, back.tree_s, back.verify_s) == (1.5e-3, None, {4: 4e-3, 8: 4.5e-3}, {0: 7e-3})
-    assert decode_result(Method.PLAN_COSTS, encode_result(Method.PLAN_COSTS, None), bounds, torch.device("cpu")) is None
+    back = decode_result(
+        Method.PLAN_COSTS, encode_result(Method.PLAN_COSTS, costs), bounds, torch.device("cpu")
+    )
+    assert (back.glue_s, back.step_s, back.tree_s, back.verify_s) == (
+        1.5e-3,
+        None,
+        {4: 4e-3, 8: 4.5e-3},
+        {0: 7e-3},
+    )
+    assert (
+        decode_result(Method.PLAN_COSTS, encode_result(Method.PLAN_COSTS, None), bounds, torch.device("cpu"))
+        is None
+    )
 
 
 def test_row_changes_travel_over_the_remote_wire_and_move_both_sides_batch():
@@ -123,15 +141,33 @@ def test_row_changes_travel_over_the_remote_wire_and_move_both_sides_batch():
     follows them (``sent_batch`` on the caller's, ``decode_args`` on the server's), and bad rows are refused."""
     from saguaro.runtime.base.wire import WireError
     from saguaro.runtime.draft.server import GenerateSpec, Speculation
-    from saguaro.runtime.lanes.remote_messages import METHODS, Bounds, decode_args, decode_result, encode_args, \
-        encode_result, sent_batch
+    from saguaro.runtime.lanes.remote_messages import (
+        METHODS,
+        Bounds,
+        decode_args,
+        decode_result,
+        encode_args,
+        encode_result,
+        sent_batch,
+    )
 
     assert METHODS[-2:] == (Method.JOIN_ROWS, Method.KEEP_ROWS) and METHODS.index(Method.PLAN_COSTS) == 10
     caller, server = Bounds(vocab=16, k=3, max_capacity=64), Bounds(vocab=16, k=3, max_capacity=64)
-    two = GenerateSpec(torch.tensor([[1, 2, 3], [0, 4, 5]]), torch.tensor([[1, 1, 1], [0, 1, 1]]), 8, 32, [2], 0,
-                       0.0, None)
-    for method, args in ((Method.OPEN, (two,)), (Method.JOIN_ROWS, (GenerateSpec(
-            torch.tensor([[6, 7]]), torch.ones(1, 2, dtype=torch.long), 4, 32, [2], 0, 0.0, None), torch.tensor([9])))):
+    two = GenerateSpec(
+        torch.tensor([[1, 2, 3], [0, 4, 5]]), torch.tensor([[1, 1, 1], [0, 1, 1]]), 8, 32, [2], 0, 0.0, None
+    )
+    for method, args in (
+        (Method.OPEN, (two,)),
+        (
+            Method.JOIN_ROWS,
+            (
+                GenerateSpec(
+                    torch.tensor([[6, 7]]), torch.ones(1, 2, dtype=torch.long), 4, 32, [2], 0, 0.0, None
+                ),
+                torch.tensor([9]),
+            ),
+        ),
+    ):
         sent_batch(caller, method, args)
         got = decode_args(method, encode_args(method, args), server)
         assert torch.equal(got[0].input_ids, args[0].input_ids)

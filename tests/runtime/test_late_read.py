@@ -44,17 +44,22 @@ def test_on_cpu_a_value_is_taken_a_post_late():
     assert late.take() == 2 and late.pending == 1
 
 
-def test_on_cuda_the_copy_is_non_blocking_into_pinned_buffers_and_the_wait_is_for_the_older_round(monkeypatch):
+def test_on_cuda_the_copy_is_non_blocking_into_pinned_buffers_and_the_wait_is_for_the_older_round(
+    monkeypatch,
+):
     Event.log = []
     allocated, copies = [], []
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(timing, "pinned_like", lambda value: allocated.append(torch.empty_like(value)) or allocated[-1])
+    monkeypatch.setattr(
+        timing, "pinned_like", lambda value: allocated.append(torch.empty_like(value)) or allocated[-1]
+    )
     copy = torch.Tensor.copy_
 
     def logged_copy(tensor, source, non_blocking=False):
         copies.append((tensor, non_blocking))
         Event.log.append(("copy", tensor))
         return copy(tensor, source, non_blocking=non_blocking)
+
     monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
 
     late = timing.LateRead(torch.device("cuda", 0))

@@ -15,12 +15,20 @@ NEW_TOKENS = 24
 SHAPES = {1: dict(batch=1, length=9, pad_rows=None), 3: dict(batch=3, length=9, pad_rows={1: 4, 2: 1})}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def family_program(family: str):
     target = tiny_family_target(family)
     # a fixed tree, so every round exercises the tree mask (the planner may choose SD rounds)
-    program = saguaro.compile(target, family_draft(target), k=4, mode="ssd", lane="thread", fan_out="geometric",
-                              backend="eager", sd_when_faster=False)
+    program = saguaro.compile(
+        target,
+        family_draft(target),
+        k=4,
+        mode="ssd",
+        lane="thread",
+        fan_out="geometric",
+        backend="eager",
+        sd_when_faster=False,
+    )
     return target, program
 
 
@@ -35,7 +43,9 @@ def test_greedy_ar_sd_ssd_equal_generate_past_the_window(family, batch):
     # the generation runs past two more windows
     assert int(mask.sum(1).min()) > WINDOW and expected.shape[1] - ids.shape[1] > 2 * WINDOW
     for mode in ("ar", "sd", "ssd"):
-        out = program.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, mode=mode, eos_token_id=None)
+        out = program.generate(
+            ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, mode=mode, eos_token_id=None
+        )
         assert torch.equal(out.sequences, expected), f"{family} {mode} diverged from target.generate"
     assert out.stats["rounds"] < NEW_TOKENS, "the draft's tokens were never accepted"
     assert sum(out.stats["hits_by_position"].values()) > 0, "the speculation cache never hit"
@@ -59,15 +69,18 @@ def test_ignoring_the_window_would_be_caught(monkeypatch, no_capture_cache):
     assert not torch.equal(out.sequences, reference_greedy(target, ids, mask, max_new_tokens=NEW_TOKENS))
 
 
-@pytest.mark.parametrize("family, change", [
-    ("gemma2", dict(attn_logit_softcapping=None)),
-    ("gemma2", dict(query_pre_attn_scalar=16)),
-    ("gemma2", dict(layer_types=["full_attention"] * 2)),
-    ("gemma3", dict(layer_types=["full_attention"] * 3)),
-    ("gpt_oss", dict(layer_types=["full_attention"] * 2)),
-    ("gpt_oss", "no sinks"),
-    ("llama4", dict(layer_types=["full_attention"] * 2)),
-])
+@pytest.mark.parametrize(
+    "family, change",
+    [
+        ("gemma2", dict(attn_logit_softcapping=None)),
+        ("gemma2", dict(query_pre_attn_scalar=16)),
+        ("gemma2", dict(layer_types=["full_attention"] * 2)),
+        ("gemma3", dict(layer_types=["full_attention"] * 3)),
+        ("gpt_oss", dict(layer_types=["full_attention"] * 2)),
+        ("gpt_oss", "no sinks"),
+        ("llama4", dict(layer_types=["full_attention"] * 2)),
+    ],
+)
 def test_the_tiny_configs_exercise_their_variants(family, change):
     """Each variant changes the target's own greedy tokens, so equality above is evidence it is handled
     (final-logit softcapping is monotonic and cannot change greedy tokens: the sampled test covers it)."""

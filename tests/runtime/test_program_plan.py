@@ -45,9 +45,12 @@ def test_a_plan_planned_sd_runs_sd_tokens(ssd_program, monkeypatch):
 def test_a_plan_for_another_call_is_refused(ssd_program):
     ids, _ = prompts(2, 8, seed=23)
     plan = ssd_program.plan(ids[:1], max_new_tokens=6, temperature=0.8, seed=1)
-    for other in ({"input_ids": ids[1:], "seed": 1}, {"input_ids": ids[:1], "seed": 2},
-                  {"input_ids": ids[:1], "seed": 1, "max_new_tokens": 7},
-                  {"input_ids": ids[:1], "seed": 1, "eos_token_id": None}):
+    for other in (
+        {"input_ids": ids[1:], "seed": 1},
+        {"input_ids": ids[:1], "seed": 2},
+        {"input_ids": ids[:1], "seed": 1, "max_new_tokens": 7},
+        {"input_ids": ids[:1], "seed": 1, "eos_token_id": None},
+    ):
         call = {"max_new_tokens": 6, "temperature": 0.8} | other
         with pytest.raises(ValueError, match="plan= was made by plan"):
             ssd_program.generate(**call, plan=plan)

@@ -50,12 +50,19 @@ def no_env_secret(monkeypatch):
 
 def compile_remote(server, draft=None, **options):
     target, _ = models()
-    options = dict(k=2, mode="ssd", backend="eager", sd_when_faster=False, draft_address=server.address,
-                   draft_secret_file=str(server.secret_file), **options)
+    options = dict(
+        k=2,
+        mode="ssd",
+        backend="eager",
+        sd_when_faster=False,
+        draft_address=server.address,
+        draft_secret_file=str(server.secret_file),
+        **options,
+    )
     return saguaro.compile(target, draft, **options)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _remote_only(address, secret_file):  # one capture of the target for the module's draft=None programs
     return compile_remote(_Server(address, secret_file))
 
@@ -94,15 +101,18 @@ def test_a_batch_session_over_the_remote_lane_gives_each_row_its_solo_tokens(ser
 
     program = remote_only(server)
     ids, _ = prompts(3, 8, vocab_size=VOCAB, seed=9)
-    requests = [(0, ids[0, :5].tolist(), 30, None), (1, ids[1, :8].tolist(), 6, None),
-                (2, ids[2, :3].tolist(), 10, None)]
+    requests = [
+        (0, ids[0, :5].tolist(), 30, None),
+        (1, ids[1, :8].tolist(), 6, None),
+        (2, ids[2, :3].tolist(), 10, None),
+    ]
     try:
         session = BatchSession(program)
         tokens, sizes = drive(session, requests, leave_at={0: 4})
         assert session.run == "ssd" and session.lanes_failed == 0 and max(sizes) == 3, session.why
         for i, (_, prompt, budget, _) in enumerate(requests):
             want = solo(program, prompt, budget)
-            assert tokens[i] == want[:len(tokens[i])] and (i == 0 or tokens[i] == want), i
+            assert tokens[i] == want[: len(tokens[i])] and (i == 0 or tokens[i] == want), i
         assert len(tokens[0]) < len(solo(program, requests[0][1], 30))  # it left early
     finally:
         program.close()
@@ -113,8 +123,9 @@ def test_sampling_over_the_remote_lane_keeps_the_target_distribution(server):
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.long)
     try:
         for seed in (0, 1):
-            out = program.generate(PROMPT.expand(1000, -1), max_new_tokens=4, temperature=1.0, seed=seed,
-                                   eos_token_id=None)
+            out = program.generate(
+                PROMPT.expand(1000, -1), max_new_tokens=4, temperature=1.0, seed=seed, eos_token_id=None
+            )
             assert out.stats["lane"] == "remote" and out.stats["lane_failures"] == 0
             assert 0.0 < out.stats["cache_hit_rate"] < 1.0  # hits and fallbacks both served remotely
             t3, t4 = out.sequences[:, -2], out.sequences[:, -1]
@@ -129,8 +140,15 @@ def test_a_wrong_secret_is_refused_and_the_right_one_then_served(server, tmp_pat
     wrong.write_bytes(b"not the secret")
     target, _ = models()
     with pytest.raises(DraftLaneError, match="does not know our secret"):
-        saguaro.compile(target, None, k=2, mode="ssd", backend="eager", draft_address=server.address,
-                        draft_secret_file=str(wrong))
+        saguaro.compile(
+            target,
+            None,
+            k=2,
+            mode="ssd",
+            backend="eager",
+            draft_address=server.address,
+            draft_secret_file=str(wrong),
+        )
     with pytest.raises(DraftLaneError, match="does not know our secret"):  # no secret at all
         saguaro.compile(target, None, k=2, mode="ssd", backend="eager", draft_address=server.address)
     assert probe(server)["vocab_size"] == VOCAB and server.alive()
@@ -183,7 +201,9 @@ def test_a_reply_out_of_sequence_finishes_exactly_and_the_next_call_reconnects(s
         matches.append(method) if method is Method.MATCH else None
 
     try:
-        program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)  # connected, warmed up
+        program.generate(
+            ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None
+        )  # connected, warmed up
         monkeypatch.setattr(remote.RemoteLane, "_send", send)
         with pytest.warns(RuntimeWarning, match="out of sequence.*finishing this generation with AR"):
             out = program.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
@@ -193,7 +213,9 @@ def test_a_reply_out_of_sequence_finishes_exactly_and_the_next_call_reconnects(s
     finally:
         program.close()
     assert torch.equal(again.sequences, expected)
-    assert again.stats["lane"] == "remote" and again.stats["mode"] == "ssd" and again.stats["lane_failures"] == 0
+    assert (
+        again.stats["lane"] == "remote" and again.stats["mode"] == "ssd" and again.stats["lane_failures"] == 0
+    )
 
 
 def test_mode_sd_without_a_local_draft_is_a_config_error(server):
@@ -211,7 +233,9 @@ def test_the_server_listens_only_on_the_requested_address(server):
     assert server.address in ours and {a.rsplit(":", 1)[0] for a in ours} == {"127.0.0.1"}, ours
 
 
-def test_server_killed_mid_generation_finishes_with_sd_and_a_restarted_server_is_found_again(server, monkeypatch):
+def test_server_killed_mid_generation_finishes_with_sd_and_a_restarted_server_is_found_again(
+    server, monkeypatch
+):
     target, draft = models()
     program = compile_remote(server, draft)  # a local draft: SD finishes what the lane cannot
     ids, mask = prompts(3, 6, vocab_size=VOCAB, seed=7, pad_rows={2: 1})
@@ -224,8 +248,10 @@ def test_server_killed_mid_generation_finishes_with_sd_and_a_restarted_server_is
         return real_call(self, method, *args, **kwargs)
 
     try:
-        assert torch.equal(program.generate(ids, attention_mask=mask, max_new_tokens=14, eos_token_id=None).sequences,
-                           expected)
+        assert torch.equal(
+            program.generate(ids, attention_mask=mask, max_new_tokens=14, eos_token_id=None).sequences,
+            expected,
+        )
         monkeypatch.setattr(remote.RemoteLane, "call", call)
         with pytest.warns(RuntimeWarning, match="finishing this generation with SD"):
             out = program.generate(ids, attention_mask=mask, max_new_tokens=14, eos_token_id=None)
@@ -254,10 +280,11 @@ def test_ctrl_c_ends_the_server_cleanly(server):
     code, printed = server.interrupt()
     assert code == 0 and "saguaro draft-server: stopped" in printed, (printed, server.stderr()[-3000:])
     if "forced" in printed:  # a native wait held the interrupt (see stop_watchdog): where, for the log
-        warnings.warn(f"the draft server's stop was forced; its stacks:\n{server.stderr()[-3000:]}")
+        warnings.warn(
+            f"the draft server's stop was forced; its stacks:\n{server.stderr()[-3000:]}", stacklevel=2
+        )
     host, port = server.address.rsplit(":", 1)
     with socket.socket() as s:  # the address is free again
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, int(port)))
     assert os.path.exists(server.secret_file)
-

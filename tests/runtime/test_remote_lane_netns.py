@@ -22,8 +22,9 @@ def namespaces_available() -> str | None:
     for tool in ("unshare", "ip"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed"
-    probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link add va type veth peer name vb"], capture_output=True,
-                           text=True)
+    probe = subprocess.run(
+        ["unshare", "-n", "sh", "-c", "ip link add va type veth peer name vb"], capture_output=True, text=True
+    )
     if probe.returncode != 0:
         return f"cannot create a network namespace with a veth pair here: {probe.stderr.strip()}"
     return None
@@ -37,8 +38,14 @@ def test_target_and_draft_server_on_two_non_loopback_addresses(tmp_path):
     (tmp_path / "secret").write_bytes(b"a secret for the veth pair")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("SAGUARO_DRAFT_SECRET", None)
-    done = subprocess.run(["unshare", "-n", sys.executable, str(SCRIPT), str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        ["unshare", "-n", sys.executable, str(SCRIPT), str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert "10.213.7.2:7321" in seen["listening"]

@@ -15,7 +15,7 @@ SAMPLES = 6000
 PROMPT = torch.tensor([[3, 7, 11, 4]])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sampling_setup():
     target = tiny_target("llama", vocab_size=VOCAB, logit_scale=12.0, seed=5)
     draft = truncated_draft(target, noise=0.8)
@@ -33,8 +33,9 @@ def exact_joint(target) -> torch.Tensor:
 
 
 def sampled_joint(program, seed=0) -> torch.Tensor:
-    out = program.generate(PROMPT.expand(SAMPLES, -1), max_new_tokens=2, temperature=1.0, seed=seed,
-                           eos_token_id=None)
+    out = program.generate(
+        PROMPT.expand(SAMPLES, -1), max_new_tokens=2, temperature=1.0, seed=seed, eos_token_id=None
+    )
     t1, t2 = out.sequences[:, -2], out.sequences[:, -1]
     return torch.bincount(t1 * VOCAB + t2, minlength=VOCAB * VOCAB).reshape(VOCAB, VOCAB)
 
@@ -48,11 +49,15 @@ def test_sd_sampling_matches_target_joint_distribution():
 def test_sd_sampling_uses_the_draft():
     """The test above exercises verification: the draft's tokens are accepted in some rounds."""
     _, _, program = sampling_setup()
-    out = program.generate(PROMPT.expand(512, -1), max_new_tokens=3, temperature=1.0, seed=1, eos_token_id=None)
+    out = program.generate(
+        PROMPT.expand(512, -1), max_new_tokens=3, temperature=1.0, seed=1, eos_token_id=None
+    )
     assert 1.0 < out.stats["mean_accepted_len"] < 3.0
 
 
-def greedy_comparison_verifier(target_logits, draft_tokens, draft_probs, inv_temperature, accept_u, resample_u):
+def greedy_comparison_verifier(
+    target_logits, draft_tokens, draft_probs, inv_temperature, accept_u, resample_u
+):
     """The biased rule: accept a draft token iff it is the target's argmax, resample from p otherwise."""
     K = draft_tokens.shape[1]
     choice = target_logits.argmax(-1)  # [B, K+1]

@@ -33,17 +33,19 @@ def test_score_is_transformers_log_softmax_row_by_row_in_a_left_padded_batch(arc
         real = ids[row, pad:].tolist()
         want = hf_logprobs(target, real)  # [T - pad, V]
         expected = want[:-1].gather(-1, torch.tensor(real[1:])[:, None]).squeeze(-1)  # [T - pad - 1]
-        got = out.token_logprobs[row, pad + 1:]
+        got = out.token_logprobs[row, pad + 1 :]
         assert (got - expected).abs().max().item() < TOL, (arch, row)
         shifted = want[1:].gather(-1, torch.tensor(real[1:])[:, None]).squeeze(-1)  # one position off
         assert (got - shifted).abs().max().item() > 100 * TOL  # the check above tells positions apart
         values, best = want[:-1].topk(3, dim=-1)  # [T - pad - 1, 3]
-        assert torch.equal(out.top_ids[row, pad + 1:], best), (arch, row)
-        assert (out.top_logprobs[row, pad + 1:] - values).abs().max().item() < TOL
-        assert bool((out.top_logprobs[row, pad + 1:].diff(dim=-1) <= 0).all())  # the most likely first
+        assert torch.equal(out.top_ids[row, pad + 1 :], best), (arch, row)
+        assert (out.top_logprobs[row, pad + 1 :] - values).abs().max().item() < TOL
+        assert bool((out.top_logprobs[row, pad + 1 :].diff(dim=-1) <= 0).all())  # the most likely first
         # nothing precedes the first real token; padding is not scored
-        assert all(math.isnan(v) for v in out.token_logprobs[row, :pad + 1].tolist())
-        assert bool((out.top_ids[row, :pad + 1] == -1).all()) and bool(out.top_logprobs[row, :pad + 1].isnan().all())
+        assert all(math.isnan(v) for v in out.token_logprobs[row, : pad + 1].tolist())
+        assert bool((out.top_ids[row, : pad + 1] == -1).all()) and bool(
+            out.top_logprobs[row, : pad + 1].isnan().all()
+        )
 
 
 def test_a_one_dimensional_prompt_without_top_scores_alone():
@@ -58,14 +60,17 @@ def test_a_one_dimensional_prompt_without_top_scores_alone():
     assert math.isnan(single.token_logprobs.item()) and single.top_ids.tolist() == [[[-1, -1]]]
 
 
-@pytest.mark.parametrize("bad,words", [
-    (torch.zeros(1, 0, dtype=torch.long), "empty"),
-    (torch.tensor([[5, 128]]), "outside the vocabulary [0, 128)"),
-    (torch.tensor([[5, -1]]), "outside the vocabulary"),
-    (torch.full((1, 257), 5), "257 tokens"),
-    (torch.tensor([[5.0, 6.0]]), "integer token ids"),
-    ([5, 6], "LongTensor"),
-])
+@pytest.mark.parametrize(
+    "bad,words",
+    [
+        (torch.zeros(1, 0, dtype=torch.long), "empty"),
+        (torch.tensor([[5, 128]]), "outside the vocabulary [0, 128)"),
+        (torch.tensor([[5, -1]]), "outside the vocabulary"),
+        (torch.full((1, 257), 5), "257 tokens"),
+        (torch.tensor([[5.0, 6.0]]), "integer token ids"),
+        ([5, 6], "LongTensor"),
+    ],
+)
 def test_bad_input_is_refused_naming_it(bad, words):
     _, _, program = tiny_pair("llama")
     with pytest.raises(ValueError) as caught:
@@ -86,7 +91,9 @@ def test_bad_top_and_right_padding_are_refused():
 def test_a_target_without_the_score_stage_says_logprobs_need_a_compiled_program(monkeypatch):
     _, _, program = tiny_pair("llama")
     assert program.can_score
-    monkeypatch.setattr(program.target, "provides", lambda stage: stage is not TARGET_SCORE)  # as an artifact's
+    monkeypatch.setattr(
+        program.target, "provides", lambda stage: stage is not TARGET_SCORE
+    )  # as an artifact's
     assert not program.can_score
     with pytest.raises(ConfigError, match="cannot score tokens.*saguaro.compile"):
         program.score(torch.tensor([[5, 6, 7]]))
@@ -98,5 +105,7 @@ def test_the_score_stage_is_compiled_dynamic_in_its_tokens_and_slots():
     _, _, program = tiny_pair("llama")
     layers = program.target.spec.num_layers
     dims = varying_dims(TARGET_SCORE, 7 + 2 * layers)
-    assert all(dims[i] == (1,) for i in range(7))  # input_ids, positions, write_slots, branch, limit, slot_pos/branch
+    assert all(
+        dims[i] == (1,) for i in range(7)
+    )  # input_ids, positions, write_slots, branch, limit, slot_pos/branch
     assert all(dims[7 + i] == (2,) for i in range(2 * layers))  # the caches' slots

@@ -28,7 +28,9 @@ def round_on(server, rows: list, hit_row: int) -> list:
     server.build(FAN_OUT)
     candidates = server.cache.candidates.tolist()  # [B, MQ]: the first branches fork from glue row 0
     accepted = [0] * len(rows)
-    outcome = [candidates[b][0] if b == hit_row else int(server.current.tokens[b, 0]) for b in range(len(rows))]
+    outcome = [
+        candidates[b][0] if b == hit_row else int(server.current.tokens[b, 0]) for b in range(len(rows))
+    ]
     lookup = server.match(accepted, outcome, 0.0)
     assert lookup.hit[hit_row]
     missed = [not h for h in lookup.hit]
@@ -41,20 +43,29 @@ def test_a_joined_row_speculates_as_it_does_alone_before_and_after_its_mates_lea
     ids, _ = prompts(3, 9, seed=41)
     a, b, c = ids[0, :9].tolist(), ids[1, :4].tolist(), ids[2, :6].tolist()
     first = torch.tensor([7, 8, 9])
-    alone, batch = SpeculationServer(program.draft, program.config), SpeculationServer(program.draft, program.config)
+    alone, batch = (
+        SpeculationServer(program.draft, program.config),
+        SpeculationServer(program.draft, program.config),
+    )
     with torch.inference_mode():
         alone.open(spec(program, [c], 30))
         solo = alone.start(first[2:]).tokens.tolist()
         batch.open(spec(program, [a, b], 12))
         batch.start(first[:2])
         joined = batch.join_rows(spec(program, [c], 30), first[2:])
-        assert joined.tokens.tolist() == solo and batch.seqs.batch == 3 and batch.current.tokens[2].tolist() == solo[0]
+        assert (
+            joined.tokens.tolist() == solo
+            and batch.seqs.batch == 3
+            and batch.current.tokens[2].tolist() == solo[0]
+        )
         assert batch.store.capacity == max(alone.store.capacity, batch.row_capacity[0])
         assert round_on(batch, [a, b, c], 2)[2] == round_on(alone, [c], 0)[0]
         batch.keep_rows([2])
         assert batch.seqs.batch == 1 and batch.policy.batch == 1
-        assert batch.seqs.tokens[0, :alone.seqs.host_lengths[0]].tolist() == \
-            alone.seqs.tokens[0, :alone.seqs.host_lengths[0]].tolist()
+        assert (
+            batch.seqs.tokens[0, : alone.seqs.host_lengths[0]].tolist()
+            == alone.seqs.tokens[0, : alone.seqs.host_lengths[0]].tolist()
+        )
         assert round_on(batch, [c], 0) == round_on(alone, [c], 0)
         for bad in ([], [1], [0, 0]):
             with pytest.raises(ValueError, match="keep_rows"):

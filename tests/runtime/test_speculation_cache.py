@@ -17,8 +17,14 @@ def prepare(arch, k=3, fan_out=(2, 1, 1, 3), temperature=0.0, saguaro_c=1.0):
     index = torch.arange(T)[None]
     draft(store, prompt, index, index)
     full_index = torch.arange(T, T + k + 1)[None]
-    request = tree.GlueRequest(ids=spec, index=full_index, positions=full_index, fan_out=list(fan_out),
-                               temperature=temperature, saguaro_c=saguaro_c)
+    request = tree.GlueRequest(
+        ids=spec,
+        index=full_index,
+        positions=full_index,
+        fan_out=list(fan_out),
+        temperature=temperature,
+        saguaro_c=saguaro_c,
+    )
     gen = torch.Generator().manual_seed(0) if temperature > 0 else None
     cache = tree.build_speculations(draft, store, request, gen)
     return draft_model, prompt, spec, cache
@@ -45,13 +51,13 @@ def test_cached_branches_equal_fresh_greedy_decode(arch):
         for _ in range(k):  # fresh greedy decode with the HF draft itself
             nxt = fresh_distributions(draft_model, tokens[None], 0.0)[-1].argmax()
             tokens = torch.cat([tokens, nxt[None]])
-        assert torch.equal(cache.tokens[0, b], tokens[prefix.numel():]), f"branch {b} (j={j}) differs"
+        assert torch.equal(cache.tokens[0, b], tokens[prefix.numel() :]), f"branch {b} (j={j}) differs"
     assert cache.probs is None  # greedy verification needs no distributions; sampled ones are tested below
 
 
 def test_fork_excludes_the_speculated_token_and_ranks_by_draft_probability():
     draft_model, prompt, spec, cache = prepare("llama")
-    glue = fresh_distributions(draft_model, torch.cat([prompt, spec], 1), 0.0)[prompt.shape[1]:]  # [k+1, V]
+    glue = fresh_distributions(draft_model, torch.cat([prompt, spec], 1), 0.0)[prompt.shape[1] :]  # [k+1, V]
     for b in range(cache.candidates.shape[1]):
         j = int(cache.branch_rows[b])
         c = int(cache.candidates[0, b])

@@ -13,7 +13,7 @@ from tests.models import prompts, reference_greedy
 pytestmark = pytest.mark.xdist_group("tiny_pairs_every_arch")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ssd_program(arch: str, fallback: str):
     return tiny_program(arch, mode="ssd", fallback=fallback, fan_out="geometric", lane="thread")[2]
 
@@ -72,11 +72,13 @@ def test_process_lane_is_exact_and_samples_like_the_thread_lane():
         out = program.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
         assert torch.equal(out.sequences, reference_greedy(target, ids, mask, 20))
         assert out.stats["lane"] == "process" and out.stats["cache_hit_rate"] > 0
-        sampled = program.generate(ids, attention_mask=mask, max_new_tokens=12, temperature=1.0, seed=3,
-                                   eos_token_id=None)
+        sampled = program.generate(
+            ids, attention_mask=mask, max_new_tokens=12, temperature=1.0, seed=3, eos_token_id=None
+        )
         threaded = program.reconfigure(lane="thread")
-        same_seed = threaded.generate(ids, attention_mask=mask, max_new_tokens=12, temperature=1.0, seed=3,
-                                      eos_token_id=None)
+        same_seed = threaded.generate(
+            ids, attention_mask=mask, max_new_tokens=12, temperature=1.0, seed=3, eos_token_id=None
+        )
         threaded.close()
         assert torch.equal(sampled.sequences, same_seed.sequences)
     finally:
@@ -89,8 +91,12 @@ def test_planner_sampling_is_repeatable_for_a_seed():
     _, _, program = tiny_program("llama", k=3, mode="ssd", lane="thread")
     try:
         ids, mask = prompts(2, 8, seed=4, pad_rows={1: 2})
-        runs = [program.generate(ids, attention_mask=mask, max_new_tokens=16, temperature=1.0, seed=11,
-                                 eos_token_id=None).sequences for _ in range(3)]
+        runs = [
+            program.generate(
+                ids, attention_mask=mask, max_new_tokens=16, temperature=1.0, seed=11, eos_token_id=None
+            ).sequences
+            for _ in range(3)
+        ]
         assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
     finally:
         program.close()

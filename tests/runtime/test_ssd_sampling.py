@@ -20,13 +20,13 @@ SAMPLES = 6000
 PROMPT = torch.tensor([[3, 7, 11, 4]])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def models():
     target = tiny_target("llama", vocab_size=VOCAB, logit_scale=12.0, seed=5)
     return target, truncated_draft(target, noise=0.8)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def exact_late_joint() -> torch.Tensor:
     """``P(t3, t4)`` at temperature 1, summing over ``t1, t2``: ``[V, V]``."""
     target, _ = models()
@@ -44,7 +44,9 @@ def exact_late_joint() -> torch.Tensor:
 
 def compiled_program():
     target, draft = models()
-    return saguaro.compile(target, draft, k=1, mode="ssd", lane="thread", backend="eager", sd_when_faster=False)
+    return saguaro.compile(
+        target, draft, k=1, mode="ssd", lane="thread", backend="eager", sd_when_faster=False
+    )
 
 
 captured_program = functools.lru_cache(maxsize=None)(compiled_program)  # one capture for every path
@@ -54,8 +56,9 @@ def sampled_late_joint(fresh: bool = False, **config):
     """Each path's options are runtime ones (``Program.reconfigure``). ``fresh``: a program of its own,
     so a patched verifier is spliced when its stages are built."""
     program = (compiled_program() if fresh else captured_program()).reconfigure(**config)
-    out = program.generate(PROMPT.expand(SAMPLES, -1), max_new_tokens=4, temperature=1.0, seed=0,
-                           eos_token_id=None)
+    out = program.generate(
+        PROMPT.expand(SAMPLES, -1), max_new_tokens=4, temperature=1.0, seed=0, eos_token_id=None
+    )
     t3, t4 = out.sequences[:, -2], out.sequences[:, -1]
     counts = torch.bincount(t3 * VOCAB + t4, minlength=VOCAB * VOCAB).reshape(VOCAB, VOCAB)
     return counts, out.stats

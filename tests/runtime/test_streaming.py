@@ -38,12 +38,14 @@ def stream_threads() -> list:
 def test_stream_yields_each_round_before_the_next_and_adds_up_to_generate(mode, batch, monkeypatch):
     # a fixed tree and SSD's own rounds: the planner's trees and its SD-or-SSD verdict follow measured
     # times, so two SSD calls could run different rounds and the counts below would compare unlike calls
-    target, draft, program = tiny_program("llama", mode=mode, lane="thread", fan_out="geometric", sd_when_faster=False)
+    target, draft, program = tiny_program(
+        "llama", mode=mode, lane="thread", fan_out="geometric", sd_when_faster=False
+    )
     ids, mask = prompts(batch, 8, seed=3, pad_rows={1: 3} if batch == 2 else None)
     try:
         plain = program.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None)
         # an EOS that row 0 meets from its 4th new token on and row 1 never: rows end in different rounds
-        rows = [plain.sequences[b, ids.shape[1]:].tolist() for b in range(batch)]
+        rows = [plain.sequences[b, ids.shape[1] :].tolist() for b in range(batch)]
         eos = next(t for t in rows[0][3:] if all(t not in r for r in rows[1:]))
         expected = program.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=eos)
         calls = counting_rounds(monkeypatch)
@@ -62,13 +64,13 @@ def test_stream_yields_each_round_before_the_next_and_adds_up_to_generate(mode, 
     T = ids.shape[1]
     for b in range(batch):
         row = ids[b].tolist() + [t for chunk in chunks for t in chunk.new_tokens[b]]
-        assert row == expected.sequences[b, :len(row)].tolist()
-        assert (expected.sequences[b, len(row):] == 0).all()  # the padding of a row that finished first
+        assert row == expected.sequences[b, : len(row)].tolist()
+        assert (expected.sequences[b, len(row) :] == 0).all()  # the padding of a row that finished first
         assert all(len(c.new_tokens[b]) <= program.config.k + 1 for c in chunks)
         # a row is finished from the round that gave it its EOS (or its last token) on, and gains nothing after
         done_at = next(i for i, c in enumerate(chunks) if c.finished[b])
-        assert sum(len(c.new_tokens[b]) for c in chunks[:done_at + 1]) == len(row) - T
-        assert all(c.finished[b] and not c.new_tokens[b] for c in chunks[done_at + 1:])
+        assert sum(len(c.new_tokens[b]) for c in chunks[: done_at + 1]) == len(row) - T
+        assert all(c.finished[b] and not c.new_tokens[b] for c in chunks[done_at + 1 :])
     assert chunks[-1].finished == [True] * batch and chunks[-2].finished != [True] * batch
     if batch == 2:
         assert any(c.finished == [True, False] for c in chunks)  # row 0 (its EOS) ended first
@@ -113,7 +115,7 @@ def test_transformers_streamers_receive_exactly_the_tokens_of_generate():
     assert len(recorder.puts) == expected.stats["rounds"] + 2
     assert torch.equal(torch.cat(recorder.puts, dim=1), expected.sequences)
     assert printed.text == tok.decode(expected.sequences[0])
-    assert "".join(queued) == tok.decode(expected.sequences[0, ids.shape[1]:])
+    assert "".join(queued) == tok.decode(expected.sequences[0, ids.shape[1] :])
 
 
 def test_errors_surface_from_the_iterator_and_closing_early_leaves_the_lane_usable(monkeypatch):

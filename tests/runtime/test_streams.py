@@ -38,8 +38,9 @@ def test_map_tensors_keeps_what_it_does_not_change_and_never_modifies_a_dataclas
 
 def test_on_cpu_the_handoff_moves_nothing_and_has_no_stream():
     handoff = StreamHandoff(torch.device("cpu"))
-    spec = GenerateSpec(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long), 8, 32, [], 0, 0.0,
-                        None)
+    spec = GenerateSpec(
+        torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long), 8, 32, [], 0, 0.0, None
+    )
     ticket = handoff.send((spec, torch.zeros(1)))
     assert handoff.stream is None and ticket.ready is None and ticket.args[0] is spec
     result = speculation(torch.ones(1, 3, dtype=torch.long))
@@ -86,10 +87,14 @@ def fake_cuda(monkeypatch):
         return tensor.clone()
 
     cuda = types.SimpleNamespace(
-        Stream=lambda device: FakeStream(log, f"lane@{device}"), Event=lambda: FakeEvent(log),
-        current_stream=lambda device: log.append(("current_stream", str(device))) or caller, stream=use)
+        Stream=lambda device: FakeStream(log, f"lane@{device}"),
+        Event=lambda: FakeEvent(log),
+        current_stream=lambda device: log.append(("current_stream", str(device))) or caller,
+        stream=use,
+    )
     for name, value in vars(cuda).items():
         monkeypatch.setattr(torch.cuda, name, value)
+
     def record_stream(tensor, stream):
         log.append(("record_stream", tuple(tensor.flatten().tolist()), stream.name))
 
@@ -116,16 +121,26 @@ def test_on_cuda_each_crossing_is_ordered_by_an_event_and_copied_on_the_producin
     lane, cpu = "lane@cuda:1", str(accepted.device)
     assert log == [
         # send, on the caller's thread: copies on the caller's stream, then the event the lane waits for
-        ("copy", (2,), "cuda:1", "caller"), ("copy", (7,), "cuda:1", "caller"),
-        ("current_stream", cpu), ("new event", "event0"), ("record", "event0", "caller"),
+        ("copy", (2,), "cuda:1", "caller"),
+        ("copy", (7,), "cuda:1", "caller"),
+        ("current_stream", cpu),
+        ("new event", "event0"),
+        ("record", "event0", "caller"),
         # serve: on the lane's stream, after the caller's work; the arguments marked as used there
-        ("enter", lane), ("wait", lane, "event0"), ("record_stream", (2,), lane), ("record_stream", (7,), lane),
+        ("enter", lane),
+        ("wait", lane, "event0"),
+        ("record_stream", (2,), lane),
+        ("record_stream", (7,), lane),
         ("method runs on", lane),
-        ("copy", (4, 5, 6), cpu, lane), ("copy", (0.5, 0.5, 0.5), cpu, lane),
-        ("new event", "event1"), ("record", "event1", lane), ("exit", lane),
+        ("copy", (4, 5, 6), cpu, lane),
+        ("copy", (0.5, 0.5, 0.5), cpu, lane),
+        ("new event", "event1"),
+        ("record", "event1", lane),
+        ("exit", lane),
         # receive: the caller's stream waits for the lane, the result marked as used there
         ("wait", "caller", "event1"),
-        ("record_stream", (4, 5, 6), "caller"), ("record_stream", (0.5, 0.5, 0.5), "caller"),
+        ("record_stream", (4, 5, 6), "caller"),
+        ("record_stream", (0.5, 0.5, 0.5), "caller"),
     ]
 
 
@@ -152,21 +167,31 @@ def test_the_thread_lane_on_cuda_hands_off_by_events_and_never_synchronises(fake
     waits = [entry for entry in log if entry[0] == "wait"]
     # build: the lane waits for the caller's event0; the caller waits for the build's event1 when it
     # settles; finished: the lane waits for event2, the caller for event3
-    assert waits == [("wait", lane_stream, "event0"), ("wait", "caller", "event1"),
-                     ("wait", lane_stream, "event2"), ("wait", "caller", "event3")]
+    assert waits == [
+        ("wait", lane_stream, "event0"),
+        ("wait", "caller", "event1"),
+        ("wait", lane_stream, "event2"),
+        ("wait", "caller", "event3"),
+    ]
     assert [e for e in log if e[0] == "record"] == [
-        ("record", "event0", "caller"), ("record", "event1", lane_stream),
-        ("record", "event2", "caller"), ("record", "event3", lane_stream)]
+        ("record", "event0", "caller"),
+        ("record", "event1", lane_stream),
+        ("record", "event2", "caller"),
+        ("record", "event3", lane_stream),
+    ]
 
 
 def test_a_dataclass_result_crossing_keeps_its_type_and_fields(fake_cuda):
     handoff = StreamHandoff(torch.device("cuda:0"))
-    spec = GenerateSpec(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), 4, 16, [3], 0, 0.0,
-                        None)
+    spec = GenerateSpec(
+        torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), 4, 16, [3], 0, 0.0, None
+    )
     ticket = handoff.send((spec,))
     sent = ticket.args[0]
     assert isinstance(sent, GenerateSpec) and sent is not spec and sent.input_ids is not spec.input_ids
-    assert torch.equal(sent.input_ids, spec.input_ids) and torch.equal(sent.attention_mask, spec.attention_mask)
+    assert torch.equal(sent.input_ids, spec.input_ids) and torch.equal(
+        sent.attention_mask, spec.attention_mask
+    )
     rest = [f.name for f in dataclasses.fields(spec) if f.name not in ("input_ids", "attention_mask")]
     assert [getattr(sent, name) for name in rest] == [getattr(spec, name) for name in rest]
 
@@ -185,8 +210,12 @@ def test_the_verify_stream_runs_a_block_on_a_high_priority_stream_ordered_both_w
             cuda.events.append(("verify runs on", torch.cuda.current_stream().name))
         assert torch.cuda.current_stream() is cuda.current  # the caller's stream again
     assert len(cuda.streams) == 1 and cuda.streams[0].device == torch.device("cuda:0")
-    one_block = [("wait", "high-priority", "current"), ("stream", "high-priority"),
-                 ("verify runs on", "high-priority"), ("wait", "current", "high-priority")]
+    one_block = [
+        ("wait", "high-priority", "current"),
+        ("stream", "high-priority"),
+        ("verify runs on", "high-priority"),
+        ("wait", "current", "high-priority"),
+    ]
     assert cuda.events == one_block * 2
     # inactive (no lane on this GPU), or not CUDA: nothing changes, no stream is made
     for device, active in ((torch.device("cuda:0"), False), (torch.device("cpu"), True)):
@@ -205,13 +234,17 @@ def test_same_gpu_compares_cuda_devices_with_the_current_one_for_no_index(monkey
     assert not streams.same_gpu(torch.device("cpu"), torch.device("cpu"))
 
 
-@pytest.mark.parametrize("lane, draft_device, prioritised", [
-    ("thread", "cuda:0", True),  # the lane's build and the verify share the GPU
-    ("thread", "cuda:1", False),  # draft_device: the draft has a GPU of its own
-    ("remote", "cuda:0", False),  # the draft runs on another machine
-])
-def test_ssd_rounds_run_on_the_priority_stream_only_where_the_lane_shares_the_gpu(monkeypatch, lane, draft_device,
-                                                                                     prioritised):
+@pytest.mark.parametrize(
+    "lane, draft_device, prioritised",
+    [
+        ("thread", "cuda:0", True),  # the lane's build and the verify share the GPU
+        ("thread", "cuda:1", False),  # draft_device: the draft has a GPU of its own
+        ("remote", "cuda:0", False),  # the draft runs on another machine
+    ],
+)
+def test_ssd_rounds_run_on_the_priority_stream_only_where_the_lane_shares_the_gpu(
+    monkeypatch, lane, draft_device, prioritised
+):
     from saguaro.core.config import SaguaroConfig
     from saguaro.runtime.lanes.owner import LaneOwner
     from tests.lower.fake_cuda import FakeCuda

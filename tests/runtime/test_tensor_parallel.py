@@ -33,8 +33,13 @@ def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
     # a fork server that imported Saguaro once forks the three ranks: not three imports on two cores
     multiprocessing.get_context("forkserver").set_forkserver_preload(["tests.runtime.tp_worker"])
-    mp.start_processes(tp_worker.run_rank, args=(free_port(), str(out)), nprocs=tp_worker.TP + 1,
-                       start_method="forkserver", join=True)
+    mp.start_processes(
+        tp_worker.run_rank,
+        args=(free_port(), str(out)),
+        nprocs=tp_worker.TP + 1,
+        start_method="forkserver",
+        join=True,
+    )
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(tp_worker.TP + 1)]
 
 
@@ -60,15 +65,16 @@ def assert_equal_or_near_tie(sharded, reference, target, mask):
     if where is None:
         return
     row, col = where
-    ids = reference[row:row + 1, :col]
-    row_mask = torch.cat([mask[row:row + 1], torch.ones(1, col - mask.shape[1], dtype=mask.dtype)], dim=1)
+    ids = reference[row : row + 1, :col]
+    row_mask = torch.cat([mask[row : row + 1], torch.ones(1, col - mask.shape[1], dtype=mask.dtype)], dim=1)
     with torch.no_grad():
         logits = target(ids, attention_mask=row_mask).logits[0, -1]  # [V]
     top = logits.topk(2)
     margin = float(top.values[0] - top.values[1])
     assert margin < NEAR_TIE and int(sharded[row, col]) in top.indices.tolist(), (
         f"row {row} column {col}: sharded {int(sharded[row, col])}, unsharded {int(reference[row, col])}, "
-        f"logit margin {margin:.3g} is no near tie")
+        f"logit margin {margin:.3g} is no near tie"
+    )
 
 
 @pytest.mark.heavy
@@ -101,7 +107,7 @@ def exact_joint(target, prefix: int) -> torch.Tensor:
         logp = torch.log_softmax(target(torch.cat([prompt.expand(grid.shape[0], T), grid], 1)).logits, -1)
     log_joint = logp[:, T + prefix]  # [V^(p+1), V]: the last token's distribution
     for i in range(prefix + 1):
-        log_joint = log_joint + logp[:, T - 1 + i].gather(1, grid[:, i:i + 1])
+        log_joint = log_joint + logp[:, T - 1 + i].gather(1, grid[:, i : i + 1])
     return log_joint.exp().reshape(-1, V, V).sum(0)  # [V, V]
 
 
@@ -124,7 +130,9 @@ def test_sampled_ssd_keeps_the_targets_distribution_on_every_rank(ranks):
     for stats in results[0]["stats"]:  # each call's rounds ran on the rank lane, served by cache hits
         assert stats["lane"] == "rank" and stats["plan"].endswith("rank lane"), stats["plan"]
         assert stats["cache_hit_rate"] > 0.99
-    assert len({tuple(s[:, -4:].sum(0).tolist()) for s in sequences[0].split(tp_worker.SAMPLES)}) == 3  # 3 seeds
+    assert (
+        len({tuple(s[:, -4:].sum(0).tolist()) for s in sequences[0].split(tp_worker.SAMPLES)}) == 3
+    )  # 3 seeds
     V = tp_worker.SAMPLED_VOCAB
     a, b = sequences[0][:, -2], sequences[0][:, -1]  # tokens 3 and 4: rounds served by cache hits
     counts = torch.bincount(a * V + b, minlength=V * V)
@@ -133,10 +141,15 @@ def test_sampled_ssd_keeps_the_targets_distribution_on_every_rank(ranks):
 
 def test_indivisible_heads_and_a_missing_job_are_refused_before_any_rank_joins():
     target = tiny_target("llama")  # 4 query heads, 2 KV heads
-    with pytest.raises(CaptureError, match=r"num_attention_heads=4 and num_key_value_heads=2 do not divide by 3"):
+    with pytest.raises(
+        CaptureError, match=r"num_attention_heads=4 and num_key_value_heads=2 do not divide by 3"
+    ):
         saguaro.compile(target, truncated_draft(target), backend="eager", tensor_parallel=3)
-    with pytest.raises(ConfigError, match=r"tensor_parallel=2 needs torch.distributed with 3 ranks: launch with "
-                                          r"torchrun --nproc-per-node 3"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tensor_parallel=2 needs torch.distributed with 3 ranks: launch with "
+        r"torchrun --nproc-per-node 3",
+    ):
         saguaro.compile(target, truncated_draft(target), backend="eager", tensor_parallel=2)
     with pytest.raises(ConfigError, match=r"tensor_parallel=0 is not allowed"):
         saguaro.compile(target, truncated_draft(target), tensor_parallel=0)

@@ -153,12 +153,16 @@ def test_stage_costs_are_measured_by_the_device_clock_of_the_runner(monkeypatch)
     monkeypatch.setattr(model_runner, "Stopwatch", Watch)
     verify = TARGET_VERIFY_ROUND.qualified  # the verify greedy rounds run, with their commit
     runner._stage_cost_s.pop(verify, None)
-    calibration.time_verify_alone(runner, batch=1, capacity=16, k=4, temperature=0.0, vocab_size=128, repeats=1)
+    calibration.time_verify_alone(
+        runner, batch=1, capacity=16, k=4, temperature=0.0, vocab_size=128, repeats=1
+    )
     assert devices == [runner.spec.device] and runner.stage_cost_s[verify] == 0.25
     monkeypatch.setattr(runner, "provides", lambda stage: stage not in ROUND_STAGES)  # a builder without it
-    plain = TARGET_VERIFY.at(0.0).qualified
+    plain = TARGET_VERIFY.for_temperature(0.0).qualified
     runner._stage_cost_s.pop(plain, None)
-    calibration.time_verify_alone(runner, batch=1, capacity=16, k=4, temperature=0.0, vocab_size=128, repeats=1)
+    calibration.time_verify_alone(
+        runner, batch=1, capacity=16, k=4, temperature=0.0, vocab_size=128, repeats=1
+    )
     assert runner.stage_cost_s[plain] == 0.25
 
 
@@ -176,9 +180,12 @@ def test_calibration_times_the_verify_on_the_device_clock_and_keeps_the_least(mo
             return timing.Interval(next(readings))
 
     monkeypatch.setattr(calibration, "Stopwatch", Watch)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("calibration synchronised a device"))
-    best = calibration.time_verify_alone(program.target, batch=2, capacity=16, k=4, temperature=temperature,
-                                         vocab_size=128)
+    monkeypatch.setattr(
+        torch.cuda, "synchronize", lambda *a: pytest.fail("calibration synchronised a device")
+    )
+    best = calibration.time_verify_alone(
+        program.target, batch=2, capacity=16, k=4, temperature=temperature, vocab_size=128
+    )
     assert best == 0.1 and devices == [program.target.spec.device] * 3
 
 
@@ -194,18 +201,29 @@ def test_an_sd_round_is_the_verify_and_k_draft_steps_on_the_device_clock(monkeyp
             return timing.Interval(0.5 if len(devices) <= calibration.REPEATS else 2.0)
 
     monkeypatch.setattr(calibration, "Stopwatch", Watch)
-    round_s = calibration.time_sd_round(program.target, program.draft, batch=1, target_capacity=16,
-                                        draft_capacity=16, k=4, temperature=0.0)
+    round_s = calibration.time_sd_round(
+        program.target, program.draft, batch=1, target_capacity=16, draft_capacity=16, k=4, temperature=0.0
+    )
     assert round_s == pytest.approx(2.0 + 4 * 0.5)
     assert devices == [program.draft.spec.device] * 3 + [program.target.spec.device] * 3
 
 
 def test_a_traced_stage_on_cuda_carries_its_device_time_read_when_the_trace_is_taken(monkeypatch):
     """The slice spans the launch; ``device_ms`` is the device's time (a fake CUDA stopwatch here)."""
-    spec = ModelSpec(model_class="Tiny", num_layers=1, num_heads=2, num_kv_heads=2, head_dim=4, vocab_size=16,
-                     max_positions=32, dtype=torch.float32, device=torch.device("cpu"))
-    runner = ModelRunner("draft", types.SimpleNamespace(spec=spec), build=lambda stage: lambda *a: (a[0][:, -1],),
-                         width=4)
+    spec = ModelSpec(
+        model_class="Tiny",
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=4,
+        vocab_size=16,
+        max_positions=32,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    runner = ModelRunner(
+        "draft", types.SimpleNamespace(spec=spec), build=lambda stage: lambda *a: (a[0][:, -1],), width=4
+    )
     pending = PendingInterval(0.004)
 
     class CudaWatch:
@@ -221,7 +239,7 @@ def test_a_traced_stage_on_cuda_carries_its_device_time_read_when_the_trace_is_t
     monkeypatch.setattr(trace, "Interval", PendingInterval)
     runner.recorder = trace.TraceRecorder()
     ids = torch.zeros(1, 1, dtype=torch.long)
-    runner.run(DRAFT_STEP.at(0.0), runner.new_store(1, 4), ids, ids.clone(), ids.clone())
+    runner.run(DRAFT_STEP.for_temperature(0.0), runner.new_store(1, 4), ids, ids.clone(), ids.clone())
     begin = runner.recorder.events[0]
     assert begin[0] == "B" and begin[4]["device_ms"] is pending and not pending.waited
     pending.done = True

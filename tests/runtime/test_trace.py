@@ -23,7 +23,16 @@ def _names(trace, track):
 def test_trace_is_valid_and_names_every_stage_call(mode, tmp_path):
     target, draft, _ = tiny_pair("llama")
     # a fixed tree, so every SSD round builds one (the planner may choose SD rounds)
-    program = saguaro.compile(target, draft, k=K, mode=mode, lane="thread", fan_out="geometric", backend="eager", sd_when_faster=False)
+    program = saguaro.compile(
+        target,
+        draft,
+        k=K,
+        mode=mode,
+        lane="thread",
+        fan_out="geometric",
+        backend="eager",
+        sd_when_faster=False,
+    )
     ids, mask = prompts(2, 7, seed=3, pad_rows={1: 2})
     path = tmp_path / "run.json"
     out = program.generate(ids, attention_mask=mask, max_new_tokens=14, eos_token_id=None, trace=str(path))
@@ -36,7 +45,9 @@ def test_trace_is_valid_and_names_every_stage_call(mode, tmp_path):
     assert target_calls[0] == "target.prefill"
     rounds = [s for s in slices(trace) if s.track == "host" and s.name == "round"]
     if mode == "ar":
-        assert target_calls[1:] == ["target.round_greedy"] * (len(target_calls) - 1) and not _names(trace, "draft")
+        assert target_calls[1:] == ["target.round_greedy"] * (len(target_calls) - 1) and not _names(
+            trace, "draft"
+        )
         return
     assert len(rounds) == out.stats["rounds"] == target_calls.count("target.verify_round_greedy")
     assert [a for _, a in counters(trace, "accepted length")] and trace["otherData"]["stats"]["mode"] == mode
@@ -45,7 +56,9 @@ def test_trace_is_valid_and_names_every_stage_call(mode, tmp_path):
         assert draft_calls.count("draft.chain_greedy") == K * len(rounds)
         # the first round feeds the draft two tokens, in one call (its linears are BLAS's here: draft_decode's
         # feeds_together): their KV, and x_1 from the second
-        assert draft_calls[:2] == ["draft.prefill", "draft.chain_greedy"] and "catch-up" not in str(draft_calls)
+        assert draft_calls[:2] == ["draft.prefill", "draft.chain_greedy"] and "catch-up" not in str(
+            draft_calls
+        )
         first_chained = next(s for s in slices(trace) if s.name == "draft.chain_greedy")
         assert first_chained.args == {"rows": 2, "tokens": 2}
         return
@@ -58,8 +71,9 @@ def test_trace_is_valid_and_names_every_stage_call(mode, tmp_path):
     build, glue = by_name["build"], by_name["draft.glue"]
     assert build.start_us <= glue.start_us <= glue.end_us <= build.end_us
     cache = counters(trace, "cache")
-    assert sum(v["hits"] for _, v in cache) == round(out.stats["cache_hit_rate"] * sum(
-        v["hits"] + v["misses"] for _, v in cache))
+    assert sum(v["hits"] for _, v in cache) == round(
+        out.stats["cache_hit_rate"] * sum(v["hits"] + v["misses"] for _, v in cache)
+    )
     assert all(v["MQ"] > 0 for _, v in counters(trace, "branch budget"))
     assert {"F0", f"F{K}"} <= set(counters(trace, "fan-out")[0][1])
 
@@ -73,8 +87,8 @@ def test_check_trace_rejects_broken_traces():
     first_begin = next(i for i, e in enumerate(events) if e["ph"] == "B")
     first_end = next(i for i, e in enumerate(events) if e["ph"] == "E")
     for broken, message in [
-        (events[:first_begin] + events[first_begin + 1:], "without its begin"),
-        (events[:first_end] + events[first_end + 1:], "never ended"),
+        (events[:first_begin] + events[first_begin + 1 :], "without its begin"),
+        (events[:first_end] + events[first_end + 1 :], "never ended"),
         (events + [dict(events[first_begin], ts=-1.0)], "back in time"),
         ([{k: v for k, v in e.items() if k != "pid"} for e in events], "lacks"),
     ]:
@@ -98,16 +112,27 @@ def test_process_lane_trace_holds_both_processes_and_its_overlap_matches_the_dra
     loaded machine stretches: the 10 % must hold on one of three runs; the draft's exposed work alone
     never exceeds the wait (+10 %) on any run."""
     target, draft, _ = tiny_pair("llama")
-    program = saguaro.compile(target, draft, k=5, mode="ssd", lane="process", fan_out="geometric", backend="eager", sd_when_faster=False)
+    program = saguaro.compile(
+        target,
+        draft,
+        k=5,
+        mode="ssd",
+        lane="process",
+        fan_out="geometric",
+        backend="eager",
+        sd_when_faster=False,
+    )
     ids, mask = prompts(2, 8, seed=5)
     try:
         agreed = []
-        for attempt in range(3):
+        for _attempt in range(3):
             out = program.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=None, trace=True)
             trace = out.trace
             check_trace(trace)
             draft_pid = program.lanes.lane().lane.process.pid
-            by_pid = {pid: {s.track for s in slices(trace) if s.pid == pid} for pid in (os.getpid(), draft_pid)}
+            by_pid = {
+                pid: {s.track for s in slices(trace) if s.pid == pid} for pid in (os.getpid(), draft_pid)
+            }
             assert by_pid[os.getpid()] == {"host", "target"} and by_pid[draft_pid] == {"draft"}
             assert {"build", "match", "recv"} <= set(_names(trace, "draft"))
             # the draft's glue starts after the host posted the build: one clock for both processes

@@ -7,7 +7,6 @@ stage and the host's append; the builders that cannot offer it run the verify st
 import pytest
 import torch
 
-import saguaro
 from saguaro.core.stages import ROUND_STAGES, TARGET_ROUND, TARGET_VERIFY, TARGET_VERIFY_ROUND, stages_for
 from saguaro.runtime.base.sequences import SequenceBatch
 from saguaro.tensor_math.verification import outcome_tokens, verify_greedy
@@ -24,10 +23,13 @@ def sequences(seed: int) -> SequenceBatch:
     ids = torch.randint(3, 20, (5, 6), generator=gen)
     mask = torch.ones_like(ids)
     mask[2, :2] = 0
-    seqs = SequenceBatch(ids, mask, max_new_tokens=7, capacity=6 + 7 + K + 2, eos_token_ids=[EOS, 7],
-                         pad_token_id=PAD)
-    seqs.append(torch.tensor([[5, 6, 3, 3], [EOS, 9, 9, 9], [8, 8, 8, 8], [4, 4, 4, 4], [9, 3, 9, 9]]),
-                torch.tensor([2, 1, 1, 4, 3]))
+    seqs = SequenceBatch(
+        ids, mask, max_new_tokens=7, capacity=6 + 7 + K + 2, eos_token_ids=[EOS, 7], pad_token_id=PAD
+    )
+    seqs.append(
+        torch.tensor([[5, 6, 3, 3], [EOS, 9, 9, 9], [8, 8, 8, 8], [4, 4, 4, 4], [9, 3, 9, 9]]),
+        torch.tensor([2, 1, 1, 4, 3]),
+    )
     return seqs
 
 
@@ -39,33 +41,51 @@ def test_round_epilogue_commits_as_the_host_does(seed):
     draft_tokens = logits[:, :K].argmax(dim=-1)  # [B, K]: accepted where not changed below
     draft_tokens[seed % 5, seed % K] = (draft_tokens[seed % 5, seed % K] + 1) % VOCAB  # one rejection
     logits[(seed + 1) % 5, seed % (K + 1), 7] = 99.0  # one row decides EOS id 7 (accepted or as r')
-    draft_tokens[(seed + 1) % 5] = torch.where(torch.arange(K) == seed % (K + 1), 7, draft_tokens[(seed + 1) % 5])
+    draft_tokens[(seed + 1) % 5] = torch.where(
+        torch.arange(K) == seed % (K + 1), 7, draft_tokens[(seed + 1) % 5]
+    )
     host, graph = sequences(seed), sequences(seed)
 
-    accepted, next_token = verify_greedy(logits, draft_tokens)  # the host's commit, then the next round's inputs
+    accepted, next_token = verify_greedy(
+        logits, draft_tokens
+    )  # the host's commit, then the next round's inputs
     host.append(outcome_tokens(draft_tokens, accepted, next_token), accepted + 1)
     want_accepted, want_next = host.read(accepted, next_token)
     draft_index, verify_index = host.tail_index(2), host.forward_index(K + 1)
 
     lengths, finished = graph.lengths.clone(), graph.finished.clone()
     outcome, new_lengths, new_finished, *inputs = verify_round_greedy(
-        logits, draft_tokens, graph.tokens, graph.lengths, graph.finished, graph.padding, graph.eos_table(VOCAB),
-        graph.end)
-    assert torch.equal(graph.lengths, lengths) and torch.equal(graph.finished, finished)  # read, never written
+        logits,
+        draft_tokens,
+        graph.tokens,
+        graph.lengths,
+        graph.finished,
+        graph.padding,
+        graph.eos_table(VOCAB),
+        graph.end,
+    )
+    assert torch.equal(graph.lengths, lengths) and torch.equal(
+        graph.finished, finished
+    )  # read, never written
     assert torch.equal(graph.tokens, host.tokens)
     assert torch.equal(new_lengths, host.lengths) and torch.equal(new_finished, host.finished)
-    graph.advanced(new_lengths, new_finished, tuple(inputs))
-    assert graph.take_outcome(outcome) == [want_accepted, want_next]  # the round's one read
+    graph.set_lengths_and_finished(new_lengths, new_finished, tuple(inputs))
+    assert graph.read_outcome(outcome) == [want_accepted, want_next]  # the round's one read
     assert graph.host_lengths == host.host_lengths and graph.host_active == host.host_active
-    expected = (host.gather(draft_index), draft_index, host.positions(draft_index), verify_index,
-                host.positions(verify_index))
+    expected = (
+        host.gather(draft_index),
+        draft_index,
+        host.positions(draft_index),
+        verify_index,
+        host.positions(verify_index),
+    )
     assert all(torch.equal(got, want) for got, want in zip(graph.next_inputs, expected))
     assert len(set(host.host_active)) == 2  # some rows finished (row 1 before), some did not (row 0 or 2)
 
 
 def test_an_append_drops_the_round_inputs_made_for_the_old_lengths():
     seqs = sequences(0)
-    seqs.advanced(seqs.lengths.clone(), seqs.finished.clone(), ("inputs",))
+    seqs.set_lengths_and_finished(seqs.lengths.clone(), seqs.finished.clone(), ("inputs",))
     seqs.append_one(torch.tensor([3, 3, 3, 3, 3]))
     assert seqs.next_inputs is None
 
@@ -75,7 +95,9 @@ def calls_of(program, monkeypatch) -> list:
     for this test only)."""
     runner, calls = program.target, []
     run = runner.run
-    monkeypatch.setattr(runner, "run", lambda stage, *args, **kwargs: calls.append(stage) or run(stage, *args, **kwargs))
+    monkeypatch.setattr(
+        runner, "run", lambda stage, *args, **kwargs: calls.append(stage) or run(stage, *args, **kwargs)
+    )
     return calls
 
 
@@ -87,16 +109,22 @@ def test_greedy_rounds_run_one_round_call_each_and_equal_the_verify_stage(mode, 
     free = reference_greedy(target, ids, mask, 16)
     eos = int(free[0, 7 + 4])  # row 0 ends by EOS at its 5th new token at the latest
     expected = reference_greedy(target, ids, mask, 16, eos_token_id=eos)
-    assert stages_for(mode, 0.0)[1] is TARGET_VERIFY_ROUND and stages_for(mode, 1.0)[1] is TARGET_VERIFY.sampled
+    assert (
+        stages_for(mode, 0.0)[1] is TARGET_VERIFY_ROUND and stages_for(mode, 1.0)[1] is TARGET_VERIFY.sampled
+    )
     try:
-        program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=eos)  # SSD's calibration first
+        program.generate(
+            ids, attention_mask=mask, max_new_tokens=16, eos_token_id=eos
+        )  # SSD's calibration first
         calls = calls_of(program, monkeypatch)
         out = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=eos)
         assert torch.equal(out.sequences, expected)
         assert out.stats["mode"] == mode and out.stats["rounds"] >= 4
         assert calls[1:] == [TARGET_VERIFY_ROUND] * out.stats["rounds"]  # the prefill, then one call a round
         calls.clear()
-        monkeypatch.setattr(program.target, "provides", lambda stage: stage not in ROUND_STAGES)  # a builder without it
+        monkeypatch.setattr(
+            program.target, "provides", lambda stage: stage not in ROUND_STAGES
+        )  # a builder without it
         by_verify = program.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=eos)
         assert torch.equal(by_verify.sequences, expected)
         assert calls[1:] == [TARGET_VERIFY.greedy] * by_verify.stats["rounds"]

@@ -49,8 +49,15 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
         for arch in ARCHS:
             target = tiny_target(arch)
             # a fixed geometric fan-out: the planner's cost measurements would only add warm-up time here
-            program = saguaro.compile(target, truncated_draft(target), k=K, mode="sd", backend="eager",
-                                      tensor_parallel=TP, fan_out="geometric")
+            program = saguaro.compile(
+                target,
+                truncated_draft(target),
+                k=K,
+                mode="sd",
+                backend="eager",
+                tensor_parallel=TP,
+                fan_out="geometric",
+            )
             for mode in MODES:
                 out = program.generate(ids, attention_mask=mask, max_new_tokens=NEW, mode=mode)
                 results[(arch, mode)] = {"sequences": out.sequences, "stats": out.stats}
@@ -58,19 +65,35 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
                 inspector = saguaro.inspect(program)
                 gm = inspector.stage_graph("target.verify_greedy")
                 results[(arch, "inspect")] = {
-                    "all_reduce_nodes": sum(n.op == "call_function" and "all_reduce" in str(n.target)
-                                            for n in gm.graph.nodes),
+                    "all_reduce_nodes": sum(
+                        n.op == "call_function" and "all_reduce" in str(n.target) for n in gm.graph.nodes
+                    ),
                     "text": inspector.graph("target.verify_greedy", expand=True),
-                    "layers": target.config.num_hidden_layers}
+                    "layers": target.config.num_hidden_layers,
+                }
         # k = 1 and every outcome cached (fan-out V-1 after the draft token, V after the bonus): the third
         # and fourth tokens come from rounds served by cache hits
         target = sampled_target()
-        program = saguaro.compile(target, truncated_draft(target), k=1, mode="ssd", backend="eager",
-                                  tensor_parallel=TP, fan_out=[SAMPLED_VOCAB - 1, SAMPLED_VOCAB], fallback="neural")
-        outs = [program.generate(SAMPLED_PROMPT.expand(SAMPLES, -1), max_new_tokens=4, temperature=1.0,
-                                 eos_token_id=None) for _ in range(CALLS)]  # seed None: rank 0 draws each
-        results["sampled_ssd"] = {"sequences": torch.cat([o.sequences for o in outs]),
-                                  "stats": [o.stats for o in outs]}
+        program = saguaro.compile(
+            target,
+            truncated_draft(target),
+            k=1,
+            mode="ssd",
+            backend="eager",
+            tensor_parallel=TP,
+            fan_out=[SAMPLED_VOCAB - 1, SAMPLED_VOCAB],
+            fallback="neural",
+        )
+        outs = [
+            program.generate(
+                SAMPLED_PROMPT.expand(SAMPLES, -1), max_new_tokens=4, temperature=1.0, eos_token_id=None
+            )
+            for _ in range(CALLS)
+        ]  # seed None: rank 0 draws each
+        results["sampled_ssd"] = {
+            "sequences": torch.cat([o.sequences for o in outs]),
+            "stats": [o.stats for o in outs],
+        }
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()

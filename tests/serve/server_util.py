@@ -11,8 +11,10 @@ import torch
 from saguaro.serve.server import bound_socket, make_server
 from tests.tiny_tokenizer import tiny_tokenizer
 
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant: {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 def chat_tokenizer():
@@ -49,8 +51,9 @@ def start(program, tokenizer=None, **options) -> Running:
     """Serve ``program`` on 127.0.0.1, a port the system picks; returns once it takes requests."""
     tokenizer = tokenizer if tokenizer is not None else chat_tokenizer()
     ready = threading.Event()
-    server, service = make_server(program, tokenizer, "tiny", "127.0.0.1", 0, announce=lambda h, p: ready.set(),
-                                  **options)
+    server, service = make_server(
+        program, tokenizer, "tiny", "127.0.0.1", 0, announce=lambda h, p: ready.set(), **options
+    )
     sock = bound_socket("127.0.0.1", 0)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -60,11 +63,13 @@ def start(program, tokenizer=None, **options) -> Running:
 
 def solo(program, prompt_ids, max_tokens, temperature=0.0, seed=None) -> list:
     """What ``program.generate`` gives this prompt alone: the new tokens, up to and with the first EOS."""
-    out = program.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, temperature=temperature, seed=seed)
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    out = program.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=max_tokens, temperature=temperature, seed=seed
+    )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
     eos = program.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos or ())
     for i, t in enumerate(tokens):
         if t in eos:
-            return tokens[:i + 1]
+            return tokens[: i + 1]
     return tokens

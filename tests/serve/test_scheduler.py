@@ -23,6 +23,7 @@ def run_jobs(program, samplings, max_batch=8):
             if event[0] != "tokens":
                 reasons[i] = event
                 ended[i].set()
+
         return deliver
 
     jobs = [Job(s, deliver_to(i)) for i, s in enumerate(samplings)]
@@ -49,14 +50,16 @@ def test_concurrent_greedy_and_sampled_requests_each_equal_their_solo_tokens():
     # 9 greedy requests, at most 4 rows at once: back to back that is at least 3 batches and the sampled one's;
     # here the greedy rows joined a running batch as others left, and the sampled one ran beside them
     assert 2 <= metrics.batches < 4
-    assert metrics.batch_rows.count > 0 and max(b for b, n in zip(metrics.batch_rows.buckets,
-                                                                   metrics.batch_rows.counts) if n) <= 4
+    assert (
+        metrics.batch_rows.count > 0
+        and max(b for b, n in zip(metrics.batch_rows.buckets, metrics.batch_rows.counts) if n) <= 4
+    )
 
 
 def test_greedy_batch_in_ssd_mode_equals_solo():
     _, _, program = tiny_program("llama", mode="ssd", lane="thread", sd_when_faster=False)
     ids, _ = prompts(4, 10, seed=12)
-    samplings = [Sampling(ids[i, :4 + 2 * i].tolist(), 10 + 4 * i) for i in range(4)]
+    samplings = [Sampling(ids[i, : 4 + 2 * i].tolist(), 10 + 4 * i) for i in range(4)]
     try:
         jobs, _, metrics = run_jobs(program, samplings)
         for job in jobs:
@@ -70,18 +73,26 @@ def test_sampled_requests_of_one_temperature_share_a_batch_seeded_or_not():
     _, _, program = tiny_program("llama", mode="sd")
     ids, _ = prompts(5, 8, seed=13)
     samplings = [Sampling(ids[i].tolist(), 6, temperature=0.7) for i in range(3)]
-    samplings += [Sampling(ids[3].tolist(), 6, temperature=0.7, seed=1), Sampling(ids[4].tolist(), 6, temperature=0.5)]
+    samplings += [
+        Sampling(ids[3].tolist(), 6, temperature=0.7, seed=1),
+        Sampling(ids[4].tolist(), 6, temperature=0.5),
+    ]
     jobs, reasons, metrics = run_jobs(program, samplings)
     assert all(reason[0] == "done" for reason in reasons) and all(1 <= len(j.tokens) <= 6 for j in jobs)
-    assert metrics.batches == 2  # the four at 0.7 together (one generator per row), the one at 0.5 beside them
+    assert (
+        metrics.batches == 2
+    )  # the four at 0.7 together (one generator per row), the one at 0.5 beside them
     assert jobs[3].tokens == solo(program, ids[3].tolist(), 6, 0.7, 1)
 
 
 def test_ssd_runs_a_seeded_sampled_request_in_a_batch_of_its_own():
     _, _, program = tiny_program("llama", mode="ssd", lane="thread", sd_when_faster=False)
     ids, _ = prompts(3, 8, seed=14)
-    samplings = [Sampling(ids[0].tolist(), 6, temperature=0.7, seed=2), Sampling(ids[1].tolist(), 6, temperature=0.7),
-                 Sampling(ids[2].tolist(), 6, temperature=0.7)]
+    samplings = [
+        Sampling(ids[0].tolist(), 6, temperature=0.7, seed=2),
+        Sampling(ids[1].tolist(), 6, temperature=0.7),
+        Sampling(ids[2].tolist(), 6, temperature=0.7),
+    ]
     try:
         jobs, reasons, metrics = run_jobs(program, samplings)
         assert all(reason[0] == "done" for reason in reasons)
@@ -99,7 +110,9 @@ def test_ssd_seeded_sampled_requests_planned_sd_share_a_batch_with_their_solo_to
 
     _, _, program = tiny_program("llama", mode="ssd", lane="thread", sd_when_faster=True)
     monkeypatch.setattr(Calibration, "run_as_sd", lambda self, verdict, prior: True)
-    monkeypatch.setattr(continuous, "run_alone", lambda *args: (_ for _ in ()).throw(AssertionError("ran alone")))
+    monkeypatch.setattr(
+        continuous, "run_alone", lambda *args: (_ for _ in ()).throw(AssertionError("ran alone"))
+    )
     ids, _ = prompts(5, 9, seed=16)
     samplings = [Sampling(ids[i].tolist(), 8 + 2 * i, temperature=0.7, seed=10 + i) for i in range(4)]
     samplings.append(Sampling(ids[4].tolist(), 12))  # greedy, beside them

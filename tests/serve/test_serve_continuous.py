@@ -32,8 +32,10 @@ def record(served, monkeypatch, names: dict) -> tuple[list, dict]:
         for job in submitted:
             name = names[job.sampling.max_tokens]
             jobs[name] = job
-            job.deliver = lambda event, name=name, deliver=job.deliver: (events.append((name, event[0])),
-                                                                          deliver(event))
+            job.deliver = lambda event, name=name, deliver=job.deliver: (
+                events.append((name, event[0])),
+                deliver(event),
+            )
         return real(*submitted)
 
     def row_left(why, real=scheduler.metrics.row_left):
@@ -64,6 +66,7 @@ def streamed(served, prompt, max_tokens, into: list) -> threading.Thread:
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
         with httpx.stream("POST", served.url + "/completions", json=body, timeout=300) as raw:
             into.extend(line for line in raw.iter_lines() if line)
+
     thread = threading.Thread(target=read)
     thread.start()
     return thread
@@ -73,20 +76,26 @@ def test_a_request_sent_while_a_long_one_decodes_streams_before_it_ends(served, 
     ids = served.tokenizer(PROMPT).input_ids
     assert len(solo(served.program, ids, 200)) == 200  # no EOS: the long request decodes all 200 tokens
     events, jobs = record(served, monkeypatch, {200: "long", 6: "short"})
-    hold_rounds(monkeypatch, lambda: "short" in jobs or "long" not in jobs)  # the long one waits for the short
+    hold_rounds(
+        monkeypatch, lambda: "short" in jobs or "long" not in jobs
+    )  # the long one waits for the short
     long_lines: list = []
     long_thread = streamed(served, PROMPT, 200, long_lines)
     for _ in range(1200):
         if ("long", "tokens") in events:
             break
         threading.Event().wait(0.1)
-    short = httpx.post(served.url + "/completions", json={"prompt": OTHER, "max_tokens": 6, "temperature": 0},
-                       timeout=300).json()
+    short = httpx.post(
+        served.url + "/completions", json={"prompt": OTHER, "max_tokens": 6, "temperature": 0}, timeout=300
+    ).json()
     long_thread.join(timeout=300)
-    assert events.index(("short", "tokens")) < events.index(("short", "done")) < events.index(("long", "done"))
+    assert (
+        events.index(("short", "tokens")) < events.index(("short", "done")) < events.index(("long", "done"))
+    )
     assert events.index(("long", "tokens")) < events.index(("short", "tokens"))  # it joined a running batch
-    assert short["choices"][0]["text"] == served.tokenizer.decode(solo(served.program, served.tokenizer(OTHER)
-                                                                       .input_ids, 6), skip_special_tokens=True)
+    assert short["choices"][0]["text"] == served.tokenizer.decode(
+        solo(served.program, served.tokenizer(OTHER).input_ids, 6), skip_special_tokens=True
+    )
     assert long_lines[-1] == "data: [DONE]" and jobs["long"].tokens == solo(served.program, ids, 200)
     assert served.service.metrics.batch_rows.counts[1] >= 1  # some round ran both rows (the bucket of 2)
 
@@ -94,8 +103,10 @@ def test_a_request_sent_while_a_long_one_decodes_streams_before_it_ends(served, 
 def test_a_client_that_disconnects_mid_stream_frees_its_row_before_its_batch_ends(served, monkeypatch):
     events, jobs = record(served, monkeypatch, {200: "gone", 120: "mate"})
     # the rounds run once the leaving client has joined and the server has seen it go
-    hold_rounds(monkeypatch, lambda: "mate" not in jobs or ("gone" in jobs and (
-        jobs["gone"].leave or not jobs["gone"].tokens)))
+    hold_rounds(
+        monkeypatch,
+        lambda: "mate" not in jobs or ("gone" in jobs and (jobs["gone"].leave or not jobs["gone"].tokens)),
+    )
     mate_lines: list = []
     mate = streamed(served, OTHER, 120, mate_lines)
     for _ in range(1200):
@@ -108,9 +119,13 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row_before_its_batch_end
     mate.join(timeout=300)
     assert jobs["gone"].leave == "client disconnected" and jobs["gone"].done
     assert ("gone", "left") in events and ("gone", "done") not in events
-    assert events.index(("gone", "left")) < events.index(("mate", "done"))  # freed while its batch mate decoded
+    assert events.index(("gone", "left")) < events.index(
+        ("mate", "done")
+    )  # freed while its batch mate decoded
     assert len(jobs["gone"].tokens) < 200
     assert jobs["mate"].tokens == solo(served.program, served.tokenizer(OTHER).input_ids, 120)
     assert mate_lines[-1] == "data: [DONE]"
-    assert "saguaro_rows_left_early_total{reason=\"client disconnected\"}" in httpx.get(
-        served.url.removesuffix("/v1") + "/metrics").text
+    assert (
+        'saguaro_rows_left_early_total{reason="client disconnected"}'
+        in httpx.get(served.url.removesuffix("/v1") + "/metrics").text
+    )

@@ -42,7 +42,11 @@ BAD = [  # (body, status, words the message must hold)
     (json.dumps({**GOOD, "stop": 3}).encode(), 400, ["stop=3", "string"]),
     (json.dumps({**GOOD, "stop": [str(i) for i in range(17)]}).encode(), 400, ["stop=", "at most 16"]),
     (json.dumps({**GOOD, "n": 0}).encode(), 400, ["n=0", "1..128"]),
-    (json.dumps({**GOOD, "n": 13}).encode(), 400, ["13 choices", "at most 12"]),  # past --max-batch + --max-queue
+    (
+        json.dumps({**GOOD, "n": 13}).encode(),
+        400,
+        ["13 choices", "at most 12"],
+    ),  # past --max-batch + --max-queue
     (json.dumps({**GOOD, "prompt": ["abc", [5, 6]]}).encode(), 400, ["prompt of type list", "all strings"]),
     (json.dumps({**GOOD, "timeout": 0}).encode(), 400, ["timeout=0", "seconds > 0"]),
     (json.dumps({**GOOD, "ignore_eos": "yes"}).encode(), 400, ["ignore_eos='yes'", "true or false"]),
@@ -57,14 +61,26 @@ BAD = [  # (body, status, words the message must hold)
     (json.dumps({**GOOD, "logit_bias": [1]}).encode(), 400, ["logit_bias=[1]", "object"]),
     (json.dumps({**GOOD, "logprobs": 21}).encode(), 400, ["logprobs=21", "integer 0..20"]),
     (json.dumps({**GOOD, "best_of": 2}).encode(), 400, ["best_of=2", "not supported"]),
-    (json.dumps({**GOOD, "tools": [{"type": "function"}]}).encode(), 400, ["tools=", "not supported"]),
+    (json.dumps({**GOOD, "suffix": "abc"}).encode(), 400, ["suffix='abc'", "not supported"]),
+    (
+        json.dumps({**GOOD, "response_format": {"type": "yaml"}}).encode(),
+        400,
+        ["response_format=", "text, json_object or json_schema"],
+    ),
+    (
+        json.dumps({**GOOD, "response_format": {"type": "json_object"}, "max_tokens": 0}).encode(),
+        400,
+        ["max_tokens=0"],
+    ),
     (json.dumps({**GOOD, "prompt": "a" * (1 << 20)}).encode(), 413, ["at most 1048576"]),
 ]
 
 
 @pytest.mark.parametrize("body,status,words", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_each_bad_request_gets_its_4xx_and_then_a_good_one_is_served(served, body, status, words):
-    answer = httpx.post(served.url + "/completions", content=body, headers={"content-type": "application/json"})
+    answer = httpx.post(
+        served.url + "/completions", content=body, headers={"content-type": "application/json"}
+    )
     assert answer.status_code == status, answer.text
     error = answer.json()["error"]
     assert all(w in error["message"] for w in words), error["message"]
@@ -76,14 +92,23 @@ def test_each_bad_request_gets_its_4xx_and_then_a_good_one_is_served(served, bod
 def test_bad_chat_requests(served):
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
     for body, words, param in (
-            ({"messages": "hi"}, ["messages must be a non-empty list"], "messages"),
-            ({"messages": [{"role": "user"}]}, ["messages[0].content=None", "string or a list of text parts"],
-             "messages[0].content"),
-            ({"messages": [{"content": "hi"}]}, ["messages[0]", "string role"], "messages[0]"),
-            ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": [image]}]},
-             ["messages[1].content[0]", "only text parts", "'image_url'"], "messages[1].content")):
+        ({"messages": "hi"}, ["messages must be a non-empty list"], "messages"),
+        (
+            {"messages": [{"role": "user"}]},
+            ["messages[0].content=None", "string or a list of text parts"],
+            "messages[0].content",
+        ),
+        ({"messages": [{"content": "hi"}]}, ["messages[0]", "string role"], "messages[0]"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": [image]}]},
+            ["messages[1].content[0]", "only text parts", "'image_url'"],
+            "messages[1].content",
+        ),
+    ):
         answer = httpx.post(served.url + "/chat/completions", json=body)
-        assert answer.status_code == 400 and all(w in answer.json()["error"]["message"] for w in words), answer.text
+        assert answer.status_code == 400 and all(w in answer.json()["error"]["message"] for w in words), (
+            answer.text
+        )
         assert answer.json()["error"]["param"] == param
 
 
@@ -93,14 +118,17 @@ def test_chat_without_a_template_says_so():
     try:
         with pytest.raises(openai.BadRequestError, match="no chat template"):
             openai.OpenAI(base_url=running.url, api_key="x", max_retries=0).chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
     finally:
         running.stop()
 
 
 def test_past_max_batch_and_max_queue_a_request_gets_429_with_retry_after():
     _, _, program = tiny_program("llama", mode="sd")
-    scheduler = Scheduler(program, metrics=None, max_batch=1, max_queue=2)  # not started: nothing leaves the queue
+    scheduler = Scheduler(
+        program, metrics=None, max_batch=1, max_queue=2
+    )  # not started: nothing leaves the queue
     for _ in range(3):  # one for the batch's row, two waiting
         scheduler.submit(Job(Sampling([5, 6], 3), deliver=lambda event: None))
     with pytest.raises(RequestError) as refused:
@@ -132,8 +160,10 @@ def test_a_draft_lane_that_dies_during_a_request_still_gives_the_exact_answer(mo
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
         running.wait_idle()
         assert running.service.scheduler.lane_failures == failures_before + 1
-        assert f"saguaro_draft_lane_failures_total {failures_before + 1}" in httpx.get(
-            running.url.removesuffix("/v1") + "/metrics").text
+        assert (
+            f"saguaro_draft_lane_failures_total {failures_before + 1}"
+            in httpx.get(running.url.removesuffix("/v1") + "/metrics").text
+        )
         monkeypatch.undo()
         again = httpx.post(running.url + "/completions", json=body, timeout=120)
         assert again.json()["choices"][0]["text"] == expected
@@ -148,11 +178,15 @@ def test_a_wrong_or_missing_key_gets_401():
     try:
         with pytest.raises(openai.AuthenticationError, match="wrong API key"):
             openai.OpenAI(base_url=running.url, api_key="wrong", max_retries=0).completions.create(
-                model="tiny", prompt="abc", max_tokens=2)
+                model="tiny", prompt="abc", max_tokens=2
+            )
         assert httpx.get(running.url + "/models").status_code == 401
-        assert httpx.get(running.url.removesuffix("/v1") + "/health").status_code == 200  # open without --auth-health
+        assert (
+            httpx.get(running.url.removesuffix("/v1") + "/health").status_code == 200
+        )  # open without --auth-health
         out = openai.OpenAI(base_url=running.url, api_key="s3cret", max_retries=0).completions.create(
-            model="tiny", prompt="abc", max_tokens=2, temperature=0)
+            model="tiny", prompt="abc", max_tokens=2, temperature=0
+        )
         assert out.usage.completion_tokens >= 1
     finally:
         running.stop()
@@ -162,4 +196,6 @@ def test_a_non_loopback_host_without_a_key_is_refused_at_start():
     _, _, program = tiny_program("llama", mode="sd")
     with pytest.raises(ConfigError, match="'0.0.0.0' is not a loopback address.*--api-key-file"):
         make_server(program, tiny_tokenizer(), "tiny", host="0.0.0.0")
-    make_server(program, tiny_tokenizer(), "tiny", host="0.0.0.0", api_key="k")  # with a key: allowed (not run)
+    make_server(
+        program, tiny_tokenizer(), "tiny", host="0.0.0.0", api_key="k"
+    )  # with a key: allowed (not run)

@@ -63,7 +63,9 @@ def check_completion_logprobs(running, got, ids: list, start: int, top: int) -> 
 
 def test_completion_logprobs_are_the_targets_log_softmax_with_the_best_sorted(served):
     ids = served.tokenizer(PROMPT).input_ids
-    out = client(served).completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2)
+    out = client(served).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2
+    )
     new = solo(served.program, ids, 10)
     got = out.choices[0].logprobs
     check_completion_logprobs(served, got, ids + new, len(ids), 2)
@@ -73,39 +75,60 @@ def test_completion_logprobs_are_the_targets_log_softmax_with_the_best_sorted(se
 
 def test_sampled_tokens_get_the_targets_values_before_the_temperature(served):
     ids = served.tokenizer(PROMPT).input_ids
-    out = client(served).completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=1.7, seed=5,
-                                            logprobs=0)
+    out = client(served).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=12, temperature=1.7, seed=5, logprobs=0
+    )
     new = solo(served.program, ids, 12, temperature=1.7, seed=5)
     got = out.choices[0].logprobs
     check_completion_logprobs(served, got, ids + new, len(ids), 0)
-    assert [list(d) for d in got.top_logprobs] == [[t] for t in got.tokens]  # logprobs=0: the chosen token only
+    assert [list(d) for d in got.top_logprobs] == [
+        [t] for t in got.tokens
+    ]  # logprobs=0: the chosen token only
     want = hf_logprobs(served.target, ids + new)
     tempered = torch.log_softmax(want / 1.7, dim=-1)
-    assert max(abs(v - tempered[len(ids) + i - 1, t].item()) for i, (v, t) in
-               enumerate(zip(got.token_logprobs, new))) > 10 * TOL  # the temperature's values would differ
+    assert (
+        max(
+            abs(v - tempered[len(ids) + i - 1, t].item())
+            for i, (v, t) in enumerate(zip(got.token_logprobs, new))
+        )
+        > 10 * TOL
+    )  # the temperature's values would differ
 
 
 def test_echo_scores_the_prompt_with_max_tokens_0_or_1_as_lm_eval_asks(served):
     ids = served.tokenizer(PROMPT).input_ids
-    out = client(served).completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
-                                            temperature=0)
+    out = client(served).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
     (choice,) = out.choices
     assert choice.text == PROMPT and choice.finish_reason == "length" and out.usage.completion_tokens == 0
     check_completion_logprobs(served, choice.logprobs, ids, 0, 1)
-    one = client(served).completions.create(model="tiny", prompt=PROMPT, max_tokens=1, echo=True, logprobs=1,
-                                            temperature=0).choices[0].logprobs
+    one = (
+        client(served)
+        .completions.create(model="tiny", prompt=PROMPT, max_tokens=1, echo=True, logprobs=1, temperature=0)
+        .choices[0]
+        .logprobs
+    )
     check_completion_logprobs(served, one, ids + solo(served.program, ids, 1), 0, 1)
-    assert len(one.tokens) == len(ids) + 1 and one.token_logprobs[:len(ids)] == choice.logprobs.token_logprobs
-    plain = httpx.post(served.url + "/completions", json={"prompt": ids, "max_tokens": 0, "echo": True}).json()
+    assert (
+        len(one.tokens) == len(ids) + 1 and one.token_logprobs[: len(ids)] == choice.logprobs.token_logprobs
+    )
+    plain = httpx.post(
+        served.url + "/completions", json={"prompt": ids, "max_tokens": 0, "echo": True}
+    ).json()
     assert plain["choices"][0]["text"] == PROMPT and plain["choices"][0]["logprobs"] is None
 
 
 def test_chat_logprobs_with_top_logprobs(served):
     messages = [{"role": "user", "content": "hello"}]
-    out = client(served).chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
-                                                 logprobs=True, top_logprobs=3)
-    ids = list(served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False))
+    out = client(served).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    ids = list(
+        served.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
     new = solo(served.program, ids, 8)
     want = hf_logprobs(served.target, ids + new)
     content = out.choices[0].logprobs.content
@@ -117,7 +140,9 @@ def test_chat_logprobs_with_top_logprobs(served):
         assert all(abs(c.logprob - v) < TOL for c, v in zip(entry.top_logprobs, values.tolist()))
         assert [c.bytes for c in entry.top_logprobs] == [list(c.token.encode()) for c in entry.top_logprobs]
         assert entry.top_logprobs[0].logprob == entry.logprob  # greedy
-    plain = client(served).chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    plain = client(served).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, temperature=0
+    )
     assert plain.choices[0].logprobs is None
 
 
@@ -152,15 +177,27 @@ def test_streamed_completion_chunks_carry_their_tokens_logprobs(served):
 
 
 def test_streamed_chat_chunks_carry_their_tokens_logprobs(served):
-    body = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0,
-                logprobs=True, top_logprobs=2)
+    body = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     whole = client(served).chat.completions.create(**body).choices[0].logprobs.content
     chunks = list(client(served).chat.completions.create(**body, stream=True))
-    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs is not None
-                for e in c.choices[0].logprobs.content]
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs is not None
+        for e in c.choices[0].logprobs.content
+    ]
     assert [e.token for e in streamed] == [e.token for e in whole]
     assert same_values([e.logprob for e in streamed], [e.logprob for e in whole])
-    assert [[t.token for t in e.top_logprobs] for e in streamed] == [[t.token for t in e.top_logprobs] for e in whole]
+    assert [[t.token for t in e.top_logprobs] for e in streamed] == [
+        [t.token for t in e.top_logprobs] for e in whole
+    ]
 
 
 def test_a_stop_string_cuts_the_logprobs_with_the_tokens(served):
@@ -168,13 +205,20 @@ def test_a_stop_string_cuts_the_logprobs_with_the_tokens(served):
     text = served.tokenizer.decode(solo(served.program, ids, 24), skip_special_tokens=True)
     stop = text[5:7]
     for stream in (False, True):
-        out = client(served).completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
-                                                stop=[stop], logprobs=1, stream=stream,
-                                                **({"stream_options": {"include_usage": True}} if stream else {}))
+        out = client(served).completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=24,
+            temperature=0,
+            stop=[stop],
+            logprobs=1,
+            stream=stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+        )
         out = list(out) if stream else out
         tokens = joined(out)["tokens"] if stream else out.choices[0].logprobs.tokens
         usage = (out[-1] if stream else out).usage
-        assert len(tokens) == usage.completion_tokens and "".join(tokens).startswith(text[:text.find(stop)])
+        assert len(tokens) == usage.completion_tokens and "".join(tokens).startswith(text[: text.find(stop)])
 
 
 def test_a_request_run_alone_carries_logprobs_too(served, monkeypatch):
@@ -183,17 +227,28 @@ def test_a_request_run_alone_carries_logprobs_too(served, monkeypatch):
     from saguaro.serve import continuous
 
     alone = []
-    monkeypatch.setattr(continuous, "run_alone", lambda *args, run=continuous.run_alone: alone.append(1) or run(*args))
+    monkeypatch.setattr(
+        continuous, "run_alone", lambda *args, run=continuous.run_alone: alone.append(1) or run(*args)
+    )
     ids = served.tokenizer(PROMPT).input_ids
-    body = dict(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0.8, seed=3, logprobs=1,
-                extra_body={"top_k": 5})
+    body = dict(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0.8,
+        seed=3,
+        logprobs=1,
+        extra_body={"top_k": 5},
+    )
     whole = client(served).completions.create(**body).choices[0].logprobs
     chunks = list(client(served).completions.create(**body, stream=True))
-    new = served.program.generate(torch.tensor([ids]), max_new_tokens=10, temperature=0.8, seed=3,
-                                  controls={"top_k": 5}).sequences[0]
-    check_completion_logprobs(served, whole, new.tolist()[:len(ids) + len(whole.tokens)], len(ids), 1)
-    assert joined(chunks)["tokens"] == whole.tokens and same_values(joined(chunks)["token_logprobs"],
-                                                                    whole.token_logprobs)
+    new = served.program.generate(
+        torch.tensor([ids]), max_new_tokens=10, temperature=0.8, seed=3, controls={"top_k": 5}
+    ).sequences[0]
+    check_completion_logprobs(served, whole, new.tolist()[: len(ids) + len(whole.tokens)], len(ids), 1)
+    assert joined(chunks)["tokens"] == whole.tokens and same_values(
+        joined(chunks)["token_logprobs"], whole.token_logprobs
+    )
     assert len([c for c in chunks if c.choices and c.choices[0].logprobs is not None]) > 1 and alone == [1, 1]
 
 
@@ -228,13 +283,22 @@ BAD = [  # (route, fields, the param named)
 
 
 @pytest.mark.parametrize("route,fields,param", BAD, ids=[str(i) for i in range(len(BAD))])
-def test_bad_logprobs_values_get_a_400_naming_the_field_and_the_server_serves_on(served, route, fields, param):
-    base = {"prompt": PROMPT} if route == "/completions" else {"messages": [{"role": "user", "content": "hi"}]}
-    answer = httpx.post(served.url + route, json=base | {"max_tokens": 3, "temperature": 0} | fields, timeout=120)
+def test_bad_logprobs_values_get_a_400_naming_the_field_and_the_server_serves_on(
+    served, route, fields, param
+):
+    base = (
+        {"prompt": PROMPT} if route == "/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    answer = httpx.post(
+        served.url + route, json=base | {"max_tokens": 3, "temperature": 0} | fields, timeout=120
+    )
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
     assert f"{param}=" in answer.json()["error"]["message"]
-    good = httpx.post(served.url + route, json=base | {"max_tokens": 3, "temperature": 0, "logprobs": True if
-                                                     route != "/completions" else 1}, timeout=120)
+    good = httpx.post(
+        served.url + route,
+        json=base | {"max_tokens": 3, "temperature": 0, "logprobs": True if route != "/completions" else 1},
+        timeout=120,
+    )
     assert good.status_code == 200 and good.json()["choices"][0]["logprobs"] is not None
 
 
@@ -252,10 +316,14 @@ def test_a_failed_scoring_fails_its_request_alone(served, monkeypatch):
 
     monkeypatch.setattr(served.program, "score", broken)
     with pytest.raises(openai.InternalServerError, match="scoring broke"):
-        client(served).completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1)
+        client(served).completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1
+        )
     plain = client(served).completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
     assert plain.choices[0].text and plain.choices[0].logprobs is None
     monkeypatch.undo()
     served.wait_idle()
-    again = client(served).completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1)
+    again = client(served).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1
+    )
     assert all(not math.isnan(v) for v in again.choices[0].logprobs.token_logprobs)

@@ -56,8 +56,11 @@ def test_unknown_routes_and_wrong_methods_answer_openai_json(served):
         wrong = httpx.request(method, served.url + path)
         assert wrong.status_code == 405 and set(wrong.headers["allow"].split(", ")) == allow
         error = wrong.json()["error"]
-        assert set(error) == ERROR_KEYS and error["code"] == 405 and f"{method} is not allowed on /v1{path}" in \
-            error["message"]
+        assert (
+            set(error) == ERROR_KEYS
+            and error["code"] == 405
+            and f"{method} is not allowed on /v1{path}" in error["message"]
+        )
     with pytest.raises(openai.NotFoundError):  # the SDK reads the shape too
         openai.OpenAI(base_url=base + "/v2", api_key="x", max_retries=0).models.list()
 
@@ -70,15 +73,23 @@ def test_an_unhandled_exception_answers_500_json_logs_and_the_server_serves_on(s
     with caplog.at_level(logging.ERROR, logger="saguaro.serve.errors"):
         answer = httpx.post(served.url + "/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=60)
     assert answer.status_code == 500
-    assert answer.json()["error"] == {"message": "internal server error: RuntimeError: injected failure",
-                                      "type": "server_error", "param": None, "code": 500}
+    assert answer.json()["error"] == {
+        "message": "internal server error: RuntimeError: injected failure",
+        "type": "server_error",
+        "param": None,
+        "code": 500,
+    }
     (record,) = [r for r in caplog.records if r.name == "saguaro.serve.errors"]
     assert record.exc_info is not None and "injected failure" in str(record.exc_info[1])
     monkeypatch.undo()
-    again = httpx.post(served.url + "/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0},
-                       timeout=60)
+    again = httpx.post(
+        served.url + "/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0}, timeout=60
+    )
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
-    assert 'saguaro_requests_total{status="500"} 1' in httpx.get(served.url.removesuffix("/v1") + "/metrics").text
+    assert (
+        'saguaro_requests_total{status="500"} 1'
+        in httpx.get(served.url.removesuffix("/v1") + "/metrics").text
+    )
 
 
 def test_health_and_metrics_stay_open_beside_a_key_unless_auth_health():
@@ -89,7 +100,10 @@ def test_health_and_metrics_stay_open_beside_a_key_unless_auth_health():
         try:
             assert [httpx.get(base + p).status_code for p in ("/health", "/metrics")] == [open_status] * 2
             keyed = {"Authorization": "Bearer s3cret"}
-            assert [httpx.get(base + p, headers=keyed).status_code for p in ("/health", "/metrics")] == [200, 200]
+            assert [httpx.get(base + p, headers=keyed).status_code for p in ("/health", "/metrics")] == [
+                200,
+                200,
+            ]
             refused = httpx.get(running.url + "/models")
             assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
             assert httpx.get(running.url + "/models", headers=keyed).status_code == 200
@@ -104,8 +118,11 @@ def test_max_queue_0_takes_requests_while_the_batch_has_room_then_429_with_retry
     answers: dict = {}
 
     def ask(i):
-        answers[i] = httpx.post(running.url + "/completions", json={"prompt": PROMPT + str(i), "max_tokens": 6,
-                                                                     "temperature": 0}, timeout=120)
+        answers[i] = httpx.post(
+            running.url + "/completions",
+            json={"prompt": PROMPT + str(i), "max_tokens": 6, "temperature": 0},
+            timeout=120,
+        )
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
     try:
@@ -115,8 +132,10 @@ def test_max_queue_0_takes_requests_while_the_batch_has_room_then_429_with_retry
         wait_for(lambda: scheduler.running + scheduler.queue_depth == 2, "both requests accepted")
         full = httpx.post(running.url + "/completions", json={"prompt": PROMPT, "max_tokens": 6}, timeout=60)
         assert full.status_code == 429 and full.headers["retry-after"] == "1"
-        assert full.json()["error"]["type"] == "rate_limit_exceeded" and "--max-queue 0" in full.json()["error"][
-            "message"]
+        assert (
+            full.json()["error"]["type"] == "rate_limit_exceeded"
+            and "--max-queue 0" in full.json()["error"]["message"]
+        )
         release.set()
         for t in threads:
             t.join(timeout=120)
@@ -130,20 +149,28 @@ def test_max_queue_0_takes_requests_while_the_batch_has_room_then_429_with_retry
 
 
 def test_a_request_past_its_timeout_answers_408_and_frees_its_row(served, monkeypatch):
-    release = held_rounds(monkeypatch)  # the rounds wait: the request runs past its timeout after its first token
+    release = held_rounds(
+        monkeypatch
+    )  # the rounds wait: the request runs past its timeout after its first token
     metrics = served.service.metrics
     left = metrics.rows_left.get("timeout", 0)
     body = {"prompt": PROMPT, "max_tokens": 150, "temperature": 0, "timeout": 0.5}
     try:
         answer = httpx.post(served.url + "/completions", json=body, timeout=60)
         assert answer.status_code == 408
-        assert answer.json()["error"] == {"message": "the request ran past its timeout of 0.5 s and was cancelled",
-                                          "type": "timeout", "param": "timeout", "code": 408}
+        assert answer.json()["error"] == {
+            "message": "the request ran past its timeout of 0.5 s and was cancelled",
+            "type": "timeout",
+            "param": "timeout",
+            "code": 408,
+        }
         release.set()
         served.wait_idle()
         assert metrics.rows_left.get("timeout", 0) == left + 1  # its row left before its 150 tokens
         release.clear()
-        with httpx.stream("POST", served.url + "/completions", json=body | {"stream": True}, timeout=60) as raw:
+        with httpx.stream(
+            "POST", served.url + "/completions", json=body | {"stream": True}, timeout=60
+        ) as raw:
             lines = [line for line in raw.iter_lines() if line]
         assert raw.status_code == 200 and lines[-1] == "data: [DONE]"
         assert httpx.Response(200, content=lines[-2][6:]).json()["error"]["code"] == 408
@@ -158,13 +185,21 @@ def test_a_request_past_its_timeout_answers_408_and_frees_its_row(served, monkey
 def test_usage_carries_the_requests_own_speculation_figures(served):
     ids = served.tokenizer(PROMPT).input_ids
     alone = served.program.generate(torch.tensor([ids]), max_new_tokens=40, temperature=0).stats
-    figures = {"mode": "sd", "ran_as": "sd", "rounds": alone["rounds"], "mean_accepted_length": alone[
-        "mean_accepted_len"]}
+    figures = {
+        "mode": "sd",
+        "ran_as": "sd",
+        "rounds": alone["rounds"],
+        "mean_accepted_length": alone["mean_accepted_len"],
+    }
     body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0}
     whole = httpx.post(served.url + "/completions", json=body, timeout=120).json()
     assert whole["usage"]["saguaro"] == figures and alone["rounds"] > 1
-    with httpx.stream("POST", served.url + "/completions", timeout=120,
-                      json=body | {"stream": True, "stream_options": {"include_usage": True}}) as raw:
+    with httpx.stream(
+        "POST",
+        served.url + "/completions",
+        timeout=120,
+        json=body | {"stream": True, "stream_options": {"include_usage": True}},
+    ) as raw:
         lines = [line for line in raw.iter_lines() if line.startswith("data: {")]
     assert httpx.Response(200, content=lines[-1][6:]).json()["usage"]["saguaro"] == figures
     two = httpx.post(served.url + "/completions", json=body | {"n": 2}, timeout=120).json()["usage"]

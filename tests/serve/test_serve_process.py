@@ -34,9 +34,29 @@ def saved_pair(tmp_path_factory):
 def serve_process(target_dir, draft_dir, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     code = "import sys; from saguaro.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.Popen([sys.executable, "-c", code, "serve", "--target", target_dir, "--draft", draft_dir,
-                             "--backend", "eager", "--mode", "sd", "--port", "0", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "serve",
+            "--target",
+            target_dir,
+            "--draft",
+            draft_dir,
+            "--backend",
+            "eager",
+            "--mode",
+            "sd",
+            "--port",
+            "0",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 @pytest.mark.heavy

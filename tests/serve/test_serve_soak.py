@@ -9,13 +9,28 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "serve"))
-import serve_soak  # noqa: E402
+import serve_soak
 
 
 @pytest.mark.heavy
 def test_short_soak_with_faults_has_no_mismatch_no_loss_and_no_leak(tmp_path):
-    args = serve_soak.parser().parse_args(["--tiny", "--minutes", "0.35", "--fault-every", "2.5", "--sample-every",
-                                           "5", "--clients", "3", "--threads", "1", "--max-queue", "8"])
+    args = serve_soak.parser().parse_args(
+        [
+            "--tiny",
+            "--minutes",
+            "0.35",
+            "--fault-every",
+            "2.5",
+            "--sample-every",
+            "5",
+            "--clients",
+            "3",
+            "--threads",
+            "1",
+            "--max-queue",
+            "8",
+        ]
+    )
     report = serve_soak.run_soak(args)
     assert report["mismatches"] == 0, report["mismatch_examples"]
     assert report["lost"] == 0, report["lost_examples"]
@@ -32,10 +47,30 @@ def test_short_soak_with_faults_has_no_mismatch_no_loss_and_no_leak(tmp_path):
 
 
 def test_scripts_have_help(capsys):
+    import serve_guidellm
     import serve_load
 
-    for script in (serve_soak, serve_load):
+    for script in (serve_soak, serve_load, serve_guidellm):
         with pytest.raises(SystemExit) as done:
             script.parser().parse_args(["--help"])
         assert done.value.code == 0
         assert "--json" in capsys.readouterr().out
+
+
+def test_the_load_scripts_sampled_and_schema_fields_go_on_every_request(tmp_path):
+    import serve_load
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    args = serve_load.parser().parse_args(
+        ["--temperature", "0.7", "--top-p", "0.9", "--json-schema", str(schema)]
+    )
+    assert serve_load.fixed_fields(args) == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "load", "schema": {"type": "object"}},
+        },
+    }
+    assert serve_load.fixed_fields(serve_load.parser().parse_args([])) == {}  # the greedy and seeded mix

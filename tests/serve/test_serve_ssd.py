@@ -42,27 +42,38 @@ def test_eight_concurrent_greedy_requests_in_mode_ssd_each_equal_their_solo_outp
     budgets = [8 + 5 * i for i in range(8)]
     metrics = served.service.metrics
     batches, lookups = metrics.batches, metrics.cache_lookups
-    answers = ask_all(served, [{"prompt": p, "max_tokens": b, "temperature": 0} for p, b in zip(prompts, budgets)])
+    answers = ask_all(
+        served, [{"prompt": p, "max_tokens": b, "temperature": 0} for p, b in zip(prompts, budgets)]
+    )
     assert metrics.batches - batches < 8  # rows shared a batch ...
     assert metrics.cache_lookups > lookups  # ... whose rounds were SSD's (lookups in the speculation cache)
     for i in range(8):
         tokens = solo(served.program, served.tokenizer(prompts[i]).input_ids, budgets[i])
-        assert answers[i]["choices"][0]["text"] == served.tokenizer.decode(tokens, skip_special_tokens=True), i
+        assert answers[i]["choices"][0]["text"] == served.tokenizer.decode(
+            tokens, skip_special_tokens=True
+        ), i
         assert answers[i]["usage"]["completion_tokens"] == len(tokens), i
 
 
 def test_usage_carries_the_ssd_figures_of_the_request_alone(served):
     metrics = served.service.metrics
     before = (metrics.accepted_sum, metrics.accepted_rounds, metrics.cache_hits, metrics.cache_lookups)
-    out = httpx.post(served.url + "/completions", json={"prompt": PROMPT, "max_tokens": 30, "temperature": 0},
-                     timeout=300).json()
+    out = httpx.post(
+        served.url + "/completions", json={"prompt": PROMPT, "max_tokens": 30, "temperature": 0}, timeout=300
+    ).json()
     figures = out["usage"]["saguaro"]
-    accepted_sum, rounds, hits, lookups = (after - b for after, b in zip(
-        (metrics.accepted_sum, metrics.accepted_rounds, metrics.cache_hits, metrics.cache_lookups), before))
+    accepted_sum, rounds, hits, lookups = (
+        after - b
+        for after, b in zip(
+            (metrics.accepted_sum, metrics.accepted_rounds, metrics.cache_hits, metrics.cache_lookups), before
+        )
+    )
     # alone in its batch, the request's rounds are the batch's: the server's counters of them say the same
     assert (figures["mode"], figures["ran_as"], figures["rounds"]) == ("ssd", "ssd", rounds) and rounds > 1
     decided = round(figures["mean_accepted_length"] * rounds)  # tokens its rounds decided: an integer
-    assert abs(figures["mean_accepted_length"] * rounds - decided) < 1e-9 and abs(accepted_sum - decided) < 1e-6
+    assert (
+        abs(figures["mean_accepted_length"] * rounds - decided) < 1e-9 and abs(accepted_sum - decided) < 1e-6
+    )
     assert lookups > 0 and figures["cache_hit_rate"] == hits / lookups
 
 
@@ -73,8 +84,12 @@ def test_a_seeded_sampled_request_among_greedy_ones_runs_alone_with_its_solo_tok
     answers = ask_all(served, bodies)
     for i, body in enumerate(bodies[:4]):
         sampling = {"temperature": body["temperature"], "seed": body.get("seed")}
-        tokens = solo(served.program, served.tokenizer(body["prompt"]).input_ids, body["max_tokens"], **sampling)
-        assert answers[i]["choices"][0]["text"] == served.tokenizer.decode(tokens, skip_special_tokens=True), i
+        tokens = solo(
+            served.program, served.tokenizer(body["prompt"]).input_ids, body["max_tokens"], **sampling
+        )
+        assert answers[i]["choices"][0]["text"] == served.tokenizer.decode(
+            tokens, skip_special_tokens=True
+        ), i
     assert 1 <= answers[4]["usage"]["completion_tokens"] <= 6
 
 
@@ -90,7 +105,9 @@ def test_a_seeded_request_runs_alone_between_the_rounds_of_a_batch_that_runs_sd(
     from tests.models import prompts
 
     _, _, program = tiny_program("llama", mode="ssd", lane="thread", sd_when_faster=False)
-    monkeypatch.setattr(batching_ssd, "plan_call", lambda *args: GenerationPlan("ssd", "sd", "SD, for the test"))
+    monkeypatch.setattr(
+        batching_ssd, "plan_call", lambda *args: GenerationPlan("ssd", "sd", "SD, for the test")
+    )
     seeded_sent, events = threading.Event(), []
     real_step = BatchSession.step
 
@@ -100,8 +117,9 @@ def test_a_seeded_request_runs_alone_between_the_rounds_of_a_batch_that_runs_sd(
 
     monkeypatch.setattr(BatchSession, "step", step)
     ids, _ = prompts(4, 8, seed=15)
-    samplings = [Sampling(ids[i].tolist(), 30) for i in range(3)] + [Sampling(ids[3].tolist(), 8, temperature=0.7,
-                                                                              seed=5)]
+    samplings = [Sampling(ids[i].tolist(), 30) for i in range(3)] + [
+        Sampling(ids[3].tolist(), 8, temperature=0.7, seed=5)
+    ]
     scheduler = Scheduler(program, Metrics(), max_batch=8, max_queue=16)
     jobs = [Job(s, lambda event, i=i: events.append((i, event[0]))) for i, s in enumerate(samplings)]
     try:

@@ -38,18 +38,26 @@ def test_warm_up_runs_each_kind_of_batch_the_server_makes(monkeypatch, mode):
     assert warm.warm_up(program, tiny_tokenizer(), max_batch=8) >= 0
     for temperature in (0.0, warm.SAMPLED_TEMPERATURE):
         sizes = {rows for t, rows, _ in rounds if t == temperature}
-        assert {1, 2} <= sizes, (temperature, sizes)  # batch 1 static, then the batch size Inductor makes dynamic
+        assert {1, 2} <= sizes, (
+            temperature,
+            sizes,
+        )  # batch 1 static, then the batch size Inductor makes dynamic
     seeded_sd = {rows for t, rows, run in rounds if t > 0 and run == "sd"}  # ssd: seeded requests planned SD
     assert seeded_sd >= ({1, 2} if mode in ("sd", "ssd") else set())
     assert {run for _, _, run in rounds} == ({mode, "sd"} if mode == "ssd" else {mode})
-    assert streams == ([(warm.SAMPLED_TEMPERATURE, 0)] if mode == "ssd" else [])  # ssd: a seeded request alone
+    assert streams == (
+        [(warm.SAMPLED_TEMPERATURE, 0)] if mode == "ssd" else []
+    )  # ssd: a seeded request alone
 
 
 def test_warm_up_of_a_one_row_server_runs_one_row_batches(monkeypatch):
     _, _, program = tiny_program("llama", mode="sd")
     rounds, _ = record_runs(monkeypatch, program)
     warm.warm_up(program, None, max_batch=1)  # no tokenizer: ids counted from 1
-    assert {rows for _, rows, _ in rounds} == {1} and {t for t, _, _ in rounds} == {0.0, warm.SAMPLED_TEMPERATURE}
+    assert {rows for _, rows, _ in rounds} == {1} and {t for t, _, _ in rounds} == {
+        0.0,
+        warm.SAMPLED_TEMPERATURE,
+    }
 
 
 def test_eager_has_nothing_to_warm_up_and_the_flag_turns_it_off():
@@ -71,7 +79,11 @@ def test_warm_up_prompts_come_from_the_tokenizer_or_count_from_one():
 def test_a_warm_up_batch_runs_its_round_of_two_rows_when_a_row_ends_early():
     class Session:  # BatchSession's part _batch uses: join, step, size
         def __init__(self, lives):
-            self.lives, self.rows, self.sizes = list(lives), [], []  # rounds each joined row lives (0: ends at join)
+            self.lives, self.rows, self.sizes = (
+                list(lives),
+                [],
+                [],
+            )  # rounds each joined row lives (0: ends at join)
 
         @property
         def size(self):

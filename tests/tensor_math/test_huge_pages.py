@@ -11,7 +11,9 @@ import torch
 from saguaro.tensor_math import huge_pages as hp
 from saguaro.tensor_math import packed_linear as pl
 
-needs_thp = pytest.mark.skipif(not hp.available(), reason="no transparent huge pages here (mode never or not Linux)")
+needs_thp = pytest.mark.skipif(
+    not hp.available(), reason="no transparent huge pages here (mode never or not Linux)"
+)
 
 
 def test_mode_reads_the_bracketed_word(tmp_path, monkeypatch):

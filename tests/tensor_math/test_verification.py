@@ -59,6 +59,7 @@ def test_chi_square_detects_a_wrong_distribution():
     """The statistic used throughout can fail: counts drawn from q do not pass as p."""
     p = torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1])
     q = torch.tensor([0.3, 0.1, 0.1, 0.2, 0.3])
-    counts = torch.bincount(torch.multinomial(q, 20000, replacement=True, generator=torch.Generator().manual_seed(1)),
-                            minlength=5)
+    counts = torch.bincount(
+        torch.multinomial(q, 20000, replacement=True, generator=torch.Generator().manual_seed(1)), minlength=5
+    )
     assert chi_square_pvalue(counts, p) < 1e-6

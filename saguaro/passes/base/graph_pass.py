@@ -1,21 +1,17 @@
-"""Passes with contracts, in the spirit of ``torch.fx.passes.infra``'s ``PassBase`` and
-``PassManager``, with named facts about a graph in place of check functions.
+"""Passes with contracts, as ``torch.fx.passes.infra``'s ``PassBase`` / ``PassManager``, over named facts.
 
-A :class:`GraphPass` declares the facts it ``requires`` of its input graph, the facts it
-``guarantees`` of its output and the facts it ``invalidates``. A graph carries a
-:class:`PassRecord` (the facts established so far and the passes that ran) in
-``gm.meta[RECORD_KEY]``; a graph without one is taken to be what :func:`saguaro.capture.capture`
-returns (:data:`CAPTURED`). A pass checks its requirements against the record before it touches the
-graph, and :class:`PassManager` checks a whole sequence before running its first pass, so a pass run
-out of order fails at once with a :class:`PassError` naming the pass and the missing facts.
-"""
+A :class:`GraphPass` declares the :data:`FACTS` it ``requires``, ``guarantees`` and ``invalidates``; a graph
+carries its :class:`PassRecord` in ``gm.meta[RECORD_KEY]`` (none: :data:`CAPTURED`). A missing fact is a
+``PassError`` naming pass and fact, raised before the graph is touched (by :class:`PassManager`, before the
+first pass)."""
 
 from __future__ import annotations
 
 import abc
 import copy
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterable
+from typing import ClassVar
 
 import torch
 from torch.fx._lazy_graph_module import _LazyGraphModule
@@ -59,18 +55,20 @@ RECORD_KEY = "saguaro_pass_record"
 
 @dataclass(frozen=True)
 class PassRecord:
-    """What the passes that ran on a graph established: ``facts``, the pass names in order, and which
-    pass invalidated each fact no longer held (``(fact, pass name)`` pairs)."""
+    """The facts established, the passes run in order, and ``(fact, pass)`` for each fact invalidated."""
 
     facts: frozenset
     ran: tuple = ()
     invalidated: tuple = ()
 
-    def after(self, graph_pass: "GraphPass") -> "PassRecord":
+    def after(self, graph_pass: GraphPass) -> PassRecord:
         dropped = tuple((f, graph_pass.name) for f in sorted(graph_pass.invalidates & self.facts))
         kept = tuple((f, by) for f, by in self.invalidated if f not in graph_pass.guarantees)
-        return PassRecord((self.facts - graph_pass.invalidates) | graph_pass.guarantees,
-                          self.ran + (graph_pass.name,), kept + dropped)
+        return PassRecord(
+            (self.facts - graph_pass.invalidates) | graph_pass.guarantees,
+            self.ran + (graph_pass.name,),
+            kept + dropped,
+        )
 
 
 CAPTURED = PassRecord(frozenset({GENERIC_MASK, LOGITS_OUTPUT}))  # what saguaro.capture's graph holds
@@ -82,12 +80,8 @@ def record_of(gm: torch.fx.GraphModule) -> PassRecord:
 
 
 def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A GraphModule that shares ``gm``'s parameters, owns a copy of its graph and carries its record.
-
-    It generates its Python code when first called or read (torch.fx's ``_LazyGraphModule``, which
-    dynamo's own graphs use), not on every ``recompile()`` of the passes that rewrite it: the code of a
-    stage graph was generated and ``exec``-ed once per pass, half of a stage build's time. Call
-    :func:`settle_code` before handing it to ``torch.compile``."""
+    """A lazy GraphModule sharing ``gm``'s parameters, with a copy of its graph and its record; its code is
+    generated once, when read (:func:`settle_code` before ``torch.compile``), not on every ``recompile()``."""
     new = _LazyGraphModule(gm, copy.deepcopy(gm.graph))
     new.meta[RECORD_KEY] = record_of(gm)
     return new
@@ -101,9 +95,9 @@ def settle_code(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 class GraphPass(abc.ABC):
-    """A pass: ``run(gm) -> gm`` rewrites the graph; calling the pass checks ``requires`` against the
-    graph's record first and records the pass after. A pass that requires nothing says why in
-    ``requires_nothing_because``; every pass guarantees at least one fact."""
+    """A pass: ``run(gm) -> gm`` rewrites; calling it checks ``requires`` against the record, then records it.
+    A subclass without ``name``, a guarantee and ``requires`` (or ``requires_nothing_because``), or naming
+    an unknown fact, is a ``TypeError``."""
 
     name: ClassVar[str]
     requires: ClassVar[frozenset]
@@ -113,13 +107,21 @@ class GraphPass(abc.ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        declared = (getattr(cls, "name", None), getattr(cls, "requires", None), getattr(cls, "guarantees", None))
+        declared = (
+            getattr(cls, "name", None),
+            getattr(cls, "requires", None),
+            getattr(cls, "guarantees", None),
+        )
         if None in declared or not cls.guarantees or not (cls.requires or cls.requires_nothing_because):
-            raise TypeError(f"pass class {cls.__name__}: declare name, guarantees (at least one fact) and requires "
-                            "(or requires_nothing_because)")
+            raise TypeError(
+                f"pass class {cls.__name__}: declare name, guarantees (at least one fact) and requires "
+                "(or requires_nothing_because)"
+            )
         unknown = (cls.requires | cls.guarantees | cls.invalidates) - set(FACTS)
         if unknown:
-            raise TypeError(f"pass {cls.name}: unknown facts {sorted(unknown)}; the facts are {', '.join(FACTS)}")
+            raise TypeError(
+                f"pass {cls.name}: unknown facts {sorted(unknown)}; the facts are {', '.join(FACTS)}"
+            )
 
     @abc.abstractmethod
     def run(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -131,10 +133,16 @@ class GraphPass(abc.ABC):
         if not missing:
             return
         by = dict(record.invalidated)
-        reasons = [f"{fact}, which {by[fact]} invalidated" if fact in by else
-                   f"{fact}, which no earlier pass guarantees" for fact in missing]
-        raise PassError(f"{self.name} requires {'; and '.join(reasons)} (passes before it: "
-                        f"{', '.join(record.ran) or 'none'})")
+        reasons = [
+            f"{fact}, which {by[fact]} invalidated"
+            if fact in by
+            else f"{fact}, which no earlier pass guarantees"
+            for fact in missing
+        ]
+        raise PassError(
+            f"{self.name} requires {'; and '.join(reasons)} (passes before it: "
+            f"{', '.join(record.ran) or 'none'})"
+        )
 
     def __call__(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         record = record_of(gm)
@@ -148,22 +156,21 @@ class GraphPass(abc.ABC):
 
 
 class PassManager:
-    """Runs passes in order. Before the first pass touches the graph, the whole sequence is checked
-    against the graph's record, so a misordered pipeline fails before any work."""
+    """Runs passes in order, the whole sequence checked against the graph's record first."""
 
     def __init__(self, passes: Iterable[GraphPass]):
         self.passes = tuple(passes)
 
     def check(self, record: PassRecord) -> PassRecord:
-        """Check every pass in turn against the facts the earlier ones establish; returns the record
-        the sequence leaves."""
+        """Check each pass against the facts the earlier ones leave; returns the final record."""
         for graph_pass in self.passes:
             graph_pass.check(record)
             record = record.after(graph_pass)
         return record
 
-    def run(self, gm: torch.fx.GraphModule,
-            observe: Callable[[str, torch.fx.GraphModule], None] | None = None) -> torch.fx.GraphModule:
+    def run(
+        self, gm: torch.fx.GraphModule, observe: Callable[[str, torch.fx.GraphModule], None] | None = None
+    ) -> torch.fx.GraphModule:
         """Apply the passes; ``observe(pass name, gm)``, when given, sees the graph after each."""
         self.check(record_of(gm))
         for graph_pass in self.passes:

@@ -1,5 +1,4 @@
-"""Helpers the passes share: trace a plain tensor function with ``torch.fx`` and inline it, append
-inputs, replace outputs, read a ``get_attr`` target; and :class:`PassError`."""
+"""Helpers the passes share (inline a traced function, add inputs, replace outputs), :class:`PassError`."""
 
 from __future__ import annotations
 
@@ -13,30 +12,25 @@ from saguaro.core.errors import SaguaroError
 
 
 class PassError(SaguaroError):
-    """A pass found a graph it cannot rewrite (the message names the pass and the FX node), or was run
-    on a graph that lacks a fact it requires (the message names the pass and the fact)."""
+    """A pass cannot rewrite a graph (names the pass and FX node) or lacks a required fact (names both)."""
 
 
 def get_attribute(gm: torch.nn.Module, path: str):
-    """The attribute at dotted ``path`` of ``gm`` (a ``get_attr`` node's target: a parameter, buffer or constant)."""
+    """The attribute at dotted ``path`` of ``gm`` (a ``get_attr`` target)."""
     for part in path.split("."):
         gm = getattr(gm, part)
     return gm
 
 
 def replace_node(graph: torch.fx.Graph, node: torch.fx.Node, out: torch.fx.Node) -> None:
-    """Make ``out`` stand for ``node`` (its value metadata and stack trace carried over, so later passes read the
-    same shapes) and erase ``node``."""
+    """Make ``out`` stand for ``node`` (its ``val``, ``tensor_meta``, stack trace), then erase ``node``."""
     out.meta.update({key: v for key, v in node.meta.items() if key in ("val", "tensor_meta", "stack_trace")})
     node.replace_all_uses_with(out)
     graph.erase_node(node)
 
 
 def drop_unread_attributes(gm: torch.fx.GraphModule, targets) -> int:
-    """Delete from ``gm`` each attribute of ``targets`` (``get_attr`` targets) that no node of its graph reads
-    any more (a weight a pass replaced by another form): the stage module then holds no reference to it. The
-    module's submodules along a dotted path are its own (a GraphModule copies the path from its root), so the
-    root model keeps its attributes. Returns the bytes of the tensors dropped."""
+    """Delete each of ``targets`` no node of ``gm`` reads (the model keeps its own); returns the bytes."""
     read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     dropped = 0
     for target in set(targets) - read:
@@ -66,17 +60,14 @@ def add_inputs(gm: torch.fx.GraphModule, names: list[str]) -> list[torch.fx.Node
 
 
 def inline_function(gm: torch.fx.GraphModule, fn, args: list, before: torch.fx.Node, **constants):
-    """Trace ``fn(*args, **constants)`` and copy its nodes into ``gm`` before ``before``.
-
-    ``args`` are graph nodes bound to ``fn``'s leading parameters; ``constants`` are baked in.
-    Returns the node (or tuple of nodes) ``fn`` returns.
-    """
+    """Trace ``fn(*args, **constants)`` into ``gm`` before ``before``; ``args`` (graph nodes) bind its leading
+    parameters. Returns the node (or tuple of nodes) ``fn`` returns."""
     bound = functools.partial(fn, **constants) if constants else fn
     params = list(inspect.signature(fn).parameters)[: len(args)]
 
     # the tracer makes one placeholder per named parameter, so the entry point needs real names
     namespace = {"bound": bound}
-    exec(f"def entry({', '.join(params)}):\n    return bound({', '.join(params)})\n", namespace)  # noqa: S102
+    exec(f"def entry({', '.join(params)}):\n    return bound({', '.join(params)})\n", namespace)
     sub = torch.fx.symbolic_trace(namespace["entry"])
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     val_map = dict(zip(placeholders, args))
@@ -100,15 +91,23 @@ def replace_outputs(gm: torch.fx.GraphModule, values) -> torch.fx.GraphModule:
 
 
 def keeps_mutations(node: torch.fx.Node) -> bool:
-    """The KV writes of the attention op are side effects: never dead; nor an epilogue's in-place method on
-    a graph input (AR's round writes the sequence buffers and the slot table: ``scatter_``, ``add_``)."""
+    """Whether dead-code elimination must keep ``node``: a placeholder, a mutating op (the KV writes) or an
+    in-place method on a graph input (AR's round writes the sequence buffers)."""
     if node.op == "placeholder":
         return True
-    if (node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__")
-            and node.args and getattr(node.args[0], "op", None) == "placeholder"):
+    if (
+        node.op == "call_method"
+        and node.target.endswith("_")
+        and not node.target.startswith("__")
+        and node.args
+        and getattr(node.args[0], "op", None) == "placeholder"
+    ):
         return True
-    return node.is_impure() or (node.op == "call_function" and getattr(node.target, "_schema", None) is not None
-                                and node.target._schema.is_mutable)
+    return node.is_impure() or (
+        node.op == "call_function"
+        and getattr(node.target, "_schema", None) is not None
+        and node.target._schema.is_mutable
+    )
 
 
 def logits_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
@@ -117,6 +116,8 @@ def logits_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
     values = out.args[0]
     values = values if isinstance(values, (tuple, list)) else (values,)
     if len(values) != 1 or not isinstance(values[0], torch.fx.Node):
-        raise PassError(f"FX node {out.name!r}: expected the graph to return only the logits, found {len(values)} "
-                        "outputs (was an epilogue already spliced?)")
+        raise PassError(
+            f"FX node {out.name!r}: expected the graph to return only the logits, found {len(values)} "
+            "outputs (was an epilogue already spliced?)"
+        )
     return values[0]

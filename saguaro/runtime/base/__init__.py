@@ -1,3 +1,2 @@
-"""What every runtime folder builds on: a model's stage runner, KV store, sequences, decode state,
-counters and stats, input checks, the trace recorder and reader, the tensor wire (``wire.Channel``).
-May import core, capture (the model spec) and tensor_math; nothing else of the runtime."""
+"""What every runtime folder builds on: stage runner, KV store, sequences, decode state, counters and stats,
+input checks, trace recorder and reader, tensor wire. May import core, capture and tensor_math only."""

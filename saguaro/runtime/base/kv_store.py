@@ -1,15 +1,6 @@
-"""The KV store Saguaro owns: preallocated per-layer caches plus slot metadata.
-
-Slot ``i`` of row ``b`` holds token ``i`` of that row's token buffer (left padding included), so a
-token's slot equals its index; tree scratch slots follow the glue. ``slot_pos`` is -1 for empty,
-padding and rolled-back slots; ``slot_branch`` is 0 for shared slots, ``β`` for tree branch ``β``.
-
-A store made with a :class:`KVPool` keeps its tensors at fixed addresses across generations: when it
-is garbage collected its tensors go back to the pool, and the next store of the same shape takes
-them, reset to a fresh store's contents (zero caches, every slot empty). A CUDA graph captured over
-the caches (``saguaro.lower.cuda_graphs``: they are in-place graph inputs, so their addresses are
-part of the graph) then replays in every later generation of that shape instead of capturing again.
-"""
+"""The KV store Saguaro owns: per-layer caches and slot metadata. Slot ``i`` of row ``b`` holds token ``i``
+of its token buffer (left padding included), tree scratch after the glue. ``slot_pos`` is -1 for empty,
+padding and rolled-back slots; ``slot_branch`` 0 for shared slots, ``β`` for branch ``β``."""
 
 from __future__ import annotations
 
@@ -21,7 +12,7 @@ import torch
 
 from saguaro.capture.export import ModelSpec
 
-MAX_FREE = 4  # free tensor sets a pool keeps (the least recently freed go first): stores of other shapes
+MAX_FREE = 4  # free tensor sets a pool keeps, of any shapes; the least recently freed go first
 
 
 class _Tensors:
@@ -37,7 +28,7 @@ class _Tensors:
         self.slot_index = torch.arange(capacity, device=dev)  # [S]
 
     def reset(self) -> None:
-        """Back to a fresh store's contents (stale cache values are masked, but zeros keep it exact)."""
+        """Back to a fresh store's contents: zero caches, every slot empty."""
         for cache in (*self.k_caches, *self.v_caches):
             cache.zero_()
         self.slot_pos.fill_(-1)
@@ -45,17 +36,16 @@ class _Tensors:
 
 
 def stream_key(device: torch.device):
-    """The current CUDA stream of ``device`` (None off CUDA). Like the caching allocator, a pool hands
-    tensors back only on the stream that freed them, so the reset is ordered after their last use."""
+    """The current CUDA stream of ``device`` (None off CUDA): a pool hands tensors back on the freeing
+    stream only."""
     if device.type != "cuda":
         return None
     return torch.cuda.current_stream(device).cuda_stream
 
 
 class KVPool:
-    """Free store tensors by shape (device, dtype, geometry, batch, capacity, stream, inference mode),
-    handed to the next :class:`KVStore` of that shape: the same addresses, generation after generation.
-    Thread-safe (two lanes make stores at once); it keeps at most ``max_free`` free sets."""
+    """Free store tensors by shape (device, dtype, geometry, batch, capacity, stream, inference mode), handed
+    to the next :class:`KVStore` of that shape at the same addresses (CUDA graphs). Thread-safe, bounded."""
 
     def __init__(self, max_free: int = MAX_FREE):
         if isinstance(max_free, bool) or not isinstance(max_free, int) or max_free < 0:
@@ -63,15 +53,24 @@ class KVPool:
         self.max_free = max_free
         self._free: OrderedDict = OrderedDict()  # (key, serial) -> _Tensors, least recently freed first
         self._serial = 0
-        self._lock = threading.RLock()  # re-entrant: a garbage collection inside take() may give
+        self._lock = threading.RLock()  # re-entrant: a store collected inside take() gives back
         self.reused = 0  # stores that took pooled tensors (tests, logs)
 
     @staticmethod
     def key(spec: ModelSpec, batch: int, capacity: int) -> tuple:
         # inference tensors can be written in place only under inference mode, normal ones anywhere:
         # a store takes tensors made in the same mode
-        return (str(spec.device), spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, batch, capacity,
-                stream_key(spec.device), torch.is_inference_mode_enabled())
+        return (
+            str(spec.device),
+            spec.dtype,
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            batch,
+            capacity,
+            stream_key(spec.device),
+            torch.is_inference_mode_enabled(),
+        )
 
     def take(self, key: tuple) -> _Tensors | None:
         with self._lock:
@@ -94,8 +93,7 @@ class KVPool:
 
 
 class KVStore:
-    """Per-layer caches ``[B, Hkv, S, D]`` and the mask description of their slots. With ``pool``, its
-    tensors come from (and, once the store is garbage collected, go back to) the pool."""
+    """Per-layer caches ``[B, Hkv, S, D]`` and their slots' mask description; pooled with ``pool``."""
 
     def __init__(self, spec: ModelSpec, batch: int, capacity: int, pool: KVPool | None = None):
         tensors = None
@@ -117,16 +115,16 @@ class KVStore:
             weakref.finalize(self, pool.give, key, tensors).atexit = False
 
     def tensors(self) -> tuple:
-        """Its tensors, flat: ``slot_pos, slot_branch, slot numbers, *k_caches, *v_caches`` (:meth:`over`'s)."""
+        """Flat: ``slot_pos, slot_branch, slot numbers, *k_caches, *v_caches`` (what :meth:`over` takes)."""
         return (self.slot_pos, self.slot_branch, self._slot_index, *self.k_caches, *self.v_caches)
 
     @classmethod
-    def over(cls, *tensors: torch.Tensor) -> "KVStore":
-        """A store over :meth:`tensors`' flat tensors (SD's graphed round: the same tensors, every call)."""
+    def over(cls, *tensors: torch.Tensor) -> KVStore:
+        """A store over :meth:`tensors`' flat tensors (SD's graphed round), never pooled."""
         store = cls.__new__(cls)
         store.slot_pos, store.slot_branch, store._slot_index = tensors[:3]
         layers = (len(tensors) - 3) // 2
-        store.k_caches, store.v_caches = list(tensors[3:3 + layers]), list(tensors[3 + layers:])
+        store.k_caches, store.v_caches = list(tensors[3 : 3 + layers]), list(tensors[3 + layers :])
         store.capacity = store.slot_pos.shape[1]
         return store
 
@@ -141,7 +139,7 @@ class KVStore:
         self.slot_pos.masked_fill_(beyond, -1)
         self.slot_branch.masked_fill_(beyond, 0)
 
-    def select_rows(self, rows: torch.Tensor) -> "KVStore":
+    def select_rows(self, rows: torch.Tensor) -> KVStore:
         """A copy of the store restricted to ``rows [M]`` (caches and slot metadata; never pooled)."""
         sub = KVStore.__new__(KVStore)
         sub.k_caches = [c.index_select(0, rows) for c in self.k_caches]
@@ -152,10 +150,9 @@ class KVStore:
         sub._slot_index = self._slot_index
         return sub
 
-    def put_row(self, index: int, other: "KVStore") -> None:
-        """Row ``index`` becomes ``other``'s only row, in place (the other rows and the tensors' addresses stay);
-        its slots past ``other``'s capacity are emptied as in a fresh store, and ``other``'s slots past this
-        store's capacity must be empty."""
+    def put_row(self, index: int, other: KVStore) -> None:
+        """Row ``index`` becomes ``other``'s only row in place (other rows and addresses stay); slots past
+        ``other``'s capacity are emptied, and ``other``'s past this capacity must be empty."""
         S = min(other.capacity, self.capacity)
         for mine, theirs in zip((*self.k_caches, *self.v_caches), (*other.k_caches, *other.v_caches)):
             mine[index, :, :S].copy_(theirs[0, :, :S])  # [Hkv, S, D]
@@ -165,23 +162,27 @@ class KVStore:
         self.slot_branch[index, :S].copy_(other.slot_branch[0, :S])
         self.slot_branch[index, S:].zero_()
 
-    def take_rows(self, parts: list) -> "KVStore":
-        """Fill this store's rows with the rows of ``parts``, one part after another: ``(store, rows)``, ``rows``
-        a ``[M]`` index of that store's rows or None for all of them. A part's slots past this store's
-        capacity must be empty; this store's slots past a part's capacity stay as they are (empty, in a fresh
-        store). Continuous batching (``runtime.batching``) splices a request's prefilled row into the running
-        batch so, in a pooled store (``KVPool``: its addresses, and its CUDA graphs, come back with its shape)."""
+    def take_rows(self, parts: list) -> KVStore:
+        """Fill this store's rows with ``parts`` (``(store, [M] rows or None)``) in order and return it; a
+        part's slots past this capacity must be empty, ``ValueError`` unless every row is filled."""
         start = 0
         for store, rows in parts:
-            S, M = min(store.capacity, self.capacity), store.slot_pos.shape[0] if rows is None else rows.numel()
-            for mine, theirs in zip((*self.k_caches, *self.v_caches, self.slot_pos, self.slot_branch),
-                                    (*store.k_caches, *store.v_caches, store.slot_pos, store.slot_branch)):
-                theirs = theirs[..., :S, :] if theirs.dim() == 4 else theirs[:, :S]  # [M', Hkv, S, D] or [M', S]
-                mine_rows = mine[start:start + M]
+            S, M = (
+                min(store.capacity, self.capacity),
+                store.slot_pos.shape[0] if rows is None else rows.numel(),
+            )
+            for mine, theirs in zip(
+                (*self.k_caches, *self.v_caches, self.slot_pos, self.slot_branch),
+                (*store.k_caches, *store.v_caches, store.slot_pos, store.slot_branch),
+            ):
+                theirs = (
+                    theirs[..., :S, :] if theirs.dim() == 4 else theirs[:, :S]
+                )  # [M', Hkv, S, D] or [M', S]
+                mine_rows = mine[start : start + M]
                 (mine_rows[..., :S, :] if mine.dim() == 4 else mine_rows[:, :S]).copy_(
-                    theirs if rows is None else theirs.index_select(0, rows))
+                    theirs if rows is None else theirs.index_select(0, rows)
+                )
             start += M
         if start != self.slot_pos.shape[0]:
             raise ValueError(f"take_rows filled {start} rows of a store of {self.slot_pos.shape[0]}")
         return self
-

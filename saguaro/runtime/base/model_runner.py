@@ -1,16 +1,6 @@
-"""Run one captured model's stages over its KV store.
-
-Each stage (:mod:`saguaro.core.stages`) is built on its first use by the runner's
-:class:`StageBuilder` (``saguaro.compile``'s: the stage pass pipeline, then lowering; the exporter's
-recorder; a loaded artifact's), so a program only builds (and, with inductor, compiles) the stages its
-modes call. The runtime never imports the passes or the lowering.
-
-A runner may live on another device of the process than its callers (``draft_device``): a stage
-call's tensors are then copied to the runner's device and its outputs back to the device of
-``input_ids`` (non-blocking; a copy between devices runs on the source's current stream and the
-destination's current stream waits for it), so a decoder on the target's device calls a draft on
-another one unchanged. Stage costs are device time (:mod:`saguaro.runtime.base.timing`).
-"""
+"""Run one captured model's stages over its KV store: each built on first use by a :class:`StageBuilder`
+(the runtime never imports passes or lowering), timed in device time, callable from another device
+of the process (``draft_device``: non-blocking copies in and out)."""
 
 from __future__ import annotations
 
@@ -18,7 +8,8 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -31,18 +22,19 @@ log = logging.getLogger(__name__)
 
 COST_WEIGHT = 0.1  # weight of a new call in a stage's running mean cost
 MAX_PENDING = 1024  # stage timings in flight on a device before a call waits for the oldest
-QUERY_ARGS = 5  # a stage's first flat inputs that a query sets: input_ids, positions, write_slots, branch, limit
-
+# a stage's first flat inputs that a query sets: input_ids, positions, write_slots, branch, limit
+QUERY_ARGS = 5
 
 
 def graph_modules_of(fn) -> list[torch.fx.GraphModule]:
-    """The GraphModules behind a built stage: itself (eager), or a compiled / tiered stage's ``gm`` (and the
-    eager graph a tiered stage runs while it compiles); none for a loaded artifact's stage."""
+    """The GraphModules behind a built stage, each once: itself (eager), a compiled or tiered stage's
+    ``gm`` and its eager graph; none for a loaded artifact's stage."""
     found = []
     for candidate in (fn, getattr(fn, "gm", None), getattr(getattr(fn, "compiled", None), "gm", None)):
         if isinstance(candidate, torch.fx.GraphModule) and all(candidate is not m for m in found):
             found.append(candidate)
     return found
+
 
 class StageBuilder(Protocol):
     """What builds one model's stages: the runtime calls it, the inspector asks it for graphs."""
@@ -51,23 +43,23 @@ class StageBuilder(Protocol):
         """The runnable ``stage``: ``fn(*flat inputs) -> tuple of outputs``."""
 
     def stage_graph(self, stage: Stage, observe: Callable[[str, torch.fx.GraphModule], None] | None = None):
-        """``stage``'s ``torch.fx.GraphModule`` after every pass. ``observe(pass name, gm)``, when given,
-        sees the graph before the first pass (``"captured"``) and after each pass; a builder that holds
-        no captured graph (a loaded artifact's) raises a ``ValueError`` saying what it can show."""
+        """``stage``'s ``torch.fx.GraphModule`` after every pass; ``observe(pass name, gm)`` sees it as
+        ``"captured"`` and after each pass. ``ValueError`` from a builder that holds no captured graph."""
 
 
 class ModelRunner:
     """A captured model, its lowered stages, and the bookkeeping every stage call shares."""
 
-    def __init__(self, name: str, captured: CapturedModel, build: StageBuilder, width: int, kv_pool=None,
-                 seq_pool=None):
+    def __init__(
+        self, name: str, captured: CapturedModel, build: StageBuilder, width: int, kv_pool=None, seq_pool=None
+    ):
         self.name = name
         self.captured = captured
         self.spec = captured.spec
         self.build = build  # Stage -> the lowered callable
         self.width = width  # fork / rank / Saguaro-sampling width
-        self.kv_pool = kv_pool  # a KVPool: stores of one shape reuse their tensors (fixed addresses: CUDA graphs)
-        self.seq_pool = seq_pool  # a SequencePool: the same for the sequence buffers its generations write
+        self.kv_pool = kv_pool  # a KVPool: stores of one shape keep their addresses (CUDA graphs)
+        self.seq_pool = seq_pool  # a SequencePool: the same for the sequence buffers
         self._stages: dict = {}
         self._graphed: dict = {}  # name -> the builder's graph of a function of several stages, or None
         self._lock = threading.Lock()  # two lanes may ask for stages of one model at once
@@ -76,15 +68,14 @@ class ModelRunner:
         self._timings: deque = deque()  # (stage name, Interval) not folded into the means yet
         self._timings_lock = threading.Lock()  # a lane's worker and the caller may both fold
         self.recorder = None  # a runtime.trace.TraceRecorder while a traced generate runs
-        self._repeats: dict = {}  # (stage, query width) -> (the store's tensors, its repeated call), for later rounds
+        self._repeats: dict = {}  # (stage, query width) -> (the store's tensors, its query call)
 
     def new_store(self, batch: int, capacity: int) -> KVStore:
         return RunnerStore(self.spec, batch, capacity, pool=self.kv_pool)
 
     @property
     def stage_cost_s(self) -> dict:
-        """``{stage name: running mean seconds per call}`` (device time: the CUDA events of each call on
-        its stream). Reading it waits for the stage calls still running on the device, nothing else."""
+        """``{stage name: running mean device seconds per call}``; waits for the stage calls still running."""
         self._fold(wait_for_all=True)
         return self._stage_cost_s
 
@@ -94,8 +85,9 @@ class ModelRunner:
             while self._timings and (wait_for_all or self._timings[0][1].ready()):
                 key, interval = self._timings.popleft()
                 elapsed, previous = interval.seconds, self._stage_cost_s.get(key)
-                self._stage_cost_s[key] = elapsed if previous is None else (
-                    (1 - COST_WEIGHT) * previous + COST_WEIGHT * elapsed)
+                self._stage_cost_s[key] = (
+                    elapsed if previous is None else ((1 - COST_WEIGHT) * previous + COST_WEIGHT * elapsed)
+                )
 
     def stage(self, stage: Stage):
         """The lowered callable of ``stage``, built on first use."""
@@ -111,14 +103,12 @@ class ModelRunner:
         return fn
 
     def provides(self, stage: Stage) -> bool:
-        """Whether the builder offers ``stage`` (the builder's ``provides``; without one, every stage): a
-        loaded artifact offers the stages it holds."""
+        """Whether the builder offers ``stage`` (its ``provides``; every stage without one)."""
         provides = getattr(self.build, "provides", None)
         return True if provides is None else provides(stage)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
-        """Wait for the stage compiles the builder runs in the background (``compile="background"``, the
-        builder's ``wait_compiled``): True once none is queued or running, False after ``timeout`` s."""
+        """Wait for the builder's background compiles: True once none is left, False after ``timeout`` s."""
         wait = getattr(self.build, "wait_compiled", None)
         return True if wait is None else wait(timeout)
 
@@ -136,7 +126,7 @@ class ModelRunner:
 
     def compile_blocking(self) -> None:
         """Wait for the background compiles, then compile every later new stage or shape on the calling
-        thread (the builder's ``compile_blocking``; each built stage that has a ``blocking`` switch)."""
+        thread (the builder's ``compile_blocking``; each built stage's ``blocking`` switch)."""
         self.wait_compiled()
         hook = getattr(self.build, "compile_blocking", None)
         if hook is not None:
@@ -146,9 +136,8 @@ class ModelRunner:
                 fn.blocking = True
 
     def graphed(self, name: str, fn: Callable, fixed) -> Callable | None:
-        """``fn`` (a function of several stages over flat tensors, ``fixed`` the positions of those it reads
-        or writes at fixed addresses) as CUDA graphs, made once per ``name`` by the builder's ``graphed``;
-        None where the builder graphs nothing (no CUDA graphs)."""
+        """``fn`` (a function of several stages over flat tensors, ``fixed`` the positions of those at fixed
+        addresses) as CUDA graphs, made once per ``name`` by the builder's ``graphed``; None without."""
         with self._lock:
             if name not in self._graphed:
                 hook = getattr(self.build, "graphed", None)
@@ -156,11 +145,12 @@ class ModelRunner:
             return self._graphed[name]
 
     def graphs_off(self) -> dict:
-        """``{stage name: why}`` for the built stages (and :meth:`graphed` functions) that run without their
-        CUDA graphs, all calls or some shapes (their ``graphs_off``: a first replay that differed from the
-        call without it, a failed capture); empty without CUDA graphs."""
+        """``{stage name: why}`` of the built stages and :meth:`graphed` functions running without their
+        CUDA graphs (a first replay that differed, a failed capture); empty without CUDA graphs."""
         built = {stage.qualified: fn for stage, fn in self.built_stages.items()} | self._graphed
-        return {name: why for name, fn in built.items() if (why := getattr(fn, "graphs_off", None)) is not None}
+        return {
+            name: why for name, fn in built.items() if (why := getattr(fn, "graphs_off", None)) is not None
+        }
 
     @property
     def built_stages(self) -> dict:
@@ -168,7 +158,7 @@ class ModelRunner:
         return dict(self._stages)
 
     def stage_graphs(self) -> list[tuple[Stage, torch.fx.GraphModule]]:
-        """``(stage, graph module)`` of every stage built so far, each module once: see :func:`graph_modules_of`."""
+        """``(stage, graph module)`` of every stage built so far (:func:`graph_modules_of`)."""
         return [(stage, gm) for stage, fn in self._stages.items() for gm in graph_modules_of(fn)]
 
     def run(
@@ -185,11 +175,13 @@ class ModelRunner:
         note: str | None = None,  # what the call is for, named in traces after the stage
         claimed: bool = False,  # the write slots hold these tokens already (AR's round claimed them)
     ):
-        """Call ``stage`` on the store; returns the stage's outputs (a tuple), on ``input_ids``' device."""
+        """Call ``stage`` on ``store``, claiming the write slots unless ``claimed``; outputs on the caller's
+        device."""
         caller, home = input_ids.device, self.spec.device
         if elsewhere(caller, home):  # a caller on another device of this process (draft_device)
             input_ids, positions, write_slots, branch, limit = (
-                to_device(t, home) for t in (input_ids, positions, write_slots, branch, limit))
+                to_device(t, home) for t in (input_ids, positions, write_slots, branch, limit)
+            )
             extra = tuple(to_device(t, home) for t in extra)
         args = self._graph_args(store, input_ids, positions, write_slots, branch, limit, claimed)
         fn = self.stage(stage)
@@ -205,44 +197,60 @@ class ModelRunner:
                 out = fn(*args, *extra)
             interval = watch.stop()
             self._timed(stage.qualified, interval)
-            if watch.stream is not None:  # CUDA: the slice spans the launch; the device's time rides along
+            if watch.stream is not None:  # CUDA: the slice spans the launch; device time rides along
                 slice_args["device_ms"] = interval  # read when the trace is taken
         if elsewhere(caller, home):
             out = tuple(to_device(t, caller) for t in out)
         return out
 
-    def repeated(self, stage: Stage, store: KVStore, input_ids: torch.Tensor, positions: torch.Tensor,
-                 write_slots: torch.Tensor, branch: torch.Tensor):
-        """Later calls of ``stage`` like one just run with these arguments, on this store, only the query changing
-        and its slots claimed already: ``call(input_ids, positions, write_slots, branch=branch) -> outputs``, or None
-        from a call whose query differs in shape (then :meth:`run`); kept for :meth:`repeated_again`. The lowered
-        stage's ``repeated`` call keys the shapes and builds the inputs once, not per call (the draft's chained
-        steps on a CPU); None where it offers none (an eager stage, one compiling, dynamo's path), on CUDA (where
-        graphs serve), while a trace is taken, and for a caller on another device. Each call's time counts as
-        :meth:`run`'s does. The kept call holds the store's tensors until another store's replaces it."""
+    def make_query_call(
+        self,
+        stage: Stage,
+        store: KVStore,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        branch: torch.Tensor,
+    ):
+        """A call for later runs of ``stage`` on this store changing only the query (slots claimed):
+        ``call(input_ids, positions, write_slots, branch=branch)``, None from a query of another shape (then
+        :meth:`run`). Made once by the lowered stage's ``repeated``, timed as :meth:`run`, kept for
+        :meth:`kept_query_call`; None where the stage has none, off CPU, tracing, or from another device."""
         make = getattr(self._stages.get(stage), "repeated", None)
         home = self.spec.device
-        if make is None or self.recorder is not None or home.type != "cpu" or elsewhere(input_ids.device, home):
+        if (
+            make is None
+            or self.recorder is not None
+            or home.type != "cpu"
+            or elsewhere(input_ids.device, home)
+        ):
             return None
-        fast = make(self._graph_args(store, input_ids, positions, write_slots, branch, None, claimed=True), QUERY_ARGS)
+        fast = make(
+            self._graph_args(store, input_ids, positions, write_slots, branch, None, claimed=True), QUERY_ARGS
+        )
         if fast is None:
             return None
         key = stage.qualified
 
-        def call(ids: torch.Tensor, query_positions: torch.Tensor, slots: torch.Tensor, branch: torch.Tensor = branch):
+        def call(
+            ids: torch.Tensor,
+            query_positions: torch.Tensor,
+            slots: torch.Tensor,
+            branch: torch.Tensor = branch,
+        ):
             started = time.perf_counter()
-            out = fast(ids, query_positions, slots, branch, query_positions)  # limit: the query's own position
+            out = fast(ids, query_positions, slots, branch, query_positions)  # limit: its own position
             if out is not None:
                 self._timed(key, Interval(time.perf_counter() - started))
             return out
+
         call.applies = fast.applies
         self._repeats[stage, input_ids.shape[1]] = (_store_tensors(store), call)  # one store's at a time
         return call
 
-    def repeated_again(self, stage: Stage, store: KVStore, width: int = 1):
-        """The call :meth:`repeated` made for ``stage`` with queries of ``width`` tokens on this very store (its
-        tensors the same objects), for a later round's calls, the first included (``call(ids, positions, slots,
-        branch)``, the slots claimed by the caller); None when there is none, or while a trace is taken."""
+    def kept_query_call(self, stage: Stage, store: KVStore, width: int = 1):
+        """The call :meth:`make_query_call` kept for ``stage`` and ``width``-token queries if made on this
+        very store (the same tensor objects) and still applying; else None, and None while tracing."""
         kept = self._repeats.get((stage, width))
         if kept is None or self.recorder is not None:
             return None
@@ -253,30 +261,40 @@ class ModelRunner:
     def _timed(self, key: str, interval: Interval) -> None:
         with self._timings_lock:
             self._timings.append((key, interval))
-        # on CPU every interval is ready, so the means are current after each call; on CUDA the finished
-        # ones are folded without waiting, and a queue past MAX_PENDING waits for its oldest; never while a
-        # graph of several stages is being captured (no event may be queried then: SD's graphed round)
+        # CPU: every interval is ready. CUDA: fold the finished ones, wait for the oldest past
+        # MAX_PENDING, and never while a graph is being captured (no event may be queried then)
         if self.spec.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         self._fold(wait_for_all=len(self._timings) > MAX_PENDING)
 
-    def __call__(self, store: KVStore, input_ids, positions, write_slots, branch=None, limit=None) -> torch.Tensor:
-        """The captured graph itself: logits ``[B, T, V]`` on ``input_ids``' device (tests and recovery)."""
+    def __call__(
+        self, store: KVStore, input_ids, positions, write_slots, branch=None, limit=None
+    ) -> torch.Tensor:
+        """The captured graph itself: logits ``[B, T, V]`` on ``input_ids``' device (tests, recovery)."""
         caller, home = input_ids.device, self.spec.device
         inputs = tuple(to_device(t, home) for t in (input_ids, positions, write_slots, branch, limit))
         return to_device(self.captured.graph_module(*self._graph_args(store, *inputs))[0], caller)
 
     @staticmethod
     def _graph_args(store: KVStore, input_ids, positions, write_slots, branch, limit, claimed=False) -> tuple:
-        """Claim the written slots (unless ``claimed``) and return the flat inputs every graph of a model shares."""
+        """Claim the written slots unless ``claimed``; the flat inputs every graph of a model shares."""
         if branch is None:
             branch = torch.zeros_like(positions)  # shared
         if limit is None:
             limit = positions  # the query's own position
         if not claimed:
             store.claim(write_slots, positions, branch)
-        return (input_ids, positions, write_slots, branch, limit, store.slot_pos, store.slot_branch,
-                *store.k_caches, *store.v_caches)
+        return (
+            input_ids,
+            positions,
+            write_slots,
+            branch,
+            limit,
+            store.slot_pos,
+            store.slot_branch,
+            *store.k_caches,
+            *store.v_caches,
+        )
 
 
 def _store_tensors(store: KVStore) -> tuple:
@@ -284,21 +302,19 @@ def _store_tensors(store: KVStore) -> tuple:
 
 
 class RunnerStore(KVStore):
-    """A runner's KV store: a :class:`KVStore` whose roll-back may name its lengths on the caller's
-    device (SD drafting on the target's device with a draft on another one)."""
+    """A :class:`KVStore` whose roll-back lengths may live on the caller's device."""
 
     def invalidate_from(self, lengths: torch.Tensor) -> None:
         super().invalidate_from(to_device(lengths, self.slot_pos.device))
 
 
 def to_device(value, device: torch.device):
-    """``value`` on ``device`` when it is a tensor elsewhere (a non-blocking copy); anything else as is."""
+    """``value`` on ``device`` (a non-blocking copy) when it is a tensor elsewhere; anything else as is."""
     if isinstance(value, torch.Tensor) and elsewhere(value.device, device):
         return value.to(device, non_blocking=True)
     return value
 
 
 def elsewhere(a: torch.device, b: torch.device) -> bool:
-    """Whether ``a`` and ``b`` are different devices (``cuda`` without an index is not told apart from
-    an indexed one: it means the current device)."""
+    """Whether ``a`` and ``b`` are different devices (an index-less ``cuda`` matches any index)."""
     return a.type != b.type or (a.index is not None and b.index is not None and a.index != b.index)

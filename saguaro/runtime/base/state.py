@@ -24,20 +24,21 @@ class DecodeState:
     k: int
     recorder: object = None  # a runtime.trace.TraceRecorder when this generate is traced
     on_round: object = None  # called with ``seqs`` once a round's tokens are committed (streaming)
-    controls: object = None  # a tensor_math.logits_processing.SamplingControls, or None (runtime/decode/controlled.py)
+    controls: object = None  # a SamplingControls, or None (runtime/decode/controlled.py)
+    grammar_rows: list | None = None  # each row's GrammarState under controls.grammar (controlled.py)
+    grammar_masks: tuple | None = None  # (draft tokens [B, k], their path's masks [B, k+1, V]) the draft made
     counters: Counters = field(init=False)
-    # the tokens the next draft call feeds each row: 2 (the pending token and the one before it, whose draft
-    # KV is missing when the last round accepted all k draft tokens) unless the last round's outcome showed
-    # every active row accepted fewer than k, when the draft holds the one before and 1 suffices
+    # tokens the next draft call feeds each row: 2 (the pending token and the one before, whose draft KV
+    # is missing after a round that accepted all k), or 1 when every active row of the last round
+    # accepted fewer than k
     draft_feed: int = field(init=False, default=2)
 
     def __post_init__(self):
         self.counters = Counters(self.k)
 
     def round_committed(self) -> None:
-        """Every decoder calls this after a round appended its tokens and stopped its clock (the prefill
-        after the first token): hands the sequences to ``on_round`` when streaming. The time spent there
-        (the consumer's, not the decoder's) goes to ``counters.stream_s``, which ``wall_s`` leaves out."""
+        """After a round appended its tokens and stopped its clock: hand ``seqs`` to ``on_round`` when
+        streaming, the time it takes going to ``counters.stream_s``, which ``wall_s`` leaves out."""
         if self.on_round is not None:
             started = time.perf_counter()
             self.on_round(self.seqs)

@@ -9,7 +9,7 @@ SOURCES = ("neural", "fast", "hit")  # codes 0, 1, 2 of where a row's speculatio
 FALLBACK_KINDS = SOURCES[:2]
 
 
-def since(started: float) -> float:
+def seconds_since(started: float) -> float:
     """Seconds from ``started`` (a ``time.perf_counter()`` reading) to now."""
     return time.perf_counter() - started
 
@@ -51,14 +51,12 @@ class Counters:
     verify_pending: list = field(default_factory=list)  # verify Intervals (timing.py) not in verify_s yet
 
     def time_verify(self, interval) -> None:
-        """Count a target round call's :class:`~saguaro.runtime.base.timing.Interval` into ``verify_s`` once
-        its events have completed (:meth:`settle`): on CUDA it is never read by waiting for the device."""
+        """Count a verify call's ``Interval`` into ``verify_s`` once its events completed (never a wait)."""
         self.verify_pending.append(interval)
         self.settle()
 
     def settle(self) -> None:
-        """Fold the verify intervals that are ready (on CUDA: whose end event the device has passed; the
-        round's read of its outcome, or the late read of a later round, has waited for it) into ``verify_s``."""
+        """Fold the verify intervals that are ready into ``verify_s``."""
         while self.verify_pending and self.verify_pending[0].ready():
             self.verify_s += self.verify_pending.pop(0).seconds
 
@@ -77,13 +75,12 @@ class Counters:
 
 
 RAN_AS_SD = "ran as SD: no tree pays here"  # what every surface says when the planner ran SSD as SD
-# ... and when SSD's costs could not be measured yet (compile="background", its stages still compiling)
+# ... and when SSD's costs could not be measured yet (compile="background")
 RAN_AS_SD_COMPILING = "ran as SD: stages still compiling"
 
 
 def ran_as_sd(stats: dict) -> str | None:
-    """Why an SSD generation ran SD's rounds, in words (:data:`RAN_AS_SD` or :data:`RAN_AS_SD_COMPILING`),
-    or None where it ran as asked."""
+    """Why an SSD generation ran SD's rounds (:data:`RAN_AS_SD`, :data:`RAN_AS_SD_COMPILING`), or None."""
     if stats.get("planned_sd"):
         return RAN_AS_SD
     if stats.get("mode") == "ssd" and stats.get("ran_as") == "sd":
@@ -92,8 +89,7 @@ def ran_as_sd(stats: dict) -> str | None:
 
 
 def run_label(stats: dict) -> str:
-    """The mode of a generation in words: ``ssd (ran as SD: no tree pays here)`` where SSD was asked
-    and SD's rounds ran (:func:`ran_as_sd`), else ``stats["mode"]``."""
+    """The mode in words: ``ssd (ran as SD: ...)`` where :func:`ran_as_sd` says so, else ``stats["mode"]``."""
     why = ran_as_sd(stats)
     return f"{stats['mode']} ({why})" if why else stats["mode"]
 
@@ -106,24 +102,35 @@ def percentile(values: list, q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered) + 0.5)) - 1))]
 
 
-def latency_stats(c: "Counters", decode_s: float) -> dict:
-    """p50/p99 of round and per-token times, and the mean round split into verify, draft wait,
-    fallback, drafting (SD) and host time outside those."""
+def latency_stats(c: Counters, decode_s: float) -> dict:
+    """p50 / p99 of round and token times and the mean round split into verify, draft, waits and host."""
     rounds = max(c.rounds, 1)
     host = decode_s - c.verify_s - c.draft_wait_s - c.fallback_s - c.draft_s
     return {
-        "round_ms_p50": 1000 * percentile(c.round_s, 50), "round_ms_p99": 1000 * percentile(c.round_s, 99),
-        "token_ms_p50": 1000 * percentile(c.token_s, 50), "token_ms_p99": 1000 * percentile(c.token_s, 99),
-        "per_round_ms": {"verify": 1000 * c.verify_s / rounds, "draft": 1000 * c.draft_s / rounds,
-                         "draft_wait": 1000 * c.draft_wait_s / rounds, "fallback": 1000 * c.fallback_s / rounds,
-                         "host": 1000 * max(host, 0.0) / rounds},
+        "round_ms_p50": 1000 * percentile(c.round_s, 50),
+        "round_ms_p99": 1000 * percentile(c.round_s, 99),
+        "token_ms_p50": 1000 * percentile(c.token_s, 50),
+        "token_ms_p99": 1000 * percentile(c.token_s, 99),
+        "per_round_ms": {
+            "verify": 1000 * c.verify_s / rounds,
+            "draft": 1000 * c.draft_s / rounds,
+            "draft_wait": 1000 * c.draft_wait_s / rounds,
+            "fallback": 1000 * c.fallback_s / rounds,
+            "host": 1000 * max(host, 0.0) / rounds,
+        },
     }
 
 
-def summarize(counters: Counters, mode: str, new_tokens: int, batch: int, wall: float, lane: str | None = None,
-              schedule: dict | None = None) -> dict:  # noqa: PLR0913
-    """The ``stats`` dict of :class:`~saguaro.runtime.program.GenerateOutput` (documented in the README), once
-    the sequences are read (so every round's verify interval has completed: :meth:`Counters.settle`)."""
+def summarize(
+    counters: Counters,
+    mode: str,
+    new_tokens: int,
+    batch: int,
+    wall: float,
+    lane: str | None = None,
+    schedule: dict | None = None,
+) -> dict:
+    """The ``stats`` dict ``generate`` returns (docs/api.md), once every verify interval has completed."""
     c = counters
     c.settle()
     stats = {

@@ -1,14 +1,6 @@
-"""Timeline traces: Chrome trace-event JSON (Perfetto, chrome://tracing) of one ``generate`` call.
-
-A :class:`TraceRecorder` collects begin/end slices, counters and instants of one process. Tracing is
-off when no recorder exists: the runtime keeps ``recorder = None`` and checks it once per stage call.
-Every process stamps its events with ``time.monotonic_ns()`` (``CLOCK_MONOTONIC``, shared by all
-processes of one host), so the draft process's events, sent back through the lane, share the caller's
-clock. Tracks are named: ``target`` and ``draft`` (the models' stage calls, on the lane that runs
-them) and ``host`` (rounds, waits for the draft lane, transport, commits). On CUDA a stage slice
-spans the stage's launch on the host; its ``device_ms`` argument is the device's time for it
-(:mod:`~saguaro.runtime.base.timing`), read when the events are taken.
-"""
+"""Timelines of one ``generate`` call as Chrome trace-event JSON (Perfetto, chrome://tracing): slices,
+counters and instants on tracks ``host``, ``target``, ``draft``, stamped with ``time.monotonic_ns()`` (one
+clock for a host's processes). Tracing is off while ``recorder`` is None."""
 
 from __future__ import annotations
 
@@ -54,8 +46,7 @@ class TraceRecorder:
         self.events.append(("i", track, name, time.monotonic_ns(), args))
 
     def take(self) -> dict:
-        """This process's events so far (a picklable dict: device timings read as milliseconds) and a
-        fresh start."""
+        """This process's events so far (a picklable dict, device timings in ms); recording starts afresh."""
         events, self.events = self.events, []
         for event in events:
             args = event[4]
@@ -70,18 +61,14 @@ _OFF = nullcontext()
 
 
 def traced(recorder: TraceRecorder | None, track: str, name: str, args: dict | None = None):
-    """A slice when tracing; a shared no-op context otherwise (for calls a few times per round)."""
+    """A slice when tracing; a shared no-op context otherwise."""
     return _OFF if recorder is None else recorder.slice(track, name, args)
 
 
 def chrome_trace(parts: list[dict], metadata: dict | None = None) -> dict:
-    """The trace-event JSON object of the parts (:meth:`TraceRecorder.take` results, any processes).
-
-    Timestamps are whole microseconds since the earliest event (integers: formatting a float costs
-    ``json.dumps`` a third of its time); each ``(pid, track)`` is one thread track. A part from another
-    host (the remote lane) carries ``clock``: the offset already subtracted from its stamps, measured at
-    connect; these go to ``otherData["clock_offsets"]``.
-    """
+    """The trace-event object of ``parts`` (:meth:`TraceRecorder.take` results of any processes): integer
+    microseconds since the earliest event, a thread track per ``(pid, track)``, and another host's ``clock``
+    (its offset, already subtracted) in ``otherData["clock_offsets"]``."""
     stamps = [e[3] for part in parts for e in part["events"]]
     origin = min(stamps) if stamps else 0
     out, tids, named = [], {}, set()
@@ -89,16 +76,41 @@ def chrome_trace(parts: list[dict], metadata: dict | None = None) -> dict:
         pid = part["pid"]
         if pid not in named:  # a thread lane's part shares the caller's pid
             named.add(pid)
-            out.append({"ph": "M", "name": "process_name", "ts": 0, "pid": pid, "tid": 0, "args": {"name": part["process"]}})
+            out.append(
+                {
+                    "ph": "M",
+                    "name": "process_name",
+                    "ts": 0,
+                    "pid": pid,
+                    "tid": 0,
+                    "args": {"name": part["process"]},
+                }
+            )
         for phase, track, name, stamp, args in part["events"]:
             key = (pid, track)
             if key not in tids:
                 tids[key] = TRACKS.index(track) + 1 if track in TRACKS else len(TRACKS) + 1 + len(tids)
                 for meta, value in (("thread_name", track), ("thread_sort_index", tids[key])):
-                    out.append({"ph": "M", "name": meta, "ts": 0, "pid": pid, "tid": tids[key], "args": {"name": value}
-                                if meta == "thread_name" else {"sort_index": value}})
-            event = {"name": name, "cat": track, "ph": phase, "ts": (stamp - origin) // 1000, "pid": pid,
-                     "tid": tids[key]}
+                    out.append(
+                        {
+                            "ph": "M",
+                            "name": meta,
+                            "ts": 0,
+                            "pid": pid,
+                            "tid": tids[key],
+                            "args": {"name": value} if meta == "thread_name" else {"sort_index": value},
+                        }
+                    )
+            event = {
+                "name": name,
+                "cat": track,
+                "ph": phase,
+                # integers: json.dumps writes them faster than floats, see
+                # docs/measurements/2026-12-07-figures-from-runtime-base-draft-lanes.md
+                "ts": (stamp - origin) // 1000,
+                "pid": pid,
+                "tid": tids[key],
+            }
             if phase == "i":
                 event["s"] = "t"
             if args:
@@ -120,25 +132,26 @@ def write_trace(path, trace: dict) -> Path:
 
 
 class GenerationTrace:
-    """Records one ``generate`` call when ``trace`` is a path or True (a context manager).
-
-    ``runners`` (ModelRunners of this process) and ``lane`` get the recorder for the duration; the
-    lane (SSD) is also asked to record on its side and to send its events back (a process lane sends
-    them with its replies; the last round's build, which no outcome needs, is not waited for).
-    :meth:`finish` assembles the trace (with the stats) and writes it when ``trace`` is a path.
-    """
+    """Records one ``generate`` call when ``trace`` is a path or True (a context manager); ``ValueError``
+    for anything else. ``runners`` and ``lane`` get the recorder meanwhile, and the lane records its side
+    too; :meth:`finish` assembles the trace with the stats and writes it to the path."""
 
     def __init__(self, trace, runners: list, lane=None):
-        if trace is not None and trace is not False and not (
-                trace is True or isinstance(trace, (str, os.PathLike))):
-            raise ValueError(f"trace={trace!r} is not allowed: give a file path, True (keep it in memory) or None")
+        if (
+            trace is not None
+            and trace is not False
+            and not (trace is True or isinstance(trace, (str, os.PathLike)))
+        ):
+            raise ValueError(
+                f"trace={trace!r} is not allowed: give a file path, True (keep it in memory) or None"
+            )
         self.target = trace
         self.recorder = TraceRecorder("saguaro (caller)") if trace else None
         self.owners = runners + ([lane] if lane is not None else [])
         self.lane = lane
         self.parts: list = []
 
-    def __enter__(self) -> "GenerationTrace":
+    def __enter__(self) -> GenerationTrace:
         if self.recorder is not None:
             for owner in self.owners:
                 owner.recorder = self.recorder  # runners: stage slices; a lane: transport slices
@@ -155,7 +168,7 @@ class GenerationTrace:
         if self.lane is not None:
             try:
                 remote = self.lane.take_trace()
-            except Exception:  # noqa: BLE001 - a failed lane loses its events, not the caller's
+            except Exception:
                 remote = []
         self.parts = [self.recorder.take()] + remote
 
@@ -164,7 +177,11 @@ class GenerationTrace:
         if self.recorder is None:
             return None
         # the mode in words beside the stats: a generation the planner ran as SD says so at the top
-        meta = {"mode": run_label(stats), "ran_as": stats.get("ran_as"), "stats": stats} if stats is not None else None
+        meta = (
+            {"mode": run_label(stats), "ran_as": stats.get("ran_as"), "stats": stats}
+            if stats is not None
+            else None
+        )
         trace = chrome_trace(self.parts, meta)
         if self.target is not True:
             write_trace(self.target, trace)

@@ -1,8 +1,5 @@
-"""Reading a trace back: format checks, slices, and the lanes' overlap (tests and the HTML report).
-
-A trace is the trace-event object :mod:`saguaro.runtime.base.trace` writes. Slices are matched begin/end
-pairs per ``(pid, tid)`` track.
-"""
+"""Reading a trace back (tests, the HTML report): format checks, slices (begin/end pairs per ``(pid,
+tid)``), counters, the lanes' overlap, stage costs."""
 
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ class Slice:
 
 
 def check_trace(trace: dict) -> None:
-    """Raise ``ValueError`` naming the first problem: a missing key or unknown phase, a track whose
-    timestamps go back, an end without its begin (or a name that differs), a begin never ended."""
+    """``ValueError`` naming the first malformed event, backwards timestamp or unmatched begin/end."""
     events = trace.get("traceEvents")
     if not isinstance(events, list):
         raise ValueError("trace has no traceEvents list")
@@ -59,8 +55,11 @@ def check_trace(trace: dict) -> None:
 
 def track_names(trace: dict) -> dict:
     """``{(pid, tid): track name}`` from the thread_name metadata."""
-    return {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
-            if e["ph"] == "M" and e["name"] == "thread_name"}
+    return {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "thread_name"
+    }
 
 
 def slices(trace: dict) -> list[Slice]:
@@ -72,8 +71,16 @@ def slices(trace: dict) -> list[Slice]:
             stacks.setdefault(key, []).append(e)
         elif e["ph"] == "E":
             begin = stacks[key].pop()
-            out.append(Slice(e["pid"], names.get(key, str(key)), begin["name"], begin["ts"], e["ts"],
-                             begin.get("args", {})))
+            out.append(
+                Slice(
+                    e["pid"],
+                    names.get(key, str(key)),
+                    begin["name"],
+                    begin["ts"],
+                    e["ts"],
+                    begin.get("args", {}),
+                )
+            )
     return out
 
 
@@ -110,22 +117,11 @@ def _length_us(intervals) -> float:
 
 
 def lane_overlap(trace: dict) -> dict:
-    """How much of the draft lane's per-round work the target lane hid, read from the slices alone.
-
-    Per round that waits for ``match`` (the host's ``wait: match`` slice, ending at ``m1``): the draft
-    lane's *work* is its ``build`` and ``match`` slices that start within the round before ``m1``; the
-    *target lane's work* is the round's ``target.verify`` slice and the host's ``commit`` (all the caller
-    does before it waits). ``overlap_s``: draft work concurrent with target work; ``exposed_work_s``:
-    the rest, draft time the target did not hide. A process lane adds *transport*: the ``match``
-    request in flight (the host's ``send match`` start to the end of the draft's ``recv`` of it) and the
-    reply (the draft's ``send match`` start to the end of the host's ``recv``); ``transport_s`` is their
-    length, which overlaps draft work when the request waits for the draft to finish its build.
-    ``exposed_s``: draft
-    work and transport not hidden by target work, which is what the host waits for: it should equal
-    ``stats["draft_wait_s"]`` up to the unrecorded moments between slices. (On a thread lane on CPU the
-    GIL can stall the target lane itself while the draft computes; draft work then shows as exposed
-    without the host waiting for it.) Seconds.
-    """
+    """Seconds of the draft lane's per-round work the target lane hid, from the slices alone. Per round that
+    waits for ``match`` (until ``m1``): draft work is ``build`` and ``match`` before ``m1``, target work
+    ``target.verify`` and ``commit``; ``overlap_s`` is draft work during target work, ``exposed_work_s``
+    the rest, ``transport_s`` a process lane's ``match`` messages in flight, ``exposed_s`` draft work and
+    transport not hidden (about ``stats["draft_wait_s"]``); and ``verify_s``, ``draft_work_s``, ``rounds``."""
     all_slices = slices(trace)
     host = [s for s in all_slices if s.track == "host"]
     target = [s for s in all_slices if s.track == "target"]
@@ -133,7 +129,7 @@ def lane_overlap(trace: dict) -> dict:
     keys = ("verify_s", "draft_work_s", "overlap_s", "exposed_work_s", "transport_s", "exposed_s")
     totals = dict.fromkeys(keys, 0.0) | {"rounds": 0}
     for r in (s for s in host if s.name == "round"):
-        within = lambda s, end: r.start_us <= s.start_us < end  # noqa: E731
+        within = lambda s, end: r.start_us <= s.start_us < end  # noqa: B023 (called in this iteration)
         wait = next((s for s in host if s.name == "wait: match" and within(s, r.end_us)), None)
         if wait is None:
             continue  # the last round: nobody waits for its build
@@ -144,8 +140,9 @@ def lane_overlap(trace: dict) -> dict:
         flights = _flights(host, draft, wait)
         length, overlap = _length_us(work), _intersection_us(work, busy)
         exposed = _length_us(work + flights) - _intersection_us(work + flights, busy)
-        for key, value in zip(keys, (_length_us(verify), length, overlap, length - overlap,
-                                     _length_us(flights), exposed)):
+        for key, value in zip(
+            keys, (_length_us(verify), length, overlap, length - overlap, _length_us(flights), exposed)
+        ):
             totals[key] += value / 1e6
         totals["rounds"] += 1
     return totals
@@ -153,9 +150,11 @@ def lane_overlap(trace: dict) -> dict:
 
 def _flights(host: list[Slice], draft: list[Slice], wait: Slice) -> list[tuple[float, float]]:
     """The ``match`` request's and reply's time in flight between the processes, within ``wait``."""
-    inside = lambda s: wait.start_us <= s.start_us < wait.end_us  # noqa: E731
-    match = next((s for s in draft if s.name == "match" and s.start_us < wait.end_us
-                  and s.end_us > wait.start_us), None)
+    inside = lambda s: wait.start_us <= s.start_us < wait.end_us
+    match = next(
+        (s for s in draft if s.name == "match" and s.start_us < wait.end_us and s.end_us > wait.start_us),
+        None,
+    )
     if match is None:
         return []
     flights = []
@@ -171,9 +170,7 @@ def _flights(host: list[Slice], draft: list[Slice], wait: Slice) -> list[tuple[f
 
 
 def stage_costs(trace: dict) -> dict:
-    """Mean seconds per call of each stage (``stage.qualified``, tree depths together) and of the draft
-    lane's ``match``, from the slices of every process: the schedule's node costs, measured wherever
-    the stage ran (a process lane's draft included)."""
+    """Mean seconds per call of each stage (tree depths together) and of the draft's ``match``."""
     durations: dict = {}
     for s in slices(trace):
         if s.track in ("target", "draft") and "." in s.name:

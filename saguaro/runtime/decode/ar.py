@@ -1,24 +1,18 @@
-"""Mode ``ar``: the target alone, one token per target call, and no host sync in the round.
-
-Each round is queued on the device without waiting for the one before: the host learns how many rows
-are still active a round late, through a :class:`~saguaro.runtime.base.timing.LateRead` (on CUDA a
-``non_blocking`` copy into pinned memory and an event, taken while the next round runs), so the device
-never idles for the host between rounds. The price is at most one round past the end, when the last
-rows finish by EOS: a round on finished rows appends nothing (``tensor_math.ar_round.append_token``)
-and is not counted. A finish by ``max_new_tokens`` the host sees coming, and stops on time.
-"""
+"""Mode ``ar``: the target alone, one token a call, no host sync inside the loop: the rows still active are
+read a round late (``LateRead``), so at most one round runs past the last EOS, appending nothing
+(``docs/design.md``, "Host reads per round")."""
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from saguaro.core.stages import TARGET_ROUND, TARGET_STEP
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.state import DecodeState
-from saguaro.runtime.base.stats import since
+from saguaro.runtime.base.stats import seconds_since
 from saguaro.runtime.base.timing import LateRead, Stopwatch
 from saguaro.runtime.decode.controlled import decide, in_effect
 
@@ -26,10 +20,8 @@ Launch = Callable[[], torch.Tensor]  # queues one round; returns the rows still 
 
 
 def decode_ar(target: ModelRunner, draft: ModelRunner | None, state: DecodeState, plan, first_tokens) -> None:
-    """Extend every row one token per round until all rows finish (the draft, the plan and the first
-    tokens, already in ``state``, are not needed: the signature is every decoder's). Greedy rounds run in
-    one stage call each where the target offers AR's round stage (:func:`round_in_graph`), other rounds
-    by the step (:func:`round_by_step`); :func:`run_rounds` runs either."""
+    """Mode ``ar`` (``draft``, ``plan``, ``first_tokens`` unused): :func:`run_rounds` of
+    :func:`round_in_graph` where the target offers it (greedy, no control), else of :func:`round_by_step`."""
     if state.temperature == 0 and target.provides(TARGET_ROUND) and in_effect(state) is None:
         run_rounds(state, round_in_graph(target, state))
     else:
@@ -37,27 +29,28 @@ def decode_ar(target: ModelRunner, draft: ModelRunner | None, state: DecodeState
 
 
 def round_by_step(target: ModelRunner, state: DecodeState) -> Launch:
-    """A round by ``target.step``: the step, a token drawn from its logits (the argmax at temperature 0)
-    and appended by ``SequenceBatch.append_one``."""
+    """A :data:`Launch` of ``target.step``, its token from ``controlled.decide``, appended on the host."""
     seqs = state.seqs
 
     def launch() -> torch.Tensor:
         index = seqs.tail_index(1)  # [B, 1]: the pending token
-        (logits,) = target.run(TARGET_STEP, state.target_store, seqs.gather(index), seqs.positions(index),
-                               index)  # [B, V]
+        (logits,) = target.run(
+            TARGET_STEP, state.target_store, seqs.gather(index), seqs.positions(index), index
+        )  # [B, V]
         token = decide(logits, state)
         seqs.append_one(token)
         return seqs.active.sum()  # []
+
     return launch
 
 
 def round_in_graph(target: ModelRunner, state: DecodeState) -> Launch:
-    """A greedy round by :data:`~saguaro.core.stages.TARGET_ROUND`: one call runs the step, appends its
-    argmax to the sequence buffers, claims the next round's slot and returns that round's query and the
-    rows still active; the same tokens as the step's rounds, the same function appending them
-    (``tensor_math.ar_round``)."""
+    """A :data:`Launch` of ``TARGET_ROUND``: step, argmax, append (``tensor_math.ar_round``) and the next
+    query's slot claimed in one call; the step's tokens."""
     seqs, store = state.seqs, state.target_store
-    index = seqs.tail_index(1)  # [B, 1]: the pending token, claimed by the first call; each round claims the next
+    index = seqs.tail_index(
+        1
+    )  # [B, 1]: the pending token, claimed by the first call; each round claims the next
     query = (seqs.gather(index), seqs.positions(index), index)  # input_ids, positions, write_slots [B, 1]
     branch = torch.zeros_like(index)  # [B, 1]: shared
     eos_table = seqs.eos_table(target.spec.vocab_size)  # [V]
@@ -66,21 +59,28 @@ def round_in_graph(target: ModelRunner, state: DecodeState) -> Launch:
     def launch() -> torch.Tensor:
         nonlocal query, claimed
         *query, lengths, finished, still_active = target.run(
-            TARGET_ROUND, store, *query, seqs.tokens, seqs.lengths,
-            seqs.finished, seqs.padding, eos_table, seqs.end, branch=branch, claimed=claimed)
+            TARGET_ROUND,
+            store,
+            *query,
+            seqs.tokens,
+            seqs.lengths,
+            seqs.finished,
+            seqs.padding,
+            eos_table,
+            seqs.end,
+            branch=branch,
+            claimed=claimed,
+        )
         claimed = True
-        seqs.advanced(lengths, finished)
+        seqs.set_lengths_and_finished(lengths, finished)
         return still_active
+
     return launch
 
 
 def run_rounds(state: DecodeState, launch: Launch) -> None:
-    """Queue rounds (``launch``) until every row has finished, reading the rows still active a round late:
-    round ``t`` is queued before the host takes what round ``t-1`` left active. When that is none, round
-    ``t`` ran on finished rows only, appended nothing, and ends the loop uncounted; when the rounds reach
-    the longest budget (``max_new_tokens``), every row has finished without a read. The round itself reads
-    nothing synchronously: its timing is counted once a later read has passed its events, and the one
-    synchronous read, refreshing the sequences' host view for the result, comes after the last round."""
+    """Queue ``launch`` until every row has finished: round ``t`` is queued before the host reads what round
+    ``t-1`` left active; a round past the end is not counted. One synchronous read, after the last round."""
     seqs, counters = state.seqs, state.counters
     host_active = seqs.host_active  # fresh: the prefill's read (or the last SSD round's)
     before = sum(host_active)  # rows active before the round being queued
@@ -108,9 +108,9 @@ def run_rounds(state: DecodeState, launch: Launch) -> None:
 
 
 def end_round(state: DecodeState, started: float, decided: list) -> None:
-    """Count a round of one token per active row (``decided``) that began at ``started`` and hand it on."""
+    """Count a round begun at ``started`` (``decided``: one per active row), then ``round_committed``."""
     counters = state.counters
     counters.accepted_lengths.extend(decided)
     counters.rounds += 1
-    counters.end_round(since(started), decided)
+    counters.end_round(seconds_since(started), decided)
     state.round_committed()

@@ -9,7 +9,7 @@ import torch
 from saguaro.core.stages import DRAFT_PREFILL, TARGET_PREFILL
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.state import DecodeState
-from saguaro.runtime.base.stats import since
+from saguaro.runtime.base.stats import seconds_since
 from saguaro.runtime.decode.controlled import decide
 
 
@@ -24,7 +24,7 @@ def prefill(target: ModelRunner, draft: ModelRunner | None, state: DecodeState) 
     (logits,) = target.run(TARGET_PREFILL, state.target_store, ids, pos, index)  # [B, V]
     if state.draft_store is not None:
         draft.run(DRAFT_PREFILL, state.draft_store, ids, pos, index)
-    state.counters.prefill_s += since(started)
+    state.counters.prefill_s += seconds_since(started)
     first = decide(logits, state)
     seqs.append_one(first)
     seqs.read()  # the host view the rounds start from (a row may finish on its first token)

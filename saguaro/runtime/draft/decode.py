@@ -1,6 +1,5 @@
-"""The draft's own decoding: ``k`` autoregressive steps (SD drafting and the neural fallback). Greedy, by the
-chained step (:data:`~saguaro.core.stages.DRAFT_CHAIN`) where the draft's builder offers it: each call returns
-the next call's query, claimed in the store, so nothing runs on the host between the steps."""
+"""The draft's own decoding, ``k`` autoregressive steps (SD drafting, the neural fallback); greedy by the
+chained step (:data:`~saguaro.core.stages.DRAFT_CHAIN`) where the builder offers it."""
 
 from __future__ import annotations
 
@@ -24,18 +23,17 @@ def draft_decode(
     temperature: float,
     generator,  # a torch.Generator, None, or one per row (a list)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Decode ``k`` tokens after ``ids``: ``tokens [B, k]`` and the distributions drawn from ``[B, k, V]``.
-
-    Sampled, the tokens before the last (their outputs unused: only their KV is wanted) go with the last in one
-    call, which draws one uniform per row as every step does. Greedy, likewise where :func:`feeds_together`
-    says so; where the step's linears are Inductor's reductions (a two-token call reads each weight twice there
-    and costs 2.4x a one-token one on a CPU) or unknown (a loaded artifact's), one at a time before it."""
+    """Decode ``k`` tokens after ``ids``: ``tokens [B, k]`` and, sampled, the distributions ``[B, k, V]``
+    drawn from (None when greedy). The fed tokens before the last only write their KV: sampled they go
+    in one call with it (one uniform per row, as every step), greedy too where :func:`feeds_together`."""
     store.invalidate_from(index[:, 0])
     if temperature == 0 and draft.provides(DRAFT_CHAIN):
         return chained_steps(draft, store, ids, index, positions, k), None
-    stage = DRAFT_STEP.at(temperature)
+    stage = DRAFT_STEP.for_temperature(temperature)
     tokens, probs = [], []
-    inv_t = torch.full((), 1.0 / temperature, device=ids.device) if temperature > 0 else None  # a fill: no sync
+    inv_t = (
+        torch.full((), 1.0 / temperature, device=ids.device) if temperature > 0 else None
+    )  # a fill: no sync
     if inv_t is None and not feeds_together(draft, stage):
         for j in range(ids.shape[1] - 1):  # [B, 1] each, contiguous as the later steps' inputs are
             draft.run(stage, store, *_columns(j, j + 1, ids, positions, index), note=CATCH_UP)
@@ -64,17 +62,15 @@ def chained_steps(
     positions: torch.Tensor,  # [B, n]: consecutive
     k: int,
 ) -> torch.Tensor:
-    """Greedy drafting by :data:`~saguaro.core.stages.DRAFT_CHAIN`: ``tokens [B, k]``, the same tokens as the
-    step's. Each call writes its tokens' KV and claims the next slot. The ``n`` fed tokens go in the first call
-    (:func:`feeds_together`), else one at a time: a catch-up call's token is unused (the next query is the next
-    fed token, at the slot and position the call claimed). The slot the last call claimed, for ``x_k``, which
-    no call writes, is dropped again."""
+    """Greedy drafting by :data:`~saguaro.core.stages.DRAFT_CHAIN`: ``tokens [B, k]``, those of the plain
+    step. Each call writes its tokens' KV and claims the next query's slot, so no host work runs between
+    steps; the slot claimed for ``x_k``, which no call writes, is dropped again."""
     together = feeds_together(draft, DRAFT_CHAIN)
     columns = [(0, None)] if together else [(j, j + 1) for j in range(ids.shape[1])]
     query = _columns(*columns[0], ids, positions, index)  # input_ids, positions, write_slots [B, n or 1]
     branches: dict = {}  # query width -> [B, width] zeros: shared
-    # the calls' fast form per query width (ModelRunner.repeated): an earlier round's on this store, else made
-    # after the first call of that width
+    # each query width's fast call (ModelRunner.make_query_call): an earlier round's on this store,
+    # else made after the first call of that width
     repeats: dict = {}
     first = True  # the first call's slots are claimed here or by the runner, the others' by the call before
 
@@ -83,7 +79,7 @@ def chained_steps(
         width = query[0].shape[1]
         branch = branches.setdefault(width, torch.zeros_like(query[1]))
         if width not in repeats:
-            repeats[width] = draft.repeated_again(DRAFT_CHAIN, store, width)
+            repeats[width] = draft.kept_query_call(DRAFT_CHAIN, store, width)
         out = None
         if (repeat := repeats[width]) is not None:
             if first:
@@ -92,7 +88,9 @@ def chained_steps(
         if out is None:
             out = draft.run(DRAFT_CHAIN, store, *query, branch=branch, note=note, claimed=not first)
             if repeat is None:
-                repeats[width] = draft.repeated(DRAFT_CHAIN, store, *query, branch) or (lambda *_: None)
+                repeats[width] = draft.make_query_call(DRAFT_CHAIN, store, *query, branch) or (
+                    lambda *_: None
+                )
         first = False
         return out
 
@@ -108,14 +106,14 @@ def chained_steps(
 
 
 def feeds_together(draft: ModelRunner, stage) -> bool:
-    """Whether a draft round's fed tokens go to ``stage`` in one call: where its linears read each weight once for
-    every row (BLAS, the packed kernel: two rows cost little more than one), not where they are Inductor's
-    reductions or unknown (a loaded artifact's builder says nothing of them)."""
+    """Whether a round's fed tokens go to ``stage`` in one call: not where its linears are Inductor's
+    reductions (two rows read each weight twice) or unknown (a loaded artifact's), see
+    docs/measurements/2026-12-06-prefill-and-draft-feed.md."""
     linears_of = getattr(draft.build, "linears_of", None)
     return linears_of is not None and linears_of(stage) != "reduction"
 
 
 def _columns(start: int, end: int | None, *tensors: torch.Tensor) -> tuple:
-    """Columns ``start:end`` of each ``[B, n]`` tensor as a new one with the strides of a fresh one: what the later
-    steps feed, so that every call of a query width matches one compiled graph's guards."""
+    """Columns ``start:end`` of each ``[B, n]`` tensor, freshly strided, so that every call of a query width
+    matches one compiled graph's guards."""
     return tuple(t[:, start:end].clone(memory_format=torch.contiguous_format) for t in tensors)

@@ -1,5 +1,5 @@
-"""Fallbacks on a speculation-cache miss: neural (the draft decodes now) or fast (a free proposal),
-and the policy that picks one for ``fallback="auto"``."""
+"""Fallbacks on a speculation-cache miss, neural (the draft decodes now) or fast (a free n-gram
+proposal), and :class:`FallbackPolicy`, which picks one for ``fallback="auto"``."""
 
 from __future__ import annotations
 
@@ -7,21 +7,25 @@ from collections import deque
 
 import torch
 
-from saguaro.runtime.draft.decode import draft_decode
-from saguaro.runtime.base.stats import FALLBACK_KINDS
 from saguaro.runtime.base.kv_store import KVStore
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.sequences import SequenceBatch
+from saguaro.runtime.base.stats import FALLBACK_KINDS
+from saguaro.runtime.draft.decode import draft_decode
 from saguaro.tensor_math.verification import one_hot_proposal
 
 
-def neural_fallback(draft: ModelRunner, store: KVStore, seqs: SequenceBatch, rows: torch.Tensor, k: int,
-                    temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The draft decodes ``k`` tokens from ``r'`` for ``rows [M]`` only.
-
-    Missed rows are copied out of the store; what they write is glue territory that the next glue
-    rewrites, so nothing is copied back.
-    """
+def neural_fallback(
+    draft: ModelRunner,
+    store: KVStore,
+    seqs: SequenceBatch,
+    rows: torch.Tensor,
+    k: int,
+    temperature: float,
+    generator,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The draft decodes ``k`` tokens from ``r'`` for ``rows [M]``: ``(tokens [M, k], probs or None)``, on
+    copied rows of the store (nothing is copied back: they write only what the next glue rewrites)."""
     sub = store if rows.numel() == seqs.batch else store.select_rows(rows)
     index = seqs.tail_index(1)[rows]  # [M, 1]: r'
     ids = seqs.tokens[rows].gather(1, index)
@@ -29,14 +33,12 @@ def neural_fallback(draft: ModelRunner, store: KVStore, seqs: SequenceBatch, row
     return draft_decode(draft, sub, ids, index, positions, k, temperature, generator)
 
 
-def fast_fallback(seqs: SequenceBatch, rows: torch.Tensor, k: int, vocab_size: int,
-                  temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """An n-gram proposal from each row's own context: what followed the last earlier ``r'``.
-
-    Without a match, and past the end of the context, ``r'`` repeated. It is deterministic, so
-    verification uses the one-hot proposal ``δ_x`` and stays exact at temperature > 0. All rows at
-    once on the device: no host sync.
-    """
+def fast_fallback(
+    seqs: SequenceBatch, rows: torch.Tensor, k: int, vocab_size: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An n-gram proposal from each row's context, what followed the last earlier ``r'`` (else ``r'``
+    repeated): ``(tokens [M, k], one-hot probs or None)``. Deterministic, so verification with ``δ_x``
+    stays exact when sampling; all rows at once on the device, no host sync."""
     context = seqs.tokens[rows]  # [M, C]
     last_index = (seqs.lengths[rows] - 1)[:, None]  # [M, 1]: r'
     last = context.gather(1, last_index)  # [M, 1]
@@ -56,22 +58,15 @@ EXPLORE_EVERY = 8  # after this many fallback rounds of one kind in a row, the o
 
 
 class FallbackPolicy:
-    """``auto``: per round, the fallback with the higher expected tokens per second, exploring the other.
-
-    Neural: ``acc_neural / (T_verify + T_neural)``; fast: ``acc_fast / T_verify``. Costs and accepted
-    lengths are means over the latest :data:`WINDOW` measurements of this generation. The first miss
-    takes the kind the batch size suggests (neural up to :data:`AUTO_NEURAL_MAX_BATCH` rows), the next
-    one tries the other kind once, and from then on the measured rates decide, except that after
-    :data:`EXPLORE_EVERY` fallback rounds of one kind in a row the other kind is taken once more: one
-    unlucky round never locks a kind out (its mean is measured again, and wins back where it pays).
-    ``choose`` only reads; the server reports what each fallback round took (:meth:`took`) and the
-    accepted lengths by kind (:meth:`observe_round`).
-    """
+    """``auto``: per round the fallback with the higher expected tokens per second, exploring the other:
+    neural ``acc_neural / (T_verify + T_neural)``, fast ``acc_fast / T_verify``, means of the latest
+    :data:`WINDOW`. The first miss takes the batch's kind (neural up to :data:`AUTO_NEURAL_MAX_BATCH` rows),
+    the second the other, and every :data:`EXPLORE_EVERY` rounds of one kind the other once. :meth:`choose`
+    only reads; the server reports :meth:`took` and :meth:`observe_round`."""
 
     def __init__(self, kind: str, batch: int, fixed_costs: tuple | None = None, timed: bool = True):
-        """``fixed_costs = (T_verify, T_neural)`` replaces measured times; ``timed=False`` without them
-        keeps the batch-size choice: either way the choice then depends on outcomes only (sampled
-        generations, so that a seed fixes the tokens)."""
+        """``fixed_costs = (T_verify, T_neural)`` replaces measured times; ``timed=False`` without them keeps
+        the batch-size choice: either way outcomes alone decide (sampled: a seed fixes the tokens)."""
         self.kind = kind
         self.batch = batch
         self.fixed_costs = fixed_costs
@@ -83,9 +78,8 @@ class FallbackPolicy:
         self._neural_pending: list = []  # neural fallbacks' Intervals (runtime.base.timing) not read yet
 
     def observe_round(self, sources: list, accepted: list, verify_s: float) -> None:
-        """A verified round: each row's speculation came from ``sources[b]`` (``"hit"``, ``"neural"`` or
-        ``"fast"``) and accepted ``accepted[b]`` tokens (None: the row was not active); the verify took
-        ``verify_s``. Rows of a fallback kind add their decided tokens ``a + 1`` to its mean."""
+        """A verified round: row ``b``'s speculation came from ``sources[b]`` and accepted ``accepted[b]``
+        (None: inactive); fallback rows add ``a + 1`` to their kind's mean. The verify took ``verify_s``."""
         self.verify_s.append(verify_s)
         for kind, a in zip(sources, accepted):
             if a is not None and kind in self.accepted:
@@ -101,10 +95,8 @@ class FallbackPolicy:
         return sum(lengths) / len(lengths) if lengths else default
 
     def time_neural(self, interval) -> list:
-        """Queue a neural fallback's device-time ``Interval``; add to ``neural_s`` and return the seconds of
-        those queued that are ready now, oldest first. On CUDA a fallback's time is so read once a later
-        call finds its events passed, never by waiting (its tokens go to the verify on the device: the
-        caller needs no host copy of them); on CPU at once."""
+        """Queue a neural fallback's device-time ``Interval``; the seconds of those queued that are ready now
+        (added to ``neural_s``), oldest first: never a wait for the device."""
         self._neural_pending.append(interval)
         ready = []
         while self._neural_pending and self._neural_pending[0].ready():
@@ -127,9 +119,14 @@ class FallbackPolicy:
         if self.fixed_costs is not None:
             t_verify, t_neural = self.fixed_costs
         elif self.neural_s and self.verify_s:
-            t_verify, t_neural = sum(self.verify_s) / len(self.verify_s), sum(self.neural_s) / len(self.neural_s)
+            t_verify, t_neural = (
+                sum(self.verify_s) / len(self.verify_s),
+                sum(self.neural_s) / len(self.neural_s),
+            )
         else:
             return "neural"
         # acc_neural / (T_verify + T_neural) >= acc_fast / T_verify, without dividing by a zero cost
-        neural_wins = self.mean_accepted("neural") * t_verify >= self.mean_accepted("fast") * (t_verify + t_neural)
+        neural_wins = self.mean_accepted("neural") * t_verify >= self.mean_accepted("fast") * (
+            t_verify + t_neural
+        )
         return "neural" if neural_wins else "fast"

@@ -1,10 +1,5 @@
-"""Fan-out allocation (``docs/design.md``, "Geometric fan-out") and the online estimates of ``α`` and ``ρ`` it uses.
-
-Outcome ``j`` of a round has probability ``P(j) = α^j (1 − α)`` for ``j < K`` and ``α^K`` for
-``j = K``. The miss rate at one position falls as ``c·F^(−ρ)`` in its fan-out ``F``; minimising the
-expected miss rate under ``Σ F_j = MQ`` gives ``F_j ∝ P(j)^(1/(1+ρ))``, capped and rounded to
-integers that keep the budget.
-"""
+"""Fan-out allocation and the online estimates of ``α`` and ``ρ`` it uses (docs/design.md, "Geometric
+fan-out"): ``F_j ∝ P(j)^(1/(1+ρ))`` under ``Σ F_j = MQ``, capped and rounded to keep the budget."""
 
 from __future__ import annotations
 
@@ -22,10 +17,8 @@ def outcome_probabilities(alpha: float, k: int) -> list[float]:
 
 
 def geometric_fan_out(alpha: float, rho: float, k: int, budget: int, cap: int | None = None) -> list[int]:
-    """Integer fan-outs ``F_0..F_k`` summing to ``budget``, each in ``[1, cap]``, ``∝ P(j)^(1/(1+ρ))``.
-
-    Every position keeps at least one branch while the budget allows (``budget >= k+1``).
-    """
+    """Integer fan-outs ``F_0..F_k`` summing to ``budget``, each in ``[1, cap]`` while the budget allows
+    (``budget >= k+1``), ``∝ P(j)^(1/(1+ρ))``; ``ValueError`` past ``(k+1)·cap``."""
     cap = cap if cap is not None else max(1, budget)
     n = k + 1
     floor = 1 if budget >= n else 0
@@ -55,14 +48,8 @@ def geometric_fan_out(alpha: float, rho: float, k: int, budget: int, cap: int | 
 
 
 class OutcomeEstimator:
-    """Online ``α`` (from accepted counts) and ``ρ`` (from the rank of the outcome token ``r'``).
-
-    ``α`` is the maximum-likelihood estimate of a geometric truncated at ``K``:
-    accepted tokens ÷ (accepted tokens + rejections). ``ρ`` comes from the empirical miss curve:
-    a fan-out ``F`` misses exactly when the rank of ``r'`` among the draft's candidates is ``≥ F``,
-    so every observed rank updates ``miss(F)`` for all ``F`` at once; ``ρ`` is the least-squares
-    slope of ``−log miss(F)`` on ``log F``.
-    """
+    """Online ``α``, the maximum-likelihood estimate of a geometric truncated at ``K``, and ``ρ``, the slope
+    of ``−log miss(F)`` on ``log F`` (``F`` misses exactly when the outcome token ``r'`` ranks ``≥ F``)."""
 
     def __init__(self, k: int, alpha_prior: float = 0.7, rho_prior: float = 1.0, prior_weight: float = 4.0):
         self.k = k
@@ -70,14 +57,17 @@ class OutcomeEstimator:
         self.rejected = (1 - alpha_prior) * prior_weight
         self.rho_prior = rho_prior
         # host statistics: CPU tensors (the server hands this class host lists, never device tensors)
-        self.rank_counts = torch.zeros(RANK_BINS + 1, dtype=torch.float64, device="cpu")  # last bin: rank >= RANK_BINS
-        self.rank_counts_at = torch.zeros(k + 1, RANK_BINS + 1, dtype=torch.float64, device="cpu")  # [K+1, bins]
+        self.rank_counts = torch.zeros(
+            RANK_BINS + 1, dtype=torch.float64, device="cpu"
+        )  # last bin: rank >= RANK_BINS
+        self.rank_counts_at = torch.zeros(
+            k + 1, RANK_BINS + 1, dtype=torch.float64, device="cpu"
+        )  # [K+1, bins]
         self._ranks_seen = 0
         self._fitted_at, self._fitted = -1.0, None
 
     def observe(self, accepted, ranks=None) -> None:
-        """Record outcomes: ``accepted [N]`` in ``0..K`` and the ranks of ``r'`` ``[N]`` (0 = top), as
-        lists or tensors (a device tensor is read here: the runtime passes lists)."""
+        """Record ``accepted [N]`` in ``0..K`` and, when given, the ranks of ``r'`` ``[N]`` (0 = top)."""
         accepted = torch.as_tensor(accepted, dtype=torch.long, device="cpu")
         self.accepted += float(accepted.sum())
         self.rejected += float((accepted < self.k).sum())
@@ -85,8 +75,7 @@ class OutcomeEstimator:
             self.observe_ranks(accepted, ranks)
 
     def observe_ranks(self, accepted, ranks) -> None:
-        """Record the ranks of ``r'`` ``[N]`` (0 = top) alone (``accepted [N]``, their positions, were
-        observed already): the server learns them one round after the accepted counts."""
+        """Record the ranks of ``r'`` ``[N]`` for outcomes at ``accepted [N]`` observed earlier."""
         bins = torch.as_tensor(ranks, dtype=torch.long, device="cpu").clamp(0, RANK_BINS)
         if not bins.numel():
             return
@@ -94,8 +83,9 @@ class OutcomeEstimator:
         self.rank_counts += torch.bincount(bins, minlength=RANK_BINS + 1)
         self._ranks_seen += bins.numel()
         if accepted.numel() == bins.numel():
-            self.rank_counts_at.index_put_((accepted, bins), torch.ones_like(bins, dtype=torch.float64),
-                                           accumulate=True)
+            self.rank_counts_at.index_put_(
+                (accepted, bins), torch.ones_like(bins, dtype=torch.float64), accumulate=True
+            )
 
     @property
     def alpha(self) -> float:
@@ -107,14 +97,12 @@ class OutcomeEstimator:
         if total == 0:
             return torch.zeros(0, dtype=torch.float64, device="cpu")
         tail = self.rank_counts.flip(0).cumsum(0).flip(0) / total  # tail[i] = P(rank >= i)
-        return tail[1:RANK_BINS + 1]
+        return tail[1 : RANK_BINS + 1]
 
     def miss_function(self):
-        """``miss(j, F) = (F + 1)^(−ρ_j)`` at outcome position ``j``: ``ρ_j`` the least-squares fit of the
-        miss curve observed at ``j`` on ``log(F + 1)``, or of all positions together while ``j`` has fewer
-        than :data:`MIN_RANKS` ranks (the prior ``ρ`` before any). ``miss(j, 0) = 1``, convex and
-        decreasing in ``F``, so the planner's greedy allocation is optimal under it, and branches go to
-        the positions that miss. Refitted every :data:`REFIT_EVERY` observations."""
+        """``miss(j, F) = (F + 1)^(−ρ_j)``, ``ρ_j`` fitted to the ranks seen at position ``j`` (to all
+        positions below :data:`MIN_RANKS` ranks, the prior before any), refitted every :data:`REFIT_EVERY`
+        observations. Convex and decreasing in ``F``: the planner's greedy allocation is optimal under it."""
         total = float(self._ranks_seen)
         if self._fitted is None or total - self._fitted_at >= REFIT_EVERY:
             overall = _planning_miss_fit(self.rank_counts, self.rho_prior)
@@ -147,7 +135,7 @@ def _planning_miss_fit(counts: torch.Tensor, prior: float) -> float:
     total = counts.sum()
     if total < MIN_RANKS:
         return prior
-    miss = (counts.flip(0).cumsum(0).flip(0) / total)[1:RANK_BINS + 1]  # P(rank >= F), F = 1..
+    miss = (counts.flip(0).cumsum(0).flip(0) / total)[1 : RANK_BINS + 1]  # P(rank >= F), F = 1..
     x = torch.log(torch.arange(2, miss.numel() + 2, dtype=torch.float64, device="cpu"))  # log(F + 1)
     keep = miss > 0
     if not bool(keep.any()):
@@ -157,7 +145,7 @@ def _planning_miss_fit(counts: torch.Tensor, prior: float) -> float:
 
 
 def resolve_fan_out(fan_out, k: int, budget: int, estimator: OutcomeEstimator | None, cap: int) -> list[int]:
-    """The fan-out list for this round from the configured ``fan_out`` (int, list, or "geometric")."""
+    """This round's fan-out list from the configured ``fan_out`` (an int, a list, or "geometric")."""
     if fan_out == "geometric":
         alpha = estimator.alpha if estimator is not None else 0.7
         rho = estimator.rho if estimator is not None else 1.0

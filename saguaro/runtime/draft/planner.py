@@ -1,25 +1,5 @@
-"""The speculation planner: each SSD round's tree, chosen from measured costs and online estimates.
-
-A round that builds a tree of ``M`` branches costs, on a hit, ``max(T_verify(M), T_build(M))``: the
-target verifies while the draft lane runs glue and ``K`` tree depths, ``T_build(M) = T_glue + K ·
-T_tree(M)``. On a miss the next speculation comes from the fallback: the neural one costs ``K ·
-T_step`` more and decides as many tokens as a hit, ``E = Σ_j P(j)(j + 1)``; the fast one costs
-nothing and decides ``E_fast`` (measured). The best plan has the most expected tokens per second
-
-    rate(M) = (P_hit E + (1 − P_hit) E_miss) / (max(T_verify(M), T_build(M)) + (1 − P_hit) T_miss),
-
-where ``P_hit(M) = Σ_j P(j) · (1 − miss(j, F_j))`` for the fan-out ``F`` of ``M`` branches that
-maximises it (``miss(j, F)``: the chance that the outcome token at position ``j`` is not among the
-top ``F`` candidates, so branches go where outcomes are likely and misses frequent). ``M = 0`` builds the glue only: every row then misses and drafts with the neural
-fallback, which is an SD round whose glue overlaps the verify. So when no tree pays, SSD runs SD
-rounds. The cost terms start from what calibration measured with the verify and the lane's build
-running together (:meth:`StageCosts.under_contention`: the round's real costs, on one GPU or on the
-lanes' share of the cores, not each stage's alone) and, for greedy generations, follow running means of
-what it measures each round (a candidate not measured yet counts its tree as free, so it is tried
-once). Sampled generations keep the warm-up costs: the plan then depends on the seed's outcomes only,
-so a seed fixes the tokens. ``P(j)`` and ``miss`` come from the
-:class:`~saguaro.runtime.draft.fan_out.OutcomeEstimator`.
-"""
+"""The speculation planner: each SSD round's tree from measured costs and online estimates, maximising
+expected tokens per second (docs/design.md, "The planner"); ``M = 0`` branches is an SD round."""
 
 from __future__ import annotations
 
@@ -42,23 +22,23 @@ class Plan:
 
 
 def best_fan_out(probabilities: list, miss, budget: int, cap: int) -> tuple[list, float]:
-    """The fan-out of ``budget`` branches (each position at most ``cap``) that maximises the hit rate
-    ``Σ_j P(j)(1 − miss(j, F_j))``, and that rate. Branches go one at a time to the position with the
-    largest gain; with each ``miss(j, ·)`` convex and decreasing (as ``(F+1)^(−ρ_j)`` is) this greedy
-    is optimal."""
+    """The fan-out of ``budget`` branches (each position at most ``cap``) maximising the hit rate
+    ``Σ_j P(j)(1 − miss(j, F_j))``, and that rate; the greedy is optimal for convex decreasing ``miss``."""
     plans = fan_out_ladder(probabilities, miss, budget, cap)
     return plans[-1]
 
 
 def fan_out_ladder(probabilities: list, miss, budget: int, cap: int) -> list[tuple[list, float]]:
-    """``[(fan_out, hit_rate)]`` of the greedy allocation for every budget ``0..budget`` (one pass:
-    the allocation of ``M + 1`` branches is that of ``M`` plus one)."""
+    """``[(fan_out, hit_rate)]`` of the greedy allocation for every budget ``0..budget`` in one pass; it
+    stops early once every position is capped."""
     fan = [0] * len(probabilities)
     hit = 0.0
     ladder = [(list(fan), hit)]
     for _ in range(budget):
-        gains = [p * (miss(j, f) - miss(j, f + 1)) if f < cap else -1.0
-                 for j, (p, f) in enumerate(zip(probabilities, fan))]
+        gains = [
+            p * (miss(j, f) - miss(j, f + 1)) if f < cap else -1.0
+            for j, (p, f) in enumerate(zip(probabilities, fan))
+        ]
         j = max(range(len(fan)), key=lambda i: (gains[i], -i))
         if gains[j] < 0:
             break
@@ -92,10 +72,9 @@ class StageCosts:
     def observe_step(self, step_s: float) -> None:
         self.step_s = self._mean(self.step_s, step_s)
 
-    def under_contention(self, contended: "StageCosts | None") -> "StageCosts":
-        """These costs with the glue and tree depths that ``contended`` measured while the target verified
-        (calibration's builds) in place of those timed alone: in a round the build runs against the verify
-        (on one GPU their kernels share the device, on CPU the cores). Returns ``self``."""
+    def under_contention(self, contended: StageCosts | None) -> StageCosts:
+        """Take the glue and tree depths ``contended`` measured while the target verified in place of those
+        timed alone (a round's build runs against the verify); returns ``self``."""
         if contended is not None:
             self.glue_s = contended.glue_s if contended.glue_s is not None else self.glue_s
             self.tree_s |= contended.tree_s
@@ -155,7 +134,7 @@ PRIOR_ALPHA, PRIOR_RHO = 0.8, 1.5  # the outcomes assumed before a generation ha
 
 
 def prior_plan(costs: StageCosts, k: int, cap: int) -> Plan:
-    """SSD's best plan costed with ``costs`` under the prior outcomes :data:`PRIOR_ALPHA`, :data:`PRIOR_RHO`."""
+    """SSD's best plan costed with ``costs`` under :data:`PRIOR_ALPHA` and :data:`PRIOR_RHO`."""
     planner = Planner(k, [0, *costs.tree_s], cap)
     planner.costs = costs
     return planner.plan(PRIOR_ALPHA, lambda j, f: (f + 1.0) ** (-PRIOR_RHO))
@@ -167,20 +146,20 @@ def prior_tokens(k: int) -> float:
 
 
 def ssd_pays(costs: StageCosts, sd_round_s: float, k: int, cap: int) -> bool:
-    """Whether SSD's best plan, costed with a lane's calibrated ``costs`` (the verify and each build timed
-    while both run: on one GPU, their kernels sharing it; on CPU, each lane on its share of the cores),
-    beats plain SD, whose round ``sd_round_s`` (verify + ``k`` draft steps) was timed alone, under the prior
-    outcomes :data:`PRIOR_ALPHA` and :data:`PRIOR_RHO`."""
+    """Whether SSD's prior plan, costed with a lane's contended ``costs``, beats an SD round of
+    ``sd_round_s`` timed alone (verify and ``k`` draft steps) under :data:`PRIOR_ALPHA`, :data:`PRIOR_RHO`."""
     return prior_plan(costs, k, cap).rate > prior_tokens(k) / sd_round_s
 
 
 def why_no_tree_pays(costs: StageCosts, sd_round_s: float, k: int, cap: int, where: str) -> str:
-    """In words, with the figures, why :func:`ssd_pays` is False for these costs (``where`` the target and
-    the lane ran while calibration timed them, e.g. "sharing one GPU")."""
+    """Why :func:`ssd_pays` is False, in words with the figures (``where``: how the target and the lane
+    ran while timed, e.g. "sharing one GPU")."""
     plan = prior_plan(costs, k, cap)
     build = (costs.glue_s or 0.0) + (k * costs.tree(plan.budget) if plan.budget else 0.0)
     tree = f"{plan.budget} branches" if plan.budget else "no tree, the glue only"
-    return (f"SSD's best round ({tree}: the verify {1000 * costs.verify(plan.budget):.2f} ms and the "
-            f"draft's build {1000 * build:.2f} ms, timed while both run, {where}) is expected to decide "
-            f"{plan.rate * sd_round_s / prior_tokens(k):.2f}x the tokens per second of an SD round "
-            f"({1000 * sd_round_s:.2f} ms, timed alone)")
+    return (
+        f"SSD's best round ({tree}: the verify {1000 * costs.verify(plan.budget):.2f} ms and the "
+        f"draft's build {1000 * build:.2f} ms, timed while both run, {where}) is expected to decide "
+        f"{plan.rate * sd_round_s / prior_tokens(k):.2f}x the tokens per second of an SD round "
+        f"({1000 * sd_round_s:.2f} ms, timed alone)"
+    )

@@ -1,5 +1,5 @@
-"""What travels between a draft lane's caller and its :class:`~saguaro.runtime.draft.server.SpeculationServer`:
-the spec a generation (or a row joining one) is opened with, a speculation, and a lookup's answer."""
+"""What travels between a draft lane's caller and its speculation server: a generation's (or joining
+row's) spec, a speculation, a lookup's answer."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ class Speculation:
 
 @dataclass
 class Lookup:
-    """The speculation cache's answer to an outcome: ``hit [B]`` and the cached speculation (rows that
-    missed hold filler until :meth:`SpeculationServer.fallback` replaces it)."""
+    """The cache's answer to an outcome: ``hit [B]`` and the speculation (missed rows hold filler until
+    ``fallback`` replaces it)."""
 
     hit: list  # [B] host bools; False on rows not looked up (finished before this round)
     speculation: Speculation

@@ -9,26 +9,21 @@ import torch
 
 @dataclass
 class SpeculationCache:
-    """What one glue + fork + tree decode prepared for every outcome it predicted.
+    """What one glue + fork + tree decode prepared for every outcome it predicted (shapes by field);
+    ``ranked`` (each glue row's top tokens, the speculated one excluded) feeds the ``ρ`` estimate."""
 
-    ``branch_rows [MQ]`` is the outcome position ``j`` of each branch, ``candidates [B, MQ]`` its
-    outcome token ``c``; ``tokens [B, MQ, K]`` the speculation that follows ``c`` and
-    ``probs [B, MQ, K, V]`` the distributions those tokens were drawn from (``None`` when greedy). ``ranked`` (each glue
-    row's top tokens, speculated token excluded) feeds the online ``ρ`` estimate.
-    """
-
-    branch_rows: torch.Tensor  # [MQ]
-    candidates: torch.Tensor  # [B, MQ]
-    tokens: torch.Tensor  # [B, MQ, K]
-    probs: torch.Tensor | None  # [B, MQ, K, V]
+    branch_rows: torch.Tensor  # [MQ]: each branch's outcome position j
+    candidates: torch.Tensor  # [B, MQ]: each branch's outcome token c
+    tokens: torch.Tensor  # [B, MQ, K]: the speculation that follows c
+    probs: torch.Tensor | None  # [B, MQ, K, V]: what those tokens were drawn from; None when greedy
     ranked: torch.Tensor  # [B, K+1, W]
     glue_s: float = 0.0  # measured seconds of the glue that built it
     depth_s: list = field(default_factory=list)  # measured seconds of each tree depth
     keys: list | None = None  # [B] host dicts (j, c) -> branch, from :meth:`index_on_host`
 
     def index_on_host(self, branch_rows: list, candidates: list) -> None:
-        """Index the cache on the host from ``branch_rows [MQ]`` and ``candidates [B, MQ]`` (read once,
-        when the build ends), so that :meth:`match_host` costs no device work and no sync."""
+        """Index the cache on the host from ``branch_rows [MQ]`` and ``candidates [B, MQ]`` (read once, at the
+        build's end), so :meth:`match_host` is host work."""
         self.keys = []
         for row in candidates:
             keys: dict = {}
@@ -37,16 +32,19 @@ class SpeculationCache:
             self.keys.append(keys)
 
     def match_host(self, accepted: list, outcome_tokens: list) -> tuple[list, list]:
-        """:meth:`match` on the host: outcomes ``(a [B], r' [B])`` as ints (``a`` None: the row is not
-        looked up, a miss) give ``hit [B]`` bools and the matching branch ``[B]`` (0 on a miss)."""
+        """:meth:`match` on host ints (``a`` None: not looked up): ``hit [B]`` and branch ``[B]`` (0 on a
+        miss); ``RuntimeError`` before :meth:`index_on_host`."""
         if self.keys is None:
             raise RuntimeError("match_host needs the cache indexed on the host first (index_on_host)")
-        branch = [None if a is None else keys.get((a, c)) for keys, a, c in zip(self.keys, accepted, outcome_tokens)]
+        branch = [
+            None if a is None else keys.get((a, c)) for keys, a, c in zip(self.keys, accepted, outcome_tokens)
+        ]
         return [m is not None for m in branch], [m or 0 for m in branch]
 
-    def match(self, accepted: torch.Tensor, outcome_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For outcomes ``(a [B], r' [B])`` on the device: ``hit [B]`` bool and the matching branch ``[B]``
-        (the device form of :meth:`match_host`)."""
+    def match(
+        self, accepted: torch.Tensor, outcome_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For device outcomes ``(a [B], r' [B])``: ``hit [B]`` bool and the matching branch ``[B]``."""
         if self.candidates.shape[1] == 0:  # no tree this round
             return torch.zeros_like(accepted, dtype=torch.bool), torch.zeros_like(accepted)
         same = (self.branch_rows[None, :] == accepted[:, None]) & (self.candidates == outcome_tokens[:, None])
@@ -56,8 +54,9 @@ class SpeculationCache:
         """The cached ``tokens [B, K]`` and ``probs [B, K, V]`` of branch ``branch [B]`` of each row."""
         B, MQ, K = self.tokens.shape
         if MQ == 0:
-            return self.tokens.new_zeros(B, K), None if self.probs is None else self.probs.new_zeros(B, K,
-                                                                                                   self.probs.shape[-1])
+            return self.tokens.new_zeros(B, K), None if self.probs is None else self.probs.new_zeros(
+                B, K, self.probs.shape[-1]
+            )
         tokens = self.tokens.gather(1, branch[:, None, None].expand(B, 1, K)).squeeze(1)
         if self.probs is None:
             return tokens, None

@@ -1,4 +1,3 @@
-"""Lanes: where the draft server runs (a thread, another process or host) behind the ``DraftLane`` protocol
-and the typed ``DraftClient``; their owner, the CUDA stream hand-off, the draft process's entry point
-and the draft as files. May import runtime.draft, runtime.base and core. Only this folder spells a
-server method's name."""
+"""Lanes: where the draft server runs (thread, process, another host, a tensor-parallel rank) behind
+``DraftLane`` and the typed ``DraftClient``; their owner and stream hand-off. May import runtime.draft,
+runtime.base and core. Only this folder spells a server method's name."""

@@ -1,14 +1,5 @@
-"""The draft model handed to a draft process without pickling the caller's objects.
-
-Where the draft's capture has a file form, the caller writes that (``CapturedSource.save``, in
-``saguaro.capture.captured_files``: graph, tensors, spec) to a private temporary folder, and the draft process
-builds its server from it without the model's code. Otherwise the caller writes the draft's config
-(``config.json``), its state (``model.safetensors``, tied tensors stored once and named as aliases) and every
-buffer as it is now (``buffers.safetensors``: non-persistent buffers such as rotary frequencies, in the dtype
-the model holds them), and sends a small description: the model and config classes by import path, dtype,
-device, backend. The draft process imports those classes (never the caller's ``__main__``), rebuilds the model
-without random initialisation and loads the files, so its forward equals the caller's bit for bit.
-"""
+"""The draft handed to a draft process as files, never by pickling the caller's objects: its capture's
+file form, else its config, weights and buffers and its classes by import path, rebuilt bit for bit."""
 
 from __future__ import annotations
 
@@ -22,7 +13,6 @@ from saguaro.core.errors import SaguaroError
 from saguaro.core.tensor_files import load_tensors, save_tensors
 
 
-
 class RemoteDraftError(SaguaroError):
     """The draft cannot be rebuilt in another process (for example its class is defined in ``__main__``)."""
 
@@ -34,7 +24,8 @@ def class_path(cls: type) -> tuple[str, str]:
         where = "the script's __main__" if module == "__main__" else f"a function body ({name})"
         raise RemoteDraftError(
             f"draft class {cls.__name__} is defined in {where}, which the draft process does not import; "
-            "define it in an importable module to use lane='process'")
+            "define it in an importable module to use lane='process'"
+        )
     return module, name
 
 
@@ -49,25 +40,33 @@ def import_class(module: str, name: str) -> type:
 
 
 class RemoteDraft:
-    """What a process lane rebuilds the draft side from: the model (kept here, in the caller), the
-    backend and attention choice, and the capture's ``source`` when it has files of its own (a
-    ``saguaro.capture.captured_files.CapturedSource``: the draft process then reads the captured graph
-    and never rebuilds the model)."""
+    """What a process lane rebuilds the draft side from: the model (kept in the caller), backend and
+    attention, and the capture's ``source`` when it has files of its own."""
 
     def __init__(self, model: torch.nn.Module, backend: str, attention: str, source=None):
         self.model, self.backend, self.attention, self.source = model, backend, attention, source
 
     def save(self, directory: str) -> dict:
         """Write the draft to ``directory``; return the description the draft process loads it from."""
-        described = {"backend": self.backend, "attention": self.attention,
-                     "device": str(next(self.model.parameters()).device)}
+        described = {
+            "backend": self.backend,
+            "attention": self.attention,
+            "device": str(next(self.model.parameters()).device),
+        }
         if self.source is not None:
-            return dict(self.source.save(directory), server="saguaro.compile:captured_draft_server", **described)
+            return dict(
+                self.source.save(directory), server="saguaro.compile:captured_draft_server", **described
+            )
         model = self.model
         aliases = save_tensors(os.path.join(directory, "model.safetensors"), model.state_dict())
-        description = dict(described, model_class=class_path(type(model)), config_class=class_path(type(model.config)),
-                           directory=directory, aliases=aliases,
-                           dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
+        description = dict(
+            described,
+            model_class=class_path(type(model)),
+            config_class=class_path(type(model.config)),
+            directory=directory,
+            aliases=aliases,
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        )
         model.config.to_json_file(os.path.join(directory, "config.json"))
         buffers = {name: b.detach().to("cpu", copy=True).contiguous() for name, b in model.named_buffers()}
         save_file(buffers, os.path.join(directory, "buffers.safetensors"))
@@ -75,8 +74,7 @@ class RemoteDraft:
 
 
 def load_draft(description: dict) -> torch.nn.Module:
-    """Rebuild the draft model a :meth:`RemoteDraft.save` wrote without a capture source (in the draft
-    process)."""
+    """In the draft process: the model a :meth:`RemoteDraft.save` without a capture source wrote."""
     model_cls = import_class(*description["model_class"])
     config_cls = import_class(*description["config_class"])
     directory, device = description["directory"], torch.device(description["device"])
@@ -101,5 +99,6 @@ def _no_init_weights():
         from transformers.initialization import no_init_weights
     except ImportError:  # pragma: no cover - older transformers
         from contextlib import nullcontext
+
         return nullcontext()
     return no_init_weights()

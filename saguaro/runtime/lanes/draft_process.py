@@ -1,11 +1,7 @@
-"""The draft process of a process lane (``saguaro.runtime.lanes.process``): its only entry point.
-
-Started as ``python -P -c <boot> ROOT saguaro.runtime.lanes.draft_process FD PARENT_PID``, so the caller's script is
-never imported here. It ignores SIGINT, exits when its parent dies, reads the ``init`` message (the
-draft's description, the config, the caller's ``sys.path`` for the model's module), rebuilds the
-draft from the files the caller wrote, builds its :class:`SpeculationServer`, answers with its pid,
-and serves until ``close`` or end-of-file.
-"""
+"""The draft process of a process lane: its only entry point (``python -P -c <boot> ROOT
+saguaro.runtime.lanes.draft_process FD PARENT_PID``, never the caller's script). It ignores SIGINT,
+exits when its parent dies, builds its server from the ``init`` message, answers with its pid and
+serves until ``close`` or end of file."""
 
 from __future__ import annotations
 
@@ -21,7 +17,8 @@ PARENT_POLL_S = 0.5
 
 
 def watch_parent(parent_pid: int) -> None:
-    """Exit as soon as the parent is gone (re-parented: ``getppid`` changes), even mid-computation."""
+    """Exit as soon as the parent is gone (``getppid`` changes), even mid-computation."""
+
     def watch():
         while os.getppid() == parent_pid:
             time.sleep(PARENT_POLL_S)
@@ -39,26 +36,28 @@ def main(argv: list) -> int:
         seq, _, (description, config, parent_path), _ = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         return 0  # the caller gave up before start-up finished
-    import torch
-
     import importlib
+
+    import torch
 
     from saguaro.runtime.lanes.process import send, serve
 
     torch.set_num_threads(1)
-    sys.path.extend(p for p in parent_path if p not in sys.path)  # the model class's module, if the caller's
+    sys.path.extend(p for p in parent_path if p not in sys.path)  # where the model's class may live
     try:
-        # the description names the function that builds the server: a captured draft, or a loaded artifact's
+        # the function that builds the server: a captured draft's, or a loaded artifact's
         module, name = description.get("server", "saguaro.compile:draft_server").split(":")
         server = getattr(importlib.import_module(module), name)(description, config)
-    except Exception as exc:  # noqa: BLE001 - reported to the caller, which then uses the thread lane
+    except Exception as exc:
         send(conn, (seq, False, f"{type(exc).__name__}: {exc}", None))
         return 1
     send(conn, (seq, True, os.getpid(), None))
     serve(conn, server)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # skip the interpreter's teardown (a second or more with torch loaded): nothing is left to save
+    # skip the interpreter's teardown, slow with torch loaded (see
+    # docs/measurements/2026-12-07-figures-from-runtime-base-draft-lanes.md): nothing is left to save
+    os._exit(0)
 
 
 if __name__ == "__main__":

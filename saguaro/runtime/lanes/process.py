@@ -1,27 +1,10 @@
-"""The process lane: the draft server in another process, started through Saguaro's own entry point.
+"""The process lane: the draft server in a child process started through Saguaro's own entry point.
 
-Start-up: the caller writes the draft to a private temporary folder (``RemoteDraft.save``: its capture,
-or else its config, weights and buffers; nothing of the caller's is pickled), starts ``python -P -c
-<boot>`` that imports the lane's entry module (``saguaro.runtime.lanes.draft_process``) — never the
-caller's ``__main__``, so a script without a main guard, ``python -c`` and a notebook run once — and
-waits, up to ``lane_start_timeout_s``, for the draft process to report that its server is built.
-
-Transport: one anonymous ``socket.socketpair`` inherited by the child (``pass_fds``), framed by
-``multiprocessing.connection``. Nothing listens on any address, so there is no port to reach and no
-peer to authenticate: only the two processes hold the pair. A message is a pickled
-``(seq, method, args, reply?)``; a reply is ``(seq, ok, value, events)``: ``events``, while a traced
-generation runs, are the draft process's trace events recorded since its last reply
-(``TraceRecorder.take``), so a trace never waits for the draft process to finish work nobody needs.
-The caller writes and reads whole messages with SIGINT deferred, and waits for replies in short
-interruptible polls, so Ctrl-C never leaves half a message on the wire; a reply to a call that an
-interrupt abandoned carries an old ``seq`` and is dropped, so the next call finds the lane in step (no
-restart, no timeout).
-
-The draft process ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the caller
-decides), exits on end-of-file of its socket, and exits within half a second when its parent dies
-(it watches ``os.getppid()``; ``PR_SET_PDEATHSIG`` is not used because it fires when the *thread*
-that started the child exits, and ``generate`` may run on a short-lived thread).
-"""
+The draft travels as files (:mod:`.draft_files`), messages as pickles over an anonymous socket pair
+(docs/design.md, "How data flows"): ``(seq, method, args, reply?)`` out, ``(seq, ok, value, events)``
+back with the draft's trace events since its last reply. Whole messages under deferred SIGINT and
+dropped stale replies keep the lane in step after Ctrl-C. The child watches ``getppid`` rather than
+``PR_SET_PDEATHSIG``, which fires when the starting *thread* exits."""
 
 from __future__ import annotations
 
@@ -43,8 +26,8 @@ import torch
 
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import SaguaroError
-from saguaro.runtime.lanes.protocol import DraftLaneError, Method
 from saguaro.runtime.base.trace import traced
+from saguaro.runtime.lanes.protocol import DraftLaneError, Method
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +35,15 @@ CLOSE = "close"  # the message that ends the draft process
 INIT = "init"  # the first message: the draft's description, the config, the caller's sys.path
 POLL_S = 0.1  # reply waits poll this often, so an interrupt is noticed promptly
 _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))  # holds saguaro/
-_BOOT = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); sys.path.insert(0, sys.argv[1]); "
-         "import importlib; sys.exit(importlib.import_module(sys.argv[2]).main(sys.argv[3:]))")
+_BOOT = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); sys.path.insert(0, sys.argv[1]); "
+    "import importlib; sys.exit(importlib.import_module(sys.argv[2]).main(sys.argv[3:]))"
+)
 
 
 @contextmanager
 def uninterrupted():
-    """Defer SIGINT (on the main thread, the only one Python interrupts) until a message is whole."""
+    """Defer SIGINT on the main thread until the block ends, then deliver it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -80,8 +65,8 @@ def send(conn: Connection, message) -> None:
 
 
 def serve(conn: Connection, server) -> None:
-    """The draft process's loop: run each message's server method in order; reply to calls. A posted
-    method's exception is answered to the next call; ``open`` starts a generation afresh."""
+    """The draft process's loop: run each message's method in order, reply to calls; a posted method's
+    exception is answered to the next call, and ``open`` starts afresh."""
     failure = None
     with torch.inference_mode():
         while True:
@@ -100,7 +85,7 @@ def serve(conn: Connection, server) -> None:
                     raise failure
                 failure = None
                 result = method.bound_to(server)(*args)
-            except Exception as exc:  # noqa: BLE001 - reported to the caller, which finishes with SD
+            except Exception as exc:
                 failure = exc
                 if reply:
                     send(conn, (seq, False, f"{type(exc).__name__}: {exc}", _events(server)))
@@ -116,7 +101,7 @@ def serve(conn: Connection, server) -> None:
 
 
 class _Pickled:
-    """A reply value pickled beforehand (its ``send`` slice must end before the events travel)."""
+    """A reply value pickled beforehand (its ``send`` slice ends before the events travel)."""
 
     __slots__ = ("payload",)
 
@@ -130,7 +115,8 @@ def _events(server) -> dict | None:
     return None if recorder is None else recorder.take()
 
 
-DRAFT_ENTRY_POINT = "saguaro.runtime.lanes.draft_process"  # the module the draft process runs (``python -m`` style)
+DRAFT_ENTRY_POINT = "saguaro.runtime.lanes.draft_process"  # the module the draft process runs
+CLOSE_WAIT_S = 2.0  # how long close() waits for the draft process to exit before killing it
 
 
 class ProcessLane:
@@ -141,10 +127,8 @@ class ProcessLane:
     kind = "process"
 
     def __init__(self, remote_draft, config: SaguaroConfig, start_timeout_s: float, timeout_s: float):
-        """``remote_draft.save(directory)`` writes the draft (or names where it lies) and returns the
-        description the child builds its server from (:mod:`saguaro.runtime.lanes.draft_process`, the
-        child's module). Raises ``DraftLaneError`` when the lane cannot start; an interrupt during start-up
-        kills and reaps the child before it propagates."""
+        """Write the draft with ``remote_draft.save(directory)``, start the child and wait for its server.
+        ``DraftLaneError`` when it cannot start; an interrupt kills and reaps the child first."""
         self.timeout_s = timeout_s
         self.process: subprocess.Popen | None = None
         self._conn: Connection | None = None
@@ -158,7 +142,7 @@ class ProcessLane:
                 self._spawn(DRAFT_ENTRY_POINT)
             except SaguaroError as exc:  # a class the draft process cannot import, named
                 raise DraftLaneError(str(exc)) from exc
-            except Exception as exc:  # noqa: BLE001 - a full disk, no executable, ...: the thread lane serves
+            except Exception as exc:
                 raise DraftLaneError(f"{type(exc).__name__}: {exc}") from exc
             self._request(INIT, (description, config, list(sys.path)), start_timeout_s, "start-up")
         except BaseException:
@@ -179,8 +163,19 @@ class ProcessLane:
         self._conn = Connection(ours.detach())
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-P", "-c", _BOOT, _ROOT, entry_point, str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                [
+                    sys.executable,
+                    "-P",
+                    "-c",
+                    _BOOT,
+                    _ROOT,
+                    entry_point,
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                ],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             theirs.close()
 
@@ -224,7 +219,7 @@ class ProcessLane:
             return value
 
     def post(self, method: Method, *args) -> None:
-        """Send ``server.method(*args)`` to the draft process; it runs there while the caller goes on."""
+        """Send ``server.method(*args)``; it runs in the draft process while the caller goes on."""
         if self.process.poll() is not None:
             raise self._dead()
         self._seq += 1
@@ -235,27 +230,26 @@ class ProcessLane:
             raise self._dead() from exc
 
     def call(self, method: Method, *args, timeout_s: float | None = None):
-        """Run ``server.method(*args)`` in the draft process (after what was posted) and return its result,
-        waiting at most ``timeout_s`` (default: the lane's timeout)."""
+        """Run ``server.method(*args)`` after what was posted and return its result, within ``timeout_s``
+        (default: the lane's)."""
         return self._request(method, args, self.timeout_s if timeout_s is None else timeout_s, method.value)
 
     def settle(self) -> None:
         """Nothing to wait for here: the draft process's unneeded build ends on its own."""
 
     def take_trace(self) -> list[dict]:
-        """The draft process's events of a traced generation, as they came back with the replies; the
-        draft process stops recording (a posted message: nothing waits for its last, unneeded build,
-        whose events are dropped)."""
+        """The draft process's events as they came back with the replies; recording stops (posted: its last,
+        unneeded build is not waited for)."""
         self.post(Method.TRACE_TAKE)
         parts, self._trace_parts = self._trace_parts, []
         return parts
 
     def close(self) -> None:
-        """Ask the draft process to exit; kill it if it has not within two seconds; reap it."""
+        """Ask the draft process to exit, kill it after :data:`CLOSE_WAIT_S`, reap it."""
         if self.process is not None and self.process.poll() is None and self._conn is not None:
             try:
                 send(self._conn, (self._seq + 1, CLOSE, (), False))
-                self.process.wait(timeout=2)
+                self.process.wait(timeout=CLOSE_WAIT_S)
             except (OSError, subprocess.TimeoutExpired):
                 pass
         self._stop()

@@ -1,13 +1,6 @@
 """The draft lane as a type: :class:`DraftLane` (where a draft server runs) and :class:`DraftClient`
-(the typed calls a Program and its decoders make on one).
-
-A lane runs the methods of a :class:`~saguaro.runtime.draft.server.SpeculationServer`, in the order
-they were sent: ``post`` starts one and returns at once (the round posts ``build`` so that it
-overlaps the target's verification), ``call`` waits for what was posted and returns the method's
-result. Methods travel as :class:`Method` members, never as strings, so a lane can check what it
-is asked to run (the draft process refuses anything else) and a method renamed on the server fails
-at import (:func:`check_methods`), not in a round. Only this folder names server methods.
-"""
+(the typed calls on one). A lane runs server methods in the order sent, ``post`` returning at once and
+``call`` waiting; methods travel as :class:`Method` members, checked at import (:func:`check_methods`)."""
 
 from __future__ import annotations
 
@@ -22,7 +15,7 @@ from saguaro.runtime.draft.server import GenerateSpec, Lookup, Speculation, Spec
 
 
 class DraftLaneError(SaguaroError):
-    """The draft lane failed (an exception, a dead process, or no answer within the timeout)."""
+    """The draft lane failed: an exception, a dead process, or no answer within the timeout."""
 
 
 class Method(enum.Enum):
@@ -48,7 +41,7 @@ class Method(enum.Enum):
 
 
 def check_methods(server_class: type = SpeculationServer) -> None:
-    """Every :class:`Method` is a callable of ``server_class`` (a renamed method fails here, at import)."""
+    """``TypeError`` unless every :class:`Method` is a callable of ``server_class``."""
     missing = [m.value for m in Method if not callable(getattr(server_class, m.value, None))]
     if missing:
         raise TypeError(f"{server_class.__name__} lacks the lane methods {missing}")
@@ -59,9 +52,8 @@ check_methods()
 
 @runtime_checkable
 class DraftLane(Protocol):
-    """Where a draft server runs. ``kind`` names the lane (``stats["lane"]``); ``recorder`` is a
-    :class:`~saguaro.runtime.base.trace.TraceRecorder` while a traced generation runs (transport
-    slices), else None."""
+    """Where a draft server runs; ``kind`` names it (``stats["lane"]``), ``recorder`` is a trace recorder
+    while a traced generation runs (transport slices), else None."""
 
     kind: str
     recorder: Any
@@ -70,8 +62,8 @@ class DraftLane(Protocol):
         """Start ``method(*args)`` on the server and return at once."""
 
     def call(self, method: Method, *args, timeout_s: float | None = None):
-        """Wait for what was posted, run ``method(*args)`` and return its result (``DraftLaneError`` on
-        a failure or no answer within ``timeout_s``, default the lane's timeout)."""
+        """Wait for what was posted, run ``method(*args)``, return its result; ``DraftLaneError`` on a failure
+        or no answer within ``timeout_s`` (default: the lane's)."""
 
     def settle(self) -> None:
         """Wait for posted work that must end before ``generate`` returns (a lane in this process)."""
@@ -84,7 +76,7 @@ class DraftLane(Protocol):
 
 
 class DraftClient:
-    """The typed calls on a lane's speculation server (see :class:`SpeculationServer` for each)."""
+    """The typed calls on a lane's speculation server (each as :class:`SpeculationServer` documents it)."""
 
     def __init__(self, lane: DraftLane):
         self.lane = lane
@@ -117,25 +109,25 @@ class DraftClient:
         self.lane.post(Method.BUILD)
 
     def match(self, accepted: list, outcome: list, verify_s: float) -> Lookup:
-        """The outcome as host lists (``accepted[b]``: None for a finished row), from the round's one read."""
+        """The outcome as host lists from the round's one read (``accepted[b]`` None for a finished row)."""
         return self.lane.call(Method.MATCH, accepted, outcome, verify_s)
 
     def fallback(self, missed: list) -> Speculation:
-        """``missed[b]``: whether row ``b`` needs a fallback speculation (host list)."""
+        """``missed[b]``: whether row ``b`` needs a fallback speculation."""
         return self.lane.call(Method.FALLBACK, missed)
 
     def warm_up(self, spec: GenerateSpec, first_tokens: torch.Tensor, timeout_s: float):
-        """Every stage shape of a generation like ``spec`` run once; the planner's stage costs (or None)."""
+        """Every stage shape of a generation like ``spec`` run once; the stage costs, or None."""
         self.holder = None
         return self.lane.call(Method.WARM_UP, spec, first_tokens, timeout_s=timeout_s)
 
     def join_rows(self, spec: GenerateSpec, first_tokens: torch.Tensor) -> Speculation:
-        """Between rounds: one row (``spec`` of batch 1, its first token ``[1]``) joins the open batch as its
-        last row; its first speculation (tokens ``[1, K]``)."""
+        """Between rounds: one row (``spec`` of batch 1, first token ``[1]``) joins as the last; its first
+        speculation ``[1, K]``."""
         return self.lane.call(Method.JOIN_ROWS, spec, first_tokens)
 
     def keep_rows(self, rows: list) -> None:
-        """Between rounds: only the rows ``rows`` (increasing host ints) stay in the open batch, in that order."""
+        """Between rounds: only ``rows`` (increasing host ints) stay, in that order."""
         self.lane.call(Method.KEEP_ROWS, list(rows))
 
     def build_budget(self, budget: int | None) -> None:
@@ -143,8 +135,7 @@ class DraftClient:
         self.lane.post(Method.BUILD_BUDGET, budget)
 
     def plan_costs(self):
-        """Waits for what was posted; the stage costs the builds measured since ``warm_up`` returned (the
-        builds calibration ran while the target verified: costs under contention), or None."""
+        """Waits for what was posted; the costs the builds measured since ``warm_up`` (against the verify)."""
         return self.lane.call(Method.PLAN_COSTS)
 
     def finished(self) -> bool:
@@ -152,7 +143,7 @@ class DraftClient:
         return self.lane.call(Method.FINISHED)
 
     def trace_start(self) -> None:
-        """Posted: the server records trace events (its next call queues behind this)."""
+        """Posted: the server records trace events."""
         self.lane.post(Method.TRACE_START)
 
     def take_trace(self) -> list[dict]:
@@ -164,7 +155,7 @@ class DraftClient:
 
 @contextmanager
 def one_thread_per_lane(device: torch.device):
-    """Give the caller's lane one intra-op thread on CPU; restore the setting afterwards."""
+    """One intra-op thread for the caller's lane on CPU; the setting is restored afterwards."""
     if device.type != "cpu":
         yield
         return

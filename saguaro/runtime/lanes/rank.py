@@ -1,15 +1,7 @@
-"""The rank lane: SSD's draft lane of a tensor-parallel job, served by the draft rank (rank ``N``) to the
-target ranks ``0..N-1`` (``saguaro.runtime.tensor_parallel``).
-
-It speaks the remote lane's messages (:mod:`~saguaro.runtime.lanes.remote_messages`: each method's
-arguments and result as fixed-layout tensors, checked on receipt) over its transport
-(:class:`~saguaro.runtime.base.wire.Channel`), over two-rank groups of the job's process group: one
-pair ``{r, N}`` per target rank ``r``. The target ranks make the same lane calls in the same order
-(they run the same program on the same tokens), so only rank 0 sends requests; the draft rank sends
-each reply to every target rank, so all of them continue with the same speculation. No doorbell is
-needed: inside an SSD generation the draft rank always has a message coming (the generation's last is
-``BYE``, which :meth:`RankLink.bye` sends after every SSD call, the lane started or not).
-"""
+"""The rank lane: SSD's draft lane of a tensor-parallel job, the draft rank ``N`` serving target ranks
+``0..N-1`` with the remote lane's messages over one :class:`~saguaro.runtime.base.wire.Channel` per pair.
+Rank 0 alone sends requests (the ranks make the same calls) and every rank gets each reply; no
+doorbell, since an SSD generation always has a message coming, the last being ``BYE``."""
 
 from __future__ import annotations
 
@@ -17,12 +9,25 @@ import logging
 
 import torch
 
+from saguaro.runtime.base.wire import Channel, WireError
 from saguaro.runtime.lanes.protocol import DraftLaneError, Method
 from saguaro.runtime.lanes.remote_messages import (
-    BYE, CALL, ERROR, METHODS, POST, REPLY, REQUESTS, Bounds, decode_args, decode_result, encode_args, encode_result,
-    encode_text, decode_text, sent_batch,
+    BYE,
+    CALL,
+    ERROR,
+    METHODS,
+    POST,
+    REPLY,
+    REQUESTS,
+    Bounds,
+    decode_args,
+    decode_result,
+    decode_text,
+    encode_args,
+    encode_result,
+    encode_text,
+    sent_batch,
 )
-from saguaro.runtime.base.wire import Channel, WireError
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +36,7 @@ MAX_CAPACITY = 1 << 24  # KV slots a request may ask for (the ranks of one job t
 
 
 class RankLink:
-    """A target rank's end of the rank lane: its pair group with the draft rank, and the message count."""
+    """A target rank's end of the rank lane: its pair group with the draft rank and the message count."""
 
     def __init__(self, rank: int, pair_group, device: torch.device, vocab: int, k: int):
         self.rank = rank
@@ -55,7 +60,7 @@ class RankLink:
 
 
 class RankLane:
-    """The :class:`~saguaro.runtime.lanes.protocol.DraftLane` of a target rank (see the module docstring)."""
+    """The :class:`~saguaro.runtime.lanes.protocol.DraftLane` of a target rank."""
 
     kind = KIND
     recorder = None
@@ -71,8 +76,8 @@ class RankLane:
         self._send(method, POST + METHODS.index(method), args)
 
     def call(self, method: Method, *args, timeout_s: float | None = None):
-        """Run ``method`` on the draft rank (after what was posted); every target rank gets the result.
-        The job's process-group timeout bounds the wait."""
+        """Run ``method`` on the draft rank after what was posted; every target rank gets the result, within
+        the job's process-group timeout."""
         index = METHODS.index(method)
         self._send(method, CALL + index, args)
         try:
@@ -88,7 +93,7 @@ class RankLane:
         """Nothing to wait for: the draft rank's unneeded last build ends on its own."""
 
     def take_trace(self) -> list[dict]:
-        """Tracing the draft rank is not wired yet: no events (the target rank's own are kept)."""
+        """No events: tracing the draft rank is not wired yet."""
         return []
 
     def close(self) -> None:
@@ -96,9 +101,8 @@ class RankLane:
 
 
 def serve_generation(server, channels: list, vocab: int, k: int, seq: int) -> int:
-    """On the draft rank: serve one SSD generation's requests (from ``channels[0]``, target rank 0) until
-    ``BYE``, each reply sent to every target rank. ``seq``: the number of the last message before this
-    generation (the target ranks count on across calls); returns the number of ``BYE``."""
+    """On the draft rank: serve one SSD generation's requests from ``channels[0]`` until ``BYE``, each
+    reply to every target rank; ``seq`` is the last number before it, the ``BYE``'s is returned."""
     bounds = Bounds(vocab, k, MAX_CAPACITY)
     failure = None
     while True:
@@ -115,7 +119,7 @@ def serve_generation(server, channels: list, vocab: int, k: int, seq: int) -> in
             failure = None
             result = method.bound_to(server)(*args)
             code, tensors = REPLY + METHODS.index(method), encode_result(method, result) if reply else []
-        except Exception as exc:  # noqa: BLE001 - answered to the target ranks, which finish with SD
+        except Exception as exc:
             log.warning("draft rank: %s failed: %s", method.value, exc)
             failure = exc
             code, tensors = ERROR, [encode_text(f"{type(exc).__name__}: {exc}")]

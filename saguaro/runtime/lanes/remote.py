@@ -1,18 +1,6 @@
-"""The remote lane: the draft server of another host (``saguaro draft-server``), over ``torch.distributed``.
-
-:class:`RemoteEndpoint` is what ``saguaro.compile(..., lane="remote", draft_address=...)`` keeps: the
-address, the secret file, and the draft's description the server sent when the Program was compiled
-(its vocabulary, dtype, ``k`` and limits, checked against the target there: a mismatch is a
-``ConfigError`` naming both values). :class:`RemoteLane` is one connection
-(:mod:`~saguaro.runtime.lanes.remote_handshake`): a message is a doorbell byte on the connection's
-socket and the message's tensors over the pair's process group (:mod:`~saguaro.runtime.base.wire`,
-:mod:`~saguaro.runtime.lanes.remote_messages`); the reply is awaited on the socket in short,
-interruptible polls, so a dead server (end of file), a silent one (``lane_timeout_s``) or a reply out
-of sequence raise ``DraftLaneError`` and the generation finishes exactly without the lane. The lane
-kind retries on each ``generate`` (``LaneKind.retry_each_call``), so a restarted server is found again.
-Events of a traced generation come back with ``trace_take``, shifted by the clock offset measured at
-connect.
-"""
+"""The remote lane: the draft server of another host (``saguaro draft-server``) over ``torch.distributed``
+(docs/design.md, "The remote lane"). A dead or silent server or a reply out of sequence raises
+``DraftLaneError``, and the generation finishes exactly without the lane."""
 
 from __future__ import annotations
 
@@ -26,13 +14,22 @@ import torch
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError
 from saguaro.runtime.base.trace import traced
+from saguaro.runtime.base.wire import Channel, WireError
 from saguaro.runtime.lanes import remote_handshake as hs
 from saguaro.runtime.lanes.process import uninterrupted
 from saguaro.runtime.lanes.protocol import DraftLaneError, Method
 from saguaro.runtime.lanes.remote_messages import (
-    CALL, ERROR, METHODS, POST, REPLY, Bounds, decode_result, decode_text, encode_args, sent_batch,
+    CALL,
+    ERROR,
+    METHODS,
+    POST,
+    REPLY,
+    Bounds,
+    decode_result,
+    decode_text,
+    encode_args,
+    sent_batch,
 )
-from saguaro.runtime.base.wire import Channel, WireError
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +63,16 @@ class RemoteEndpoint:
         return {"probe": probe, "config": options, "device_type": self.device.type}
 
     def connect(self, config: SaguaroConfig, probe: bool, timeout_s: float) -> tuple[socket.socket, dict]:
-        """A connection through the secret and the exchange of ``config`` (the Program's: a reconfigured
-        one differs from the compiled one): ``(socket, the server's INFO)``."""
+        """Connect, prove the secret and exchange ``config``: ``(socket, the server's INFO)``;
+        ``DraftLaneError`` when it cannot, ``ConfigError`` on a mismatched draft."""
         secret = hs.read_secret(self.secret_file)
         try:
             sock = socket.create_connection((self.host, self.port), timeout=min(timeout_s, CONNECT_TIMEOUT_S))
         except OSError as exc:
-            raise DraftLaneError(f"cannot reach the draft server at {self.address}: {exc} (start it with "
-                                 f"`saguaro draft-server --listen {self.address}`)") from exc
+            raise DraftLaneError(
+                f"cannot reach the draft server at {self.address}: {exc} (start it with "
+                f"`saguaro draft-server --listen {self.address}`)"
+            ) from exc
         try:
             sock.settimeout(timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -92,24 +91,32 @@ class RemoteEndpoint:
             raise
 
     def probe(self, timeout_s: float = 30.0) -> dict:
-        """The draft's description (checked against the target); keeps it. ``ConfigError`` on a mismatch."""
+        """The draft's description, checked against the target and kept; ``ConfigError`` on a mismatch."""
         sock, info = self.connect(self.config, probe=True, timeout_s=timeout_s)
         sock.close()
         self.info = info["draft"]
         return self.info
 
     def check(self, draft: dict | None, k: int) -> None:
-        """The draft the server describes must share the target's vocabulary and dtype and serve our ``k``."""
+        """The described draft must match the target's vocabulary, dtype and ``k`` (``ConfigError``) and
+        carry positive limits (``DraftLaneError``)."""
         if not isinstance(draft, dict):
             raise DraftLaneError(f"the draft server at {self.address} sent no draft description")
-        for name, ours, what in (("vocab_size", self.vocab_size, "vocabulary size"), ("dtype", self.dtype, "dtype"),
-                                 ("k", k, "k")):
+        for name, ours, what in (
+            ("vocab_size", self.vocab_size, "vocabulary size"),
+            ("dtype", self.dtype, "dtype"),
+            ("k", k, "k"),
+        ):
             if draft.get(name) != ours:
-                raise ConfigError(f"{what} mismatch: the target has {name}={ours!r}, the draft served at "
-                                  f"{self.address} has {name}={draft.get(name)!r}")
+                raise ConfigError(
+                    f"{what} mismatch: the target has {name}={ours!r}, the draft served at "
+                    f"{self.address} has {name}={draft.get(name)!r}"
+                )
         for name in ("width", "max_positions", "max_capacity", "pid"):
             if not isinstance(draft.get(name), int) or draft[name] < 1:
-                raise DraftLaneError(f"the draft server at {self.address} sent a bad {name}: {draft.get(name)!r}")
+                raise DraftLaneError(
+                    f"the draft server at {self.address} sent a bad {name}: {draft.get(name)!r}"
+                )
 
 
 class RemoteLane:
@@ -118,7 +125,9 @@ class RemoteLane:
     kind = "remote"
     recorder = None  # a TraceRecorder while a traced generate runs: transport slices
 
-    def __init__(self, endpoint: RemoteEndpoint, config: SaguaroConfig, start_timeout_s: float, timeout_s: float):
+    def __init__(
+        self, endpoint: RemoteEndpoint, config: SaguaroConfig, start_timeout_s: float, timeout_s: float
+    ):
         self.endpoint, self.timeout_s = endpoint, timeout_s
         self.address = endpoint.address
         self.sock, self.group, self.store = None, None, None
@@ -129,16 +138,20 @@ class RemoteLane:
             local_ip, server_ip = self.sock.getsockname()[0], self.sock.getpeername()[0]
             backend = hs.pair_backend(draft.get("device_type"), endpoint.device.type)
             device = endpoint.device if backend == "nccl" else torch.device("cpu")
-            self.store = torch.distributed.TCPStore(server_ip, int(info["store_port"]), 2, False,
-                                                    datetime.timedelta(seconds=start_timeout_s))
-            self.group = hs.open_pair(self.store, str(info["prefix"]), 1, local_ip, backend, device, timeout_s)
+            self.store = torch.distributed.TCPStore(
+                server_ip, int(info["store_port"]), 2, False, datetime.timedelta(seconds=start_timeout_s)
+            )
+            self.group = hs.open_pair(
+                self.store, str(info["prefix"]), 1, local_ip, backend, device, timeout_s
+            )
             self.offset_ns, self.rtt_ns = hs.measure_offset(self.sock)
         except (hs.HandshakeError, OSError, RuntimeError, KeyError, ValueError) as exc:
             self.close()
             if isinstance(exc, ConfigError):
                 raise DraftLaneError(str(exc)) from exc
-            raise DraftLaneError(f"cannot connect to the draft server at {self.address}: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+            raise DraftLaneError(
+                f"cannot connect to the draft server at {self.address}: {type(exc).__name__}: {exc}"
+            ) from exc
         except BaseException:
             self.close()
             raise
@@ -147,12 +160,19 @@ class RemoteLane:
         self.pid = draft["pid"]
         self.channel = Channel(self.group, 0, device, timeout_s=timeout_s)
         self.bounds = Bounds(endpoint.vocab_size, config.k, draft["max_capacity"])
-        log.info("remote draft lane connected to %s (%s, clock offset %+d us, rtt %d us)", self.address, backend,
-                 self.offset_ns // 1000, self.rtt_ns // 1000)
+        log.info(
+            "remote draft lane connected to %s (%s, clock offset %+d us, rtt %d us)",
+            self.address,
+            backend,
+            self.offset_ns // 1000,
+            self.rtt_ns // 1000,
+        )
 
     def _send(self, method: Method, code: int, args: tuple) -> None:
         if self._broken is not None:
-            raise DraftLaneError(f"the connection to the draft server at {self.address} is unusable: {self._broken}")
+            raise DraftLaneError(
+                f"the connection to the draft server at {self.address} is unusable: {self._broken}"
+            )
         self._seq += 1
         tensors = encode_args(method, args)
         sent_batch(self.bounds, method, args)
@@ -179,17 +199,23 @@ class RemoteLane:
         while not select.select([self.sock], [], [], POLL_S)[0]:
             waited += POLL_S
             if waited > timeout_s:
-                raise DraftLaneError(f"the draft server at {self.address} gave no answer to {method.value} within "
-                                     f"{timeout_s:.1f}s")
+                raise DraftLaneError(
+                    f"the draft server at {self.address} gave no answer to {method.value} within "
+                    f"{timeout_s:.1f}s"
+                )
         try:
             with uninterrupted():
                 if not self.sock.recv(1):
-                    raise DraftLaneError(f"the draft server at {self.address} closed the connection (it stopped "
-                                         "or died)")
+                    raise DraftLaneError(
+                        f"the draft server at {self.address} closed the connection (it stopped or died)"
+                    )
                 with traced(self.recorder, "host", "recv"):
                     message = self.channel.recv({REPLY + index, ERROR}, seq=self._seq)
-                    result = None if message.code == ERROR else decode_result(method, message.tensors, self.bounds,
-                                                                             self.endpoint.device)
+                    result = (
+                        None
+                        if message.code == ERROR
+                        else decode_result(method, message.tensors, self.bounds, self.endpoint.device)
+                    )
         except (WireError, OSError) as exc:
             raise DraftLaneError(f"bad reply from the draft server at {self.address}: {exc}") from exc
         self._broken = None
@@ -202,20 +228,25 @@ class RemoteLane:
         """Nothing to wait for here: the server's unneeded build ends on its own."""
 
     def take_trace(self) -> list[dict]:
-        """The server's events of a traced generation, on this host's clock (the offset measured at
-        connect is subtracted and noted in the part's ``clock``); recording stops."""
+        """The server's events on this host's clock (the offset measured at connect subtracted and noted in
+        ``clock``); recording stops."""
         part = self.call(Method.TRACE_TAKE)
         if part is None:
             return []
-        part["events"] = [(ph, track, name, stamp - self.offset_ns, args)
-                          for ph, track, name, stamp, args in part["events"]]
+        part["events"] = [
+            (ph, track, name, stamp - self.offset_ns, args) for ph, track, name, stamp, args in part["events"]
+        ]
         part["process"] = f"saguaro draft server at {self.address} (pid {part['pid']})"
-        part["clock"] = {"source": f"draft server at {self.address}", "offset_ns_applied": -self.offset_ns,
-                         "rtt_ns": self.rtt_ns, "how": "NTP-style ping at connect, shortest round trip"}
+        part["clock"] = {
+            "source": f"draft server at {self.address}",
+            "offset_ns_applied": -self.offset_ns,
+            "rtt_ns": self.rtt_ns,
+            "how": "NTP-style ping at connect, shortest round trip",
+        }
         return [part]
 
     def close(self) -> None:
-        """Close the connection (the server sees end of file and serves the next target)."""
+        """Close the connection: the server sees end of file and serves the next target."""
         if self.sock is not None:
             try:
                 self.sock.close()

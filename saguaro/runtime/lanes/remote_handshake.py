@@ -1,25 +1,9 @@
 """Connecting a target to a draft server: the listening port, the secret, the pair of ranks.
 
-The only thing listening at ``HOST:PORT`` is a plain TCP socket of ours. A connection there speaks
-fixed frames (``struct`` header: magic, kind, length; at most :data:`MAX_FRAME` bytes; every read
-under a timeout), in this order:
-
-1. client ``HELLO`` (a 32-byte nonce ``c``); server ``CHALLENGE`` (its nonce ``s`` and
-   ``HMAC(secret, "server" | c | s)``: the server proves it knows the secret); client ``PROOF``
-   (``HMAC(secret, "client" | s | c)``), compared with ``hmac.compare_digest``. A peer that cannot prove
-   the secret gets ``REFUSED`` and is closed before any model data is exchanged. Without a secret
-   (loopback only) the key is empty: any local user may connect.
-2. client ``CONFIG``: a JSON document (its options and its target's vocabulary, dtype and device
-   type), parsed by ``json.loads`` and checked field by field; server ``INFO``: a JSON document (the
-   draft's vocabulary, dtype, ``k``, limits; the rendezvous store's port and a random key prefix), or
-   an error.
-3. the pair: a ``TCPStore`` the server starts on the address the client reached (ephemeral port, a
-   socket we bound, so it listens on that address only), and a two-rank ``ProcessGroupGloo`` (NCCL when
-   both sides are on CUDA) over devices bound to each side's own address; then ``PING`` frames measure
-   the clock offset between the hosts (the reply with the shortest round trip, NTP-style).
-
-After that the socket stays open as the connection's doorbell (one byte per message) and its liveness.
-"""
+Fixed frames (magic, kind, length ≤ :data:`MAX_FRAME`, every read under a timeout), in order:
+``HELLO`` / ``CHALLENGE`` / ``PROOF`` (HMAC of both nonces each way; ``REFUSED`` before any model data),
+``CONFIG`` / ``INFO`` (one JSON document each way), then the ``TCPStore``, the two-rank group and
+``PING`` s for the clock offset (docs/design.md, "The remote lane"). Failures: :class:`HandshakeError`."""
 
 from __future__ import annotations
 
@@ -48,11 +32,12 @@ SECRET_ENV = "SAGUARO_DRAFT_SECRET"
 
 
 class HandshakeError(SaguaroError):
-    """The peer broke the handshake (a bad frame, a wrong secret, a timeout, a closed socket)."""
+    """The peer broke the handshake: a bad frame, a wrong secret, a timeout, a closed socket."""
 
 
 def parse_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
-    """``"HOST:PORT"`` (``"[v6]:PORT"``; ``":PORT"`` or ``"PORT"`` for loopback) as ``(host, port)``."""
+    """``"HOST:PORT"`` (``"[v6]:PORT"``; ``":PORT"`` or ``"PORT"`` for loopback) as ``(host, port)``;
+    ``ConfigError`` otherwise."""
     text = str(address).strip()
     host, sep, port = text.rpartition(":")
     if not sep:
@@ -73,8 +58,8 @@ def is_loopback(host: str) -> bool:
 
 
 def read_secret(path: str | None) -> bytes | None:
-    """The shared secret: the file at ``path`` (surrounding whitespace stripped), else the environment
-    variable :data:`SECRET_ENV`, else None."""
+    """The shared secret: the file at ``path`` stripped (``ConfigError`` if unreadable or empty), else
+    :data:`SECRET_ENV`, else None."""
     if path is not None:
         try:
             with open(path, "rb") as f:
@@ -101,7 +86,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     while len(data) < n:
         try:
             chunk = sock.recv(n - len(data))
-        except (socket.timeout, OSError) as exc:
+        except (TimeoutError, OSError) as exc:
             raise HandshakeError(f"the peer did not answer ({type(exc).__name__}: {exc})") from exc
         if not chunk:
             raise HandshakeError("the peer closed the connection")
@@ -132,7 +117,7 @@ def recv_json(sock: socket.socket, kind: int) -> dict:
 
 
 def client_auth(sock: socket.socket, secret: bytes | None) -> None:
-    """Prove the secret to the server and check that it knows it too."""
+    """Prove the secret to the server and check that it knows it too; ``HandshakeError`` otherwise."""
     nonce = secrets.token_bytes(NONCE)
     send_frame(sock, HELLO, nonce)
     kind, payload = recv_frame(sock, (CHALLENGE, REFUSED))
@@ -140,8 +125,9 @@ def client_auth(sock: socket.socket, secret: bytes | None) -> None:
         raise HandshakeError(f"the server refused the connection: {payload[:200].decode(errors='replace')}")
     theirs, proof = payload[:NONCE], payload[NONCE:]
     if not hmac.compare_digest(proof, mac(secret, b"server", nonce, theirs)):
-        raise HandshakeError("the server does not know our secret (wrong --secret-file or SAGUARO_DRAFT_SECRET "
-                             "on one side)")
+        raise HandshakeError(
+            "the server does not know our secret (wrong --secret-file or SAGUARO_DRAFT_SECRET on one side)"
+        )
     send_frame(sock, PROOF, mac(secret, b"client", theirs, nonce))
     kind, payload = recv_frame(sock, (READY, REFUSED))
     if kind == REFUSED:
@@ -149,7 +135,7 @@ def client_auth(sock: socket.socket, secret: bytes | None) -> None:
 
 
 def server_auth(sock: socket.socket, secret: bytes | None) -> None:
-    """Check the client's proof of the secret (``HandshakeError`` when it has none; it is told so)."""
+    """Check the client's proof of the secret; ``HandshakeError`` (the client told) when it has none."""
     _, theirs = recv_frame(sock, (HELLO,), NONCE)
     if len(theirs) != NONCE:
         raise HandshakeError("a HELLO without a nonce")
@@ -163,7 +149,7 @@ def server_auth(sock: socket.socket, secret: bytes | None) -> None:
 
 
 def pair_backend(server_device_type: str, client_device_type: str) -> str:
-    """NCCL when both sides run on CUDA (written, never run: no GPU here), else gloo (tensors on the CPU)."""
+    """NCCL when both sides run on CUDA (written, never run here), else gloo with CPU tensors."""
     return "nccl" if server_device_type == client_device_type == "cuda" else "gloo"
 
 
@@ -180,12 +166,21 @@ def open_store(local_ip: str, timeout_s: float) -> tuple:
     """The rendezvous store (master) on ``local_ip`` at an ephemeral port: ``(store, port, prefix)``."""
     listener = listening_socket(local_ip, 0)
     port = listener.getsockname()[1]
-    store = torch.distributed.TCPStore(local_ip, port, 2, True, datetime.timedelta(seconds=timeout_s),
-                                       wait_for_workers=False, master_listen_fd=listener.detach())
+    store = torch.distributed.TCPStore(
+        local_ip,
+        port,
+        2,
+        True,
+        datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
     return store, port, secrets.token_hex(16)
 
 
-def open_pair(store, prefix: str, rank: int, local_ip: str, backend: str, device: torch.device, timeout_s: float):
+def open_pair(
+    store, prefix: str, rank: int, local_ip: str, backend: str, device: torch.device, timeout_s: float
+):
     """The two-rank process group of one connection (rank 0 the server, 1 the client)."""
     dist = torch.distributed
     scoped = dist.PrefixStore(f"saguaro/{prefix}/", store)
@@ -202,8 +197,8 @@ def open_pair(store, prefix: str, rank: int, local_ip: str, backend: str, device
 
 
 def measure_offset(sock: socket.socket) -> tuple[int, int]:
-    """``(offset_ns, rtt_ns)``: the server's ``time.monotonic_ns()`` minus ours, from the ping with the
-    shortest round trip (the server's reading taken at the middle of it)."""
+    """``(offset_ns, rtt_ns)``: the server's ``time.monotonic_ns()`` minus ours at the middle of the
+    shortest of :data:`PINGS` round trips."""
     best = None
     for _ in range(PINGS):
         sent = time.monotonic_ns()

@@ -1,13 +1,8 @@
 """The remote lane's messages: each :class:`Method`'s arguments and result as fixed-layout tensors.
 
-Codes (the header's ``code``, :mod:`saguaro.runtime.base.wire`): ``POST + i`` runs method ``i`` of
-:data:`METHODS` without a reply, ``CALL + i`` runs it and replies ``REPLY + i`` (or ``ERROR`` with the
-failure's text), ``BYE`` ends the connection. Every value is a number in a tensor of a fixed dtype and
-shape; the side that receives it checks ranges and shapes against :class:`Bounds` (the draft's
-vocabulary and limits, the batch of the open generation) and raises ``WireError`` before the value
-reaches the server or the decoder. The one text that travels after the handshake is a traced
-generation's events (JSON in a uint8 tensor, checked field by field) and an error's message.
-"""
+Codes: ``POST + i`` runs method ``i`` of :data:`METHODS`, ``CALL + i`` runs it and replies ``REPLY + i``
+or ``ERROR``, ``BYE`` ends the connection. Receivers check every value against :class:`Bounds`
+(``WireError``); text travels only as trace events (:func:`check_trace_part`) and error messages."""
 
 from __future__ import annotations
 
@@ -18,10 +13,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from saguaro.runtime.base.stats import FALLBACK_KINDS, SOURCES
+from saguaro.runtime.base.wire import WireError
 from saguaro.runtime.draft.planner import StageCosts
 from saguaro.runtime.draft.server import GenerateSpec, Lookup, Speculation
 from saguaro.runtime.lanes.protocol import Method
-from saguaro.runtime.base.wire import WireError, check_trace_part
 
 METHODS = tuple(Method)  # a method's index is its number on the wire
 POST, CALL, REPLY = 16, 32, 48
@@ -47,8 +42,10 @@ class Bounds:
 def _tensor(message_tensors: list, i: int, dtypes, ndim: int, what: str) -> torch.Tensor:
     t = message_tensors[i] if i < len(message_tensors) else None
     if t is None or t.dtype not in dtypes or t.dim() != ndim:
-        raise WireError(f"{what}: expected a {ndim}-d tensor of {dtypes}, got "
-                        f"{None if t is None else (t.dtype, tuple(t.shape))}")
+        raise WireError(
+            f"{what}: expected a {ndim}-d tensor of {dtypes}, got "
+            f"{None if t is None else (t.dtype, tuple(t.shape))}"
+        )
     return t
 
 
@@ -64,6 +61,7 @@ def _count(expected: int, message_tensors: list, what: str) -> None:
 
 
 # --- requests: client -> server -------------------------------------------------------------------
+
 
 def encode_costs(costs: StageCosts | None) -> torch.Tensor:
     """``[N, 3]`` float64 rows ``(kind, branches, seconds)``: 0 glue, 1 step, 2 tree depth, 3 verify."""
@@ -91,12 +89,26 @@ def decode_costs(t: torch.Tensor) -> StageCosts:
 
 def encode_spec(spec: GenerateSpec) -> list:
     seed = spec.seed if spec.seed is not None else 0
-    ints = torch.tensor([spec.max_new_tokens, spec.capacity, spec.pad_token_id, seed, spec.seed is not None,
-                         spec.plan_costs is not None], dtype=I64, device="cpu")  # [6]
-    return [spec.input_ids.long().cpu(), spec.attention_mask.long().cpu(), ints,
-            torch.tensor(list(spec.eos_token_ids), dtype=I64, device="cpu"),
-            torch.tensor([spec.temperature], dtype=F64, device="cpu"),
-            encode_costs(spec.plan_costs)]
+    ints = torch.tensor(
+        [
+            spec.max_new_tokens,
+            spec.capacity,
+            spec.pad_token_id,
+            seed,
+            spec.seed is not None,
+            spec.plan_costs is not None,
+        ],
+        dtype=I64,
+        device="cpu",
+    )  # [6]
+    return [
+        spec.input_ids.long().cpu(),
+        spec.attention_mask.long().cpu(),
+        ints,
+        torch.tensor(list(spec.eos_token_ids), dtype=I64, device="cpu"),
+        torch.tensor([spec.temperature], dtype=F64, device="cpu"),
+        encode_costs(spec.plan_costs),
+    ]
 
 
 def decode_spec(ts: list, bounds: Bounds) -> GenerateSpec:
@@ -106,20 +118,38 @@ def decode_spec(ts: list, bounds: Bounds) -> GenerateSpec:
     eos = _tensor(ts, 3, (I64,), 1, "eos ids")
     temperature = _tensor(ts, 4, (F64,), 1, "temperature")
     B, T = ids.shape
-    if mask.shape != ids.shape or not 1 <= B <= MAX_BATCH or T < 1 or ints.numel() != 6 or eos.numel() > MAX_EOS \
-            or temperature.numel() != 1:
-        raise WireError(f"generate spec: bad sizes (ids {tuple(ids.shape)}, mask {tuple(mask.shape)}, "
-                        f"{ints.numel()} numbers, {eos.numel()} eos ids; batch at most {MAX_BATCH})")
+    if (
+        mask.shape != ids.shape
+        or not 1 <= B <= MAX_BATCH
+        or T < 1
+        or ints.numel() != 6
+        or eos.numel() > MAX_EOS
+        or temperature.numel() != 1
+    ):
+        raise WireError(
+            f"generate spec: bad sizes (ids {tuple(ids.shape)}, mask {tuple(mask.shape)}, "
+            f"{ints.numel()} numbers, {eos.numel()} eos ids; batch at most {MAX_BATCH})"
+        )
     _ids(ids, bounds.vocab, "input_ids")
     _ids(eos, bounds.vocab, "eos ids")
     if not bool(((mask == 0) | (mask == 1)).all()):
         raise WireError("attention_mask holds values other than 0 and 1")
     max_new, capacity, pad, seed, has_seed, has_costs = ints.tolist()
     t = float(temperature[0])
-    if not (1 <= max_new <= capacity and T + max_new <= capacity <= bounds.max_capacity and 0 <= pad < bounds.vocab
-            and seed >= 0 and has_seed in (0, 1) and has_costs in (0, 1) and math.isfinite(t) and 0 <= t <= 1e3):
-        raise WireError(f"generate spec: a number out of range (max_new_tokens {max_new}, capacity {capacity} of "
-                        f"at most {bounds.max_capacity}, pad {pad}, seed {seed}, temperature {t})")
+    if not (
+        1 <= max_new <= capacity
+        and T + max_new <= capacity <= bounds.max_capacity
+        and 0 <= pad < bounds.vocab
+        and seed >= 0
+        and has_seed in (0, 1)
+        and has_costs in (0, 1)
+        and math.isfinite(t)
+        and 0 <= t <= 1e3
+    ):
+        raise WireError(
+            f"generate spec: a number out of range (max_new_tokens {max_new}, capacity {capacity} of "
+            f"at most {bounds.max_capacity}, pad {pad}, seed {seed}, temperature {t})"
+        )
     if has_seed != (t > 0):
         raise WireError("generate spec: a seed is sent exactly when sampling")
     costs = decode_costs(_tensor(ts, 5, (F64,), 2, "stage costs")) if has_costs else None
@@ -147,8 +177,12 @@ def encode_args(method: Method, args: tuple) -> list:
         return [args[0].long().cpu()]
     if method is Method.MATCH:
         accepted, outcome, verify_s = args
-        return [torch.tensor([[-1 if a is None else a for a in accepted], list(outcome)], dtype=I64, device="cpu"),
-                torch.tensor([verify_s], dtype=F64, device="cpu")]
+        return [
+            torch.tensor(
+                [[-1 if a is None else a for a in accepted], list(outcome)], dtype=I64, device="cpu"
+            ),
+            torch.tensor([verify_s], dtype=F64, device="cpu"),
+        ]
     if method is Method.FALLBACK:
         return [torch.tensor([bool(m) for m in args[0]], dtype=I64, device="cpu")]
     if method is Method.BUILD_BUDGET:
@@ -180,8 +214,10 @@ def decode_args(method: Method, ts: list, bounds: Bounds) -> tuple:
         spec = decode_spec(ts, bounds)
         first = _ids(_tensor(ts, 6, (I64,), 1, "first tokens"), bounds.vocab, "first tokens")
         if spec.input_ids.shape[0] != 1 or first.numel() != 1 or B + 1 > MAX_BATCH:
-            raise WireError(f"join_rows: one row and one first token, up to a batch of {MAX_BATCH}; got "
-                            f"{spec.input_ids.shape[0]} rows and {first.numel()} tokens onto {B}")
+            raise WireError(
+                f"join_rows: one row and one first token, up to a batch of {MAX_BATCH}; got "
+                f"{spec.input_ids.shape[0]} rows and {first.numel()} tokens onto {B}"
+            )
         bounds.batch = B + 1
         return spec, first
     if method is Method.KEEP_ROWS:
@@ -222,6 +258,7 @@ def decode_args(method: Method, ts: list, bounds: Bounds) -> tuple:
 
 # --- results: server -> client --------------------------------------------------------------------
 
+
 def _encode_speculation(s: Speculation) -> list:
     kind = -1 if s.fallback_kind is None else FALLBACK_KINDS.index(s.fallback_kind)
     return [s.tokens, s.probs, torch.tensor(list(s.source) + [kind], dtype=I64, device="cpu")]
@@ -233,10 +270,14 @@ def _decode_speculation(ts: list, bounds: Bounds, device: torch.device) -> Specu
     probs = ts[1]
     meta = _tensor(ts, 2, (I64,), 1, "speculation sources").tolist()
     if tuple(tokens.shape) != (B, k) or len(meta) != B + 1:
-        raise WireError(f"speculation: tokens {tuple(tokens.shape)} / {len(meta) - 1} sources, expected ({B}, {k})")
+        raise WireError(
+            f"speculation: tokens {tuple(tokens.shape)} / {len(meta) - 1} sources, expected ({B}, {k})"
+        )
     if probs is not None and (not probs.is_floating_point() or tuple(probs.shape) != (B, k, bounds.vocab)):
-        raise WireError(f"speculation: probabilities {probs.dtype} {tuple(probs.shape)}, expected [{B}, {k}, "
-                        f"{bounds.vocab}] floats")
+        raise WireError(
+            f"speculation: probabilities {probs.dtype} {tuple(probs.shape)}, expected [{B}, {k}, "
+            f"{bounds.vocab}] floats"
+        )
     if any(not 0 <= c < len(SOURCES) for c in meta[:-1]) or not -1 <= meta[-1] < len(FALLBACK_KINDS):
         raise WireError(f"speculation: bad source codes {meta}")
     kind = None if meta[-1] < 0 else FALLBACK_KINDS[meta[-1]]
@@ -294,3 +335,48 @@ def decode_text(t, what: str) -> str:
     if t is None or t.dtype != torch.uint8 or t.dim() != 1 or t.numel() > MAX_TEXT:
         raise WireError(f"{what}: expected a 1-d uint8 text of at most {MAX_TEXT} bytes")
     return bytes(t.cpu().tolist()).decode("utf-8", errors="replace")
+
+
+TRACE_PHASES = frozenset("BECi")
+
+
+def check_trace_part(part) -> dict:
+    """A draft server's trace events (``TraceRecorder.take``'s dict) with every field checked, plain
+    numbers and short strings only; ``WireError`` otherwise."""
+
+    def short(s):
+        return isinstance(s, str) and len(s) <= 256
+
+    ok = (
+        isinstance(part, dict)
+        and set(part) == {"pid", "process", "events"}
+        and isinstance(part["pid"], int)
+        and short(part["process"])
+        and isinstance(part["events"], list)
+    )
+    for event in part["events"] if ok else ():
+        args = event[4] if isinstance(event, list) and len(event) == 5 else None
+        ok = (
+            isinstance(event, list)
+            and len(event) == 5
+            and event[0] in TRACE_PHASES
+            and short(event[1])
+            and short(event[2])
+            and isinstance(event[3], int)
+            and (
+                args is None
+                or (
+                    isinstance(args, dict)
+                    and len(args) <= 64
+                    and all(
+                        short(key) and (isinstance(v, (int, float)) or short(v)) for key, v in args.items()
+                    )
+                )
+            )
+        )
+        if not ok:
+            break
+    if not ok:
+        raise WireError("the draft server's trace events do not have the expected form")
+    part["events"] = [tuple(e) for e in part["events"]]
+    return part

@@ -1,15 +1,8 @@
 """The draft server's loop (``saguaro draft-server``): one target at a time, whatever arrives at its port.
 
-One thread, one ``select``: the listening socket and, while a target is connected, that connection's
-socket (its doorbell). A new connection is handshaken (:mod:`~saguaro.runtime.lanes.remote_handshake`)
-under a timeout; anything wrong with it (garbage, a wrong secret, a bad config, silence) closes that
-connection, logs why and leaves the server serving. A probe (``saguaro.compile`` asking what the draft
-is) is answered at any time; a second target while one is served is told the server is busy. A
-served connection's requests run on a fresh :class:`SpeculationServer` in the order sent; a message
-that breaks the layout, the limits or the sequence ends that connection (the target finishes its
-generation without the lane and reconnects); a method's own exception is answered to the next call,
-as in the process lane. End of file on the socket, or no keepalive answer, ends it too.
-"""
+One thread, one ``select``. A bad connection is closed and logged, the server goes on; a probe is
+answered any time, a second target told it is busy. A served session ends on a message that breaks
+the layout, limits or sequence, end of file or a failed keepalive."""
 
 from __future__ import annotations
 
@@ -17,35 +10,48 @@ import logging
 import select
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from saguaro.core.config import SaguaroConfig
 from saguaro.core.errors import ConfigError
+from saguaro.runtime.base.wire import Channel, WireError
 from saguaro.runtime.draft.server import SpeculationServer
 from saguaro.runtime.lanes import remote_handshake as hs
 from saguaro.runtime.lanes.protocol import Method
 from saguaro.runtime.lanes.remote import OPTIONS
 from saguaro.runtime.lanes.remote_messages import (
-    BYE, CALL, ERROR, METHODS, POST, REPLY, REQUESTS, Bounds, decode_args, encode_result, encode_text,
+    BYE,
+    CALL,
+    ERROR,
+    METHODS,
+    POST,
+    REPLY,
+    REQUESTS,
+    Bounds,
+    decode_args,
+    encode_result,
+    encode_text,
 )
-from saguaro.runtime.base.wire import Channel, WireError
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 10.0
 PAIR_TIMEOUT_S = 60.0  # a message announced by its doorbell must arrive within this
 POLL_S = 0.5  # how often the loop looks at its stop event
+# keepalive: a silent peer (network gone) is dropped TCP_KEEPIDLE + TCP_KEEPINTVL × TCP_KEEPCNT seconds on
+KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
 
 
 def check_listen(host: str, secret: bytes | None) -> None:
-    """A server reachable from other hosts must have a secret (``ConfigError`` saying why)."""
+    """``ConfigError`` for a server reachable from other hosts without a secret."""
     if secret is None and not hs.is_loopback(host):
         raise ConfigError(
             f"refusing to listen on {host} without a secret: anyone who can reach that address could connect and "
             "use the draft; give --secret-file PATH (or set SAGUARO_DRAFT_SECRET) on both sides, or listen on "
-            "127.0.0.1")
+            "127.0.0.1"
+        )
 
 
 class Session:
@@ -58,11 +64,18 @@ class Session:
 
 
 class DraftServer:
-    """Listens on ``host:port`` and serves ``make_server(config)`` to one target at a time. ``draft`` is
-    the draft's description sent to every client (vocabulary, dtype, limits)."""
+    """Listens on ``host:port`` and serves ``make_server(config)`` to one target at a time; ``draft`` is the
+    description sent to every client."""
 
-    def __init__(self, host: str, port: int, secret: bytes | None, make_server: Callable[[SaguaroConfig], object],
-                 draft: dict, device: torch.device):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        secret: bytes | None,
+        make_server: Callable[[SaguaroConfig], object],
+        draft: dict,
+        device: torch.device,
+    ):
         check_listen(host, secret)
         self.secret, self.make_server, self.draft, self.device = secret, make_server, dict(draft), device
         self.listener = hs.listening_socket(host, port)
@@ -74,7 +87,7 @@ class DraftServer:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def serve(self, stop: threading.Event | None = None) -> None:
-        """Serve until ``stop`` is set or an interrupt (Ctrl-C) arrives; close everything on the way out."""
+        """Serve until ``stop`` is set or an interrupt arrives; everything is closed on the way out."""
         try:
             with torch.inference_mode():
                 while stop is None or not stop.is_set():
@@ -99,15 +112,19 @@ class DraftServer:
             hs.server_auth(conn, self.secret)
             if not self._answer(conn, hs.recv_json(conn, hs.CONFIG), peer):
                 conn.close()
-        except Exception as exc:  # noqa: BLE001 - whatever a stranger sends ends that connection only
+        except Exception as exc:
             log.warning("draft server: closed the connection from %s: %s: %s", peer, type(exc).__name__, exc)
             conn.close()
 
     def _answer(self, conn, hello: dict, peer) -> bool:
         """Reply to a client's config; True when the connection becomes the served session."""
         config = hello.get("config")
-        if set(hello) != {"probe", "config", "device_type"} or not isinstance(config, dict) \
-                or set(config) != set(OPTIONS) or hello["device_type"] not in ("cpu", "cuda"):
+        if (
+            set(hello) != {"probe", "config", "device_type"}
+            or not isinstance(config, dict)
+            or set(config) != set(OPTIONS)
+            or hello["device_type"] not in ("cpu", "cuda")
+        ):
             raise hs.HandshakeError(f"a config document of the wrong form (keys {sorted(hello)})")
         try:
             config = SaguaroConfig(**config, mode="ssd")
@@ -122,12 +139,14 @@ class DraftServer:
         if self.session is not None and self._gone(self.session.sock):
             self._end_session("end of file")  # its target closed it, and this one came first
         if self.session is not None:
-            hs.send_json(conn, hs.INFO, {"ok": False, "error": f"busy: serving the target at {self.session.peer}"})
+            hs.send_json(
+                conn, hs.INFO, {"ok": False, "error": f"busy: serving the target at {self.session.peer}"}
+            )
             return False
         try:
             server = self.make_server(config)
-            server.draft.recorder = None  # a session that died while tracing left its recorder on the runner
-        except Exception as exc:  # noqa: BLE001 - e.g. cuda_graphs=True for a CPU draft: told to the client
+            server.draft.recorder = None  # a session that died tracing left its recorder on the runner
+        except Exception as exc:
             hs.send_json(conn, hs.INFO, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
             return False
         local_ip = conn.getsockname()[0]
@@ -139,18 +158,19 @@ class DraftServer:
         hs.answer_pings(conn)
         conn.settimeout(None)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
-            if hasattr(socket, option):  # a silent peer (network gone) is dropped within about 25 s
+        for option, value in KEEPALIVE.items():
+            if hasattr(socket, option):
                 conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
         channel = Channel(group, 1, device, timeout_s=PAIR_TIMEOUT_S)
-        self.session = Session(conn, group, store, channel, server,
-                               Bounds(self.draft["vocab_size"], config.k, bound), peer)
+        self.session = Session(
+            conn, group, store, channel, server, Bounds(self.draft["vocab_size"], config.k, bound), peer
+        )
         log.info("draft server: serving the target at %s (%s)", peer, backend)
         return True
 
     @staticmethod
     def _gone(sock) -> bool:
-        """Whether the peer closed ``sock`` (end of file waiting, no doorbell before it)."""
+        """Whether the peer closed ``sock`` (end of file pending, no doorbell before it)."""
         if not select.select([sock], [], [], 0)[0]:
             return False
         try:
@@ -186,7 +206,7 @@ class DraftServer:
             session.failure = None
             result = method.bound_to(session.server)(*args)
             code, tensors = REPLY + METHODS.index(method), encode_result(method, result) if reply else None
-        except Exception as exc:  # noqa: BLE001 - answered to the target, which finishes without the lane
+        except Exception as exc:
             session.failure = exc
             code, tensors = ERROR, [encode_text(f"{type(exc).__name__}: {exc}")]
         if reply:

@@ -1,39 +1,14 @@
-"""The hand-off between a caller and an in-process lane that runs on a CUDA stream of its own.
+"""CUDA-stream ordering between a caller and an in-process lane, and the verify's high-priority stream.
 
-A method sent to the lane crosses twice: its arguments from the caller to the lane, its result back.
-On CUDA both sides queue work asynchronously on different streams (maybe of different devices, with
-``draft_device``), so each crossing is ordered by an event, never by a host synchronisation:
-
-1. :meth:`StreamHandoff.send` (the caller's thread): the argument tensors are copied to the lane's
-   device (non-blocking; a copy between devices runs on the source's current stream, here the
-   caller's), then an event ``ready`` is recorded on the caller's current stream.
-2. :meth:`StreamHandoff.serve` (the lane's thread, or the caller's while the lane is idle): the lane's
-   stream waits for ``ready``, marks every argument tensor as used on it (``record_stream``: the
-   caching allocator does not reuse the caller's memory before the lane's reads are done), runs the
-   method on it, copies the result's tensors to the caller's device (on the lane's stream) and records
-   ``done`` on it.
-3. :meth:`StreamHandoff.receive` (the caller's thread): the caller's stream waits for ``done`` and marks
-   every result tensor as used on it (``record_stream``), before the caller queues anything that reads
-   them.
-
-So no hand-off relies on a host synchronisation (the host still waits for the lane's Python, as the
-lane protocol says, and a server method may read its own results to the host), and nothing either side
-computes is read by the other before it is written, nor its memory reused while the other reads it. On CPU (the lane's
-device is not CUDA) there are no streams: :meth:`send` and :meth:`serve` only move tensors to the
-other side's device (nothing moves when both are the same), and :meth:`receive` returns the result.
-
-Where the lane's draft shares the target's GPU, the two compete for it: the lane's build is queued while
-the target verifies, and on the device their kernels interleave. The caller's side of SSD (the verify
-and what the round queues around it) then runs on a high-priority stream (:class:`VerifyStream`), so
-the GPU's scheduler runs the verify's kernels ahead of the build's waiting ones and the critical path
-(the verify) is slowed down as little as the build allows; the lane's stream keeps the default priority.
-"""
+:class:`StreamHandoff` orders both crossings of a lane method by events and ``record_stream``, never a
+host sync (off CUDA it only moves tensors between devices). :class:`VerifyStream` runs the caller's
+side of SSD on a high-priority stream while the lane shares the target's GPU."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable
 
 import torch
 
@@ -41,9 +16,8 @@ from saguaro.runtime.base.model_runner import to_device
 
 
 def map_tensors(value, fn: Callable):
-    """``value`` with ``fn(t)`` for every tensor ``t`` in it (in tuples, lists, dicts and dataclass
-    instances, recursively). A container none of whose tensors changed is returned itself (never a copy),
-    so an object a server keeps is never modified: a changed dataclass is a new instance."""
+    """``value`` with ``fn(t)`` for every tensor in it (tuples, lists, dicts, dataclasses, recursively); a
+    container whose tensors are unchanged is returned itself, a changed dataclass is a new instance."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, (tuple, list)):
@@ -75,14 +49,14 @@ def tensors_in(value) -> list[torch.Tensor]:
 
 
 def _record_stream(tensor: torch.Tensor, stream) -> None:
-    """``tensor`` is used on ``stream``: its memory is not reused before the work queued there is done."""
+    """``tensor`` is used on ``stream``: its memory is not reused before that stream's work is done."""
     tensor.record_stream(stream)
 
 
 @dataclasses.dataclass(frozen=True)
 class Ticket:
-    """A method's arguments on their way to the lane: on the lane's device, with the caller's device
-    (where the result goes back), and on CUDA the caller's stream and the ``ready`` event recorded on it."""
+    """A method's arguments on the lane's device, the caller's device, and on CUDA the caller's stream and
+    its ``ready`` event."""
 
     args: tuple
     caller: torch.device
@@ -92,8 +66,7 @@ class Ticket:
 
 @dataclasses.dataclass(frozen=True)
 class Reply:
-    """A method's result on its way back: on the caller's device; on CUDA with the caller's stream and
-    the ``done`` event recorded on the lane's stream after the result (and its copies) were queued."""
+    """A method's result on the caller's device; on CUDA the caller's stream and the lane's ``done`` event."""
 
     value: object
     caller_stream: object = None
@@ -101,8 +74,8 @@ class Reply:
 
 
 class StreamHandoff:
-    """Orders the hand-offs between callers and one lane whose work runs on ``device`` (see the module
-    docstring). On CUDA it owns the lane's stream (:attr:`stream`); on any other device it has none."""
+    """Orders the hand-offs between callers and one lane working on ``device``; owns the lane's
+    :attr:`stream` on CUDA (None elsewhere)."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -110,8 +83,8 @@ class StreamHandoff:
         self._caller = self.device  # the caller's device, as its last tensors showed it
 
     def send(self, args: tuple) -> Ticket:
-        """On the caller's thread: ``args`` for the lane. The caller's device is that of the first tensor
-        in ``args`` (or of the last call that had one): the result goes back there."""
+        """On the caller's thread: ``args`` for the lane; the result goes back to the device of the first
+        tensor in ``args`` (or of the last call that had one)."""
         found = tensors_in(args)
         if found:
             self._caller = found[0].device
@@ -125,9 +98,9 @@ class StreamHandoff:
         return Ticket(moved, caller, caller_stream, ready)
 
     def serve(self, ticket: Ticket, method: Callable) -> Reply:
-        """On the thread that runs the lane: ``method(*ticket.args)`` on the lane's stream, after the work
-        the caller queued before sending; its result on the caller's device."""
-        back = lambda t: to_device(t, ticket.caller)  # noqa: E731
+        """On the lane's thread: ``method(*ticket.args)`` on the lane's stream after the caller's earlier
+        work; the result on the caller's device."""
+        back = lambda t: to_device(t, ticket.caller)
         if self.stream is None:
             return Reply(map_tensors(method(*ticket.args), back))
         with torch.cuda.stream(self.stream):
@@ -140,7 +113,7 @@ class StreamHandoff:
         return Reply(value, ticket.caller_stream, done)
 
     def receive(self, reply: Reply):
-        """On the caller's thread: the result, with the caller's stream ordered after the lane's work."""
+        """On the caller's thread: the result, the caller's stream ordered after the lane's work."""
         if reply.done is None:
             return reply.value
         reply.caller_stream.wait_event(reply.done)
@@ -153,26 +126,23 @@ HIGH_PRIORITY = -1  # torch.cuda.Stream(priority=-1): scheduled ahead of the lan
 
 
 def same_gpu(a: torch.device, b: torch.device | None) -> bool:
-    """Whether ``a`` and ``b`` are the same CUDA device (an index-less ``cuda`` is the current device)."""
+    """Whether ``a`` and ``b`` are the same CUDA device (an index-less ``cuda`` is the current one)."""
     if b is None or torch.device(a).type != "cuda" or torch.device(b).type != "cuda":
         return False
-    index = lambda d: d.index if d.index is not None else torch.cuda.current_device()  # noqa: E731
+    index = lambda d: d.index if d.index is not None else torch.cuda.current_device()
     return index(torch.device(a)) == index(torch.device(b))
 
 
 class VerifyStream:
-    """A high-priority CUDA stream per device for the caller's side of SSD while the draft lane shares its
-    GPU. :meth:`over` runs a block on it, ordered after what the caller's stream queued before and with the
-    caller's stream ordered after the block (events, no host synchronisation): every entry waits for the
-    caller's stream, so memory this stream freed is only reused after the caller's work on it."""
+    """A high-priority CUDA stream per device for the caller's side of SSD: :meth:`over` runs a block on
+    it after the caller's stream's work, and the caller's stream waits for the block (events only)."""
 
     def __init__(self):
         self._streams: dict = {}
 
     @contextmanager
     def over(self, device: torch.device, active: bool = True):
-        """The block on the high-priority stream of ``device`` if ``active`` and ``device`` is CUDA; else
-        nothing changes (CPU: no streams)."""
+        """The block on ``device``'s high-priority stream if ``active`` and CUDA; else nothing changes."""
         device = torch.device(device)
         if not active or device.type != "cuda":
             yield None

@@ -1,12 +1,6 @@
-"""The thread lane: the draft server on a worker thread of this process (a CUDA stream of its own on
-GPU, on the draft's device, which may be another one than the target's: ``draft_device``). Posted
-methods run on the worker, overlapping the caller; a call waits for them, then runs on the caller's
-thread (the worker is idle then). Every method's arguments and result cross between the caller's
-stream and the lane's through a :class:`~saguaro.runtime.lanes.streams.StreamHandoff`: copied to the
-receiving side's device and ordered by CUDA events, so nothing waits on the host for the lane's
-stream. On CPU each lane gets one intra-op thread for the duration of an SSD ``generate``
-(:func:`~saguaro.runtime.lanes.protocol.one_thread_per_lane`).
-"""
+"""The thread lane: the draft server on a worker thread of this process, on a CUDA stream of its own on
+GPU (on the draft's device, ``draft_device``). Posted methods overlap the caller; a call waits for them
+and runs on the caller's thread. Arguments and results cross by :class:`~.streams.StreamHandoff`."""
 
 from __future__ import annotations
 
@@ -40,8 +34,8 @@ class ThreadLane:
             return self.handoff.serve(ticket, method.bound_to(self.server))
 
     def post(self, method: Method, *args) -> None:
-        """Start ``server.method(*args)`` on the worker and return at once (the lane's stream waits for
-        what the caller's stream queued before this)."""
+        """Start ``server.method(*args)`` on the worker and return at once, once the earlier post is done
+        (its failure raises here)."""
         self.settle(raise_errors=True)
         try:
             ticket = self.handoff.send(args)
@@ -50,8 +44,8 @@ class ThreadLane:
         self._posted = self._pool.submit(self._run, method, ticket)
 
     def call(self, method: Method, *args, timeout_s: float | None = None):
-        """Wait for posted work, then run ``server.method(*args)`` (on this thread: the worker is idle, so
-        ``timeout_s`` has nothing to bound)."""
+        """Wait for posted work (the lane's timeout), then run ``server.method(*args)`` on this thread:
+        ``timeout_s`` bounds nothing, the worker being idle."""
         self.settle(raise_errors=True)
         try:
             return self.handoff.receive(self._run(method, self.handoff.send(args)))
@@ -59,8 +53,8 @@ class ThreadLane:
             raise DraftLaneError(f"draft lane failed in {method.value}: {type(exc).__name__}: {exc}") from exc
 
     def settle(self, raise_errors: bool = False) -> None:
-        """Wait for posted work. Nothing may run on the worker once ``generate`` returns: changing
-        torch's thread count while another thread computes crashes."""
+        """Wait for posted work: nothing may run on the worker once ``generate`` returns (changing torch's
+        thread count while another thread computes crashes)."""
         posted = self._posted
         if posted is None:
             return
@@ -80,8 +74,7 @@ class ThreadLane:
                 raise DraftLaneError(f"draft lane failed: {type(exc).__name__}: {exc}") from exc
 
     def take_trace(self) -> list[dict]:
-        """The worker's events of a traced generation (it has settled: ``decode_ssd`` waits for the
-        last build); recording stops."""
+        """The worker's events of a traced generation; recording stops."""
         part = self.call(Method.TRACE_TAKE)
         return [part] if part is not None else []
 

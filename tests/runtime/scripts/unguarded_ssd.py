@@ -16,15 +16,29 @@ with open(sys.argv[1], "a") as marker:
 torch.set_num_threads(1)
 target = tiny_target("llama")
 draft = truncated_draft(target)
-program = saguaro.compile(target, draft, k=3, mode="ssd", lane="process", backend="eager", sd_when_faster=False)
+program = saguaro.compile(
+    target, draft, k=3, mode="ssd", lane="process", backend="eager", sd_when_faster=False
+)
 ids, mask = prompts(2, 8, seed=11, pad_rows={1: 2})
-expected = program.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, mode="ar").sequences
+expected = program.generate(
+    ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, mode="ar"
+).sequences
 for call in range(3):
     started = time.perf_counter()
     out = program.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None)
-    print(json.dumps({"call": call, "seconds": round(time.perf_counter() - started, 3), "mode": out.stats["mode"],
-                      "lane": out.stats["lane"], "lane_failures": out.stats["lane_failures"],
-                      "exact": torch.equal(out.sequences, expected)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "call": call,
+                "seconds": round(time.perf_counter() - started, 3),
+                "mode": out.stats["mode"],
+                "lane": out.stats["lane"],
+                "lane_failures": out.stats["lane_failures"],
+                "exact": torch.equal(out.sequences, expected),
+            }
+        ),
+        flush=True,
+    )
 print(json.dumps({"draft_pid": program.lanes.lane().lane.pid}), flush=True)
 if "--hold" in sys.argv:
     sys.stdin.readline()

@@ -1,0 +1,234 @@
+"""Grammars for structured output: what a row's tokens must spell (a JSON schema, any JSON object, a Lark grammar,
+a regex), and each row's place in one, as token masks over the model's vocabulary.
+
+llguidance matches the grammars (chosen over xgrammar and outlines-core:
+docs/measurements/2026-12-07-grammar-libraries.md). :class:`Grammar` is compiled and checked once and shared by
+rows; :class:`GrammarState` is one row's matcher. The mask of a position is the set of tokens that keep the text a
+prefix of a sentence of the grammar; an end-of-sequence token is allowed exactly where the text is a whole sentence,
+and once one is taken (or the grammar admits no more text) only end-of-sequence tokens are allowed. Ids the
+tokenizer does not have (a model's padded vocabulary) are never allowed. A mask is never empty.
+
+Errors: a grammar or schema the library refuses raises :class:`GrammarError` (a ``ValueError``) with its message.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import torch
+
+# JSON documents are laid out as json.dumps lays them out (", " between items, ": " after keys, no other
+# whitespace): free whitespace lets a model loop on it (vLLM's disable_any_whitespace, xgrammar's any_whitespace)
+JSON_OPTIONS = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": True,  # a keyword the library does not implement constrains nothing (it is not refused)
+}
+ANY_JSON_OBJECT = {"type": "object"}
+_BITS = torch.arange(32, dtype=torch.int32, device="cpu")
+
+
+class GrammarError(ValueError):
+    """A grammar or schema that cannot be compiled; the message says why (the library's words)."""
+
+
+class Vocabulary:
+    """A tokenizer's tokens as the matcher reads them (bytes per id), over ``vocab_size`` ids (the model's; ids
+    past the tokenizer's are never allowed), with ``eos_ids`` (default: the tokenizer's end-of-sequence token).
+    Built once per tokenizer: :func:`vocabulary_of` caches it."""
+
+    def __init__(self, tokenizer, vocab_size: int | None = None, eos_ids=None):
+        import llguidance
+        import llguidance.hf
+
+        self.vocab_size = int(vocab_size if vocab_size is not None else len(tokenizer))
+        if eos_ids is None:
+            eos_ids = tokenizer.eos_token_id
+        eos = [int(eos_ids)] if isinstance(eos_ids, int) else [int(t) for t in (eos_ids or ())]
+        if not eos:
+            raise GrammarError(
+                "a grammar needs an end-of-sequence token: the tokenizer has none; give eos_ids"
+            )
+        self.eos_ids = tuple(eos)
+        try:
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+        except (ValueError, TypeError, AttributeError):  # a decoder the library does not read: token by token
+            wrapper = llguidance.TokenizerWrapper(_DecodedTokens(tokenizer, self.vocab_size, eos))
+            self.tokenizer = llguidance.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=eos)
+
+
+class _DecodedTokens:
+    """What ``llguidance.TokenizerWrapper`` reads of a tokenizer whose decoder the library does not know: each id's
+    bytes as the tokenizer decodes that id alone (exact for tokenizers whose tokens are whole characters)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos: list):
+        special = set(getattr(tokenizer, "all_special_ids", ())) | set(eos)
+        size = len(tokenizer)
+        self.eos_token_id, self.bos_token_id = eos[0], getattr(tokenizer, "bos_token_id", None)
+        self.special_token_ids = sorted(t for t in special if t < vocab_size)
+        self.tokens = [
+            b"" if i in special or i >= size else tokenizer.decode([i]).encode("utf-8")
+            for i in range(vocab_size)
+        ]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text):
+        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+        return list(self._tokenizer(text, add_special_tokens=False).input_ids)
+
+
+_VOCABULARIES: dict = {}  # (id(tokenizer), vocab_size, eos) -> (tokenizer, Vocabulary): the tokenizer held alive
+_VOCABULARIES_LOCK = threading.Lock()
+
+
+def vocabulary_of(tokenizer, vocab_size: int | None = None, eos_ids=None) -> Vocabulary:
+    """The :class:`Vocabulary` of ``tokenizer`` (built on first use, then shared)."""
+    if isinstance(tokenizer, Vocabulary):
+        return tokenizer
+    eos = eos_ids if eos_ids is None or isinstance(eos_ids, int) else tuple(eos_ids)
+    key = (id(tokenizer), vocab_size, eos)
+    with _VOCABULARIES_LOCK:
+        held = _VOCABULARIES.get(key)
+        if held is None or held[0] is not tokenizer:
+            held = _VOCABULARIES[key] = (tokenizer, Vocabulary(tokenizer, vocab_size, eos_ids))
+        return held[1]
+
+
+class Grammar:
+    """A compiled, checked grammar over a :class:`Vocabulary`: immutable, shared by rows (compared and hashed by
+    identity). Build one with :meth:`json_schema`, :meth:`lark` or :meth:`regex`; ``tokenizer`` may be a
+    ``transformers`` tokenizer (its :class:`Vocabulary` cached) or a :class:`Vocabulary`. :meth:`start` gives a
+    row's :class:`GrammarState` at the grammar's start."""
+
+    def __init__(self, text: str, vocabulary: Vocabulary, kind: str):
+        import llguidance
+
+        self.text, self.vocabulary, self.kind = text, vocabulary, kind
+        error = llguidance.LLMatcher.validate_grammar(text, vocabulary.tokenizer)
+        if error:
+            raise GrammarError(error)
+
+    json_options = JSON_OPTIONS  # how :meth:`json_schema` lays documents out (an ``x-guidance`` object)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocabulary.vocab_size
+
+    @staticmethod
+    def vocabulary(tokenizer, vocab_size: int | None = None, eos_ids=None) -> Vocabulary:
+        """``tokenizer``'s :class:`Vocabulary`, built on first use and cached (what every constructor reads)."""
+        return vocabulary_of(tokenizer, vocab_size, eos_ids)
+
+    @classmethod
+    def json_schema(cls, schema, tokenizer, vocab_size: int | None = None, eos_ids=None) -> Grammar:
+        """Text that is one JSON document valid under ``schema`` (a dict, a JSON string, or None: any JSON
+        object), laid out as :data:`JSON_OPTIONS` says."""
+        import llguidance
+
+        schema = ANY_JSON_OBJECT if schema is None else schema
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise GrammarError(f"the schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise GrammarError(f"a JSON schema is an object; got {type(schema).__name__}")
+        try:
+            text = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(str(exc)) from None
+        return cls(text, vocabulary_of(tokenizer, vocab_size, eos_ids), "json_schema")
+
+    @classmethod
+    def lark(cls, grammar: str, tokenizer, vocab_size: int | None = None, eos_ids=None) -> Grammar:
+        """Text the Lark-like grammar ``grammar`` accepts (llguidance's syntax: ``%json {...}`` inlines a schema)."""
+        import llguidance
+
+        text = llguidance.LLMatcher.grammar_from_lark(grammar)
+        return cls(text, vocabulary_of(tokenizer, vocab_size, eos_ids), "lark")
+
+    @classmethod
+    def regex(cls, pattern: str, tokenizer, vocab_size: int | None = None, eos_ids=None) -> Grammar:
+        """Text that matches ``pattern`` whole (Rust ``regex`` syntax)."""
+        import llguidance
+
+        text = llguidance.LLMatcher.grammar_from_regex(pattern)
+        return cls(text, vocabulary_of(tokenizer, vocab_size, eos_ids), "regex")
+
+    def start(self) -> GrammarState:
+        return GrammarState(self)
+
+    def __repr__(self) -> str:
+        return f"Grammar({self.kind}, vocab_size={self.vocab_size})"
+
+
+class GrammarState:
+    """One row's place in a :class:`Grammar`: :meth:`allowed` (the mask of its next token), :meth:`advance` by a
+    token, :meth:`rollback`, and :meth:`allowed_along` a speculation (the masks at each of its positions, the state
+    left as it was). An end-of-sequence token taken where the text is whole ends the row's grammar (``ended``)."""
+
+    def __init__(self, grammar: Grammar):
+        import llguidance
+
+        self.grammar = grammar
+        self.matcher = llguidance.LLMatcher(grammar.vocabulary.tokenizer, grammar.text, log_level=0)
+        self.eos = set(grammar.vocabulary.eos_ids)
+        self.taken: list = []  # per token advanced: True where the matcher consumed it, False for an ending EOS
+        words = (grammar.vocab_size + 31) // 32
+        self._buffer = torch.zeros(1, words, dtype=torch.int32, device="cpu")
+        self._eos_only = torch.zeros(grammar.vocab_size, dtype=torch.bool, device="cpu")
+        self._eos_only[list(self.eos)] = True
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.taken) and not self.taken[-1]
+
+    def _mask(self) -> torch.Tensor:
+        """``[V]`` bool on the CPU."""
+        if self.ended or self.matcher.is_error():
+            return self._eos_only.clone()
+        row = self._buffer[0]
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        mask = ((row[:, None] >> _BITS) & 1).flatten()[: self.grammar.vocab_size].bool()
+        return mask if bool(mask.any()) else self._eos_only.clone()
+
+    def allowed(self, device=None) -> torch.Tensor:
+        """The tokens allowed next: ``[V]`` bool."""
+        mask = self._mask()
+        return mask if device is None else mask.to(device)
+
+    def advance(self, token: int) -> bool:
+        """Take ``token``; False (and the state unchanged) where the grammar does not allow it here."""
+        token = int(token)
+        if token in self.eos and (self.ended or self.matcher.is_accepting()):
+            self.taken.append(False)
+            return True
+        if self.ended or not self.matcher.try_consume_tokens([token]):
+            return False
+        self.taken.append(True)
+        return True
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` tokens :meth:`advance` took."""
+        consumed = sum(self.taken[len(self.taken) - n :]) if n else 0
+        del self.taken[len(self.taken) - n :]
+        if consumed:
+            self.matcher.rollback(consumed)
+
+    def allowed_along(self, tokens: list, device=None) -> torch.Tensor:
+        """The masks before each of ``tokens`` and after the last: ``[len(tokens) + 1, V]`` bool, the state left as
+        it was. After a token the grammar refuses, every later row allows every token (a verification stops at
+        the refused token: those positions decide nothing)."""
+        rows, taken, refused = [self._mask()], 0, False
+        for token in tokens:
+            refused = refused or not (bool(rows[-1][int(token)]) and self.advance(token))
+            if refused:
+                rows.append(torch.ones(self.grammar.vocab_size, dtype=torch.bool, device="cpu"))
+                continue
+            taken += 1
+            rows.append(self._mask())
+        self.rollback(taken)
+        masks = torch.stack(rows)
+        return masks if device is None else masks.to(device)
