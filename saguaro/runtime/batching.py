@@ -16,14 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.core.stages import TARGET_ROUND
-from saguaro.runtime.base.inputs import validate_call
+from saguaro.core.stages import TARGET_ROUND, TARGET_VERIFY_LOGITS
+from saguaro.runtime.base.inputs import checked_controls, validate_call
 from saguaro.runtime.base.sequences import SequenceBatch
 from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import Counters, seconds_since
 from saguaro.runtime.batching_in_place import free_slot, replace_row
 from saguaro.runtime.batching_ssd import SessionLane, rows_to_sd
 from saguaro.runtime.decode.ar import round_by_step, round_in_graph
+from saguaro.runtime.decode.controlled import in_effect
 from saguaro.runtime.decode.prefill import prefill
 from saguaro.runtime.decode.sd import draft_speculation, verify_and_commit
 from saguaro.runtime.lanes.protocol import DraftLaneError
@@ -49,6 +50,7 @@ class _Row:
     generated: int  # new tokens handed out
     capacity: int  # the store slots its generation needs, counted from its row's first column
     generator: torch.Generator | None
+    prompt_end: int = 0  # its buffer row's first output column (the padded prompt's width)
 
 
 class BatchSession:
@@ -56,7 +58,7 @@ class BatchSession:
     program's) over a :class:`~saguaro.runtime.program.Program`. Each call holds the Program's lock, so
     other threads' ``generate`` calls run between rounds. One thread drives a session."""
 
-    def __init__(self, program, temperature: float = 0.0, mode: str | None = None):
+    def __init__(self, program, temperature: float = 0.0, mode: str | None = None, controls=None):
         mode = mode or program.config.mode
         if mode not in SESSION_MODES:
             raise ValueError(
@@ -70,11 +72,19 @@ class BatchSession:
             )
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
             raise ValueError(f"temperature={temperature!r} is not allowed: it must be a finite number >= 0")
+        self.controls = checked_controls(controls, program.target.spec.vocab_size)
+        if self.controls is not None and mode != "ar" and not program.can_control:
+            raise ValueError(
+                "controls: this program's target has no target.verify_logits stage (a loaded artifact); "
+                "use mode='ar' or compile the models with saguaro.compile"
+            )
         self.program = program
         self.mode = mode
         self.temperature = float(temperature)
         self.run = mode  # the rounds run (ssd: as planned at the first row), and why
         self.why = f"mode {mode} asked"
+        if mode == "ssd" and getattr(self.controls, "grammar", None) is not None:
+            self.run, self.why = "sd", "a grammar: SSD's draft lane cannot carry its state, SD's rounds run"
         self.lanes_failed = 0  # ssd: lanes that failed under this session (its rows went on with SD)
         self.ssd = SessionLane(program, self) if mode == "ssd" else None
         self.counters = Counters(program.config.k)  # the last round's only: bounded memory
@@ -125,12 +135,15 @@ class BatchSession:
             slot = free_slot(self, capacity)  # a gone row's place, taken in place; else the batch is rebuilt
             if slot is None:
                 self._drop_leaving()
-            if self.mode == "ssd" and not self.rows:  # the first row: planned as generate plans it alone
+            grammar = getattr(self.controls, "grammar", None)
+            if self.mode == "ssd" and not self.rows and grammar is None:  # planned as generate plans it alone
                 plan = self.ssd.plan_first(
                     (padded_ids, padded_mask, max_new_tokens, eos_ids, self.temperature), base
                 )
                 self.run, self.why = plan.run, plan.why
             program.prepare(self.run, self.temperature)
+            if self.controls is not None and self.run != "ar":
+                program.target.stage(TARGET_VERIFY_LOGITS)  # built here, before a lane runs beside the rounds
             seqs = SequenceBatch(
                 padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, program.pad_token_id
             )
@@ -142,12 +155,13 @@ class BatchSession:
                 self.temperature,
                 generator,
                 program.config.k,
+                controls=self.controls,
             )
             with self._lanes_context():
                 first = prefill(program.target, draft, alone)
                 for runner in filter(None, (program.target, draft)):
                     runner.first_tokens_out()  # a background compiler held until the first text starts
-                row = _Row(next(self._ids), max_new_tokens, T + 1, 1, capacity, generator)
+                row = _Row(next(self._ids), max_new_tokens, T + 1, 1, capacity, generator, T)
                 finished = not seqs.host_active[0]  # EOS, or a budget of one token
                 if not finished and slot is not None:
                     replace_row(self, slot, row, alone)
@@ -192,7 +206,11 @@ class BatchSession:
                         return self._hand_out(state.seqs)
             if self.run == "ar":
                 if self._launch is None:
-                    greedy = self.temperature == 0 and program.target.provides(TARGET_ROUND)
+                    greedy = (
+                        self.temperature == 0
+                        and program.target.provides(TARGET_ROUND)
+                        and in_effect(state) is None
+                    )
                     self._launch = (round_in_graph if greedy else round_by_step)(program.target, state)
                 self._launch()
                 seqs = state.seqs
@@ -279,7 +297,12 @@ class BatchSession:
                 ]
             )
         generators = [r.generator for r in rows] if self.temperature > 0 else None
-        self.state = DecodeState(seqs, target, draft, self.temperature, generators, program.config.k)
+        self.state = DecodeState(
+            seqs, target, draft, self.temperature, generators, program.config.k, controls=self.controls
+        )
+        self.state.grammar_rows = gathered_grammar_rows(self.controls, parts)
+        if self.controls is not None:  # the rows' prompts end at their own columns (output penalties)
+            self.state.prompt_ends = torch.tensor([r.prompt_end for r in rows], device=device)
         self.rows, self._launch = rows, None
 
     # --- mode ssd (runtime/batching_ssd.py) ---------------------------------------------------------------
@@ -320,3 +343,16 @@ class BatchSession:
 
     def _lane_lost(self, exc: Exception | None) -> None:
         rows_to_sd(self, exc)
+
+
+def gathered_grammar_rows(controls, parts: list) -> list | None:
+    """The grammar states of the rows ``parts`` (``(DecodeState, row indices or None)``) gather, in order; a
+    part whose rows have decided nothing yet starts each at the grammar's start. None without a grammar."""
+    grammar = getattr(controls, "grammar", None)
+    if grammar is None:
+        return None
+    rows = []
+    for state, keep in parts:
+        held = state.grammar_rows or [grammar.start() for _ in range(state.seqs.batch)]
+        rows += held if keep is None else [held[i] for i in keep]
+    return rows

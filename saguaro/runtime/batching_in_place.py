@@ -27,6 +27,11 @@ def replace_row(session, index: int, row, alone) -> None:
         state.draft_store.put_row(index, alone.draft_store)
     if session.temperature > 0:
         state.generator[index] = row.generator
+    if state.prompt_ends is not None:
+        state.prompt_ends[index] = row.prompt_end
+    if state.grammar_rows is not None:  # the joining row's grammar state, its first token decided
+        grammar = session.controls.grammar
+        state.grammar_rows[index] = (alone.grammar_rows or [grammar.start()])[0]
     state.draft_feed = 2  # the joining row's draft holds its prompt up to the pending token: feed both
     session.left_early += gone in session._leaving and gone not in session._ended
     session._leaving.discard(gone)

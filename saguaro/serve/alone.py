@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -22,12 +23,17 @@ _said_grammar_runs_sd: list = []  # logged once per process: a grammar request i
 
 
 def runs_alone(program, sampling) -> bool:
-    """Whether ``sampling`` (a request's) runs alone rather than joining its temperature's batch session of
-    ``program``: with sampling controls (a batch session decides by the temperature alone), or seeded and
-    sampled in mode ``ssd`` (planned first, :func:`plan_alone`)."""
-    return sampling.controls is not None or (
+    """Whether ``sampling`` (a request's) runs alone rather than joining the batch session of its temperature
+    and sampling controls in ``program``: with a grammar (each answer's own; SSD's lane cannot carry it), or
+    seeded and sampled in mode ``ssd`` (planned first, :func:`plan_alone`)."""
+    return getattr(sampling.controls, "grammar", None) is not None or (
         program.config.mode == "ssd" and sampling.temperature > 0 and sampling.seed is not None
     )
+
+
+def controls_key(controls):
+    """A hashable key, equal for equal sampling controls without a grammar (a batch session's); None for none."""
+    return None if controls is None else replace(controls, grammar=None)  # frozen, of numbers and tuples
 
 
 def plan_alone(scheduler, job):

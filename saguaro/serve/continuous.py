@@ -30,7 +30,7 @@ import logging
 import time
 
 from saguaro.runtime.batching import BatchSession
-from saguaro.serve.alone import plan_alone, run_alone, runs_alone
+from saguaro.serve.alone import controls_key, plan_alone, run_alone, runs_alone
 from saguaro.serve.figures import HIT
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,9 @@ class Continuous:
         if job.sampling.max_tokens == 0:
             self._prompt_only(job)
             return
-        if job.sampling.controls is not None:  # sampling controls: generate alone, as generate plans it
+        if (
+            getattr(job.sampling.controls, "grammar", None) is not None
+        ):  # a grammar: alone, as generate plans it
             run_alone(self.scheduler, job)
             return
         plan = plan_alone(self.scheduler, job)
@@ -119,12 +121,12 @@ class Continuous:
         if sampling.max_tokens == 0:
             self._prompt_only(job)
             return
-        key = (mode, sampling.temperature, sampling.ignore_eos)
+        key = (mode, sampling.temperature, sampling.ignore_eos, controls_key(sampling.controls))
         session = self.sessions.get(key)
         try:
             if session is None:
                 session = self.sessions[key] = BatchSession(
-                    scheduler.program_for(sampling), sampling.temperature, mode
+                    scheduler.program_for(sampling), sampling.temperature, mode, controls=sampling.controls
                 )
             if not session.size:
                 scheduler.metrics.batch_started()  # a batch starts when its first row joins

@@ -222,14 +222,16 @@ def test_a_stop_string_cuts_the_logprobs_with_the_tokens(served):
 
 
 def test_a_request_run_alone_carries_logprobs_too(served, monkeypatch):
-    """Sampling controls run a request alone (``program.stream``, which holds the program): its tokens are scored
-    once the stream has ended, still in its rounds' chunks."""
+    """A grammar runs a request alone (``program.stream``, which holds the program): its tokens are scored once
+    the stream has ended, still in its rounds' chunks."""
+    from saguaro import Grammar
     from saguaro.serve import continuous
 
     alone = []
     monkeypatch.setattr(
         continuous, "run_alone", lambda *args, run=continuous.run_alone: alone.append(1) or run(*args)
     )
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     ids = served.tokenizer(PROMPT).input_ids
     body = dict(
         model="tiny",
@@ -238,18 +240,65 @@ def test_a_request_run_alone_carries_logprobs_too(served, monkeypatch):
         temperature=0.8,
         seed=3,
         logprobs=1,
-        extra_body={"top_k": 5},
+        extra_body={
+            "top_k": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        },
     )
     whole = client(served).completions.create(**body).choices[0].logprobs
     chunks = list(client(served).completions.create(**body, stream=True))
+    grammar = Grammar.json_schema(schema, served.tokenizer, served.program.target.spec.vocab_size)
     new = served.program.generate(
-        torch.tensor([ids]), max_new_tokens=10, temperature=0.8, seed=3, controls={"top_k": 5}
+        torch.tensor([ids]),
+        max_new_tokens=10,
+        temperature=0.8,
+        seed=3,
+        controls={"top_k": 5, "grammar": grammar},
     ).sequences[0]
     check_completion_logprobs(served, whole, new.tolist()[: len(ids) + len(whole.tokens)], len(ids), 1)
     assert joined(chunks)["tokens"] == whole.tokens and same_values(
         joined(chunks)["token_logprobs"], whole.token_logprobs
     )
     assert len([c for c in chunks if c.choices and c.choices[0].logprobs is not None]) > 1 and alone == [1, 1]
+
+
+def test_requests_of_equal_sampling_controls_share_a_batch_and_get_generates_tokens(served, monkeypatch):
+    """Sampling controls without a grammar join the batch session of their controls (not run alone): each
+    seeded request gets what ``program.generate`` gives it alone with those controls."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from saguaro.serve import continuous
+
+    alone, sessions = [], []
+    monkeypatch.setattr(
+        continuous, "run_alone", lambda *args, run=continuous.run_alone: alone.append(1) or run(*args)
+    )
+    made = continuous.BatchSession
+
+    def session(*args, **kwargs):
+        sessions.append(kwargs.get("controls"))
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(continuous, "BatchSession", session)
+    controls = {"top_k": 5, "repetition_penalty": 1.3}
+    ids = served.tokenizer(PROMPT).input_ids
+
+    def ask(seed):
+        return client(served).completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.8, seed=seed, extra_body=controls
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(4)))
+    for seed, answer in enumerate(answers):
+        out = served.program.generate(
+            torch.tensor([ids]), max_new_tokens=12, temperature=0.8, seed=seed, controls=controls
+        ).sequences[0, len(ids) :]
+        want = served.tokenizer.decode(
+            out.tolist()[: answer.usage.completion_tokens], skip_special_tokens=True
+        )
+        assert answer.choices[0].text == want, seed
+    assert not alone and sessions and all(c is not None and c.top_k == 5 for c in sessions)
 
 
 def test_sd_and_ssd_answer_the_logprobs_ar_answers(served):

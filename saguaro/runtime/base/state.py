@@ -27,6 +27,8 @@ class DecodeState:
     controls: object = None  # a SamplingControls, or None (runtime/decode/controlled.py)
     grammar_rows: list | None = None  # each row's GrammarState under controls.grammar (controlled.py)
     grammar_masks: tuple | None = None  # (draft tokens [B, k], their path's masks [B, k+1, V]) the draft made
+    # [B] each row's first output column (a batch session's rows); None: every row's is seqs.prompt_len
+    prompt_ends: torch.Tensor | None = None
     counters: Counters = field(init=False)
     # tokens the next draft call feeds each row: 2 (the pending token and the one before, whose draft KV
     # is missing after a round that accepted all k), or 1 when every active row of the last round

@@ -39,7 +39,8 @@ def histories(state: DecodeState, vocab_size: int) -> tuple[torch.Tensor | None,
     steps = torch.arange(seqs.tokens.shape[1], device=seqs.tokens.device)[None, :]  # [1, C]
     held = (steps >= seqs.padding[:, None]) & (steps < seqs.lengths[:, None])  # [B, C]
     seen = lp.token_counts(seqs.tokens, held, vocab_size)
-    output = lp.token_counts(seqs.tokens, held & (steps >= seqs.prompt_len), vocab_size)
+    prompt_end = seqs.prompt_len if state.prompt_ends is None else state.prompt_ends[:, None]  # [] or [B, 1]
+    output = lp.token_counts(seqs.tokens, held & (steps >= prompt_end), vocab_size)
     return seen, output
 
 
