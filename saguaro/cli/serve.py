@@ -73,6 +73,15 @@ def add_arguments(parser) -> None:
         "leaves (default: all that room, the model's context minus the prompt)",
     )
     parser.add_argument(
+        "--prefix-cache-tokens",
+        type=int_at_least(0, "prefix_cache_tokens"),
+        default=0,
+        metavar="N",
+        help="reuse the KV of earlier prompts for a request that starts with the same tokens (a shared "
+        "system prompt), holding up to N prompt positions (default 0: off; greedy answers may then differ "
+        "from an uncached prefill's by float rounding of the rows prefilled after the reused prefix)",
+    )
+    parser.add_argument(
         "--api-key-file",
         metavar="FILE",
         default=None,
@@ -148,6 +157,7 @@ def run(args) -> int:
         )
         seconds = warm_up(program, tokenizer, args.max_batch)
         sys.stderr.write(f"saguaro serve: warm-up done in {seconds:.0f} s\n")
+    program.cache_prefixes(args.prefix_cache_tokens)  # after the warm-up: its prompts are not kept
     server, _ = make_server(
         program,
         tokenizer,

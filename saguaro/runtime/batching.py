@@ -156,6 +156,7 @@ class BatchSession:
                 generator,
                 program.config.k,
                 controls=self.controls,
+                prefix_cache=program.prefix_cache,
             )
             with self._lanes_context():
                 first = prefill(program.target, draft, alone)

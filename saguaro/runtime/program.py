@@ -18,6 +18,7 @@ from saguaro.core.schedule import critical_path, expected_overlap, round_schedul
 from saguaro.core.stages import ROUND_STAGES, TARGET_SCORE, TARGET_VERIFY_LOGITS, stages_for
 from saguaro.runtime.base.inputs import checked_controls, validate_call
 from saguaro.runtime.base.model_runner import ModelRunner
+from saguaro.runtime.base.prefix_cache import PrefixCache
 from saguaro.runtime.base.sequences import SequenceBatch
 from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.base.stats import Counters, seconds_since, summarize
@@ -63,6 +64,7 @@ class Program:
 
     # the decoder of each mode; runtime.decode.reference.reference_decoders(config): the reference rounds
     decoders: dict = DECODERS
+    prefix_cache: PrefixCache | None = None  # cache_prefixes(); each Program (and variant) its own
 
     def __init__(
         self,
@@ -269,6 +271,16 @@ class Program:
         """Whether :meth:`score` can run: the target's builder offers its stage (a loaded one does not)."""
         return self.target.provides(TARGET_SCORE)
 
+    def cache_prefixes(self, max_tokens: int | None) -> None:
+        """Reuse the KV of earlier one-row prompts for a prompt that starts with the same tokens, holding up to
+        ``max_tokens`` prompt positions (None or 0: off, the cache dropped). ``ValueError`` for a negative or
+        non-integer count. Greedy outputs stay those of the prefill without it up to float rounding of the
+        rows prefilled after a reused prefix (``runtime/base/prefix_cache.py``)."""
+        if max_tokens is None or max_tokens == 0:
+            self.prefix_cache = None
+        else:
+            self.prefix_cache = PrefixCache(max_tokens)
+
     @property
     def can_control(self) -> bool:
         """Whether ``generate(controls=...)`` can run in this program's mode: AR decides on the host, SD's and
@@ -406,6 +418,7 @@ class Program:
             recorder=recorder,
             on_round=on_round,
             controls=controls,
+            prefix_cache=self.prefix_cache,
         )
         if plan.calibrated is not None:  # SSD's ideal round: the verify alone (also for SSD run as SD)
             state.counters.verify_alone_s = plan.calibrated[0]

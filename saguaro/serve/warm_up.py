@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from saguaro import SamplingControls
 from saguaro.runtime.batching import BatchSession
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ WARM_UP_TEXTS = ("def main():\n    return", "The first thing to say is")
 WARM_UP_TOKENS = 8  # new tokens of each warm-up row: a few rounds
 JOIN_TRIES = 4  # joins tried for each row a warm-up batch wants (a sampled row may end at once)
 SAMPLED_TEMPERATURE = 0.8  # any temperature > 0 runs the sampled stages
+WARM_UP_TOP_P = 0.95  # any control in effect runs the stage the controls decide from
 
 
 def needs_warm_up(program) -> bool:
@@ -55,6 +57,15 @@ def warm_up(program, tokenizer, max_batch: int) -> float:
             " and 2" if max_batch > 1 else "",
         )
         _batch(BatchSession(program, temperature), prompts[: 2 if max_batch > 1 else 1])
+    if program.config.mode != "ar" and program.can_control:  # sampling controls: target.verify_logits
+        log.info(
+            "warm-up: sampled rows under sampling controls, batch 1%s", " and 2" if max_batch > 1 else ""
+        )
+        controls = SamplingControls.of(top_p=WARM_UP_TOP_P)
+        _batch(
+            BatchSession(program, SAMPLED_TEMPERATURE, controls=controls),
+            prompts[: 2 if max_batch > 1 else 1],
+        )
     if (
         program.config.mode == "ssd"
     ):  # seeded sampled requests: planned SD, a batch of SD's rounds; SSD, alone

@@ -216,16 +216,49 @@ def filtered_probabilities(
     probs = torch.softmax(scaled, dim=-1)
     if controls.top_p < 1:  # 6. sorted descending (ties by id), kept while the mass before is below P: the
         # most probable always
-        order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        before = order.values.cumsum(dim=-1) - order.values  # the mass ahead of each token
-        keep_sorted = before < controls.top_p
-        keep = torch.zeros_like(keep_sorted).scatter_(-1, order.indices, keep_sorted)
-        probs = torch.where(keep, probs, 0.0)
+        probs = torch.where(nucleus(probs, controls.top_p), probs, 0.0)
     if controls.min_p > 0:  # 7. below min_p times the largest probability removed
         probs = torch.where(probs >= controls.min_p * probs.amax(dim=-1, keepdim=True), probs, 0.0)
     if controls.top_p < 1 or controls.min_p > 0:
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+TOP_P_CANDIDATES = 128  # the most probable tokens a row's nucleus is first looked for among
+TOP_P_MARGIN = 1e-5  # the mass ahead of the last candidate must pass P by this: the tokens after it are out
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Step 6's kept tokens, bool ``[..., V]``: in ``probs``' descending order (a stable sort: ties by id), each
+    token whose mass before it is below ``top_p``. A row whose nucleus ends among its :data:`TOP_P_CANDIDATES` most
+    probable tokens is found there (the same sums, so the same tokens as the full sort); the others by the full
+    sort."""
+    shape, V = probs.shape, probs.shape[-1]
+    rows = probs.reshape(-1, V)  # [N, V]
+    m = min(TOP_P_CANDIDATES, V)
+    if m == V:
+        return sorted_nucleus(rows, top_p).reshape(shape)
+    values = rows.topk(m, dim=-1, sorted=True).values  # [N, m] descending
+    before = values.cumsum(dim=-1) - values  # as the full sort's first m
+    kept = before < top_p  # [N, m]
+    count = kept.sum(dim=-1, keepdim=True)  # [N, 1], at least 1
+    prefix = torch.arange(m, device=probs.device) < count
+    found = (kept == prefix).all(dim=-1) & (before[:, -1] >= top_p + TOP_P_MARGIN)  # [N]
+    boundary = values.gather(-1, count - 1)  # [N, 1] the least probable kept
+    above, tied = rows > boundary, rows == boundary
+    room = count - above.sum(dim=-1, keepdim=True)  # tied tokens kept, the lowest ids
+    keep = above | (tied & (tied.cumsum(dim=-1) <= room))  # [N, V]
+    if not bool(found.all()):
+        rest = (~found).nonzero().squeeze(-1)  # [R]
+        keep[rest] = sorted_nucleus(rows[rest], top_p)
+    return keep.reshape(shape)
+
+
+def sorted_nucleus(rows: torch.Tensor, top_p: float) -> torch.Tensor:
+    """:func:`nucleus` of ``rows [N, V]`` by a full stable sort."""
+    order = torch.sort(rows, dim=-1, descending=True, stable=True)
+    keep_sorted = order.values.cumsum(dim=-1) - order.values < top_p
+    return torch.zeros_like(keep_sorted).scatter_(-1, order.indices, keep_sorted)
 
 
 def processed_probabilities(

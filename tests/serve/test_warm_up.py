@@ -50,6 +50,29 @@ def test_warm_up_runs_each_kind_of_batch_the_server_makes(monkeypatch, mode):
     )  # ssd: a seeded request alone
 
 
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_warm_up_runs_rows_under_sampling_controls_where_the_rounds_need_their_stage(monkeypatch, mode):
+    """SD's and SSD's rounds decide under sampling controls through ``target.verify_logits``: a batch of one row,
+    then two, runs it; AR's controls decide on the host from the step it has run already."""
+    _, _, program = tiny_program("llama", mode=mode)
+    controlled = []
+    step = BatchSession.step
+
+    def recording_step(session):
+        if session.controls is not None:
+            controlled.append((session.size, session.controls.top_p))
+        return step(session)
+
+    monkeypatch.setattr(BatchSession, "step", recording_step)
+    monkeypatch.setattr(warm, "needs_warm_up", lambda program: True)
+    warm.warm_up(program, tiny_tokenizer(), max_batch=8)
+    if mode == "ar":
+        assert controlled == []
+    else:
+        assert {rows for rows, _ in controlled} >= {1, 2}
+        assert {top_p for _, top_p in controlled} == {warm.WARM_UP_TOP_P}
+
+
 def test_warm_up_of_a_one_row_server_runs_one_row_batches(monkeypatch):
     _, _, program = tiny_program("llama", mode="sd")
     rounds, _ = record_runs(monkeypatch, program)

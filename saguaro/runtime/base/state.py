@@ -29,6 +29,9 @@ class DecodeState:
     grammar_masks: tuple | None = None  # (draft tokens [B, k], their path's masks [B, k+1, V]) the draft made
     # [B] each row's first output column (a batch session's rows); None: every row's is seqs.prompt_len
     prompt_ends: torch.Tensor | None = None
+    prefix_cache: object = (
+        None  # a runtime.base.prefix_cache.PrefixCache the prefill reuses and fills, or None
+    )
     counters: Counters = field(init=False)
     # tokens the next draft call feeds each row: 2 (the pending token and the one before, whose draft KV
     # is missing after a round that accepted all k), or 1 when every active row of the last round

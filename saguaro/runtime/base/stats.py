@@ -33,6 +33,7 @@ class Counters:
     rounds: int = 0
     accepted_lengths: list = field(default_factory=list)  # tokens per target call, per active row
     prefill_s: float = 0.0
+    prefix_reused: int = 0  # prompt tokens whose KV came from the prefix cache
     verify_s: float = 0.0
     draft_s: float = 0.0
     stream_s: float = 0.0  # in the on_round callback (a streaming consumer): left out of wall_s
@@ -143,6 +144,7 @@ def summarize(
         "rounds": c.rounds,
         "mean_accepted_len": c.mean_accepted_len,
         "prefill_s": c.prefill_s,
+        "prefix_cached_tokens": c.prefix_reused,
         "verify_s": c.verify_s,
         "draft_s": c.draft_s,
         "stream_s": c.stream_s,  # a streaming reader's time between rounds, left out of wall_s
