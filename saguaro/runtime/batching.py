@@ -35,11 +35,13 @@ SESSION_MODES = ("ar", "sd", "ssd")
 @dataclass(frozen=True)
 class RowTokens:
     """What one row gained: ``row`` (the id :meth:`BatchSession.join` gave), its ``new_tokens`` (cut at
-    its ``max_new_tokens``), and ``finished`` (EOS or budget: it leaves before the next round)."""
+    its ``max_new_tokens``), and ``finished`` (EOS or budget: it leaves before the next round); from
+    :meth:`BatchSession.join`, ``prefix_cached``: the prompt tokens whose KV came from the prefix cache."""
 
     row: int
     new_tokens: list
     finished: bool
+    prefix_cached: int = 0
 
 
 @dataclass
@@ -178,7 +180,7 @@ class BatchSession:
                                 first,
                             )
                         )
-        return RowTokens(row.id, [int(first[0])], finished)
+        return RowTokens(row.id, [int(first[0])], finished, alone.counters.prefix_reused)
 
     def leave(self, row: int) -> None:
         """Drop ``row`` (a :meth:`join` id) before the next round; a row not running is ignored."""

@@ -136,6 +136,7 @@ class Continuous:
             job.fail(exc)
             return
         job.figures.ran_as.add(session.run)
+        job.figures.cached_tokens = first.prefix_cached
         # the session cuts each row at its max_tokens as the job does: a job done here is a row that never joined
         if not job.take(
             first.new_tokens, first.finished, time.perf_counter(), scheduler.metrics, scheduler.eos

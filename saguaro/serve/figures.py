@@ -28,6 +28,7 @@ class Figures:
     lookups: int = 0
     hits: int = 0
     hits_known: bool = True
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     def round(self, ran_as: str, decided: int | None, lookup: tuple | None) -> None:
         """One round of the choice's row: ``decided`` tokens (None: not told), ``lookup`` ``(looked up, hit)``
@@ -52,6 +53,7 @@ class Figures:
         self.decided_rounds += len(counters.accepted_lengths)
         self.lookups += counters.lookups
         self.hits += counters.hits
+        self.cached_tokens = max(self.cached_tokens, counters.prefix_reused)
 
 
 def combined(figures: list) -> dict:

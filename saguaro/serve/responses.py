@@ -142,6 +142,9 @@ class Reply:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
+        cached = max((job.figures.cached_tokens for job in self.jobs), default=0)
+        if cached:  # as OpenAI reports a prompt's cached tokens: the most any choice reused
+            usage["prompt_tokens_details"] = {"cached_tokens": min(cached, prompt)}
         figures = combined([job.figures for job in self.jobs])
         return usage | ({"saguaro": figures} if figures else {})
 

@@ -124,3 +124,37 @@ def test_serve_takes_the_prefix_cache_size_and_refuses_a_negative_one(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--prefix-cache-tokens", "-1"])
     assert "prefix_cache_tokens=-1 is not allowed" in capsys.readouterr().err
+
+
+def test_served_requests_report_their_cached_prompt_tokens_and_keep_their_answers():
+    """``saguaro serve --prefix-cache-tokens``: a request whose prompt starts with an earlier one's reuses its KV,
+    says so in ``usage.prompt_tokens_details.cached_tokens`` (as OpenAI does), and answers what it answers without
+    the cache; batched (greedy) and alone (a grammar) alike."""
+    import httpx
+
+    from tests.serve.server_util import start
+
+    _, _, program = tiny_program("llama", mode="sd")
+    system = related_prompts()[0][:SHARED]
+    bodies = [
+        {"prompt": system + [40 + i] * (3 + i), "max_tokens": 8, "temperature": 0} for i in range(3)
+    ] + [
+        {
+            "prompt": system + [90, 91, 92],
+            "max_tokens": 8,
+            "temperature": 0,
+            "response_format": {"type": "json_object"},
+        }
+    ]
+    running = start(program)
+    try:
+        want = [httpx.post(running.url + "/completions", json=b, timeout=120).json() for b in bodies]
+        program.cache_prefixes(4096)
+        got = [httpx.post(running.url + "/completions", json=b, timeout=120).json() for b in bodies]
+    finally:
+        program.cache_prefixes(None)
+        running.stop()
+    assert [g["choices"][0]["text"] for g in got] == [w["choices"][0]["text"] for w in want]
+    assert all("prompt_tokens_details" not in w["usage"] for w in want)
+    cached = [g["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for g in got]
+    assert cached == [0, SHARED, SHARED, SHARED], cached
