@@ -24,7 +24,7 @@ from saguaro.runtime.base.stats import Counters, seconds_since
 from saguaro.runtime.batching_in_place import free_slot, replace_row
 from saguaro.runtime.batching_ssd import SessionLane, rows_to_sd
 from saguaro.runtime.decode.ar import round_by_step, round_in_graph
-from saguaro.runtime.decode.controlled import in_effect
+from saguaro.runtime.decode.controlled import grammar_rows, in_effect
 from saguaro.runtime.decode.prefill import prefill
 from saguaro.runtime.decode.sd import draft_speculation, verify_and_commit
 from saguaro.runtime.lanes.protocol import DraftLaneError
@@ -303,7 +303,7 @@ class BatchSession:
         self.state = DecodeState(
             seqs, target, draft, self.temperature, generators, program.config.k, controls=self.controls
         )
-        self.state.grammar_rows = gathered_grammar_rows(self.controls, parts)
+        self.state.grammar_rows = gathered_grammar_rows(parts)
         if self.controls is not None:  # the rows' prompts end at their own columns (output penalties)
             self.state.prompt_ends = torch.tensor([r.prompt_end for r in rows], device=device)
         self.rows, self._launch = rows, None
@@ -348,14 +348,14 @@ class BatchSession:
         rows_to_sd(self, exc)
 
 
-def gathered_grammar_rows(controls, parts: list) -> list | None:
-    """The grammar states of the rows ``parts`` (``(DecodeState, row indices or None)``) gather, in order; a
-    part whose rows have decided nothing yet starts each at the grammar's start. None without a grammar."""
-    grammar = getattr(controls, "grammar", None)
-    if grammar is None:
-        return None
+def gathered_grammar_rows(parts: list) -> list | None:
+    """The grammar states of the rows ``parts`` (``(DecodeState, row indices or None)``, all under the session's
+    controls) gather, in order (``controlled.grammar_rows``: at the grammar's start where none decided yet); None
+    without a grammar."""
     rows = []
     for state, keep in parts:
-        held = state.grammar_rows or [grammar.start() for _ in range(state.seqs.batch)]
+        held = grammar_rows(state)
+        if held is None:
+            return None
         rows += held if keep is None else [held[i] for i in keep]
     return rows

@@ -5,6 +5,8 @@ docs/measurements/2026-12-05-serve-batch-in-place.md)."""
 
 from __future__ import annotations
 
+from saguaro.runtime.decode.controlled import grammar_rows
+
 
 def free_slot(session, capacity: int) -> int | None:
     """The index of a row of ``session`` that ended or left, whose place a joining row of ``capacity``
@@ -30,8 +32,7 @@ def replace_row(session, index: int, row, alone) -> None:
     if state.prompt_ends is not None:
         state.prompt_ends[index] = row.prompt_end
     if state.grammar_rows is not None:  # the joining row's grammar state, its first token decided
-        grammar = session.controls.grammar
-        state.grammar_rows[index] = (alone.grammar_rows or [grammar.start()])[0]
+        state.grammar_rows[index] = grammar_rows(alone)[0]
     state.draft_feed = 2  # the joining row's draft holds its prompt up to the pending token: feed both
     session.left_early += gone in session._leaving and gone not in session._ended
     session._leaving.discard(gone)

@@ -71,8 +71,13 @@ class PrefixCache:
 
     def keep(self, tokens: list, column: int, target: KVStore, draft: KVStore | None) -> None:
         """Hold the KV of the prefilled prompt ``tokens`` (row 0 of the stores, its first token at ``column``);
-        an entry of the same tokens is replaced, and the least recently used go past ``max_tokens``."""
+        an entry of the same tokens holding as many stores is kept (made the most recent), and the least recently used go past
+        ``max_tokens``."""
         key = tuple(tokens)
+        held_already = self.entries.get(key)
+        if held_already is not None and (draft is None or held_already.draft is not None):
+            self.entries.move_to_end(key)  # these tokens' KV, each store's: used again, not copied again
+            return
         if len(key) > self.max_tokens:
             return
         n = len(key)
