@@ -109,7 +109,10 @@ def test_entries_go_least_recently_used_first_and_bad_sizes_are_refused():
     assert [e[0] for e in cache.entries] == [5, 7] and cache.held_tokens == 60  # b went
     held = cache.entries[tuple(a)]
     cache.keep(a, 0, *fill(program, program.target.new_store(1, 64), a))  # the same tokens again
-    assert cache.entries[tuple(a)] is held and [e[0] for e in cache.entries] == [7, 5]  # not copied, most recent
+    assert cache.entries[tuple(a)] is held and [e[0] for e in cache.entries] == [
+        7,
+        5,
+    ]  # not copied, most recent
     assert cache.restore([6] * 10, 0, program.target.new_store(1, 64), None) == 0
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_tokens"):
