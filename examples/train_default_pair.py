@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-hidden", type=int, default=384, help="target hidden size")
     g.add_argument("--target-heads", type=int, default=6, help="target attention heads")
     g.add_argument("--target-intermediate", type=int, default=1024, help="target MLP size")
-    g.add_argument("--target-steps", type=int, default=1100, help="target optimizer steps")
+    g.add_argument("--target-steps", type=int, default=4000, help="target optimizer steps")
     g.add_argument("--target-batch", type=int, default=16, help="target sequences per step")
     g.add_argument("--target-lr", type=float, default=1.5e-3, help="target peak learning rate")
 

@@ -128,3 +128,40 @@ def test_quickstart_runs(tiny_default_pair, capsys):
     runpy.run_path(str(EXAMPLES / "quickstart.py"), run_name="__main__")
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("def fibonacci(n):") and "mean accepted length" in out[-1]
+
+
+def test_definition_end_is_the_first_line_no_deeper_than_the_def(demo_main):
+    definition_end = demo_main.__globals__["definition_end"]
+    text = " return len(self.items)\n\n    def push(self, item):\n"
+    assert definition_end(text, 4) == len(" return len(self.items)\n\n")
+    assert definition_end(" x = 1\n        y = 2\n\n", 4) is None  # deeper lines and blanks go on
+    assert definition_end("    x = 1\ny = 2\n", -1) is None  # no definition: no stop
+    assert definition_end("    x = 1\ny = 2\n", 0) == len("    x = 1\n")
+
+
+def test_write_methods_prints_the_target_greedy_text_up_to_the_definition_end(demo_main, capsys):
+    target = tiny_target("llama", logit_scale=4.0)
+    tokenizer = tiny_tokenizer()
+    program = saguaro.compile(target, truncated_draft(target), k=3, backend="eager")
+    write_methods, definition_end = (
+        demo_main.__globals__["write_methods"],
+        demo_main.__globals__["definition_end"],
+    )
+    prompt = "class A:\n\n"
+    text, _, stats = write_methods(program, tokenizer, prompt, ["f(self)", "g(self, x)"], 12, "ssd")
+    printed = capsys.readouterr().out
+    assert printed == text  # what it printed is the text it kept
+    expected = prompt
+    for method in [
+        "f(self)",
+        "g(self, x)",
+    ]:  # each completion: the target's own greedy text, cut at the def's end
+        expected += f"    def {method}:\n       "
+        ids = tokenizer(expected, return_tensors="pt").input_ids
+        reference = target.generate(
+            ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+        decoded = tokenizer.decode(reference[0, ids.shape[1] :], skip_special_tokens=True)
+        expected += decoded[: definition_end(decoded, 4)].rstrip() + "\n\n"
+    assert text == expected
+    assert stats["new_tokens"] == 24 and stats["rounds"] >= 2 and stats["mean_accepted_len"] > 0
