@@ -174,3 +174,32 @@ def test_fed_tokens_go_together_where_the_linears_read_each_weight_once_for_ever
     assert feeds_together(runner("packed"), DRAFT_CHAIN) and feeds_together(runner("gemm"), DRAFT_CHAIN)
     assert not feeds_together(runner("reduction"), DRAFT_CHAIN)  # two rows read each weight twice there
     assert not feeds_together(SimpleNamespace(build=object()), DRAFT_CHAIN)  # a builder that does not say
+
+
+def test_sampled_drafting_hands_the_step_freshly_strided_inputs(monkeypatch):
+    # a compiled stage guards on strides: SD's one-token feed (a column of its [B, 2] inputs) must not compile
+    # the sampled step again beside the layout its later steps give it
+    target = tiny_target("llama")
+    program = saguaro.compile(target, truncated_draft(target, layers=2), k=3, mode="sd", backend="eager")
+    runner = program.draft
+    run, layouts = runner.run, []
+
+    def recorded(stage, store, *args, **kwargs):
+        layouts.extend(
+            (a.shape, a.stride(), a.contiguous().stride()) for a in args[:3]
+        )  # ids, positions, slots
+        return run(stage, store, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run", recorded)
+    ids = torch.tensor([[5, 9, 14, 3, 7, 11], [1, 8, 2, 6, 12, 4]])  # [2, 6]
+    store = runner.new_store(2, 16)
+    index = torch.arange(6).expand(2, 6).clone()  # [2, 6]: slots, positions alike
+    runner(store, ids[:, :4], index[:, :4], index[:, :4])  # the prefill's KV
+    feed = ids[:, 4:], index[:, 4:], index[:, 4:]  # [2, 2] of the round's inputs ...
+    tokens, probs = draft_decode(
+        runner, store, *(t[:, 1:] for t in feed), 3, 0.8, torch.Generator().manual_seed(0)
+    )
+    assert tokens.shape == (2, 3) and probs.shape == (2, 3, target.config.vocab_size)
+    assert len(layouts) == 3 * 3  # ... fed one token: three sampled steps
+    strayed = [(tuple(shape), stride) for shape, stride, fresh in layouts if stride != fresh]
+    assert not strayed, f"inputs of the sampled step not freshly strided: {strayed}"

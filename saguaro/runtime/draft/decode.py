@@ -38,8 +38,8 @@ def draft_decode(
         for j in range(ids.shape[1] - 1):  # [B, 1] each, contiguous as the later steps' inputs are
             draft.run(stage, store, *_columns(j, j + 1, ids, positions, index), note=CATCH_UP)
         ids, positions, index = _columns(-1, None, ids, positions, index)  # [B, 1] x 3
-    elif inv_t is None:
-        ids, positions, index = _columns(0, None, ids, positions, index)  # [B, n] x 3: fed at once
+    else:  # [B, n] x 3 fed at once, freshly strided (SD's one-token feed is a column of its [B, 2] inputs)
+        ids, positions, index = _columns(0, None, ids, positions, index)
     for _ in range(k):
         if inv_t is None:
             (token,) = draft.run(stage, store, ids, positions, index)  # [B]
