@@ -34,13 +34,18 @@ CLASS_PROMPT = 'class Stack:\n    """A last-in, first-out stack."""\n\n    def _
 METHODS = ["__len__(self)", "push(self, item)"]
 
 
+def indentation(line: str) -> int:
+    """The spaces ``line`` starts with."""
+    return len(line) - len(line.lstrip(" "))
+
+
 def definition_end(text: str, indent: int) -> int | None:
     """Where the definition being written ends in ``text`` (what follows a prompt whose last ``def`` is
     indented ``indent`` spaces): the start of its first line, after the first, that is not blank and is
     indented no deeper than that ``def``, as code completion stops; None while no such line has come."""
     offset = 0
     for number, line in enumerate(text.split("\n")):
-        if number > 0 and line.strip() and len(line) - len(line.lstrip(" ")) <= indent:
+        if number > 0 and line.strip() and indentation(line) <= indent:
             return offset
         offset += len(line) + 1
     return None
@@ -90,7 +95,7 @@ def write_methods(program, tokenizer, prompt: str, methods: list, max_new_tokens
             print(head, end="", flush=True)
             text += head
         defs = [line for line in text.split("\n") if line.lstrip().startswith("def ")]
-        indent = len(defs[-1]) - len(defs[-1].lstrip()) if defs else -1  # -1: no definition, no stop
+        indent = indentation(defs[-1]) if defs else -1  # -1: no definition, no stop
         printer = LinePrinter(tokenizer, indent)
         ids = tokenizer(text, return_tensors="pt").input_ids  # [1, T]
         stats = program.generate(
