@@ -1,18 +1,22 @@
 """What the server's scheduler could reach, without HTTP: tokens/s of AR and SD in one ``BatchSession`` of
 ``--rows`` rows on the default pair, greedy and sampled (temperature 0.7 with ``top_p`` 0.9, as the sampled load
-table sends), in this process.
+table sends), in this process. SD twice: ``sd`` with the session's measured speculation length (its default,
+``runtime/speculation_length.py``), ``sd-fixed`` at ``--k`` every round.
 
     python benchmarks/parts/batch_session_rates.py [--backend inductor] [--rows 1,16] [--reps 3] [--json F]
 
-Each case joins its rows (prompts of several lengths, ``--max-new-tokens`` each), then steps the session until
+Each case joins its rows (prompts of several lengths, ``--max-new-tokens`` each; sampled rows unseeded, as the
+load table sends them, from torch's generator seeded once), then steps the session until
 every row ended; tokens/s is the rows' new tokens over the stepping's wall time (the joins' prefills excluded),
-with the mean tokens a row gains a round. Every case runs once untimed first (its shapes compiled), then the cases
-alternate by repetition; the table shows each case's median, SD's beside its AR's.
+with the mean tokens a row gains a round and, for ``sd``, the ks its rounds ran (most run first). Every case runs
+once untimed first (its shapes compiled), then the cases alternate by repetition; the table shows each case's
+median, SD's beside its AR's.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import statistics
@@ -33,32 +37,34 @@ PROMPTS = [
     "class Stack:\n    def push(self, item):\n       ",
 ]
 KINDS = {"greedy": (0.0, None), "sampled": (0.7, {"top_p": 0.9})}  # temperature, controls
+MODES = ("ar", "sd", "sd-fixed")  # sd-fixed: BatchSession(k_choice="fixed")
 
 
 def cases(rows: list) -> list:
-    """``(mode, kind, rows)`` of every case, each AR case before its SD case."""
-    return [(mode, kind, n) for kind in KINDS for n in rows for mode in ("ar", "sd")]
+    """``(mode, kind, rows)`` of every case, each AR case before its SD cases."""
+    return [(mode, kind, n) for kind in KINDS for n in rows for mode in MODES]
 
 
 def run_case(program, prompt_ids: list, mode: str, kind: str, rows: int, max_new_tokens: int) -> dict:
-    """One session of ``rows`` rows stepped to its end: ``{"tokens_per_s", "per_round"}`` (``per_round``: tokens
-    a row gains a round, over the rounds each row took part in)."""
+    """One session of ``rows`` rows stepped to its end: ``{"tokens_per_s", "per_round", "ks"}`` (``per_round``:
+    tokens a row gains a round, over the rounds each row took part in; ``ks``: ``{k: rounds}`` of SD's)."""
     temperature, controls = KINDS[kind]
     session = BatchSession(
         program,
         temperature,
-        mode,
+        "sd" if mode == "sd-fixed" else mode,
         controls=SamplingControls.of(**controls) if controls else None,
+        k_choice="fixed" if mode == "sd-fixed" else "measured",
     )
     for row in range(rows):
-        session.join(prompt_ids[row % len(prompt_ids)], max_new_tokens, seed=row if temperature else None)
+        session.join(prompt_ids[row % len(prompt_ids)], max_new_tokens)  # unseeded, as the load table's
     tokens = row_rounds = 0
     started = time.perf_counter()
     while session.size:
         row_rounds += session.size  # the rows this round decides for
         tokens += sum(len(out.new_tokens) for out in session.step())
     seconds = time.perf_counter() - started
-    return {"tokens_per_s": tokens / seconds, "per_round": tokens / row_rounds}
+    return {"tokens_per_s": tokens / seconds, "per_round": tokens / row_rounds, "ks": dict(session.ks_run)}
 
 
 def main(argv=None) -> list:
@@ -72,6 +78,7 @@ def main(argv=None) -> list:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch._dynamo.config.recompile_limit = 64  # a session's batch shrinks row by row: each size may compile
+    torch.manual_seed(0)  # the unseeded rows' generators are drawn from it
     target, draft, tokenizer = saguaro.default_pair()
     program = saguaro.compile(target, draft, k=args.k, mode="sd", backend=args.backend)
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
@@ -88,6 +95,7 @@ def main(argv=None) -> list:
     for mode, kind, n in todo:
         rates = [p["tokens_per_s"] for p in passes[(mode, kind, n)]]
         per_round = statistics.median(p["per_round"] for p in passes[(mode, kind, n)])
+        ks = sum((collections.Counter(p["ks"]) for p in passes[(mode, kind, n)]), collections.Counter())
         rows.append(
             {
                 "mode": mode,
@@ -96,16 +104,17 @@ def main(argv=None) -> list:
                 "tokens_per_s": statistics.median(rates),
                 "passes": rates,
                 "tokens_a_row_a_round": per_round,
+                "ks": {str(k): count for k, count in ks.most_common()},
             }
         )
     ar = {(r["kind"], r["rows"]): r["tokens_per_s"] for r in rows if r["mode"] == "ar"}
-    lines = [f"{'mode':<5}{'kind':<9}{'rows':>5}{'tokens/s':>10}{'vs AR':>8}{'tokens/row/round':>18}"]
+    lines = [f"{'mode':<9}{'kind':<9}{'rows':>5}{'tokens/s':>10}{'vs AR':>8}{'tokens/row/round':>18}  ks run"]
     for r in rows:
         ratio = r["tokens_per_s"] / ar[(r["kind"], r["rows"])]
         r["vs_ar"] = ratio
         lines.append(
-            f"{r['mode']:<5}{r['kind']:<9}{r['rows']:>5}{r['tokens_per_s']:>10.1f}{ratio:>7.2f}x"
-            f"{r['tokens_a_row_a_round']:>18.2f}"
+            f"{r['mode']:<9}{r['kind']:<9}{r['rows']:>5}{r['tokens_per_s']:>10.1f}{ratio:>7.2f}x"
+            f"{r['tokens_a_row_a_round']:>18.2f}  {' '.join(f'{k}:{c}' for k, c in r['ks'].items())}"
         )
     log.info("\n%s", "\n".join(lines))
     if args.json:

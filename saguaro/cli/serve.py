@@ -13,6 +13,7 @@ from saguaro.cli.args import add_linears_arg, add_plan_arg, int_at_least, sd_whe
 from saguaro.cli.program import add_program_arg, check_program_args, load_program
 from saguaro.cli.registry import Subcommand
 from saguaro.core.config import MAX_K, MODES
+from saguaro.runtime.batching import K_CHOICES
 
 
 def add_arguments(parser) -> None:
@@ -63,6 +64,13 @@ def add_arguments(parser) -> None:
         default=64,
         help="most requests (choices) waiting beyond a full batch; past it a request gets 429 with "
         "Retry-After (default 64; 0: accepted only while the running batch has room)",
+    )
+    parser.add_argument(
+        "--k-choice",
+        choices=K_CHOICES,
+        default="measured",
+        help="speculation length of a batch's SD rounds: measured (default: of 1..k, the one whose rounds "
+        "decide the most tokens a second at the batch's size; a seeded sampled batch keeps k) or fixed (k)",
     )
     parser.add_argument(
         "--max-tokens-default",
@@ -170,6 +178,7 @@ def run(args) -> int:
         announce=print_ready(name),
         default_max_tokens=args.max_tokens_default,
         auth_health=args.auth_health,
+        k_choice=args.k_choice,
     )
     try:
         server.run()

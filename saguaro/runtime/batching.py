@@ -9,6 +9,7 @@ Design: docs/design.md, ``runtime/batching.py``.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from contextlib import nullcontext
@@ -28,8 +29,10 @@ from saguaro.runtime.decode.controlled import grammar_rows, in_effect
 from saguaro.runtime.decode.prefill import prefill
 from saguaro.runtime.decode.sd import draft_speculation, verify_and_commit
 from saguaro.runtime.lanes.protocol import DraftLaneError
+from saguaro.runtime.speculation_length import SpeculationLength
 
 SESSION_MODES = ("ar", "sd", "ssd")
+K_CHOICES = ("measured", "fixed")  # how an SD round's k is chosen: runtime/speculation_length.py, or config.k
 
 
 @dataclass(frozen=True)
@@ -53,14 +56,26 @@ class _Row:
     capacity: int  # the store slots its generation needs, counted from its row's first column
     generator: torch.Generator | None
     prompt_end: int = 0  # its buffer row's first output column (the padded prompt's width)
+    seeded: bool = False  # sampled with a caller's seed: its tokens are generate's at the program's k
 
 
 class BatchSession:
     """The running batch of one ``temperature`` in ``mode`` ``ar``, ``sd`` or ``ssd`` (default: the
     program's) over a :class:`~saguaro.runtime.program.Program`. Each call holds the Program's lock, so
-    other threads' ``generate`` calls run between rounds. One thread drives a session."""
+    other threads' ``generate`` calls run between rounds. One thread drives a session.
 
-    def __init__(self, program, temperature: float = 0.0, mode: str | None = None, controls=None):
+    ``k_choice``: ``"measured"`` (default) lets SD's rounds draft the ``k`` in ``1..config.k`` that measured the
+    most tokens a second at the batch's size (:mod:`saguaro.runtime.speculation_length`; one choice per kind of
+    session, kept by the program), except while a seeded sampled row runs; ``"fixed"``: ``config.k`` always."""
+
+    def __init__(
+        self,
+        program,
+        temperature: float = 0.0,
+        mode: str | None = None,
+        controls=None,
+        k_choice: str = "measured",
+    ):
         mode = mode or program.config.mode
         if mode not in SESSION_MODES:
             raise ValueError(
@@ -74,7 +89,18 @@ class BatchSession:
             )
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
             raise ValueError(f"temperature={temperature!r} is not allowed: it must be a finite number >= 0")
+        if k_choice not in K_CHOICES:
+            raise ValueError(f"k_choice={k_choice!r} is not allowed: choose one of {', '.join(K_CHOICES)}")
         self.controls = checked_controls(controls, program.target.spec.vocab_size)
+        self.lengths = None  # the program's measured choice for this kind of round; None: config.k
+        if (
+            k_choice == "measured"
+        ):  # kept by the program, so a later session starts from what this one measured
+            controlled = (
+                None if self.controls is None else getattr(self.controls, "grammar", None) is not None
+            )
+            kind = (temperature > 0, controlled)  # sampled; no controls / controls / a grammar: bounded
+            self.lengths = program.speculation_lengths.setdefault(kind, SpeculationLength(program.config.k))
         if self.controls is not None and mode != "ar" and not program.can_control:
             raise ValueError(
                 "controls: this program's target has no target.verify_logits stage (a loaded artifact); "
@@ -93,15 +119,22 @@ class BatchSession:
         self.rows: list[_Row] = []
         self.state: DecodeState | None = None
         self.joined = self.left_early = 0  # rows spliced in; rows dropped before their end (leave)
-        self._leaving: set = set()  # ids of rows to drop before the next round: left early (leave) ...
-        self._ended: set = set()  # ... or ended (EOS, budget)
+        self._leaving: set = set()  # ids of rows gone from the batch: left early (leave) ...
+        self._ended: set = set()  # ... or ended (EOS, budget); their places held until taken or narrowed
+        self._vacated: set = set()  # ids of gone rows whose device rows are marked finished
         self._ids = itertools.count()
         self._launch = None  # AR's round over the current rows (rebuilt when they change)
+        # after an SSD round: its rows' (active on the device after it, speculation sources), read before a batch
+        # left with none running is released; None before one
+        self.ssd_round_rows: tuple | None = None
+        self.ks_run = collections.Counter()  # SD's rounds at each k
 
     @property
     def size(self) -> int:
-        """Rows in the running batch (those marked to leave included until the next round drops them)."""
-        return len(self.rows)
+        """Rows running: not those that ended or left, whose places the batch may hold a while (see
+        :meth:`_drop_leaving`)."""
+        gone = self._leaving | self._ended
+        return sum(r.id not in gone for r in self.rows) if gone else len(self.rows)
 
     def join(self, prompt_ids, max_new_tokens: int, seed: int | None = None) -> RowTokens:
         """Prefill ``prompt_ids`` (a list, ``[T]`` or ``[1, T]``) alone and decide its first token; unless
@@ -136,7 +169,7 @@ class BatchSession:
             capacity = program._store_capacity(T, max_new_tokens)
             slot = free_slot(self, capacity)  # a gone row's place, taken in place; else the batch is rebuilt
             if slot is None:
-                self._drop_leaving()
+                self._drop_leaving(narrow=True)
             grammar = getattr(self.controls, "grammar", None)
             if self.mode == "ssd" and not self.rows and grammar is None:  # planned as generate plans it alone
                 plan = self.ssd.plan_first(
@@ -164,7 +197,16 @@ class BatchSession:
                 first = prefill(program.target, draft, alone)
                 for runner in filter(None, (program.target, draft)):
                     runner.first_tokens_out()  # a background compiler held until the first text starts
-                row = _Row(next(self._ids), max_new_tokens, T + 1, 1, capacity, generator, T)
+                row = _Row(
+                    next(self._ids),
+                    max_new_tokens,
+                    T + 1,
+                    1,
+                    capacity,
+                    generator,
+                    T,
+                    seeded=self.temperature > 0 and seed is not None,
+                )
                 finished = not seqs.host_active[0]  # EOS, or a budget of one token
                 if not finished and slot is not None:
                     replace_row(self, slot, row, alone)
@@ -187,9 +229,14 @@ class BatchSession:
         if any(r.id == row for r in self.rows) and row not in self._ended:
             self._leaving.add(row)
 
-    def step(self) -> list[RowTokens]:
+    def step(self, k: int | None = None) -> list[RowTokens]:
         """One round of every running row (after dropping those that left): what each row gained, in the
-        order of the rows. Empty when no row runs."""
+        order of the rows. Empty when no row runs. ``k``: SD's speculation length for this round (``1..config.k``;
+        None: the session's ``k_choice``); AR's and SSD's rounds take none."""
+        if k is not None and (
+            isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.program.config.k
+        ):
+            raise ValueError(f"k={k!r} is not allowed: it must be an integer in 1..{self.program.config.k}")
         program = self.program
         with program._lock, torch.inference_mode():
             self._drop_leaving()
@@ -222,16 +269,35 @@ class BatchSession:
                 self.counters.accepted_lengths.extend(decided)
                 self.counters.rounds += 1
             else:
+                self._set_k(k)
                 draft_tokens, draft_probs = draft_speculation(program.draft, state)
                 self.counters.draft_s += seconds_since(started)
                 decided = verify_and_commit(program.target, state, draft_tokens, draft_probs).decided
             self.counters.end_round(seconds_since(started), decided)
-            return self._hand_out(seqs)
+            out = self._hand_out(seqs)
+            if self.run == "sd" and self.lengths is not None:  # the round's whole cost, its hand-out included
+                self.lengths.observe(len(self.rows), state.k, seconds_since(started), decided)
+            return out
+
+    def _set_k(self, k: int | None) -> None:
+        """This SD round's ``k``: ``k``, else measured (:attr:`lengths`) unless a seeded sampled row runs."""
+        state = self.state
+        if k is None:
+            measured = self.lengths is not None and not any(r.seeded for r in self.rows)
+            k = self.lengths.choose(len(self.rows)) if measured else self.program.config.k
+        if k != state.k:  # the last round's stage made the verify's next slots and positions for its own k
+            made = state.seqs.next_inputs
+            if made is not None:  # consecutive from the pending token's: the first column, counted on
+                steps = torch.arange(k + 1, device=made[3].device)
+                made = (*made[:3], made[3][:, :1] + steps, made[4][:, :1] + steps, *made[5:])
+            state.k, state.seqs.next_inputs = k, made
+        self.ks_run[k] += 1
 
     def _hand_out(self, seqs: SequenceBatch) -> list[RowTokens]:
-        """Each row's new tokens (one device→host copy of ``[B, most gained]``), cut at its budget; rows that
-        ended are marked to leave."""
+        """Each running row's new tokens (one device→host copy of ``[B, most gained]``), cut at its budget; rows
+        that ended are marked gone (a batch left with none running is released)."""
         lengths, active = seqs.host_lengths, seqs.host_active
+        gone = self._leaving | self._ended
         width = max(length - row.emitted for length, row in zip(lengths, self.rows))  # k + 1 at most
         window = [[] for _ in self.rows]
         if width > 0:
@@ -243,6 +309,8 @@ class BatchSession:
             window = seqs.tokens.gather(1, index.clamp_max(seqs.tokens.shape[1] - 1)).tolist()
         out = []
         for row, tokens, length, on in zip(self.rows, window, lengths, active):
+            if row.id in gone:  # a place held: its row handed out its end already, or left
+                continue
             new = tokens[: length - row.emitted][: row.budget - row.generated]
             row.emitted = length
             row.generated += len(new)
@@ -250,6 +318,11 @@ class BatchSession:
             if finished:
                 self._ended.add(row.id)
             out.append(RowTokens(row.id, new, finished))
+        if self.run == "ssd":
+            speculation = self.ssd.speculation if self.ssd is not None else None
+            self.ssd_round_rows = (list(active), None if speculation is None else list(speculation.source))
+        if not self.size:
+            self._drop_leaving()
         return out
 
     def _splice(self, row: _Row, alone: DecodeState) -> None:
@@ -258,12 +331,25 @@ class BatchSession:
         self._set(self.rows + [row], parts, max(r.capacity for r in self.rows + [row]))
         self.joined += 1
 
-    def _drop_leaving(self) -> None:
+    def _drop_leaving(self, narrow: bool = False) -> None:
+        """Before a round (or a join that found no place): the rows that ended or left stop decoding. In modes
+        ``ar`` and ``sd`` their places are held, their device rows marked finished, for joining rows to take in
+        place (``batching_in_place``), until half the batch or more is gone (or ``narrow``): then the running
+        rows are copied into a batch of their size, one copy for many rows gone instead of one a row. Mode
+        ``ssd`` (the lane's batch mirrors this one) narrows at once."""
         if not self._leaving and not self._ended:
             return
         gone = self._leaving | self._ended
         keep = [i for i, r in enumerate(self.rows) if r.id not in gone]
         before = len(self.rows)
+        if keep and not narrow and self.run != "ssd" and 2 * len(keep) > len(self.rows):
+            vacate = [i for i, r in enumerate(self.rows) if r.id in gone and r.id not in self._vacated]
+            if vacate:  # they stop decoding; their slots stay theirs until a row takes the place
+                seqs = self.state.seqs
+                seqs.finished.index_fill_(0, torch.tensor(vacate, device=seqs.finished.device), True)
+                seqs.changed()
+                self._vacated.update(self.rows[i].id for i in vacate)
+            return
         if not keep:
             self.rows, self.state, self._launch = [], None, None
         elif len(keep) < len(self.rows):
@@ -271,7 +357,7 @@ class BatchSession:
             # where this raises, the rows stay marked
             self._set(rows, [(self.state, keep)], max(r.capacity for r in rows))
         self.left_early += len(self._leaving - self._ended)
-        self._leaving, self._ended = set(), set()
+        self._leaving, self._ended, self._vacated = set(), set(), set()
         if self.run == "ssd" and len(keep) < before:
             self._ssd_keep(keep)
 

@@ -37,6 +37,7 @@ def replace_row(session, index: int, row, alone) -> None:
     session.left_early += gone in session._leaving and gone not in session._ended
     session._leaving.discard(gone)
     session._ended.discard(gone)
+    session._vacated.discard(gone)
     session.rows[index] = row
     session._launch = None
     session.joined += 1

@@ -90,6 +90,8 @@ class Program:
         self.lanes = LaneOwner(config, draft, remote_draft) if draft is not None or remote else None
         self._variants: dict = {}
         self.calibration = Calibration(target, draft, config.k)
+        # batch sessions' measured speculation lengths, one per kind of round (runtime/batching.py)
+        self.speculation_lengths: dict = {}
         self._lock = lock if lock is not None else threading.Lock()
 
     @property

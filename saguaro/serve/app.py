@@ -68,10 +68,11 @@ class Service:
         api_key: str | None = None,
         default_max_tokens: int | None = None,
         auth_health: bool = False,
+        k_choice: str = "measured",
     ):
         self.tokenizer, self.model, self.api_key, self.auth_health = tokenizer, model, api_key, auth_health
         self.metrics = Metrics()
-        self.scheduler = Scheduler(program, self.metrics, max_batch, max_queue)
+        self.scheduler = Scheduler(program, self.metrics, max_batch, max_queue, k_choice)
         self.structured = Structured(tokenizer, program.target.spec.vocab_size, program.eos_token_id)
         self.structured.warm()  # reads the tokenizer for grammars in the background
         self.limits = Limits(

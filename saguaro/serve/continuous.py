@@ -61,7 +61,7 @@ class Continuous:
                 if session.size:
                     self._round(key, session)
                 if not session.size:
-                    self.sessions.pop(key, None)
+                    self._end_batch(key)
             with scheduler.cond:
                 scheduler.running = len(self.jobs)
 
@@ -95,6 +95,19 @@ class Continuous:
                 self.sessions[key[0]].leave(key[1])
                 del self.jobs[key]
 
+    def _end_batch(self, key) -> None:
+        """The session of ``key`` runs no row: it goes, and so do the jobs still keyed to it (rows that ended as
+        their request failed, its scoring: they leave, as :meth:`_free_rows_left` has them), so that a later
+        session of the same key, whose row ids count from 0 again, never meets them."""
+        self.sessions.pop(key, None)
+        for job_key in [job_key for job_key in self.jobs if job_key[0] == key]:
+            job = self.jobs.pop(job_key)
+            if job.leave:
+                self.scheduler.metrics.row_left(job.leave)
+            elif not job.done:  # never expected: a running row keeps its batch
+                job.fail(RuntimeError("the request's batch ended before its row did"))
+            job.done = True
+
     def _seeded(self, job) -> None:
         """A seeded sampled request of mode ``ssd``: planned as ``generate`` alone plans it; SD (or AR) joins the
         seeded batch of that run, SSD runs alone with the plan."""
@@ -126,7 +139,11 @@ class Continuous:
         try:
             if session is None:
                 session = self.sessions[key] = BatchSession(
-                    scheduler.program_for(sampling), sampling.temperature, mode, controls=sampling.controls
+                    scheduler.program_for(sampling),
+                    sampling.temperature,
+                    mode,
+                    controls=sampling.controls,
+                    k_choice=scheduler.k_choice,
                 )
             if not session.size:
                 scheduler.metrics.batch_started()  # a batch starts when its first row joins
@@ -196,13 +213,10 @@ def row_lookups(session: BatchSession, results: list) -> list | None:
         return None
     if not counters.lookups:  # every row ended in this round: none was looked up
         return [(False, False)] * len(results)
-    speculation = session.ssd.speculation if session.ssd is not None else None
-    looked = (
-        list(session.state.seqs.host_active) if session.state is not None else []
-    )  # [rows], after the round
-    if speculation is None or not len(speculation.source) == len(looked) == len(results):
+    looked, sources = session.ssd_round_rows or ([], None)  # [rows], after the round
+    if sources is None or not len(sources) == len(looked) == len(results):
         return None
-    hit = [on and code == HIT for on, code in zip(looked, speculation.source)]
+    hit = [on and code == HIT for on, code in zip(looked, sources)]
     if sum(looked) != counters.lookups or sum(hit) != counters.hits:
         return None
     return list(zip(looked, hit))

@@ -160,8 +160,8 @@ class Scheduler:
     """Decode at most ``max_batch`` rows at once on one thread, and hold at most ``max_queue`` more jobs waiting
     for a row (:meth:`submit` refuses past that with 429); :meth:`stop` finishes what was accepted, then ends."""
 
-    def __init__(self, program, metrics, max_batch: int = 8, max_queue: int = 64):
-        self.program, self.metrics = program, metrics
+    def __init__(self, program, metrics, max_batch: int = 8, max_queue: int = 64, k_choice: str = "measured"):
+        self.program, self.metrics, self.k_choice = program, metrics, k_choice
         self.max_batch, self.max_queue = max_batch, max_queue
         self.eos = eos_set(program.eos_token_id)
         self.without_eos = WithoutEos(program)

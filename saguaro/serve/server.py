@@ -98,15 +98,17 @@ def make_server(
     log_level: str = "warning",
     default_max_tokens: int | None = None,
     auth_health: bool = False,
+    k_choice: str = "measured",
 ):
     """``(ReadyServer, Service)``: a server not yet started (``server.run()`` serves until SIGTERM).
     ``default_max_tokens``: a request's ``max_tokens`` when it names none (None: the room its prompt leaves);
-    ``auth_health``: ``/health`` and ``/metrics`` need the key too (else they are open)."""
+    ``auth_health``: ``/health`` and ``/metrics`` need the key too (else they are open); ``k_choice``: the batch
+    sessions' (``BatchSession``)."""
     if tokenizer is None:
         raise ConfigError("saguaro serve needs a tokenizer (beside the target, or in the exported program)")
     check_address(host, api_key)
     service = Service(
-        program, tokenizer, model, max_batch, max_queue, api_key, default_max_tokens, auth_health
+        program, tokenizer, model, max_batch, max_queue, api_key, default_max_tokens, auth_health, k_choice
     )
     config = uvicorn.Config(
         build_app(service),

@@ -85,17 +85,26 @@ def warm_up(program, tokenizer, max_batch: int) -> float:
 
 
 def _batch(session: BatchSession, prompts: list) -> None:
-    """One row, a round, then the next row joins (a batch of two), a round, and rounds until both end. A row that
-    ended already (a sampled one may draw its end early) is replaced by another prompt's, a few times at most, so
-    that the round of two rows runs."""
+    """:func:`_rounds` at the program's ``k``, then, where SD's rounds run with ``k`` > 1, again at ``k`` 1: a
+    session's rounds may draft fewer tokens (``runtime/speculation_length.py``), which compiles the verify's
+    width dynamic once for one row and once for two."""
+    _rounds(session, prompts, None)
+    if session.run == "sd" and session.program.config.k > 1:
+        _rounds(session, prompts, 1)
+
+
+def _rounds(session: BatchSession, prompts: list, k: int | None) -> None:
+    """One row, a round, then the next row joins (a batch of two), a round, and rounds until both end, each of
+    ``k`` (None: the session's choice). A row that ended already (a sampled one may draw its end early) is replaced
+    by another prompt's, a few times at most, so that the round of two rows runs."""
     for rows in range(1, len(prompts) + 1):
         for attempt in range(JOIN_TRIES):
             if session.size >= rows:
                 break
             session.join(prompts[(rows - 1 + attempt) % len(prompts)], WARM_UP_TOKENS)
-        session.step()
+        session.step(k)
     for _ in range(4 * WARM_UP_TOKENS):
         if not session.size:
             return
-        session.step()
+        session.step(k)
     raise RuntimeError("warm-up: a batch did not end")  # a row ends at its budget: never expected

@@ -33,5 +33,8 @@ def test_every_case_runs_and_is_set_beside_its_ar_case(tmp_path, caplog):
     assert all(r["tokens_a_row_a_round"] <= 1 for r in rows if r["mode"] == "ar")  # a token a step (a row's
     # last step may bring none: it ends there)
     assert all(r["vs_ar"] == 1.0 for r in rows if r["mode"] == "ar")
+    assert all(set(r["ks"]) == {"5"} for r in rows if r["mode"] == "sd-fixed")  # the program's k, every round
+    assert all(r["ks"] and {int(k) for k in r["ks"]} <= set(range(1, 6)) for r in rows if r["mode"] == "sd")
+    assert all(not r["ks"] for r in rows if r["mode"] == "ar")
     assert json.loads(out.read_text())["rows"] == rows
     assert "tokens/row/round" in caplog.text and "sampled" in caplog.text

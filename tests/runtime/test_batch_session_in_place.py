@@ -54,7 +54,7 @@ def test_a_row_joining_where_one_ended_takes_its_place_in_place(mode, temperatur
         for got in session.step():
             tokens[rows[got.row]] += got.new_tokens
             ended |= got.finished and rows[got.row] == 0
-    assert session.size == 3  # the ended row is dropped at the next join or round, not before
+    assert session.size == 2 and len(session.rows) == 3  # the ended row's place is held, for a joining row
     first = session.join(asks[3][0], asks[3][1], seed=seeds[3])
     rows[first.row], tokens[3] = 3, list(first.new_tokens)
     assert session.size == 3 and session.joined == 4 and session.left_early == 0
@@ -62,6 +62,38 @@ def test_a_row_joining_where_one_ended_takes_its_place_in_place(mode, temperatur
     run_until_done(session, tokens, rows)
     for i, (prompt, budget) in enumerate(asks):
         assert tokens[i] == solo(program, prompt, budget, temperature, seeds[i]), i
+
+
+@pytest.mark.parametrize("mode,temperature", [("ar", 0.0), ("sd", 0.0), ("sd", 0.9)])
+def test_places_of_gone_rows_are_held_until_half_the_batch_is_gone(mode, temperature):
+    """Rows that end with no row to take their places stop decoding where they are (the batch's tensors
+    untouched); once half the batch is gone the running rows are copied into a narrower batch, once."""
+    _, _, program = tiny_program("llama", mode=mode)
+    ids, _ = prompts(4, 12, seed=34)
+    seeds = [21, 22, 23, 24] if temperature > 0 else [None] * 4
+    asks = [
+        (ids[0, :9].tolist(), 2),
+        (ids[1, :12].tolist(), 40),
+        (ids[2, :5].tolist(), 24),
+        (ids[3, :7].tolist(), 10),
+    ]
+    session = BatchSession(program, temperature=temperature)
+    tokens, rows = {}, {}
+    for i, (prompt, budget) in enumerate(asks):
+        first = session.join(prompt, budget, seed=seeds[i])
+        rows[first.row], tokens[i] = i, list(first.new_tokens)
+    before = addresses(session)
+    widths = []
+    while session.size:
+        for got in session.step():
+            tokens[rows[got.row]] += got.new_tokens
+        if session.state is not None:
+            widths.append((session.size, len(session.rows), addresses(session) == before))
+    assert (3, 4, True) in widths  # one row gone: its place held, nothing copied
+    assert any(held < len(asks) and not same for _, held, same in widths)  # narrowed later, copied once
+    for i, (prompt, budget) in enumerate(asks):
+        assert tokens[i] == solo(program, prompt, budget, temperature, seeds[i]), i
+    assert session.state is None and session.rows == []
 
 
 def test_a_row_that_left_early_is_replaced_and_counted():

@@ -1,7 +1,8 @@
 """Running ``saguaro serve``: every error in OpenAI's JSON shape with its status (404, 405, 500, 429 with
 ``Retry-After``), ``/health`` and ``/metrics`` open beside a key unless ``--auth-health``, ``--max-queue 0``
 taking requests while the batch has room, a request's ``timeout`` freeing its row (408, or an error chunk
-ending a stream), and ``usage["saguaro"]``: the request's own speculation figures, ``generate``'s alone."""
+ending a stream), and ``usage["saguaro"]``: the request's own speculation figures (at a fixed ``k``:
+``generate``'s alone)."""
 
 import logging
 import threading
@@ -25,6 +26,30 @@ def served():
     running = start(program, max_batch=4, max_queue=4)
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def served_at_fixed_k():
+    """A server whose SD rounds all draft the program's ``k`` (``--k-choice fixed``), as ``generate`` does."""
+    _, _, program = tiny_program("llama", mode="sd")
+    running = start(program, max_batch=4, max_queue=4, k_choice="fixed")
+    yield running
+    running.stop()
+
+
+def test_usage_carries_the_rounds_a_measured_k_ran(served):
+    """Under the default ``k_choice`` the rounds may draft fewer than ``k`` tokens: the figures are still those
+    of the request's own rounds, alone in its batch the server's counters of them."""
+    metrics = served.service.metrics
+    before = (metrics.accepted_sum, metrics.accepted_rounds)
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    out = httpx.post(served.url + "/completions", json=body, timeout=120).json()
+    figures, tokens = out["usage"]["saguaro"], out["usage"]["completion_tokens"]
+    accepted_sum, rounds = metrics.accepted_sum - before[0], metrics.accepted_rounds - before[1]
+    assert (figures["mode"], figures["ran_as"], figures["rounds"]) == ("sd", "sd", rounds) and rounds > 1
+    decided = figures["mean_accepted_length"] * rounds
+    assert abs(decided - accepted_sum) < 1e-6  # the prefill's token, then the rounds', the last round's cut
+    assert tokens - 1 <= round(decided) <= tokens - 1 + served.program.config.k
 
 
 def held_rounds(monkeypatch) -> threading.Event:
@@ -182,7 +207,8 @@ def test_a_request_past_its_timeout_answers_408_and_frees_its_row(served, monkey
         release.set()
 
 
-def test_usage_carries_the_requests_own_speculation_figures(served):
+def test_usage_carries_the_requests_own_speculation_figures(served_at_fixed_k):
+    served = served_at_fixed_k
     ids = served.tokenizer(PROMPT).input_ids
     alone = served.program.generate(torch.tensor([ids]), max_new_tokens=40, temperature=0).stats
     figures = {

@@ -12,14 +12,17 @@ from tests.conftest import tiny_program
 from tests.tiny_tokenizer import tiny_tokenizer
 
 
-def record_runs(monkeypatch, program):
-    """``[(temperature, rows) of each round]`` and ``[(temperature, seed) of each stream]`` while warming up."""
+def record_runs(monkeypatch, program, given_k=None):
+    """``[(temperature, rows, mode) of each round]`` and ``[(temperature, seed) of each stream]`` while warming
+    up; ``given_k``: a list that takes ``(temperature, rows, run)`` of each round given its ``k`` (1)."""
     rounds, streams = [], []
     step, stream = BatchSession.step, type(program).stream
 
-    def recording_step(session):
+    def recording_step(session, k=None):
         rounds.append((session.temperature, session.size, session.mode))
-        return step(session)
+        if k is not None and given_k is not None:
+            given_k.append((session.temperature, session.size, session.run, k))
+        return step(session, k)
 
     def recording_stream(self, *args, **kwargs):
         streams.append((kwargs.get("temperature"), kwargs.get("seed")))
@@ -51,6 +54,21 @@ def test_warm_up_runs_each_kind_of_batch_the_server_makes(monkeypatch, mode):
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_warm_up_runs_sd_rounds_of_a_shorter_speculation_too(monkeypatch, mode):
+    """A batch session may draft fewer than ``k`` tokens a round (``runtime/speculation_length.py``): each batch
+    of SD's rounds runs again at ``k`` 1, one row then two, so the verify's width is compiled dynamic before
+    the server is ready."""
+    _, _, program = tiny_program("llama", mode=mode)
+    given = []
+    record_runs(monkeypatch, program, given)
+    warm.warm_up(program, tiny_tokenizer(), max_batch=8)
+    assert {k for *_, k in given} <= {1} and {run for _, _, run, _ in given} <= {"sd"}
+    temperatures = {"ar": (), "sd": (0.0, warm.SAMPLED_TEMPERATURE), "ssd": (warm.SAMPLED_TEMPERATURE,)}[mode]
+    want = {(t, rows) for t in temperatures for rows in (1, 2)}  # ssd: its batches of SD's rounds are sampled
+    assert {(t, rows) for t, rows, _, _ in given} >= want and (mode != "ar" or not given)
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_warm_up_runs_rows_under_sampling_controls_where_the_rounds_need_their_stage(monkeypatch, mode):
     """SD's and SSD's rounds decide under sampling controls through ``target.verify_logits``: a batch of one row,
     then two, runs it; AR's controls decide on the host from the step it has run already."""
@@ -58,10 +76,10 @@ def test_warm_up_runs_rows_under_sampling_controls_where_the_rounds_need_their_s
     controlled = []
     step = BatchSession.step
 
-    def recording_step(session):
+    def recording_step(session, k=None):
         if session.controls is not None:
             controlled.append((session.size, session.controls.top_p))
-        return step(session)
+        return step(session, k)
 
     monkeypatch.setattr(BatchSession, "step", recording_step)
     monkeypatch.setattr(warm, "needs_warm_up", lambda program: True)
@@ -100,7 +118,7 @@ def test_warm_up_prompts_come_from_the_tokenizer_or_count_from_one():
 
 
 def test_a_warm_up_batch_runs_its_round_of_two_rows_when_a_row_ends_early():
-    class Session:  # BatchSession's part _batch uses: join, step, size
+    class Session:  # BatchSession's part _rounds uses: join, step, size
         def __init__(self, lives):
             self.lives, self.rows, self.sizes = (
                 list(lives),
@@ -116,7 +134,7 @@ def test_a_warm_up_batch_runs_its_round_of_two_rows_when_a_row_ends_early():
             if (life := self.lives.pop(0)) > 0:
                 self.rows.append([prompt, life])
 
-        def step(self):
+        def step(self, k=None):
             self.sizes.append(self.size)
             for row in self.rows:
                 row[1] -= 1
@@ -124,8 +142,8 @@ def test_a_warm_up_batch_runs_its_round_of_two_rows_when_a_row_ends_early():
 
     # the first row ends in its round, the next ends as it joins: two more joins make the batch of two
     session = Session([1, 0, 3, 3])
-    warm._batch(session, [[5, 6], [7, 8]])
+    warm._rounds(session, [[5, 6], [7, 8]], None)
     assert session.sizes[:2] == [1, 2] and session.sizes[-1] > 0 and not session.rows
     assert not session.lives  # every join tried was needed
     with pytest.raises(RuntimeError, match="a batch did not end"):
-        warm._batch(Session([1000, 1000]), [[5, 6], [7, 8]])
+        warm._rounds(Session([1000, 1000]), [[5, 6], [7, 8]], None)

@@ -16,6 +16,7 @@ from saguaro.core.errors import ConfigError
 from saguaro.core.stages import DRAFT_STEP, TARGET_VERIFY_LOGITS
 from saguaro.runtime.base.model_runner import ModelRunner
 from saguaro.runtime.base.state import DecodeState
+from saguaro.runtime.draft.decode import fresh_columns
 from saguaro.tensor_math import logits_processing as lp
 from saguaro.tensor_math import verification
 
@@ -150,6 +151,9 @@ def draft_under_grammar(
     masks along the tokens (and after the last) go to ``state.grammar_masks``, for the verify of these tokens."""
     rows, store, k, t = grammar_rows(state), state.draft_store, state.k, state.temperature
     store.invalidate_from(index[:, 0])
+    ids, index, positions = fresh_columns(
+        0, None, ids, index, positions
+    )  # SD's one-token feed: a column of [B, 2]
     inv_t = torch.full((), 1.0 / t if t > 0 else 1.0, device=ids.device)  # a fill: no host copy
     u = torch.zeros(ids.shape[0], device=ids.device)  # the stage's own draw is not used
     tokens, probs, masks, taken = [], [], [], [0] * len(rows)

@@ -36,10 +36,10 @@ def draft_decode(
     )  # a fill: no sync
     if inv_t is None and not feeds_together(draft, stage):
         for j in range(ids.shape[1] - 1):  # [B, 1] each, contiguous as the later steps' inputs are
-            draft.run(stage, store, *_columns(j, j + 1, ids, positions, index), note=CATCH_UP)
-        ids, positions, index = _columns(-1, None, ids, positions, index)  # [B, 1] x 3
+            draft.run(stage, store, *fresh_columns(j, j + 1, ids, positions, index), note=CATCH_UP)
+        ids, positions, index = fresh_columns(-1, None, ids, positions, index)  # [B, 1] x 3
     else:  # [B, n] x 3 fed at once, freshly strided (SD's one-token feed is a column of its [B, 2] inputs)
-        ids, positions, index = _columns(0, None, ids, positions, index)
+        ids, positions, index = fresh_columns(0, None, ids, positions, index)
     for _ in range(k):
         if inv_t is None:
             (token,) = draft.run(stage, store, ids, positions, index)  # [B]
@@ -67,7 +67,7 @@ def chained_steps(
     steps; the slot claimed for ``x_k``, which no call writes, is dropped again."""
     together = feeds_together(draft, DRAFT_CHAIN)
     columns = [(0, None)] if together else [(j, j + 1) for j in range(ids.shape[1])]
-    query = _columns(*columns[0], ids, positions, index)  # input_ids, positions, write_slots [B, n or 1]
+    query = fresh_columns(*columns[0], ids, positions, index)  # input_ids, positions, write_slots [B, n or 1]
     branches: dict = {}  # query width -> [B, width] zeros: shared
     # each query width's fast call (ModelRunner.make_query_call): an earlier round's on this store,
     # else made after the first call of that width
@@ -96,7 +96,7 @@ def chained_steps(
 
     for j, end in columns[1:]:
         _, _, next_positions, next_slots = call(query, CATCH_UP)
-        query = (*_columns(j, end, ids), next_positions, next_slots)
+        query = (*fresh_columns(j, end, ids), next_positions, next_slots)
     tokens = []
     for _ in range(k):
         token, *query = call(query)  # [B], [B, 1] x 3
@@ -113,7 +113,7 @@ def feeds_together(draft: ModelRunner, stage) -> bool:
     return linears_of is not None and linears_of(stage) != "reduction"
 
 
-def _columns(start: int, end: int | None, *tensors: torch.Tensor) -> tuple:
+def fresh_columns(start: int, end: int | None, *tensors: torch.Tensor) -> tuple:
     """Columns ``start:end`` of each ``[B, n]`` tensor, freshly strided, so that every call of a query width
     matches one compiled graph's guards."""
     return tuple(t[:, start:end].clone(memory_format=torch.contiguous_format) for t in tensors)
