@@ -24,16 +24,19 @@ _said_grammar_runs_sd: list = []  # logged once per process: a grammar request i
 
 def runs_alone(program, sampling) -> bool:
     """Whether ``sampling`` (a request's) runs alone rather than joining the batch session of its temperature
-    and sampling controls in ``program``: with a grammar (each answer's own; SSD's lane cannot carry it), or
-    seeded and sampled in mode ``ssd`` (planned first, :func:`plan_alone`)."""
-    return getattr(sampling.controls, "grammar", None) is not None or (
-        program.config.mode == "ssd" and sampling.temperature > 0 and sampling.seed is not None
-    )
+    and sampling controls in ``program``: seeded and sampled in mode ``ssd`` (planned first, :func:`plan_alone`;
+    with a grammar, run alone with SD's rounds as ``generate`` runs it)."""
+    return program.config.mode == "ssd" and sampling.temperature > 0 and sampling.seed is not None
 
 
 def controls_key(controls):
-    """A hashable key, equal for equal sampling controls without a grammar (a batch session's); None for none."""
-    return None if controls is None else replace(controls, grammar=None)  # frozen, of numbers and tuples
+    """A hashable key, equal for equal sampling controls under the same grammar (a batch session's: a ``Grammar``
+    compares by identity, :mod:`saguaro.serve.structured` hands out one per schema); None for none."""
+    if controls is None:
+        return None
+    return replace(controls, grammar=None), getattr(
+        controls, "grammar", None
+    )  # frozen, of numbers and tuples
 
 
 def plan_alone(scheduler, job):

@@ -1,8 +1,10 @@
 """Structured output: a request's ``response_format`` (and, on chat, its tool choice: :mod:`saguaro.serve.tools`) as
 the grammar its answer must follow, a ``saguaro.Grammar`` over the program's vocabulary. It is one more sampling
-control (``SamplingControls.grammar``): the request runs alone (:mod:`saguaro.serve.alone`), exactly under
-speculation (the target's verification and the draft's proposals masked alike; mode ``ssd`` runs SD's rounds, its
-lane cannot carry the grammar: ``usage["saguaro"]["ran_as"]`` says ``sd``).
+control (``SamplingControls.grammar``), exact under speculation (the target's verification and the draft's
+proposals masked alike; mode ``ssd`` runs SD's rounds, its lane cannot carry the grammar: ``usage["saguaro"]
+["ran_as"]`` says ``sd``). The grammars of the last :data:`KEPT_GRAMMARS` schemas and grammar texts asked are kept:
+requests that ask for the same one get the same ``Grammar`` and share a batch session (each row its own state), as a
+client sending one schema with every request does.
 
 ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}`` (one JSON object), ``{"type":
 "json_schema", "json_schema": {"name", "schema", "strict"}}`` (one JSON document valid under ``schema``; none given:
@@ -11,6 +13,8 @@ unsatisfiable) is a 400 naming ``response_format``."""
 
 from __future__ import annotations
 
+import collections
+import json
 import logging
 import threading
 
@@ -20,6 +24,7 @@ from saguaro.serve.tools import tool_grammar
 
 log = logging.getLogger(__name__)
 ANY_OBJECT = {"type": "object"}
+KEPT_GRAMMARS = 64  # the last schemas' and grammar texts' grammars kept, so that their requests batch
 
 
 class Structured:
@@ -29,6 +34,26 @@ class Structured:
     def __init__(self, tokenizer, vocab_size: int, eos_ids=None):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos_ids = eos_ids if eos_ids is not None else getattr(tokenizer, "eos_token_id", None)
+        self._kept: collections.OrderedDict = (
+            collections.OrderedDict()
+        )  # (kind, text) -> Grammar, newest last
+        self._lock = threading.Lock()
+
+    def _kept_or_built(self, key: tuple, build) -> Grammar:
+        """The grammar kept under ``key``, else ``build()``'s, kept (the oldest let go past
+        :data:`KEPT_GRAMMARS`)."""
+        with self._lock:
+            grammar = self._kept.get(key)
+            if grammar is not None:
+                self._kept.move_to_end(key)
+                return grammar
+        grammar = build()  # outside the lock: a large schema may take a while; two builds of one are harmless
+        with self._lock:
+            grammar = self._kept.setdefault(key, grammar)
+            self._kept.move_to_end(key)
+            while len(self._kept) > KEPT_GRAMMARS:
+                self._kept.popitem(last=False)
+        return grammar
 
     def warm(self) -> None:
         """Read the tokenizer for grammars on a thread of its own (a request that needs it first waits for it)."""
@@ -54,14 +79,19 @@ class Structured:
         schema's place in the request, for the message)."""
         self._need_tokenizer(param)
         try:
-            return Grammar.json_schema(schema, self.tokenizer, self.vocab_size, self.eos_ids)
+            key = ("json_schema", json.dumps(schema, sort_keys=True))
+            return self._kept_or_built(
+                key, lambda: Grammar.json_schema(schema, self.tokenizer, self.vocab_size, self.eos_ids)
+            )
         except GrammarError as exc:
             raise RequestError(f"{where or param}: the JSON schema is not allowed: {exc}", param) from None
 
     def lark(self, text: str, param: str) -> Grammar:
         self._need_tokenizer(param)
         try:
-            return Grammar.lark(text, self.tokenizer, self.vocab_size, self.eos_ids)
+            return self._kept_or_built(
+                ("lark", text), lambda: Grammar.lark(text, self.tokenizer, self.vocab_size, self.eos_ids)
+            )
         except GrammarError as exc:
             raise RequestError(f"{param}: the grammar could not be built: {exc}", param) from None
 

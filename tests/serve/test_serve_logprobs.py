@@ -221,9 +221,19 @@ def test_a_stop_string_cuts_the_logprobs_with_the_tokens(served):
         assert len(tokens) == usage.completion_tokens and "".join(tokens).startswith(text[: text.find(stop)])
 
 
-def test_a_request_run_alone_carries_logprobs_too(served, monkeypatch):
-    """A grammar runs a request alone (``program.stream``, which holds the program): its tokens are scored once
-    the stream has ended, still in its rounds' chunks."""
+def test_a_request_run_alone_carries_logprobs_too(monkeypatch):
+    """Seeded and sampled in mode ``ssd``, with a grammar, a request runs alone (``program.stream``, which holds the
+    program): its tokens are scored once the stream has ended, still in its rounds' chunks."""
+    target, _, program = tiny_program("llama", mode="ssd")
+    served = start(program, max_batch=4, max_queue=4)
+    served.target = target
+    try:
+        scored_once_alone(served, monkeypatch)
+    finally:
+        served.stop()
+
+
+def scored_once_alone(served, monkeypatch) -> None:
     from saguaro import Grammar
     from saguaro.serve import continuous
 

@@ -414,3 +414,47 @@ def test_a_program_without_controls_refuses_them_and_grammars_naming_the_field()
     plain = completion_request({"prompt": [5, 6], "max_tokens": 2, "top_p": 1.0}, tiny_tokenizer(), limits)
     assert plain.choices[0].controls is None
     assert tiny_program("llama", mode="ar")[2].can_control and tiny_program("llama", mode="sd")[2].can_control
+
+
+def test_requests_of_one_schema_share_a_batch_and_get_generates_text(served, monkeypatch):
+    """A schema's grammar is kept (the same ``Grammar`` for each request of it), so its requests join one batch
+    session, none run alone; each greedy answer is ``program.generate``'s alone under that grammar."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from saguaro.runtime.batching import BatchSession
+    from saguaro.serve import continuous
+
+    alone, sizes, real_step = [], [], BatchSession.step
+    monkeypatch.setattr(
+        continuous, "run_alone", lambda *args, run=continuous.run_alone: alone.append(1) or run(*args)
+    )
+    scheduler, queued = served.service.scheduler, threading.Event()
+
+    def step(
+        session, k=None
+    ):  # the first round waits (120 s at most) until the other requests queue behind it
+        queued.wait(120)
+        if getattr(session.controls, "grammar", None) is not None:
+            sizes.append(session.size)
+        return real_step(session, k)
+
+    monkeypatch.setattr(BatchSession, "step", step)
+    fmt = {"type": "json_schema", "json_schema": {"name": "reading", "schema": SCHEMA}}
+    questions = [[{"role": "user", "content": f"Reading {i}?"}] for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        answers = [
+            pool.submit(chat, served, messages=m, response_format=fmt, max_tokens=60, temperature=0)
+            for m in questions
+        ]
+        for _ in range(2400):
+            if len(scheduler.waiting) >= 2 or all(a.done() for a in answers):
+                break
+            threading.Event().wait(0.05)
+        queued.set()
+        answers = [a.result() for a in answers]
+    grammar = Grammar.json_schema(SCHEMA, served.tokenizer, 128)
+    for messages, answer in zip(questions, answers):
+        want = generated(served, prompt_ids(served, messages), grammar, 60)
+        assert answer["choices"][0]["message"]["content"] == want
+    assert not alone and max(sizes) == 3  # one batch of the three
