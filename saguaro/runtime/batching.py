@@ -150,7 +150,10 @@ class BatchSession:
             )
             if ids.shape[0] != 1:
                 raise ValueError(f"join takes one prompt (input_ids [1, T]); got a batch of {ids.shape[0]}")
-            if self.mode == "ssd" and self.temperature > 0 and seed is not None:
+            grammar = getattr(
+                self.controls, "grammar", None
+            )  # a grammar's batch runs SD's rounds: seeds hold
+            if self.mode == "ssd" and self.temperature > 0 and seed is not None and grammar is None:
                 raise ValueError(
                     f"seed={seed!r}: a batch session in mode 'ssd' takes no seed at temperature > 0 "
                     "(the draft lane draws from one generator per batch); run a seeded request alone "
@@ -170,7 +173,6 @@ class BatchSession:
             slot = free_slot(self, capacity)  # a gone row's place, taken in place; else the batch is rebuilt
             if slot is None:
                 self._drop_leaving(narrow=True)
-            grammar = getattr(self.controls, "grammar", None)
             if self.mode == "ssd" and not self.rows and grammar is None:  # planned as generate plans it alone
                 plan = self.ssd.plan_first(
                     (padded_ids, padded_mask, max_new_tokens, eos_ids, self.temperature), base

@@ -19,14 +19,18 @@ from dataclasses import replace
 import torch
 
 log = logging.getLogger(__name__)
-_said_grammar_runs_sd: list = []  # logged once per process: a grammar request in mode ssd runs SD's rounds
 
 
 def runs_alone(program, sampling) -> bool:
     """Whether ``sampling`` (a request's) runs alone rather than joining the batch session of its temperature
-    and sampling controls in ``program``: seeded and sampled in mode ``ssd`` (planned first, :func:`plan_alone`;
-    with a grammar, run alone with SD's rounds as ``generate`` runs it)."""
-    return program.config.mode == "ssd" and sampling.temperature > 0 and sampling.seed is not None
+    and sampling controls in ``program``: seeded and sampled in mode ``ssd`` (planned first, :func:`plan_alone`),
+    without a grammar (under one ``generate`` runs SD's rounds, as its batch session does: the row joins it)."""
+    return (
+        program.config.mode == "ssd"
+        and sampling.temperature > 0
+        and sampling.seed is not None
+        and getattr(sampling.controls, "grammar", None) is None
+    )
 
 
 def controls_key(controls):
@@ -63,16 +67,6 @@ def run_alone(scheduler, job, plan=None) -> None:
     """Decode ``job`` alone (with ``plan``, from :func:`plan_alone`), handing out its tokens round by round; a
     failure fails the job, not the server."""
     program, metrics, s = scheduler.program, scheduler.metrics, job.sampling
-    if (
-        getattr(s.controls, "grammar", None) is not None
-        and program.config.mode == "ssd"
-        and not _said_grammar_runs_sd
-    ):
-        _said_grammar_runs_sd.append(True)
-        log.info(
-            "structured output (response_format, tools) runs with SD's rounds in mode ssd: the draft lane cannot "
-            "carry the grammar's state through its tree (the tokens are the same; usage.saguaro.ran_as says sd)"
-        )
     try:
         ids = torch.tensor([s.prompt_ids], dtype=torch.long)  # [1, T]
         metrics.batch_started()

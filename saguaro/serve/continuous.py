@@ -34,6 +34,7 @@ from saguaro.serve.alone import controls_key, plan_alone, run_alone, runs_alone
 from saguaro.serve.figures import HIT
 
 log = logging.getLogger(__name__)
+_said_runs_sd: list = []  # logged once per process: a grammar's batch in mode ssd runs SD's rounds
 
 
 class Continuous:
@@ -114,11 +115,6 @@ class Continuous:
         if job.sampling.max_tokens == 0:
             self._prompt_only(job)
             return
-        if (
-            getattr(job.sampling.controls, "grammar", None) is not None
-        ):  # a grammar: alone, as generate plans it
-            run_alone(self.scheduler, job)
-            return
         plan = plan_alone(self.scheduler, job)
         if plan is None:
             return  # the planning failed: the job has its error
@@ -153,6 +149,12 @@ class Continuous:
             job.fail(exc)
             return
         job.figures.ran_as.add(session.run)
+        if session.run != session.mode and not _said_runs_sd and getattr(sampling.controls, "grammar", None):
+            _said_runs_sd.append(True)
+            log.info(
+                "structured output (response_format, tools) runs with SD's rounds in mode ssd: the draft lane "
+                "cannot carry the grammar's state through its tree (usage.saguaro.ran_as says sd)"
+            )
         job.figures.cached_tokens = first.prefix_cached
         # the session cuts each row at its max_tokens as the job does: a job done here is a row that never joined
         if not job.take(

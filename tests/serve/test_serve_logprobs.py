@@ -222,54 +222,42 @@ def test_a_stop_string_cuts_the_logprobs_with_the_tokens(served):
 
 
 def test_a_request_run_alone_carries_logprobs_too(monkeypatch):
-    """Seeded and sampled in mode ``ssd``, with a grammar, a request runs alone (``program.stream``, which holds the
+    """Seeded and sampled in mode ``ssd`` (planned SSD), a request runs alone (``program.stream``, which holds the
     program): its tokens are scored once the stream has ended, still in its rounds' chunks."""
-    target, _, program = tiny_program("llama", mode="ssd")
+    from saguaro.serve import continuous
+
+    target, _, program = tiny_program("llama", mode="ssd", lane="thread", sd_when_faster=False)
     served = start(program, max_batch=4, max_queue=4)
     served.target = target
     try:
-        scored_once_alone(served, monkeypatch)
+        alone = []
+        monkeypatch.setattr(
+            continuous, "run_alone", lambda *args, run=continuous.run_alone: alone.append(1) or run(*args)
+        )
+        ids = served.tokenizer(PROMPT).input_ids
+        body = dict(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=0.8,
+            seed=3,
+            logprobs=1,
+            extra_body={"top_k": 5},
+        )
+        whole = client(served).completions.create(**body).choices[0].logprobs
+        chunks = list(client(served).completions.create(**body, stream=True))
+        new = program.generate(
+            torch.tensor([ids]), max_new_tokens=10, temperature=0.8, seed=3, controls={"top_k": 5}
+        ).sequences[0]
+        check_completion_logprobs(served, whole, new.tolist()[: len(ids) + len(whole.tokens)], len(ids), 1)
+        assert joined(chunks)["tokens"] == whole.tokens and same_values(
+            joined(chunks)["token_logprobs"], whole.token_logprobs
+        )
+        chunked = [c for c in chunks if c.choices and c.choices[0].logprobs is not None]
+        assert len(chunked) > 1 and alone == [1, 1]
     finally:
         served.stop()
-
-
-def scored_once_alone(served, monkeypatch) -> None:
-    from saguaro import Grammar
-    from saguaro.serve import continuous
-
-    alone = []
-    monkeypatch.setattr(
-        continuous, "run_alone", lambda *args, run=continuous.run_alone: alone.append(1) or run(*args)
-    )
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    ids = served.tokenizer(PROMPT).input_ids
-    body = dict(
-        model="tiny",
-        prompt=PROMPT,
-        max_tokens=10,
-        temperature=0.8,
-        seed=3,
-        logprobs=1,
-        extra_body={
-            "top_k": 5,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
-        },
-    )
-    whole = client(served).completions.create(**body).choices[0].logprobs
-    chunks = list(client(served).completions.create(**body, stream=True))
-    grammar = Grammar.json_schema(schema, served.tokenizer, served.program.target.spec.vocab_size)
-    new = served.program.generate(
-        torch.tensor([ids]),
-        max_new_tokens=10,
-        temperature=0.8,
-        seed=3,
-        controls={"top_k": 5, "grammar": grammar},
-    ).sequences[0]
-    check_completion_logprobs(served, whole, new.tolist()[: len(ids) + len(whole.tokens)], len(ids), 1)
-    assert joined(chunks)["tokens"] == whole.tokens and same_values(
-        joined(chunks)["token_logprobs"], whole.token_logprobs
-    )
-    assert len([c for c in chunks if c.choices and c.choices[0].logprobs is not None]) > 1 and alone == [1, 1]
+        program.close()
 
 
 def test_requests_of_equal_sampling_controls_share_a_batch_and_get_generates_tokens(served, monkeypatch):

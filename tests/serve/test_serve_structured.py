@@ -392,6 +392,20 @@ def test_mode_ssd_serves_a_structured_request_with_sd_rounds_and_says_so():
         )
         figures = whole["usage"]["saguaro"]
         assert figures["mode"] == "ssd" and figures["ran_as"] == "sd" and figures["mean_accepted_length"] > 1
+        # seeded and sampled it joins the grammar's batch, SD's rounds, as generate runs it: generate's text
+        sampled = chat(running, response_format=fmt, max_tokens=80, temperature=0.8, seed=5, top_p=0.9)
+        ids = prompt_ids(running)
+        out = program.generate(
+            torch.tensor([ids]),
+            max_new_tokens=80,
+            temperature=0.8,
+            seed=5,
+            controls={"grammar": grammar, "top_p": 0.9},
+        )
+        assert sampled["choices"][0]["message"]["content"] == tokenizer.decode(
+            out.sequences[0, len(ids) :].tolist(), skip_special_tokens=True
+        )
+        assert sampled["usage"]["saguaro"]["ran_as"] == "sd"
     finally:
         running.stop()
         program.close()
