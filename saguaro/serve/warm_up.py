@@ -4,7 +4,7 @@ With Inductor (``compile="blocking"``), a stage compiles on its first call with 
 then the first round at a batch size above one (Inductor compiles the batch size dynamic then, once), then
 the first sampled request, each wait for the compile while every other request waits behind it. The warm-up runs each kind of batch the scheduler (:mod:`saguaro.serve.
 continuous`) makes, through the same :class:`~saguaro.runtime.batching.BatchSession`: greedy and sampled, one
-row and then two; in mode ``ssd`` also a sampled batch of SD's rounds (where seeded requests planned SD go) and
+row and then two, and (where a tokenizer is given) greedy rows under a grammar; in mode ``ssd`` also a sampled batch of SD's rounds (where seeded requests planned SD go) and
 a seeded sampled request alone (``program.stream``, as :mod:`saguaro.serve.alone` runs one planned SSD). Prompt lengths and store capacities are compiled dynamic from the first
 call, so two short prompts cover them. The warm-up's tokens go nowhere; nothing is counted in ``/metrics``.
 On the eager backend nothing needs compiling and it does nothing.
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from saguaro import SamplingControls
+from saguaro import Grammar, SamplingControls
 from saguaro.runtime.batching import BatchSession
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,14 @@ def warm_up(program, tokenizer, max_batch: int) -> float:
         controls = SamplingControls.of(top_p=WARM_UP_TOP_P)
         _batch(
             BatchSession(program, SAMPLED_TEMPERATURE, controls=controls),
+            prompts[: 2 if max_batch > 1 else 1],
+        )
+    if program.config.mode != "ar" and program.can_control and tokenizer is not None:
+        # a grammar (structured output): the draft's one-token step under its masks; its batches run SD's rounds
+        log.info("warm-up: rows under a grammar, batch 1%s", " and 2" if max_batch > 1 else "")
+        grammar = Grammar.json_schema(None, tokenizer, program.target.spec.vocab_size, program.eos_token_id)
+        _batch(
+            BatchSession(program, 0.0, controls=SamplingControls.of(grammar=grammar)),
             prompts[: 2 if max_batch > 1 else 1],
         )
     if (

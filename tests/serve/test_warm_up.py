@@ -71,14 +71,16 @@ def test_warm_up_runs_sd_rounds_of_a_shorter_speculation_too(monkeypatch, mode):
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_warm_up_runs_rows_under_sampling_controls_where_the_rounds_need_their_stage(monkeypatch, mode):
     """SD's and SSD's rounds decide under sampling controls through ``target.verify_logits``: a batch of one row,
-    then two, runs it; AR's controls decide on the host from the step it has run already."""
+    then two, runs it, and another under a grammar (the draft's one-token step under its masks); AR's controls
+    decide on the host from the step it has run already."""
     _, _, program = tiny_program("llama", mode=mode)
     controlled = []
     step = BatchSession.step
 
     def recording_step(session, k=None):
         if session.controls is not None:
-            controlled.append((session.size, session.controls.top_p))
+            grammar = session.controls.grammar is not None
+            controlled.append((session.size, session.controls.top_p, grammar, session.run))
         return step(session, k)
 
     monkeypatch.setattr(BatchSession, "step", recording_step)
@@ -87,8 +89,10 @@ def test_warm_up_runs_rows_under_sampling_controls_where_the_rounds_need_their_s
     if mode == "ar":
         assert controlled == []
     else:
-        assert {rows for rows, _ in controlled} >= {1, 2}
-        assert {top_p for _, top_p in controlled} == {warm.WARM_UP_TOP_P}
+        plain = [(rows, top_p) for rows, top_p, grammar, _ in controlled if not grammar]
+        assert {rows for rows, _ in plain} >= {1, 2} and {top_p for _, top_p in plain} == {warm.WARM_UP_TOP_P}
+        under_grammar = [(rows, run) for rows, _, grammar, run in controlled if grammar]
+        assert {rows for rows, _ in under_grammar} >= {1, 2} and {run for _, run in under_grammar} == {"sd"}
 
 
 def test_warm_up_of_a_one_row_server_runs_one_row_batches(monkeypatch):
