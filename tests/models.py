@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from transformers import (
@@ -231,3 +232,19 @@ def tiny_family_target(
 def family_draft(target: torch.nn.Module) -> torch.nn.Module:
     """The family's truncated draft: its first two layers for Gemma 3 (they mix kinds), one otherwise."""
     return truncated_draft(target, layers=2 if target.config.num_hidden_layers > 2 else 1)
+
+
+SHARP_VOCAB = 16  # the vocabulary of :func:`sharp_sd_pair`'s models: small enough to count every outcome
+
+
+@functools.cache
+def sharp_sd_pair(k: int):
+    """``(target, draft, program)``: a target of ``SHARP_VOCAB`` tokens with sharp distributions, a noisy truncated
+    draft of it, and the pair compiled eager in mode ``sd`` at ``k`` (never run as AR): what the sampling checks
+    count outcomes over."""
+    import saguaro
+
+    target = tiny_target("llama", vocab_size=SHARP_VOCAB, logit_scale=12.0, seed=5)
+    draft = truncated_draft(target, noise=0.8)
+    program = saguaro.compile(target, draft, k=k, mode="sd", backend="eager", sd_when_faster=False)
+    return target, draft, program

@@ -93,12 +93,8 @@ class BatchSession:
             raise ValueError(f"k_choice={k_choice!r} is not allowed: choose one of {', '.join(K_CHOICES)}")
         self.controls = checked_controls(controls, program.target.spec.vocab_size)
         self.lengths = None  # the program's measured choice for this kind of round; None: config.k
-        if (
-            k_choice == "measured"
-        ):  # kept by the program, so a later session starts from what this one measured
-            controlled = (
-                None if self.controls is None else getattr(self.controls, "grammar", None) is not None
-            )
+        if k_choice == "measured":  # kept by the program: a later session starts from what this one measured
+            controlled = None if self.controls is None else self.controls.grammar is not None
             kind = (temperature > 0, controlled)  # sampled; no controls / controls / a grammar: bounded
             self.lengths = program.speculation_lengths.setdefault(kind, SpeculationLength(program.config.k))
         if self.controls is not None and mode != "ar" and not program.can_control:
@@ -150,9 +146,8 @@ class BatchSession:
             )
             if ids.shape[0] != 1:
                 raise ValueError(f"join takes one prompt (input_ids [1, T]); got a batch of {ids.shape[0]}")
-            grammar = getattr(
-                self.controls, "grammar", None
-            )  # a grammar's batch runs SD's rounds: seeds hold
+            # a grammar's batch runs SD's rounds, where a seeded row's tokens are generate's
+            grammar = getattr(self.controls, "grammar", None)
             if self.mode == "ssd" and self.temperature > 0 and seed is not None and grammar is None:
                 raise ValueError(
                     f"seed={seed!r}: a batch session in mode 'ssd' takes no seed at temperature > 0 "

@@ -38,9 +38,9 @@ def controls_key(controls):
     compares by identity, :mod:`saguaro.serve.structured` hands out one per schema); None for none."""
     if controls is None:
         return None
-    return replace(controls, grammar=None), getattr(
-        controls, "grammar", None
-    )  # frozen, of numbers and tuples
+    return replace(
+        controls, grammar=None
+    ), controls.grammar  # frozen, of numbers and tuples; the grammar itself
 
 
 def plan_alone(scheduler, job):

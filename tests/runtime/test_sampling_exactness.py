@@ -1,26 +1,20 @@
 """At temperature 1, SD preserves the target's distribution; a biased verifier is caught."""
 
-import functools
-
 import pytest
 import torch
 
 import saguaro
 from saguaro.tensor_math import verification
-from tests.models import tiny_target, truncated_draft
+from tests.models import SHARP_VOCAB, sharp_sd_pair
 from tests.stats_util import chi_square_pvalue
 
-VOCAB = 16
+VOCAB = SHARP_VOCAB
 SAMPLES = 6000
 PROMPT = torch.tensor([[3, 7, 11, 4]])
 
 
-@functools.cache
 def sampling_setup():
-    target = tiny_target("llama", vocab_size=VOCAB, logit_scale=12.0, seed=5)
-    draft = truncated_draft(target, noise=0.8)
-    program = saguaro.compile(target, draft, k=2, mode="sd", backend="eager", sd_when_faster=False)
-    return target, draft, program
+    return sharp_sd_pair(k=2)
 
 
 def exact_joint(target) -> torch.Tensor:

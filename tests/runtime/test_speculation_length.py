@@ -3,19 +3,17 @@ rounds' measured tokens a second per batch-size bucket, and any ``k`` keeps the 
 ``generate``'s tokens, sampled rows the target's distribution, seeded rows ``generate``'s tokens at the program's
 ``k``."""
 
-import functools
 import itertools
 import random
 
 import pytest
 import torch
 
-import saguaro
 from saguaro.runtime.batching import BatchSession
 from saguaro.runtime.speculation_length import EXPLORE_EVERY, FIRST_ROUNDS, SpeculationLength
 from saguaro.serve.scheduler import WithoutEos
 from tests.conftest import tiny_program
-from tests.models import prompts, tiny_target, truncated_draft
+from tests.models import SHARP_VOCAB, prompts, sharp_sd_pair
 from tests.runtime.test_batch_session import drive, solo
 from tests.stats_util import chi_square_pvalue
 
@@ -136,17 +134,13 @@ def test_seeded_sampled_rows_run_the_programs_k():
     }  # measured, not chosen
 
 
-VOCAB = 16
+VOCAB = SHARP_VOCAB
 PROMPT = [3, 7, 11, 4]
 ROWS, SESSIONS = 150, 16
 
 
-@functools.cache
 def sampling_setup():
-    target = tiny_target("llama", vocab_size=VOCAB, logit_scale=12.0, seed=5)
-    draft = truncated_draft(target, noise=0.8)
-    program = saguaro.compile(target, draft, k=3, mode="sd", backend="eager", sd_when_faster=False)
-    return target, draft, program
+    return sharp_sd_pair(k=3)
 
 
 def joint_of_second_and_third(model) -> torch.Tensor:
