@@ -150,6 +150,7 @@ def build_program(args):
 
 
 def run(args) -> int:
+    from saguaro.core.openmp import release_thread_pool
     from saguaro.serve.server import check_address, make_server, print_ready, read_api_key, read_chat_template
     from saguaro.serve.warm_up import needs_warm_up, warm_up
 
@@ -166,6 +167,7 @@ def run(args) -> int:
         seconds = warm_up(program, tokenizer, args.max_batch)
         sys.stderr.write(f"saguaro serve: warm-up done in {seconds:.0f} s\n")
     program.cache_prefixes(args.prefix_cache_tokens)  # after the warm-up: its prompts are not kept
+    release_thread_pool()  # the scheduler's thread decodes from now on: core/openmp.py says why
     server, _ = make_server(
         program,
         tokenizer,

@@ -180,10 +180,18 @@ class BatchSession:
                 padded_ids, padded_mask, max_new_tokens, capacity, eos_ids, program.pad_token_id
             )
             draft = program.draft if self.run == "sd" else None
+            if slot is not None:  # prefilled where it will run: the place's rows of the batch's stores
+                stores = (self.state.target_store.emptied_row(slot), None)
+                if draft is not None:
+                    stores = (stores[0], self.state.draft_store.emptied_row(slot))
+            else:
+                stores = (
+                    program.target.new_store(1, capacity),
+                    draft.new_store(1, capacity) if draft is not None else None,
+                )
             alone = DecodeState(
                 seqs,
-                program.target.new_store(1, capacity),
-                draft.new_store(1, capacity) if draft is not None else None,
+                *stores,
                 self.temperature,
                 generator,
                 program.config.k,

@@ -1,6 +1,7 @@
-"""A joining row takes the place of a row that ended or left since the last round, in place: its tokens and
-slots copied into the running batch (``put_row``), the other rows and every address untouched. Modes ``ar``
-and ``sd``, where the stores are wide enough; else the session rebuilds the batch (why:
+"""A joining row takes the place of a row that ended or left since the last round, in place: it is prefilled
+into that place's rows of the running batch's stores (``KVStore.emptied_row``: no store of its own to copy) and
+its tokens copied in (``put_row``), the other rows and every address untouched. Modes ``ar`` and ``sd``, where the
+stores are wide enough; else the session rebuilds the batch (why:
 docs/measurements/2026-12-05-serve-batch-in-place.md)."""
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ def free_slot(session, capacity: int) -> int | None:
 
 
 def replace_row(session, index: int, row, alone) -> None:
-    """Put ``alone``'s prefilled row (a one-row ``DecodeState``) in place of ``session``'s row ``index``;
-    its slots past ``alone``'s capacity are emptied, as in a fresh store."""
+    """Put ``alone``'s prefilled row (a one-row ``DecodeState``) in place of ``session``'s row ``index``: its
+    stores are that row's already (``KVStore.emptied_row``), or are copied there, the slots past their capacity
+    emptied, as in a fresh store."""
     state, gone = session.state, session.rows[index].id
     state.seqs.put_row(index, alone.seqs)
-    state.target_store.put_row(index, alone.target_store)
-    if state.draft_store is not None:
-        state.draft_store.put_row(index, alone.draft_store)
+    for mine, theirs in ((state.target_store, alone.target_store), (state.draft_store, alone.draft_store)):
+        if mine is not None and theirs.slot_pos.data_ptr() != mine.slot_pos[index].data_ptr():
+            mine.put_row(index, theirs)  # else prefilled in place (KVStore.emptied_row)
     if session.temperature > 0:
         state.generator[index] = row.generator
     if state.prompt_ends is not None:

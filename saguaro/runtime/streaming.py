@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.core.errors import SaguaroError
+from saguaro.core.openmp import release_thread_pool
 
 _READING: dict = {}  # (id of a Program's lock, thread id) -> how many of its streams that thread reads now
 
@@ -220,6 +221,7 @@ class TokenStream:
             check_not_reading(self._lock)  # a stream inside a stream of one Program: the inner one would wait
             self._reader = (id(self._lock), threading.get_ident())
             _READING[self._reader] = _READING.get(self._reader, 0) + 1
+            release_thread_pool()  # the stream's thread decodes: this one's OpenMP workers go (core/openmp.py)
             self._thread.start()
         try:
             kind, value = self._turns.take()

@@ -109,6 +109,10 @@ class Grammar:
         error = llguidance.LLMatcher.validate_grammar(text, vocabulary.tokenizer)
         if error:
             raise GrammarError(error)
+        self.eos_only = torch.zeros(vocabulary.vocab_size, dtype=torch.bool, device="cpu")  # [V]: read only
+        self.eos_only[list(vocabulary.eos_ids)] = True
+        self._start = None  # the matcher at the grammar's start, its first mask made: each row's is a copy
+        self._start_lock = threading.Lock()
 
     json_options = JSON_OPTIONS  # how :meth:`json_schema` lays documents out (an ``x-guidance`` object)
 
@@ -158,7 +162,16 @@ class Grammar:
         return cls(text, vocabulary_of(tokenizer, vocab_size, eos_ids), "regex")
 
     def start(self) -> GrammarState:
-        return GrammarState(self)
+        """A row's state at the grammar's start: a copy of one matcher parsed (and its first mask made) once."""
+        import llguidance
+
+        with self._start_lock:
+            if self._start is None:
+                self._start = llguidance.LLMatcher(self.vocabulary.tokenizer, self.text, log_level=0)
+                words = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32, device="cpu")
+                self._start.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+            matcher = self._start.deep_copy()
+        return GrammarState(self, matcher)
 
     def __repr__(self) -> str:
         return f"Grammar({self.kind}, vocab_size={self.vocab_size})"
@@ -169,17 +182,17 @@ class GrammarState:
     token, :meth:`rollback`, and :meth:`allowed_along` a speculation (the masks at each of its positions, the state
     left as it was). An end-of-sequence token taken where the text is whole ends the row's grammar (``ended``)."""
 
-    def __init__(self, grammar: Grammar):
-        import llguidance
-
+    def __init__(self, grammar: Grammar, matcher):
         self.grammar = grammar
-        self.matcher = llguidance.LLMatcher(grammar.vocabulary.tokenizer, grammar.text, log_level=0)
+        self.matcher = matcher  # an llguidance.LLMatcher at the grammar's start (Grammar.start)
         self.eos = set(grammar.vocabulary.eos_ids)
         self.taken: list = []  # per token advanced: True where the matcher consumed it, False for an ending EOS
-        words = (grammar.vocab_size + 31) // 32
-        self._buffer = torch.zeros(1, words, dtype=torch.int32, device="cpu")
-        self._eos_only = torch.zeros(grammar.vocab_size, dtype=torch.bool, device="cpu")
-        self._eos_only[list(self.eos)] = True
+        self._buffer = torch.zeros(1, (grammar.vocab_size + 31) // 32, dtype=torch.int32, device="cpu")
+
+    @property
+    def live(self) -> bool:
+        """Whether the matcher decides the mask (else only end-of-sequence tokens are allowed)."""
+        return not self.ended and not self.matcher.is_error()
 
     @property
     def ended(self) -> bool:
@@ -187,12 +200,12 @@ class GrammarState:
 
     def _mask(self) -> torch.Tensor:
         """``[V]`` bool on the CPU."""
-        if self.ended or self.matcher.is_error():
-            return self._eos_only.clone()
+        if not self.live:
+            return self.grammar.eos_only.clone()
         row = self._buffer[0]
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         mask = ((row[:, None] >> _BITS) & 1).flatten()[: self.grammar.vocab_size].bool()
-        return mask if bool(mask.any()) else self._eos_only.clone()
+        return mask if bool(mask.any()) else self.grammar.eos_only.clone()
 
     def allowed(self, device=None) -> torch.Tensor:
         """The tokens allowed next: ``[V]`` bool."""
@@ -232,3 +245,27 @@ class GrammarState:
         self.rollback(taken)
         masks = torch.stack(rows)
         return masks if device is None else masks.to(device)
+
+
+_EXECUTOR: list = []  # the llguidance.LLExecutor that computes many rows' masks in one call, made on first use
+
+
+def allowed_rows(states: list, device=None) -> torch.Tensor:
+    """The tokens each of ``states`` (``GrammarState`` rows of grammars over one vocabulary size) allows next,
+    ``[B, V]`` bool: :meth:`GrammarState.allowed` of each, the matchers' masks computed in one library call and
+    unpacked in one op (a mask per row costs a call and several small ops)."""
+    import llguidance
+
+    vocab_size = states[0].grammar.vocab_size
+    words = torch.zeros(len(states), (vocab_size + 31) // 32, dtype=torch.int32, device="cpu")  # [B, W]
+    live = [(state.matcher, b) for b, state in enumerate(states) if state.live]
+    if live:
+        if not _EXECUTOR:
+            _EXECUTOR.append(llguidance.LLExecutor())
+        _EXECUTOR[0].unsafe_compute_mask_ptr(live, words.data_ptr(), words.shape[1] * 4, len(states))
+    masks = ((words[:, :, None] >> _BITS) & 1).flatten(1)[:, :vocab_size].bool()  # [B, V]
+    empty = (~masks.any(dim=1)).tolist()  # an ended row's, or a matcher's that allows nothing: EOS only
+    for b, state in enumerate(states):
+        if empty[b]:
+            masks[b] = state.grammar.eos_only
+    return masks if device is None else masks.to(device)

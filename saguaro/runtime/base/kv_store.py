@@ -154,13 +154,30 @@ class KVStore:
         """Row ``index`` becomes ``other``'s only row in place (other rows and addresses stay); slots past
         ``other``'s capacity are emptied, and ``other``'s past this capacity must be empty."""
         S = min(other.capacity, self.capacity)
-        for mine, theirs in zip((*self.k_caches, *self.v_caches), (*other.k_caches, *other.v_caches)):
-            mine[index, :, :S].copy_(theirs[0, :, :S])  # [Hkv, S, D]
-            mine[index, :, S:].zero_()
-        self.slot_pos[index, :S].copy_(other.slot_pos[0, :S])  # [S]
-        self.slot_pos[index, S:].fill_(-1)
+        mine = [cache[index] for cache in (*self.k_caches, *self.v_caches)]  # [Hkv, S', D] each
+        theirs = [cache[0, :, :S] for cache in (*other.k_caches, *other.v_caches)]
+        # one op for every layer's copy (and one for the zeroing): a row joins between two rounds of a batch
+        torch._foreach_copy_(
+            [row[:, :S] for row in mine] + [self.slot_pos[index, :S]], theirs + [other.slot_pos[0, :S]]
+        )
         self.slot_branch[index, :S].copy_(other.slot_branch[0, :S])
-        self.slot_branch[index, S:].zero_()
+        if S < self.capacity:
+            torch._foreach_zero_([row[:, S:] for row in mine] + [self.slot_branch[index, S:]])
+            self.slot_pos[index, S:].fill_(-1)
+
+    def emptied_row(self, index: int) -> KVStore:
+        """Row ``index`` emptied (zero caches, every slot empty, as a fresh store's) and returned as a one-row store
+        over this store's tensors: what is written there is this store's row (a joining row prefilled in place,
+        where :meth:`put_row` would copy a one-row store's). Never pooled."""
+        caches = [cache[index : index + 1] for cache in (*self.k_caches, *self.v_caches)]  # [1, Hkv, S, D]
+        torch._foreach_zero_(caches + [self.slot_branch[index : index + 1]])
+        self.slot_pos[index].fill_(-1)
+        row = type(self).__new__(type(self))
+        layers = len(self.k_caches)
+        row.k_caches, row.v_caches = caches[:layers], caches[layers:]
+        row.slot_pos, row.slot_branch = self.slot_pos[index : index + 1], self.slot_branch[index : index + 1]
+        row.capacity, row._slot_index = self.capacity, self._slot_index
+        return row
 
     def take_rows(self, parts: list) -> KVStore:
         """Fill this store's rows with ``parts`` (``(store, [M] rows or None)``) in order and return it; a

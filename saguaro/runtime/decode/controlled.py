@@ -19,6 +19,7 @@ from saguaro.runtime.base.state import DecodeState
 from saguaro.runtime.draft.decode import fresh_columns
 from saguaro.tensor_math import logits_processing as lp
 from saguaro.tensor_math import verification
+from saguaro.tensor_math.grammar import allowed_rows
 
 
 def in_effect(state: DecodeState) -> lp.SamplingControls | None:
@@ -76,7 +77,7 @@ def decide(logits: torch.Tensor, state: DecodeState) -> torch.Tensor:
         return verification.sample_tokens(logits, state.temperature, state.generator)[0]
     seen, output = histories(state, logits.shape[-1])
     rows = grammar_rows(state)
-    allowed = None if rows is None else torch.stack([row.allowed(logits.device) for row in rows])  # [B, V]
+    allowed = None if rows is None else allowed_rows(rows, logits.device)  # [B, V]
     if state.temperature == 0:
         token = lp.processed_choice(logits, controls, seen, output, allowed)
     else:
@@ -159,7 +160,7 @@ def draft_under_grammar(
     tokens, probs, masks, taken = [], [], [], [0] * len(rows)
     for _ in range(k):
         _, q = draft.run(DRAFT_STEP.sampled, store, ids, positions, index, inv_t, u)  # [B], [B, V]
-        allowed = torch.stack([row.allowed() for row in rows])  # [B, V] on the CPU
+        allowed = allowed_rows(rows)  # [B, V] on the CPU
         masks.append(allowed)
         q = lp.masked_distribution(q, allowed.to(q.device))
         token = verification.draw(q, state.generator) if t > 0 else q.argmax(dim=-1)  # [B]
@@ -168,7 +169,7 @@ def draft_under_grammar(
         tokens.append(token)
         probs.append(q)
         ids, index, positions = token[:, None], index[:, -1:] + 1, positions[:, -1:] + 1
-    masks.append(torch.stack([row.allowed() for row in rows]))  # after x_k: the bonus position's
+    masks.append(allowed_rows(rows))  # after x_k: the bonus position's
     for row, n in zip(rows, taken):
         row.rollback(n)
     drafted = torch.stack(tokens, dim=1)  # [B, k]
