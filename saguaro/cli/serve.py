@@ -167,7 +167,8 @@ def run(args) -> int:
         seconds = warm_up(program, tokenizer, args.max_batch)
         sys.stderr.write(f"saguaro serve: warm-up done in {seconds:.0f} s\n")
     program.cache_prefixes(args.prefix_cache_tokens)  # after the warm-up: its prompts are not kept
-    release_thread_pool()  # the scheduler's thread decodes from now on: core/openmp.py says why
+    if program.config.mode != "ssd":  # the scheduler's thread decodes alone from now on: core/openmp.py
+        release_thread_pool()
     server, _ = make_server(
         program,
         tokenizer,

@@ -207,6 +207,8 @@ class TokenStream:
             args=(program, input_ids, options, self._turns, cuda_stream),
         )
         self._ended = False
+        # no SSD lane decodes beside the stream's thread (mode ssd's does: core/openmp.py, why that matters)
+        self._alone = program.config.mode != "ssd"
         self._lock = lock  # the Program's
         self._reader = None  # (id of the lock, id of the reading thread)
         self.output = None
@@ -221,7 +223,8 @@ class TokenStream:
             check_not_reading(self._lock)  # a stream inside a stream of one Program: the inner one would wait
             self._reader = (id(self._lock), threading.get_ident())
             _READING[self._reader] = _READING.get(self._reader, 0) + 1
-            release_thread_pool()  # the stream's thread decodes: this one's OpenMP workers go (core/openmp.py)
+            if self._alone:  # the stream's thread decodes: this one's OpenMP workers go (core/openmp.py)
+                release_thread_pool()
             self._thread.start()
         try:
             kind, value = self._turns.take()
