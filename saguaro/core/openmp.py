@@ -12,6 +12,7 @@ released stalled for seconds, for reasons not yet known (the figures: docs/measu
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 
 log = logging.getLogger(__name__)
@@ -30,19 +31,29 @@ def loaded_runtime() -> str | None:
     return next((p for p in paths if p.rsplit("/", 1)[-1].startswith(RUNTIME_NAMES)), None)
 
 
+@functools.cache
+def _pause_call():
+    """The loaded runtime's ``omp_pause_resource_all`` (ctypes), or None; looked up once (torch loads the runtime
+    on import, before any caller here)."""
+    path = loaded_runtime()
+    if path is None:
+        return None
+    try:
+        pause = ctypes.CDLL(path).omp_pause_resource_all
+    except (OSError, AttributeError):
+        return None
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause
+
+
 def release_thread_pool() -> bool:
     """Release the calling thread's OpenMP worker threads (``omp_pause_resource_all``); its next parallel region
     starts new ones. Call it from a thread done with parallel work before another thread does that work. Returns
     whether the runtime released them (False: no OpenMP runtime loaded, or it has no such call, or it refused,
     as it does inside a parallel region)."""
-    path = loaded_runtime()
-    if path is None:
+    pause = _pause_call()
+    if pause is None:
         return False
-    try:
-        pause = ctypes.CDLL(path).omp_pause_resource_all
-    except (OSError, AttributeError):
-        return False
-    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
     released = pause(OMP_PAUSE_SOFT) == 0
-    log.debug("OpenMP worker threads of this thread %s (%s)", "released" if released else "kept", path)
+    log.debug("OpenMP worker threads of this thread %s", "released" if released else "kept")
     return released

@@ -181,17 +181,15 @@ class BatchSession:
             )
             draft = program.draft if self.run == "sd" else None
             if slot is not None:  # prefilled where it will run: the place's rows of the batch's stores
-                stores = (self.state.target_store.emptied_row(slot), None)
-                if draft is not None:
-                    stores = (stores[0], self.state.draft_store.emptied_row(slot))
+                target_store = self.state.target_store.emptied_row(slot)
+                draft_store = self.state.draft_store.emptied_row(slot) if draft is not None else None
             else:
-                stores = (
-                    program.target.new_store(1, capacity),
-                    draft.new_store(1, capacity) if draft is not None else None,
-                )
+                target_store = program.target.new_store(1, capacity)
+                draft_store = draft.new_store(1, capacity) if draft is not None else None
             alone = DecodeState(
                 seqs,
-                *stores,
+                target_store,
+                draft_store,
                 self.temperature,
                 generator,
                 program.config.k,

@@ -168,8 +168,7 @@ class Grammar:
         with self._start_lock:
             if self._start is None:
                 self._start = llguidance.LLMatcher(self.vocabulary.tokenizer, self.text, log_level=0)
-                words = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32, device="cpu")
-                self._start.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+                allowed_rows([GrammarState(self, self._start)])  # its first mask, made once
             matcher = self._start.deep_copy()
         return GrammarState(self, matcher)
 
@@ -187,7 +186,6 @@ class GrammarState:
         self.matcher = matcher  # an llguidance.LLMatcher at the grammar's start (Grammar.start)
         self.eos = set(grammar.vocabulary.eos_ids)
         self.taken: list = []  # per token advanced: True where the matcher consumed it, False for an ending EOS
-        self._buffer = torch.zeros(1, (grammar.vocab_size + 31) // 32, dtype=torch.int32, device="cpu")
 
     @property
     def live(self) -> bool:
@@ -200,12 +198,7 @@ class GrammarState:
 
     def _mask(self) -> torch.Tensor:
         """``[V]`` bool on the CPU."""
-        if not self.live:
-            return self.grammar.eos_only.clone()
-        row = self._buffer[0]
-        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-        mask = ((row[:, None] >> _BITS) & 1).flatten()[: self.grammar.vocab_size].bool()
-        return mask if bool(mask.any()) else self.grammar.eos_only.clone()
+        return allowed_rows([self])[0]
 
     def allowed(self, device=None) -> torch.Tensor:
         """The tokens allowed next: ``[V]`` bool."""
