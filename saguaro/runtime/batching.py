@@ -279,7 +279,9 @@ class BatchSession:
             self.counters.end_round(seconds_since(started), decided)
             out = self._hand_out(seqs)
             if self.run == "sd" and self.lengths is not None:  # the round's whole cost, its hand-out included
-                self.lengths.observe(len(self.rows), state.k, seconds_since(started), decided)
+                # what each row handed out: a row that ended inside the round gained less than it decided
+                gained = [len(row.new_tokens) for row in out]
+                self.lengths.observe(len(self.rows), state.k, seconds_since(started), gained)
             return out
 
     def _set_k(self, k: int | None) -> None:

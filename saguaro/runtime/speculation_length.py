@@ -2,7 +2,8 @@
 a second at the batch's size, from the rounds' own measured times and acceptance.
 
 ``SpeculationLength(k_max)``: :meth:`choose` gives a ``k`` in ``1..k_max`` for a batch of ``B`` rows, and
-:meth:`observe` takes what that round did: its wall seconds and each active row's decided tokens (accepted + 1).
+:meth:`observe` takes what that round did: its wall seconds and the tokens each active row gained (accepted + 1,
+fewer where the row ended inside the round: what a round is worth is what its rows hand out).
 Two estimates feed the choice:
 
 - the acceptance at each draft position ``j``: the share of rows that, having accepted tokens ``1..j-1``, accept
@@ -92,11 +93,12 @@ class SpeculationLength:
         bucket.explored += 1
         return bucket.exploring
 
-    def observe(self, batch: int, k: int, seconds: float, decided: list) -> None:
-        """A round of ``batch`` rows at ``k`` took ``seconds``; ``decided``: each active row's tokens (1..k+1)."""
+    def observe(self, batch: int, k: int, seconds: float, gained: list) -> None:
+        """A round of ``batch`` rows at ``k`` took ``seconds``; ``gained``: each active row's tokens (1..k+1; a row
+        that ended at its ``g``-th token counts as failing position ``g``)."""
         if not 1 <= k <= self.k_max:
             return
-        accepted = [min(max(d - 1, 0), k) for d in decided]
+        accepted = [min(max(g - 1, 0), k) for g in gained]
         for j in range(k):  # position j + 1: rows that reached it (accepted j) passed or failed it
             passed = sum(a > j for a in accepted)
             failed = sum(a == j for a in accepted)

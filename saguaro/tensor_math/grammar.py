@@ -186,6 +186,7 @@ class GrammarState:
         self.matcher = matcher  # an llguidance.LLMatcher at the grammar's start (Grammar.start)
         self.eos = set(grammar.vocabulary.eos_ids)
         self.taken: list = []  # per token advanced: True where the matcher consumed it, False for an ending EOS
+        self.abandoned = False  # the row took a token its mask allowed and the matcher refused (abandon)
 
     @property
     def live(self) -> bool:
@@ -194,7 +195,12 @@ class GrammarState:
 
     @property
     def ended(self) -> bool:
-        return bool(self.taken) and not self.taken[-1]
+        return self.abandoned or (bool(self.taken) and not self.taken[-1])
+
+    def abandon(self) -> None:
+        """End the row's grammar after a decided token the matcher refused although its mask allowed it (llguidance
+        can disagree with itself: guidance-ai/llguidance#366): from here only end-of-sequence tokens are allowed."""
+        self.abandoned = True
 
     def _mask(self) -> torch.Tensor:
         """``[V]`` bool on the CPU."""
@@ -229,7 +235,12 @@ class GrammarState:
         the refused token: those positions decide nothing)."""
         rows, taken, refused = [self._mask()], 0, False
         for token in tokens:
-            refused = refused or not (bool(rows[-1][int(token)]) and self.advance(token))
+            if not refused and bool(rows[-1][int(token)]) and not self.advance(token):
+                rows[-1][int(token)] = (
+                    False  # allowed by the mask, refused by the matcher: not to be accepted
+                )
+                refused = True
+            refused = refused or not rows[-1][int(token)]
             if refused:
                 rows.append(torch.ones(self.grammar.vocab_size, dtype=torch.bool, device="cpu"))
                 continue

@@ -120,6 +120,24 @@ def test_masks_along_a_speculation_are_the_states_after_each_draft_token_and_rol
     assert not state.ended and EOS in state.allowed().nonzero().flatten().tolist()
 
 
+def test_a_token_its_mask_allows_and_its_matcher_refuses_is_never_accepted_and_ends_the_row(caplog):
+    tok = tiny_tokenizer(128)
+    grammar = Grammar.regex(r"(a[bc]|d)+", tok)
+    ids = {c: tok.convert_tokens_to_ids(c) for c in "abd"}
+    state = grammar.start()
+    advance = state.advance
+    state.advance = lambda t: (
+        t != ids["a"] and advance(t)
+    )  # llguidance#366: the matcher refuses what it allowed
+    along = state.allowed_along([ids["a"], ids["b"]])
+    assert not along[0, ids["a"]] and along[0, ids["d"]] and along[1:].all()  # a verify cannot accept "a"
+    assert not state.ended and state.allowed()[ids["a"]]  # rolled back: the state itself is unchanged
+    with caplog.at_level("WARNING", logger="saguaro.runtime.decode.controlled"):
+        controlled.advance_rows([state], [[ids["d"], ids["a"], ids["b"]]])
+    assert "refused by its matcher" in caplog.text and state.ended
+    assert state.allowed().nonzero().flatten().tolist() == [EOS] and state.advance(EOS)
+
+
 def test_masked_distribution_renormalises_and_falls_back_to_uniform():
     probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.2, 0.3, 0.5, 0.0]])
     allowed = torch.tensor([[False, False, True, True], [True, False, True, False]])

@@ -178,3 +178,36 @@ def test_sampled_rows_keep_the_targets_distribution_while_k_changes_round_by_rou
     want = joint_of_second_and_third(target)
     assert chi_square_pvalue(counts, want) > 1e-3
     assert chi_square_pvalue(counts, joint_of_second_and_third(draft)) < 1e-6  # the check can fail
+
+
+def test_a_row_that_ends_inside_a_round_counts_as_failing_where_it_ended():
+    lengths = SpeculationLength(5)
+    lengths.observe(2, 5, 1.0, [6, 3])  # one row took all 5 and the bonus; one ended at its 3rd token
+    assert lengths.passed == [2, 2, 1, 1, 1] and lengths.failed == [0, 0, 1, 0, 0]
+    # short answers: tokens past a row's end are not counted, so their rounds are worth less at a long k
+    short, long_ = SpeculationLength(5), SpeculationLength(5)
+    for lengths, ending in ((short, 2), (long_, None)):
+        for _ in range(60):
+            lengths.observe(16, 5, 1.0, [6] * 12 + [ending or 6] * 4)
+    assert short.expected_tokens(5) < long_.expected_tokens(5) and long_.expected_tokens(5) > 5.5
+
+
+def test_a_session_tells_the_choice_the_tokens_its_rows_handed_out():
+    _, _, program = tiny_program("llama", mode="sd")
+    ids, _ = prompts(3, 12, seed=33)
+    session = BatchSession(program)
+    seen = []
+    observe = session.lengths.observe
+    session.lengths.observe = lambda batch, k, seconds, gained: (
+        seen.append(gained),
+        observe(batch, k, seconds, gained),
+    )
+    budgets = [3, 7, 11]  # rows whose budgets end inside a round
+    for row, budget in zip(ids.tolist(), budgets):
+        session.join(row, budget)
+    handed, decided = [], []
+    while session.size:
+        handed.append([len(got.new_tokens) for got in session.step()])
+        decided.append(list(session.counters.accepted_lengths))  # the round's accepted + 1 per active row
+    assert seen == [h for h in handed if h] and sum(map(sum, handed)) == sum(budgets) - len(budgets)
+    assert any(h != d for h, d in zip(handed, decided) if h)  # a row decided tokens past its budget

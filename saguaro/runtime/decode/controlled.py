@@ -10,6 +10,8 @@ target's own tokens, and sampling keeps its masked distribution."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from saguaro.core.errors import ConfigError
@@ -20,6 +22,8 @@ from saguaro.runtime.draft.decode import fresh_columns
 from saguaro.tensor_math import logits_processing as lp
 from saguaro.tensor_math import verification
 from saguaro.tensor_math.grammar import allowed_rows
+
+log = logging.getLogger(__name__)
 
 
 def in_effect(state: DecodeState) -> lp.SamplingControls | None:
@@ -59,14 +63,23 @@ def grammar_rows(state: DecodeState) -> list | None:
 
 def advance_rows(rows: list, tokens: list, active: list | None = None) -> None:
     """Advance each row's state by its decided ``tokens[b]`` (a list), rows not ``active`` left alone. A decided
-    token is one its mask allowed, so a refusal is an internal error."""
+    token is one its mask allowed; where the matcher still refuses it (the library disagreeing with its own mask),
+    the row's grammar is abandoned (``GrammarState.abandon``: it ends at its next token) and a warning logged."""
     for b, (row, taken) in enumerate(zip(rows, tokens)):
         if active is not None and not active[b]:
             continue
         for t in taken:
             if row.ended and t not in row.eos:
                 break  # past the grammar's end: the row has finished, these tokens are not appended
-            assert row.advance(t), f"row {b}: a decided token {t} the grammar refuses"
+            if not row.advance(t):
+                log.warning(
+                    "row %d: token %d was allowed by the grammar's mask but refused by its matcher; "
+                    "the row's grammar ends here",
+                    b,
+                    t,
+                )
+                row.abandon()
+                break
 
 
 def decide(logits: torch.Tensor, state: DecodeState) -> torch.Tensor:
@@ -163,7 +176,11 @@ def draft_under_grammar(
         allowed = allowed_rows(rows)  # [B, V] on the CPU
         masks.append(allowed)
         q = lp.masked_distribution(q, allowed.to(q.device))
-        token = verification.draw(q, state.generator) if t > 0 else q.argmax(dim=-1)  # [B]
+        if t > 0:  # one uniform a row and a CDF search (a multinomial draws an exponential per token of V)
+            u = verification.uniforms((q.shape[0],), state.generator, q.device)  # [B]
+            token = verification.sample_inverse_cdf(q, u)  # [B]
+        else:
+            token = q.argmax(dim=-1)  # [B]
         for b, (row, drafted) in enumerate(zip(rows, token.tolist())):
             taken[b] += row.advance(drafted)
         tokens.append(token)
