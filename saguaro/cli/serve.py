@@ -167,8 +167,7 @@ def run(args) -> int:
         seconds = warm_up(program, tokenizer, args.max_batch)
         sys.stderr.write(f"saguaro serve: warm-up done in {seconds:.0f} s\n")
     program.cache_prefixes(args.prefix_cache_tokens)  # after the warm-up: its prompts are not kept
-    if program.config.mode != "ssd":  # the scheduler's thread decodes alone from now on: core/openmp.py
-        release_thread_pool()
+    release_thread_pool()  # the scheduler's thread (and a draft lane) decode from now on: core/openmp.py
     server, _ = make_server(
         program,
         tokenizer,

@@ -4,9 +4,9 @@ Each thread that runs a parallel region (an Inductor kernel, a matmul) keeps a p
 the pools of all threads hold more threads than the machine has CPUs, GNU OpenMP (PyTorch's) stops spinning
 between regions: every region then wakes its workers from sleep, and a round of many small kernels pays a wake-up
 at each. ``saguaro serve`` loads, compiles and warms up in the main thread and decodes in its scheduler thread;
-without a release, its rounds ran at about half the speed of the same rounds in one thread. Mode ssd is left out:
-there a draft lane computes beside the target's rounds, more threads than CPUs, and one served run of three
-released stalled for seconds, for reasons not yet known (the figures: docs/measurements/2026-12-07-openmp-pools.md).
+without a release, its rounds ran at about half the speed of the same rounds in one thread. In mode ssd too: the
+main thread's pool idles beside the scheduler's and the draft lane's, and released, served ssd ran at 1.4x its speed
+with the pool kept; one run in six stalled for seconds, cause not found (docs/measurements/2026-12-07-openmp-pools.md).
 """
 
 from __future__ import annotations
