@@ -232,15 +232,13 @@ class GrammarState:
     def allowed_along(self, tokens: list, device=None) -> torch.Tensor:
         """The masks before each of ``tokens`` and after the last: ``[len(tokens) + 1, V]`` bool, the state left as
         it was. After a token the grammar refuses, every later row allows every token (a verification stops at
-        the refused token: those positions decide nothing)."""
+        the refused token: those positions decide nothing); one the mask allowed and the matcher refused is
+        cleared from its row, so a verification cannot accept it."""
         rows, taken, refused = [self._mask()], 0, False
-        for token in tokens:
-            if not refused and bool(rows[-1][int(token)]) and not self.advance(token):
-                rows[-1][int(token)] = (
-                    False  # allowed by the mask, refused by the matcher: not to be accepted
-                )
-                refused = True
-            refused = refused or not rows[-1][int(token)]
+        for token in map(int, tokens):
+            if not refused and rows[-1][token] and not self.advance(token):
+                rows[-1][token] = False  # allowed by the mask, refused by the matcher (llguidance#366)
+            refused = refused or not rows[-1][token]
             if refused:
                 rows.append(torch.ones(self.grammar.vocab_size, dtype=torch.bool, device="cpu"))
                 continue
