@@ -126,7 +126,7 @@ def compile_program(target, draft, cfg: SaguaroConfig, shard=None) -> Program:
         runners.get("draft"),
         pad_token_id=int(pad),
         eos_token_id=eos,
-        shapes=shape_policy(cfg.backend),
+        shapes=shape_policy(cfg.backend, target_spec.device.type),
         remote_draft=remote,
         exporter=functools.partial(export_program, model_configs=configs),
     )

@@ -3,6 +3,9 @@ against a server on loopback in each of ``--modes`` (ar, sd, ssd), one server pe
 mix: prompts of several lengths, streamed and whole, greedy and seeded sampling (``--sampled`` of them);
 ``--temperature``/``--top-p`` sample every request with those instead (no seed), and ``--json-schema FILE``
 sends every request that schema as ``response_format`` (``json_schema``).
+``--repeat N`` runs the modes N times, interleaved (ar, sd, ssd, ar, sd, ...: a fresh server each time, so a
+drift of the machine's speed falls on every mode alike), and prints each repetition's ratio to AR and their
+median.
 Per row: completed requests, output tokens/s (the completion tokens of the requests that ended in the
 window, over the window), time to first token p50/p99 (streamed requests), inter-token latency p50/p99
 (the gaps between streamed chunks: a round's tokens come together), errors. Prints a table; ``--json``.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import threading
 import time
@@ -55,6 +59,12 @@ def parser() -> argparse.ArgumentParser:
         metavar="FILE",
         default=None,
         help="send every request response_format json_schema with the JSON Schema in FILE",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the modes this many times, interleaved, a server each time (default 1)",
     )
     p.add_argument("--max-batch", type=int, default=32, help="saguaro serve --max-batch (default 32)")
     p.add_argument(
@@ -139,8 +149,11 @@ def main(argv=None) -> int:
     target, draft = model_dirs(args)
     clients = [int(c) for c in args.clients.split(",")]
     fixed = fixed_fields(args)
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat {args.repeat} is not allowed: it must be 1 or more")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     rows = []
-    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+    for repetition, mode in ((r, m) for r in range(args.repeat) for m in modes):
         server = ServerProcess(
             target,
             draft,
@@ -160,36 +173,61 @@ def main(argv=None) -> int:
                     if answer["error"] is not None:  # e.g. a field this server refuses: say so, run nothing
                         raise SystemExit(f"saguaro serve --mode {mode} refused {body}: {answer['error']}")
             for n in clients:
-                row = {"mode": mode, **run_row(server, n, args.seconds, args.max_tokens, args.sampled, fixed)}
+                measured = run_row(server, n, args.seconds, args.max_tokens, args.sampled, fixed)
+                row = {"mode": mode, "repetition": repetition, **measured}
                 rows.append(row)
                 print(
-                    f"{mode} {n} clients: {row['completed']} requests, {row['output_tokens_per_s']:.1f} tok/s",
+                    f"{mode} {n} clients (repetition {repetition + 1} of {args.repeat}): {row['completed']} "
+                    f"requests, {row['output_tokens_per_s']:.1f} tok/s",
                     file=sys.stderr,
                 )
         finally:
             server.stop()
     header = (
-        f"{'mode':5} {'clients':>7} {'done':>6} {'out tok/s':>10} {'ttft p50':>9} {'ttft p99':>9} "
+        f"{'mode':5} {'rep':>3} {'clients':>7} {'done':>6} {'out tok/s':>10} {'ttft p50':>9} {'ttft p99':>9} "
         f"{'itl p50':>8} {'itl p99':>8} {'errors':>6}"
     )
     print(header)
     for r in rows:
         print(
-            f"{r['mode']:5} {r['clients']:>7} {r['completed']:>6} {r['output_tokens_per_s']:>10.1f} "
+            f"{r['mode']:5} {r['repetition'] + 1:>3} {r['clients']:>7} {r['completed']:>6} {r['output_tokens_per_s']:>10.1f} "
             f"{fmt(r['ttft_p50_s'], 1000):>7}ms {fmt(r['ttft_p99_s'], 1000):>7}ms {fmt(r['itl_p50_s'], 1000):>6}ms "
             f"{fmt(r['itl_p99_s'], 1000):>6}ms {r['errors']:>6}"
         )
+    first = [r for r in rows if r["repetition"] == 0]
     by_mode = {}
-    for r in rows:
+    for r in first:
         by_mode.setdefault(r["mode"], {})[r["clients"]] = r["output_tokens_per_s"]
     scaling = {m: v[16] / v[1] for m, v in by_mode.items() if 1 in v and 16 in v and v[1] > 0}
     for mode, ratio in scaling.items():
-        print(f"{mode}: 16 clients give {ratio:.2f}x the output tokens/s of 1")
+        print(f"{mode}: 16 clients give {ratio:.2f}x the output tokens/s of 1 (repetition 1)")
+    over_ar = ratios_to_ar(rows)
+    for (mode, n), ratios in over_ar.items():
+        listed = ", ".join(f"{x:.2f}" for x in ratios)
+        print(f"{mode} / ar at {n} clients: {listed} (median {statistics.median(ratios):.2f}x)")
     if args.json:
+        summary = {
+            f"{m}/ar@{n}": {"ratios": v, "median": statistics.median(v)} for (m, n), v in over_ar.items()
+        }
         Path(args.json).write_text(
-            json.dumps({"rows": rows, "scaling_16_over_1": scaling, "args": vars(args)}, indent=2)
+            json.dumps(
+                {"rows": rows, "scaling_16_over_1": scaling, "ratios_to_ar": summary, "args": vars(args)},
+                indent=2,
+            )
         )
     return 0
+
+
+def ratios_to_ar(rows: list) -> dict:
+    """``{(mode, clients): [tok/s over AR's, one per repetition]}`` for every mode but ``ar``, each against AR's
+    row of the same repetition and client count (none where AR did not run, or measured 0)."""
+    ar = {(r["repetition"], r["clients"]): r["output_tokens_per_s"] for r in rows if r["mode"] == "ar"}
+    out = {}
+    for r in rows:
+        base = ar.get((r["repetition"], r["clients"]))
+        if r["mode"] != "ar" and base:
+            out.setdefault((r["mode"], r["clients"]), []).append(r["output_tokens_per_s"] / base)
+    return out
 
 
 if __name__ == "__main__":

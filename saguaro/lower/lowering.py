@@ -56,8 +56,12 @@ SERIAL_KERNELS = {"cpp.dynamic_threads": False, "cpp.threads": 1}
 # graph, so it compiles again in every process (docs/measurements/2026-12-02-template-gemm.md)
 TEMPLATE_GEMM_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 COMPILE_LOG_S = 1.0  # a stage call this slow compiled (a new shape bucket, say): log it
-# Inductor's shape buckets: prompt columns and KV slots rounded up to these multiples (few shapes, few graphs)
+# Inductor's shape buckets: prompt columns and KV slots rounded up to these multiples (few shapes, few graphs).
+# On the CPU a stage's prompt length is dynamic from its first compile, so prompts are not padded to
+# PROMPT_BUCKET (its columns cost prefill time: docs/measurements/2026-12-07-unpadded-prompts.md), only to
+# MIN_PROMPT_COLUMNS: a one-column prompt would compile a graph of its own (a size of 1 specialises)
 PROMPT_BUCKET, CAPACITY_BUCKET = 16, 64
+MIN_PROMPT_COLUMNS = 2
 
 
 def bucketed(n: int, step: int) -> int:
@@ -68,10 +72,12 @@ def bucketed(n: int, step: int) -> int:
 @dataclass(frozen=True)
 class ShapePolicy:
     """The shapes the runtime feeds a backend's stages: prompts left-padded (masked) to a multiple of
-    ``prompt_bucket`` columns, KV capacities rounded up to a multiple of ``capacity_bucket`` slots."""
+    ``prompt_bucket`` columns and to ``min_prompt`` columns at least, KV capacities rounded up to a multiple of
+    ``capacity_bucket`` slots."""
 
     prompt_bucket: int = 1
     capacity_bucket: int = 1
+    min_prompt: int = 1
 
     def capacity(self, slots: int) -> int:
         return bucketed(slots, self.capacity_bucket)
@@ -79,16 +85,21 @@ class ShapePolicy:
     def pad_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int):
         """``input_ids, attention_mask [B, T]`` left-padded to the bucket: ``[B, T']``, ``T' >= T``."""
         T = input_ids.shape[1]
-        extra = bucketed(T, self.prompt_bucket) - T
+        extra = max(bucketed(T, self.prompt_bucket), self.min_prompt) - T
         if extra == 0:
             return input_ids, attention_mask
         pad = input_ids.new_full((input_ids.shape[0], extra), pad_token_id)  # [B, extra]
         return torch.cat([pad, input_ids], dim=1), torch.cat([torch.zeros_like(pad), attention_mask], dim=1)
 
 
-def shape_policy(backend: str) -> ShapePolicy:
-    """:data:`PROMPT_BUCKET` / :data:`CAPACITY_BUCKET` for Inductor; any shape (buckets of 1) for eager."""
-    return ShapePolicy(PROMPT_BUCKET, CAPACITY_BUCKET) if backend == "inductor" else ShapePolicy()
+def shape_policy(backend: str, device_type: str = "cpu") -> ShapePolicy:
+    """Inductor: KV slots rounded up to :data:`CAPACITY_BUCKET`; prompts padded to :data:`PROMPT_BUCKET` on CUDA (a
+    CUDA graph is captured per shape), to :data:`MIN_PROMPT_COLUMNS` elsewhere. Eager: any shape (buckets of 1)."""
+    if backend != "inductor":
+        return ShapePolicy()
+    if device_type == "cuda":
+        return ShapePolicy(PROMPT_BUCKET, CAPACITY_BUCKET)
+    return ShapePolicy(1, CAPACITY_BUCKET, MIN_PROMPT_COLUMNS)
 
 
 class LoweringError(SaguaroError):

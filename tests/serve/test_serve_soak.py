@@ -74,3 +74,22 @@ def test_the_load_scripts_sampled_and_schema_fields_go_on_every_request(tmp_path
         },
     }
     assert serve_load.fixed_fields(serve_load.parser().parse_args([])) == {}  # the greedy and seeded mix
+
+
+def test_the_load_script_sets_each_mode_against_ar_of_its_own_repetition():
+    import serve_load
+
+    rows = [
+        {"mode": mode, "repetition": rep, "clients": 16, "output_tokens_per_s": tok_s}
+        for rep, mode, tok_s in [
+            (0, "ar", 100.0),
+            (0, "sd", 120.0),
+            (1, "ar", 50.0),
+            (1, "sd", 55.0),
+            (1, "ssd", 40.0),
+        ]
+    ]
+    rows.append(
+        {"mode": "sd", "repetition": 2, "clients": 16, "output_tokens_per_s": 9.0}
+    )  # no AR to set it by
+    assert serve_load.ratios_to_ar(rows) == {("sd", 16): [1.2, 1.1], ("ssd", 16): [0.8]}
