@@ -3,9 +3,11 @@
 Each turn of the loop, at a round boundary: the rows whose request ended early (client gone, stop string)
 leave their batch; waiting requests, in arrival order, up to ``max_batch`` rows in all, are prefilled alone
 and join the running batch of their temperature (:class:`~saguaro.runtime.batching.BatchSession`; the first
-token goes out at once); then every running batch decodes one round and each row's new tokens go out. A
-request that arrives while rows decode so starts streaming after at most one round of theirs, not after
-they end.
+token goes out at once); then one running batch decodes a round and each of its rows' new tokens go out: the
+batch whose rows have had the least of the rounds' time (a round's seconds over its rows), so that a row of a
+batch with dear rounds (a few seeded rows speculating at ``config.k``) takes no more of the machine than a row
+of a cheap one. A request that arrives while rows decode so starts streaming after at most a round of each
+running batch, not after they end.
 
 Mode ``ssd``: a request sampled with a seed is planned as ``generate`` plans it alone (``program.plan``,
 :mod:`saguaro.serve.alone`): planned SD (the planner's verdict), it joins the batch of seeded rows of its
@@ -44,6 +46,26 @@ class Continuous:
         self.scheduler = scheduler
         self.sessions: dict[tuple, BatchSession] = {}  # (run or None, temperature, ignore_eos) -> its session
         self.jobs: dict[tuple, object] = {}  # (session key, row id) -> the Job decoding in that row
+        self.charged: dict[tuple, float] = {}  # session key -> the seconds of its rounds, each over its rows
+
+    def _next_round(self):
+        """The key of the running session whose rows have had the least time (each round's seconds over the rows
+        it ran, summed): one round a turn, so every row gets an even share of the rounds' time whatever its
+        session's round costs and yields (a session that joins starts level with the least served). None when
+        no session runs a row."""
+        running = [key for key, session in self.sessions.items() if session.size]
+        if not running:
+            return None
+        level = min((self.charged[key] for key in running if key in self.charged), default=0.0)
+        for key in running:
+            self.charged.setdefault(key, level)
+        return min(running, key=self.charged.__getitem__)
+
+    def _charge(self, key, seconds: float, rows: int) -> None:
+        """Charge the session of ``key`` one round of ``seconds`` over its ``rows`` (none where its round failed and
+        it went)."""
+        if key in self.sessions:
+            self.charged[key] = self.charged.get(key, 0.0) + seconds / rows
 
     def serve(self) -> None:
         scheduler = self.scheduler
@@ -58,9 +80,13 @@ class Continuous:
             self._free_rows_left()
             for job in joining:
                 self._join(job)
+            key = self._next_round()
+            if key is not None:
+                session = self.sessions[key]
+                rows, started = session.size, time.perf_counter()
+                self._round(key, session)
+                self._charge(key, time.perf_counter() - started, rows)
             for key, session in list(self.sessions.items()):
-                if session.size:
-                    self._round(key, session)
                 if not session.size:
                     self._end_batch(key)
             with scheduler.cond:
@@ -101,6 +127,7 @@ class Continuous:
         their request failed, its scoring: they leave, as :meth:`_free_rows_left` has them), so that a later
         session of the same key, whose row ids count from 0 again, never meets them."""
         self.sessions.pop(key, None)
+        self.charged.pop(key, None)
         for job_key in [job_key for job_key in self.jobs if job_key[0] == key]:
             job = self.jobs.pop(job_key)
             if job.leave:
@@ -177,6 +204,7 @@ class Continuous:
             for row in [row for row in self.jobs if row[0] == key]:
                 self.jobs.pop(row).fail(exc)
             self.sessions.pop(key)
+            self.charged.pop(key, None)
             if session.ssd is not None:
                 session.ssd.release()  # the lane serves the next batch
             return

@@ -126,3 +126,43 @@ def test_ssd_seeded_sampled_requests_planned_sd_share_a_batch_with_their_solo_to
             assert job.tokens == solo(program, s.prompt_ids, s.max_tokens, s.temperature, s.seed)
     finally:
         program.close()
+
+
+class _Batch:
+    """A running batch as the loop's choice reads it: its rows."""
+
+    def __init__(self, size):
+        self.size = size
+
+
+def test_each_turn_the_batch_whose_rows_had_the_least_round_time_decodes():
+    from saguaro.serve.continuous import Continuous
+
+    loop = Continuous(scheduler=None)
+    loop.sessions = {"greedy": _Batch(12), "seeded": _Batch(4)}
+    round_s = {"greedy": 0.012, "seeded": 0.013}  # per row: 1 ms a greedy round, 3.25 ms a seeded one
+    picks = []
+    for _ in range(42):
+        key = loop._next_round()
+        picks.append(key)
+        loop._charge(key, round_s[key], loop.sessions[key].size)
+    assert picks.count("seeded") == 10  # a seeded round for about 3.25 greedy ones, not one each turn
+    assert abs(loop.charged["greedy"] - loop.charged["seeded"]) <= 0.00325  # within a round of each other
+    least = min(loop.charged.values())
+    loop.sessions["late"] = _Batch(
+        1
+    )  # it starts level with the least served, not at 0: no long run of its own
+    round_s["late"] = 0.004
+    picks = []
+    for _ in range(8):
+        key = loop._next_round()
+        picks.append(key)
+        loop._charge(key, round_s[key], loop.sessions[key].size)
+    # started at 0 it would have taken all 8 turns (32 ms behind, 4 ms a round)
+    assert picks.count("late") == 2 and loop.charged["late"] == least + 0.008
+    assert max(loop.charged.values()) - min(loop.charged.values()) <= 0.004
+    loop.sessions["late"].size = 0  # a batch with no row running takes no turn
+    loop.sessions["greedy"].size = loop.sessions["seeded"].size = 0
+    assert loop._next_round() is None
+    loop._charge("gone", 0.01, 1)  # its round failed and it went: nothing is kept for it
+    assert "gone" not in loop.charged
