@@ -77,6 +77,15 @@ def model_dirs(args) -> tuple:
     return args.target, args.draft
 
 
+COMPILED = re.compile(r"compiled in ([0-9.]+)s|compile included\) took ([0-9.]+)s")
+
+
+def slow_compiles(lines) -> int:
+    """The lines of a server's log that tell of a stage call compiling for a second or more."""
+    found = (COMPILED.search(line) for line in lines)
+    return sum(float(match.group(1) or match.group(2)) >= 1.0 for match in found if match)
+
+
 class ServerProcess:
     """``saguaro serve`` in a child process on 127.0.0.1, a port the system picks; ``stop()`` sends SIGTERM."""
 
@@ -93,6 +102,7 @@ class ServerProcess:
         extra: tuple = (),
     ):
         argv = [
+            "--verbose",  # INFO: a stage call that compiled is logged (compiles_logged)
             "serve",
             "--mode",
             mode,
@@ -141,6 +151,13 @@ class ServerProcess:
             return self.process.wait()
         finally:
             self.process.stdout.close()
+
+    def compiles_logged(self) -> int:
+        """How many stage calls the server has logged as compiling for a second or more (``lowering.CompiledStage``'s
+        "compiled in" and "compile included" lines; a new shape key that a dynamic graph already covers logs
+        0.0s): a count taken before and after a timed row tells whether a compile ran inside it."""
+        self.log.seek(0)
+        return slow_compiles(self.log)
 
     def stderr_tail(self, chars: int = 4000) -> str:
         self.log.seek(0)

@@ -8,7 +8,8 @@ drift of the machine's speed falls on every mode alike), and prints each repetit
 median.
 Per row: completed requests, output tokens/s (the completion tokens of the requests that ended in the
 window, over the window), time to first token p50/p99 (streamed requests), inter-token latency p50/p99
-(the gaps between streamed chunks: a round's tokens come together), errors. Prints a table; ``--json``.
+(the gaps between streamed chunks: a round's tokens come together), errors, and the stage calls the server
+logged as compiling inside the row (a compile there ruins its figures: a warning says so). Prints a table; ``--json``.
 
     python benchmarks/serve/serve_load.py                       # the default pair, eager, 30 s a row
     python benchmarks/serve/serve_load.py --tiny --seconds 5    # the tests' tiny pair: checks the script
@@ -173,8 +174,15 @@ def main(argv=None) -> int:
                     if answer["error"] is not None:  # e.g. a field this server refuses: say so, run nothing
                         raise SystemExit(f"saguaro serve --mode {mode} refused {body}: {answer['error']}")
             for n in clients:
+                compiled_before = server.compiles_logged()
                 measured = run_row(server, n, args.seconds, args.max_tokens, args.sampled, fixed)
                 row = {"mode": mode, "repetition": repetition, **measured}
+                row["compiles"] = server.compiles_logged() - compiled_before  # in the timed row: it ruins it
+                if row["compiles"]:
+                    print(
+                        f"warning: {row['compiles']} stage call(s) compiled inside the timed row",
+                        file=sys.stderr,
+                    )
                 rows.append(row)
                 print(
                     f"{mode} {n} clients (repetition {repetition + 1} of {args.repeat}): {row['completed']} "
@@ -185,14 +193,14 @@ def main(argv=None) -> int:
             server.stop()
     header = (
         f"{'mode':5} {'rep':>3} {'clients':>7} {'done':>6} {'out tok/s':>10} {'ttft p50':>9} {'ttft p99':>9} "
-        f"{'itl p50':>8} {'itl p99':>8} {'errors':>6}"
+        f"{'itl p50':>8} {'itl p99':>8} {'errors':>6} {'compiles':>8}"
     )
     print(header)
     for r in rows:
         print(
             f"{r['mode']:5} {r['repetition'] + 1:>3} {r['clients']:>7} {r['completed']:>6} {r['output_tokens_per_s']:>10.1f} "
             f"{fmt(r['ttft_p50_s'], 1000):>7}ms {fmt(r['ttft_p99_s'], 1000):>7}ms {fmt(r['itl_p50_s'], 1000):>6}ms "
-            f"{fmt(r['itl_p99_s'], 1000):>6}ms {r['errors']:>6}"
+            f"{fmt(r['itl_p99_s'], 1000):>6}ms {r['errors']:>6} {r['compiles']:>8}"
         )
     first = [r for r in rows if r["repetition"] == 0]
     by_mode = {}

@@ -93,3 +93,16 @@ def test_the_load_script_sets_each_mode_against_ar_of_its_own_repetition():
         {"mode": "sd", "repetition": 2, "clients": 16, "output_tokens_per_s": 9.0}
     )  # no AR to set it by
     assert serve_load.ratios_to_ar(rows) == {("sd", 16): [1.2, 1.1], ("ssd", 16): [0.8]}
+
+
+def test_the_load_script_counts_the_stage_compiles_a_server_logged():
+    from serve_common import slow_compiles
+
+    log = [
+        "18:41:46 INFO saguaro.lower.progress: compiling stage draft.step_sampled with inductor",
+        "18:41:46 INFO saguaro.lower.progress: stage draft.step_sampled compiled in 0.0s (call 76)",  # a key covered
+        "18:41:58 INFO saguaro.lower.progress: stage target.prefill compiled in 12.4s (call 1)",
+        "18:42:09 INFO saguaro.lower.lowering: stage draft.step_sampled: call 90 (compile included) took 1.3s",
+        "18:42:10 WARNING saguaro.serve: a request's prefill failed",
+    ]
+    assert slow_compiles(log) == 2
