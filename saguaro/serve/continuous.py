@@ -6,8 +6,8 @@ and join the running batch of their temperature (:class:`~saguaro.runtime.batchi
 token goes out at once); then one running batch decodes a round and each of its rows' new tokens go out: the
 batch whose rows have had the least of the rounds' time (a round's seconds over its rows), so that a row of a
 batch with dear rounds (a few seeded rows speculating at ``config.k``) takes no more of the machine than a row
-of a cheap one. A request that arrives while rows decode so starts streaming after at most a round of each
-running batch, not after they end.
+of a cheap one. A request that arrives while rows decode so starts streaming after at most one round (its
+first token is decided as it joins), not after they end.
 
 Mode ``ssd``: a request sampled with a seed is planned as ``generate`` plans it alone (``program.plan``,
 :mod:`saguaro.serve.alone`): planned SD (the planner's verdict), it joins the batch of seeded rows of its
